@@ -1,0 +1,438 @@
+"""Every option of every dlenv command, declared once.
+
+Each command's options are the fields of one frozen dataclass here (name, type, default, help). The
+CLI (`dlenv.cli`) and the invoke tasks (`dlenv.tasks`) are both generated from these classes, so a
+flag is added, renamed or documented in exactly one place. A config is built as
+
+    defaults  <  optional YAML file (`--cfg`)  <  flags given
+
+by `build()`, which parses strings, checks choices and ranges, and refuses unknown keys with the list
+of valid ones. `to_dict()` gives plain types for config.yaml and checkpoints.
+
+This module must not import torch: `dlenv --help` and `invoke --list` import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from dlenv.errors import UserError
+
+# ---------------------------------------------------------------------------------------------------
+# Value parsers: each takes the string a user typed (or a YAML value) and returns the typed value,
+# raising ValueError with a short reason.
+
+
+def _bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    s = str(v).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, bool):
+        raise ValueError("expected an integer")
+    if isinstance(v, int):
+        return v
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise ValueError("expected an integer") from None
+    if f != int(f):
+        raise ValueError("expected an integer")
+    return int(f)
+
+
+def _float(v: Any) -> float:
+    if isinstance(v, bool):
+        raise ValueError("expected a number")
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        raise ValueError("expected a number") from None
+
+
+def _str(v: Any) -> str:
+    return str(v)
+
+
+def int_or_auto(v: Any) -> int | str:
+    """An integer >= 1, or the word 'auto'."""
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        return "auto"
+    try:
+        n = _int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError("expected 'auto' or an integer >= 1")
+    return n
+
+
+def int_list(v: Any) -> tuple[int, ...]:
+    """'0,2,4' or [0, 2, 4] -> (0, 2, 4)."""
+    if isinstance(v, (list, tuple)):
+        return tuple(_int(x) for x in v)
+    return tuple(_int(x) for x in str(v).replace(" ", "").split(",") if x)
+
+
+_PARSERS: dict[type, Callable[[Any], Any]] = {bool: _bool, int: _int, float: _float, str: _str}
+
+
+def opt(default: Any, help: str, *, parse: Callable[[Any], Any] | None = None,
+        choices: tuple[str, ...] | None = None, positional: bool = False,
+        min: float | None = None, max: float | None = None) -> Any:
+    """Declare one option: its default, its help line, and how a string becomes its value.
+
+    `parse` defaults to the type of `default`; give it when the default is None or mixed ('auto'|int).
+    `min`/`max` bound numbers (inclusive); `choices` bound strings.
+    """
+    if parse is None:
+        if default is None:
+            raise TypeError("an option whose default is None needs parse=")
+        parse = _PARSERS[type(default)]
+    return field(default=default, metadata={
+        "help": help, "parse": parse, "choices": choices, "positional": positional,
+        "min": min, "max": max,
+    })
+
+
+# ---------------------------------------------------------------------------------------------------
+# The commands' options.
+
+_DEVICE_HELP = "cuda, cuda:N, cpu or auto (the first GPU if there is one)"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Options of `train`."""
+
+    # data
+    data: str | None = opt(None, "dataset folder (train/ and val/ of class folders, or class folders "
+                                 "only); default: the built-in demo dataset", parse=_str)
+    val_split: float = opt(0.2, "fraction held out for validation when the data has no val/ folder",
+                           min=0.0, max=0.9)
+    img_size: int | None = opt(None, "training image size in pixels; default 224, or 64 for the demo data",
+                               parse=_int, min=16)
+    workers: int | str = opt("auto", "DataLoader worker processes: a number, or auto (from CPU count and "
+                                     "/dev/shm)", parse=lambda v: 0 if str(v) == "0" else int_or_auto(v))
+    bad_images: str = opt("skip", "an image that fails to decode: skip it (reported once) or stop the run",
+                          choices=("skip", "error"))
+    cache: bool = opt(False, "decode the dataset once to uint8 at a fixed size and augment on the GPU")
+    cache_mode: str = opt("auto", "where --cache keeps the decoded images: ram, disk (memory-mapped) "
+                                  "or auto", choices=("auto", "ram", "disk"))
+    synthetic: bool = opt(False, "random tensors already on the device instead of a dataset "
+                                 "(for speed and memory measurements)")
+    # model
+    model: str = opt("resnet18", "a torchvision classification model name (resnet50, vit_b_16, ...)")
+    weights: str | None = opt(None, "local state dict or checkpoint to start from (nothing is downloaded)",
+                              parse=_str)
+    checkpoint: bool = opt(False, "activation checkpointing of the model's repeated blocks "
+                                  "(less memory, some more compute)")
+    checkpoint_ratio: float = opt(1.0, "fraction of the repeated blocks to checkpoint", min=0.0, max=1.0)
+    channels_last: bool = opt(True, "channels_last memory format for convolutional models on CUDA")
+    compile: bool = opt(False, "torch.compile the model (PyTorch 2.x only)")
+    sync_bn: bool = opt(False, "synchronized BatchNorm across GPUs (with --gpus > 1)")
+    # precision and batch
+    amp: bool = opt(False, "automatic mixed precision")
+    amp_dtype: str = opt("auto", "AMP dtype: auto (bf16 where supported, else fp16), fp16 or bf16",
+                         choices=("auto", "fp16", "bf16"))
+    batch_size: int | str = opt(32, "micro-batch per GPU, or auto: the largest that fits",
+                                parse=int_or_auto)
+    accum_steps: int = opt(1, "micro-batches per optimizer step (gradient accumulation)", min=1)
+    effective_batch: int | None = opt(None, "images per optimizer step over all GPUs; sets --accum-steps",
+                                      parse=_int, min=1)
+    # optimization
+    epochs: int = opt(10, "epochs to train", min=1)
+    optimizer: str = opt("sgd", "optimizer", choices=("sgd", "adamw"))
+    lr: float | None = opt(None, "peak learning rate; default 0.1 x batch/256 for SGD, "
+                                 "1e-3 x batch/512 for AdamW (batch = effective batch)", parse=_float, min=0.0)
+    momentum: float = opt(0.9, "SGD momentum", min=0.0, max=1.0)
+    nesterov: bool = opt(False, "Nesterov momentum for SGD")
+    weight_decay: float | None = opt(None, "weight decay (not on norms and biases); default 1e-4 for SGD, "
+                                           "0.05 for AdamW", parse=_float, min=0.0)
+    warmup_epochs: float = opt(1.0, "linear warmup before the cosine schedule, in epochs", min=0.0)
+    label_smoothing: float = opt(0.1, "label smoothing", min=0.0, max=1.0)
+    clip_grad: float | None = opt(None, "clip the gradient norm to this value (after unscaling)",
+                                  parse=_float, min=0.0)
+    ema: bool = opt(False, "keep an exponential moving average of the weights; validate with it")
+    ema_decay: float = opt(0.9998, "EMA decay per optimizer step", min=0.0, max=1.0)
+    seed: int = opt(0, "random seed")
+    deterministic: bool = opt(False, "deterministic algorithms (bit-for-bit reproducible CPU runs)")
+    max_steps: int | None = opt(None, "stop each epoch after this many micro-batches (quick tries, "
+                                      "benchmarks)", parse=_int, min=1)
+    # where and how
+    device: str = opt("auto", _DEVICE_HELP)
+    gpus: int = opt(1, "GPUs on this node; more than 1 launches through torchrun", min=1)
+    nnodes: int = opt(1, "nodes taking part (torchrun --nnodes)", min=1)
+    node_rank: int = opt(0, "this node's rank (torchrun --node-rank)", min=0)
+    master_addr: str = opt("127.0.0.1", "address of node 0 (torchrun --master-addr)")
+    master_port: int = opt(29500, "port on node 0 (torchrun --master-port)", min=1, max=65535)
+    # outputs
+    project: str = opt("runs", "folder that holds the runs")
+    name: str = opt("exp", "run name; exp, exp2, exp3, ... if it exists")
+    exist_ok: bool = opt(False, "write into an existing run folder instead of a new name")
+    resume: str | None = opt(None, "continue a run: a last.pth path, or auto (the newest run's)", parse=_str)
+    tensorboard: bool = opt(False, "also write TensorBoard event files")
+
+
+@dataclass(frozen=True)
+class ValConfig:
+    """Options of `val`."""
+
+    weights: str | None = opt(None, "checkpoint to validate (best_model.pth, last.pth or a bare "
+                                    "state dict with --model)", parse=_str)
+    data: str | None = opt(None, "folder of class folders, or a dataset with val/; default: the data the "
+                                 "checkpoint was trained on", parse=_str)
+    model: str | None = opt(None, "architecture, for a bare state dict from another tool", parse=_str)
+    batch_size: int = opt(64, "batch size", min=1)
+    img_size: int | None = opt(None, "image size; default: the checkpoint's", parse=_int, min=16)
+    workers: int | str = opt("auto", "DataLoader worker processes, or auto", parse=int_or_auto)
+    amp: bool = opt(False, "automatic mixed precision")
+    device: str = opt("auto", _DEVICE_HELP)
+    out: str | None = opt(None, "output folder; default <weights dir>/val/", parse=_str)
+
+
+@dataclass(frozen=True)
+class PlotConfig:
+    """Options of `plot`."""
+
+    log_dir: str = opt("runs", "folder of runs (each with results.csv), or one run folder")
+
+
+@dataclass(frozen=True)
+class UnpackConfig:
+    """Options of `unpack`."""
+
+    archive: str | None = opt(None, "the archive: .zip, .tar, .tar.gz/.tgz, .tar.bz2, .tar.xz or .7z",
+                              parse=_str, positional=True)
+    dest: str | None = opt(None, "destination folder; default data/<archive stem>/", parse=_str)
+    overwrite: bool = opt(False, "replace a non-empty destination (only after the new extraction "
+                                 "succeeded)")
+    report: bool = opt(True, "print the dataset report at the end")
+
+
+@dataclass(frozen=True)
+class DataReportConfig:
+    """Options of `data-report`."""
+
+    dir: str | None = opt(None, "dataset folder", parse=_str, positional=True)
+    json: bool = opt(False, "print JSON instead of text")
+    check_images: bool = opt(False, "decode every image (in parallel) to find unreadable ones")
+    val_split: float = opt(0.2, "fraction held out for validation when the data has no val/ folder",
+                           min=0.0, max=0.9)
+    workers: int | str = opt("auto", "processes for --check-images, or auto", parse=int_or_auto)
+
+
+@dataclass(frozen=True)
+class DemoDataConfig:
+    """Options of `demo-data`."""
+
+    dest: str = opt("data/demo", "where to write the demo dataset")
+    train_per_class: int = opt(300, "training images per class", min=1)
+    val_per_class: int = opt(60, "validation images per class", min=1)
+    size: int = opt(64, "image size in pixels", min=16)
+    seed: int = opt(0, "random seed (the same seed gives the same images)")
+    overwrite: bool = opt(False, "replace an existing demo dataset")
+
+
+@dataclass(frozen=True)
+class VerifyEnvConfig:
+    """Options of `verify-env`."""
+
+    json: bool = opt(False, "print JSON instead of text")
+    allow_cpu: bool = opt(False, "pass on a machine without a GPU")
+    workers: int | str = opt("auto", "DataLoader workers the trainer would use (for the /dev/shm check)",
+                             parse=int_or_auto)
+
+
+@dataclass(frozen=True)
+class BenchMemoryConfig:
+    """Options of `bench-memory`."""
+
+    model: str = opt("resnet50", "torchvision model name")
+    batch_size: int = opt(64, "batch size", min=1)
+    img_size: int = opt(224, "image size", min=16)
+    steps: int = opt(10, "training steps measured per configuration", min=2)
+    max_batch: bool = opt(False, "also find the largest batch that fits each configuration")
+    allocator: bool = opt(True, "also compare the allocator settings this PyTorch offers")
+    amp_dtype: str = opt("auto", "AMP dtype", choices=("auto", "fp16", "bf16"))
+    device: str = opt("auto", _DEVICE_HELP)
+    out: str = opt("runs/bench-memory", "output folder for the table, CSV and chart")
+
+
+@dataclass(frozen=True)
+class BenchDataConfig:
+    """Options of `bench-data`."""
+
+    data: str | None = opt(None, "dataset folder; default: the demo dataset", parse=_str)
+    model: str = opt("resnet50", "model whose synthetic-data speed is the target")
+    batch_size: int = opt(128, "batch size", min=1)
+    img_size: int = opt(224, "image size", min=16)
+    amp: bool = opt(True, "measure the model under AMP")
+    workers: tuple = opt((0, 2, 4, 8, 16), "worker counts to try, comma-separated", parse=int_list)
+    batches: int = opt(30, "batches timed per measurement", min=2)
+    device: str = opt("auto", _DEVICE_HELP)
+
+
+@dataclass(frozen=True)
+class PruneConfig:
+    """Options of `prune`."""
+
+    weights: str | None = opt(None, "checkpoint to prune", parse=_str)
+    amount: float = opt(0.3, "fraction of weights (or channels) to remove, in (0, 1)")
+    structured: bool = opt(False, "remove whole conv channels (L2) instead of single weights")
+    data: str | None = opt(None, "validation data for top-1 before and after; default: the checkpoint's",
+                           parse=_str)
+    finetune_epochs: int = opt(0, "epochs of fine-tuning after pruning", min=0)
+    batch_size: int = opt(64, "batch size", min=1)
+    device: str = opt("auto", _DEVICE_HELP)
+    out: str | None = opt(None, "output checkpoint; default <stem>_pruned.pth beside the input", parse=_str)
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """Options of `export`."""
+
+    weights: str | None = opt(None, "checkpoint to export", parse=_str)
+    format: str = opt("onnx", "onnx or torchscript", choices=("onnx", "torchscript"))
+    quantize: str = opt("none", "int8 for CPU: dynamic (linear layers) or static (calibrated)",
+                        choices=("none", "dynamic", "static"))
+    half: bool = opt(False, "fp16 export for GPU inference")
+    data: str | None = opt(None, "images for the output check and static calibration; default: the "
+                                 "checkpoint's", parse=_str)
+    calib_batches: int = opt(8, "calibration batches for --quantize static", min=1)
+    batch_size: int = opt(32, "batch size for checks and calibration", min=1)
+    opset: int = opt(17, "ONNX opset", min=7)
+    out: str | None = opt(None, "output file; default beside the checkpoint", parse=_str)
+
+
+@dataclass(frozen=True)
+class Command:
+    """One verb: its options class, the function that runs it ('module:function'), its help line."""
+
+    name: str
+    config: type
+    target: str
+    help: str
+
+
+COMMANDS: dict[str, Command] = {c.name: c for c in [
+    Command("verify-env", VerifyEnvConfig, "dlenv.envcheck:main",
+            "Check versions, GPUs, real kernels, /dev/shm and disk; one verdict."),
+    Command("unpack", UnpackConfig, "dlenv.data.archive:main",
+            "Safely unpack a dataset archive into data/<name>/ and report on it."),
+    Command("data-report", DataReportConfig, "dlenv.data.folder:main",
+            "Report a dataset: classes, counts, image sizes, bad files, train/val leaks."),
+    Command("demo-data", DemoDataConfig, "dlenv.data.demo:main",
+            "Write the built-in demo dataset (generated, no download)."),
+    Command("train", TrainConfig, "dlenv.train:main",
+            "Train a classifier (AMP, activation checkpointing, accumulation, resume)."),
+    Command("val", ValConfig, "dlenv.evaluate:main",
+            "Validate a checkpoint: metrics, per-class report, confusion matrix, errors."),
+    Command("plot", PlotConfig, "dlenv.plots:main",
+            "Plot each run's results.csv (and compare runs)."),
+    Command("bench-memory", BenchMemoryConfig, "dlenv.bench:main",
+            "Measure memory and speed: FP32, AMP, checkpointing, both; allocator settings."),
+    Command("bench-data", BenchDataConfig, "dlenv.data.bench:main",
+            "Measure the input pipeline against the model and name the bottleneck."),
+    Command("prune", PruneConfig, "dlenv.compress:prune_main",
+            "Prune a checkpoint's conv and linear weights and re-validate it."),
+    Command("export", ExportConfig, "dlenv.compress:export_main",
+            "Export a checkpoint to ONNX or TorchScript (optionally int8) and check its outputs."),
+]}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Building configs.
+
+
+def options(cls: type) -> list[dataclasses.Field]:
+    """The declared options of a config class, in declaration order."""
+    return list(dataclasses.fields(cls))
+
+
+def flag(name: str) -> str:
+    """'batch_size' -> '--batch-size'."""
+    return "--" + name.replace("_", "-")
+
+
+def _parse_one(cls: type, f: dataclasses.Field, value: Any) -> Any:
+    md = f.metadata
+    if value is None:
+        if f.default is None:
+            return None
+        raise UserError(f"{flag(f.name)} needs a value (default: {f.default})")
+    try:
+        v = md["parse"](value)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{flag(f.name)} {value!r}: {e}; see --help") from None
+    if md["choices"] and v not in md["choices"]:
+        raise UserError(f"{flag(f.name)} {value!r} is not one of: {', '.join(md['choices'])}")
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        if md["min"] is not None and v < md["min"]:
+            raise UserError(f"{flag(f.name)} {value!r} is below its minimum {md['min']}")
+        if md["max"] is not None and v > md["max"]:
+            raise UserError(f"{flag(f.name)} {value!r} is above its maximum {md['max']}")
+    return v
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping of options; a bad file is a UserError naming it."""
+    import yaml
+
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"config file {p} not found") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"config file {p} is not valid YAML ({str(e).splitlines()[0]})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"config file {p} must hold a mapping of option: value")
+    return data
+
+
+def build(cls: type, yaml_file: str | Path | None = None, /, **given: Any) -> Any:
+    """Build a frozen config: defaults < YAML file < `given` (already-typed or string values).
+
+    Keys may use dashes or underscores. Raises UserError for unknown keys (listing the valid ones),
+    values that don't parse, choices and ranges.
+    """
+    valid = {f.name: f for f in options(cls)}
+    merged: dict[str, Any] = {}
+    layers = [load_yaml(yaml_file) if yaml_file else {}, given]
+    for layer in layers:
+        for key, value in layer.items():
+            name = str(key).replace("-", "_")
+            if name not in valid:
+                raise UserError(f"unknown option {key!r}; valid options: "
+                                f"{', '.join(sorted(f.replace('_', '-') for f in valid))}")
+            merged[name] = value
+    values = {name: _parse_one(cls, valid[name], v) for name, v in merged.items()}
+    return cls(**values)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain-typed dict of a config (lists for tuples), for YAML files and checkpoints."""
+    out = {}
+    for f in options(type(cfg)):
+        v = getattr(cfg, f.name)
+        out[f.name] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def from_dict(cls: type, data: dict[str, Any]) -> Any:
+    """Rebuild a config saved by `to_dict`, ignoring keys this version no longer has."""
+    names = {f.name for f in options(cls)}
+    return build(cls, **{k: v for k, v in data.items() if k in names})

@@ -1,0 +1,74 @@
+"""The invoke tasks, generated from `dlenv.config` so each flag is declared once.
+
+`tasks.py` at the project root (and at /root in the image, so invoke finds it from
+/root/workspace whatever is mounted there) only does `from dlenv.tasks import ns`. Every task is
+one call into `dlenv.cli.run_command`; `invoke --list` imports this module and `dlenv.config`,
+never torch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from invoke import Collection, Task, task
+from invoke.exceptions import Exit
+
+from dlenv import config
+from dlenv.cli import run_command
+
+
+def _make_task(cmd: config.Command) -> Task:
+    fields = config.options(cmd.config)
+
+    def body(c, **kwargs):
+        yaml_file = kwargs.pop("cfg", None)
+        # invoke passes every parameter; keep only what the user gave (None / default bools are
+        # "not given"), so a YAML file's values are not overridden by defaults.
+        defaults = {f.name: f.default for f in fields}
+        given = {k: v for k, v in kwargs.items()
+                 if v is not None and not (isinstance(v, bool) and v == defaults.get(k))}
+        code = run_command(cmd.name, given, yaml_file)
+        if code:
+            raise Exit(code=code)
+
+    params = [inspect.Parameter("c", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    helps, positional = {}, []
+    for f in fields:
+        is_bool = f.default is True or f.default is False
+        # Non-bool options default to None here so invoke treats them as strings and we can tell
+        # "given" from "default"; the real default is in the help text.
+        params.append(inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                        default=f.default if is_bool else None))
+        shown = "" if is_bool or f.default is None else f" (default: {f.default})"
+        helps[f.name] = f.metadata["help"] + shown
+        if f.metadata["positional"]:
+            positional.append(f.name)
+    params.append(inspect.Parameter("cfg", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None))
+    helps["cfg"] = "YAML file of options (flags given override it)"
+    body.__signature__ = inspect.Signature(params)
+    body.__name__ = cmd.name.replace("-", "_")
+    body.__doc__ = cmd.help
+    return Task(body, name=cmd.name, help=helps, positional=positional, auto_shortflags=False)
+
+
+@task(help={"gpu": "only the GPU tests", "args": "extra pytest arguments, quoted"}, auto_shortflags=False)
+def test(c, gpu=False, args=""):
+    """Run the test suite where it stands (GPU tests run when a GPU is visible)."""
+    root = Path(__file__).resolve().parents[2]
+    tests = root / "tests"
+    if not tests.is_dir():  # installed copy: the image ships the tests beside the package
+        tests = Path(os.environ.get("DLENV_TESTS", "/opt/dlenv/tests"))
+    cmd = [sys.executable, "-m", "pytest", str(tests), "-q"]
+    if gpu:
+        cmd += ["-m", "gpu"]
+    cmd += args.split()
+    code = subprocess.call(cmd)
+    if code:
+        raise Exit(code=code)
+
+
+ns = Collection(test, *(_make_task(c) for c in config.COMMANDS.values()))

@@ -1,0 +1,63 @@
+"""Shared test setup: marker handling and tiny datasets.
+
+- `gpu` tests run only where CUDA is available; `image` tests only inside the built image
+  (DLENV_IMAGE=1, set by the Dockerfile); `tests/container` runs only with `--image NAME`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--image", default=None, help="image to test in tests/container (e.g. dlenv:cu116)")
+
+
+def _cuda_available() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    in_image = os.environ.get("DLENV_IMAGE") == "1"
+    has_cuda = None
+    for item in items:
+        if "gpu" in item.keywords:
+            if has_cuda is None:
+                has_cuda = _cuda_available()
+            if not has_cuda:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "image" in item.keywords and not in_image:
+            item.add_marker(pytest.mark.skip(reason="needs the built dlenv image"))
+
+
+def make_image_folder(root: Path, classes=("cat", "dog"), per_class: int = 4, size=(24, 20),
+                      ext: str = ".png", seed: int = 0) -> Path:
+    """Write `per_class` small random RGB images per class under root/<class>/; return root."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for ci, name in enumerate(classes):
+        d = Path(root) / name
+        d.mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            arr = rng.integers(0, 255, size=(size[1], size[0], 3), dtype=np.uint8)
+            arr[..., ci % 3] = 255  # a class-dependent channel so tiny models can learn something
+            Image.fromarray(arr).save(d / f"{name}_{i}{ext}")
+    return Path(root)
+
+
+@pytest.fixture
+def image_folder(tmp_path):
+    """A train/ + val/ dataset of two classes with a few tiny images each."""
+    make_image_folder(tmp_path / "ds" / "train", per_class=6)
+    make_image_folder(tmp_path / "ds" / "val", per_class=3, seed=1)
+    return tmp_path / "ds"

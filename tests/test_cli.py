@@ -1,0 +1,94 @@
+"""dlenv.cli and dlenv.tasks: flags built from config, no torch at --help / --list, one-line errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dlenv import cli, config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_help_imports_no_torch():
+    r = _run("import sys\nfrom dlenv import cli\ntry:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+             "for v in ['train', 'val', 'unpack']:\n"
+             "    try:\n        cli.main([v, '--help'])\n    except SystemExit:\n        pass\n"
+             "print('TORCH' if 'torch' in sys.modules else 'CLEAN', file=sys.stderr)")
+    assert r.stderr.strip().endswith("CLEAN"), r.stderr
+    assert "train" in r.stdout and "--batch-size" in r.stdout
+
+
+def test_invoke_list_imports_no_torch():
+    code = ("import sys\nfrom invoke import Program, Collection\nfrom invoke.loader import FilesystemLoader\n"
+            "import tasks\nprint(sorted(tasks.ns.task_names))\n"
+            "print('TORCH' if 'torch' in sys.modules else 'CLEAN')")
+    r = _run(code)
+    assert r.returncode == 0, r.stderr
+    assert "CLEAN" in r.stdout and "'train'" in r.stdout and "'verify-env'" in r.stdout
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"]])
+def test_dlenv_help_is_fast(argv):
+    # a generous bound for a loaded CI box; the goal (< 0.5 s) is measured in scripts/, not here
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "dlenv", *argv], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0
+    assert time.perf_counter() - t < 5
+
+
+def test_every_config_option_is_a_flag():
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for name, cmd in config.COMMANDS.items():
+        p = sub.choices[name]
+        dests = {a.dest for a in p._actions}
+        for f in config.options(cmd.config):
+            assert f.name in dests, f"dlenv {name} lacks {config.flag(f.name)}"
+
+
+def test_bad_flag_value_is_one_line_and_nonzero(capsys):
+    code = cli.main(["train", "--batch-size", "zero"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and "--batch-size 'zero'" in err
+
+
+def test_invoke_task_passes_only_given_flags(monkeypatch):
+    from invoke import MockContext
+
+    from dlenv import tasks
+
+    seen = {}
+
+    def fake_run(name, given, yaml_file=None):
+        seen.update(name=name, given=given, yaml=yaml_file)
+        return 0
+
+    monkeypatch.setattr(tasks, "run_command", fake_run)
+    t = tasks.ns["train"]
+    defaults = {f.name: (f.default if isinstance(f.default, bool) else None)
+                for f in config.options(config.TrainConfig)}
+    t(MockContext(), **{**defaults, "amp": True, "batch_size": "64", "cfg": None})
+    assert seen["name"] == "train"
+    assert seen["given"] == {"amp": True, "batch_size": "64"}
+
+
+def test_invoke_task_failure_exits_nonzero(monkeypatch):
+    from invoke import MockContext
+    from invoke.exceptions import Exit
+
+    from dlenv import tasks
+
+    monkeypatch.setattr(tasks, "run_command", lambda *a, **k: 3)
+    with pytest.raises(Exit) as e:
+        tasks.ns["plot"](MockContext(), log_dir=None, cfg=None)
+    assert e.value.code == 3

@@ -1,0 +1,86 @@
+"""dlenv.config: options declared once, defaults < YAML < flags, clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dlenv import config
+from dlenv.errors import UserError
+
+
+def test_defaults_and_flags_parse_strings():
+    cfg = config.build(config.TrainConfig, batch_size="64", amp="true", lr="0.05", workers="0")
+    assert cfg.batch_size == 64 and cfg.amp is True and cfg.lr == 0.05 and cfg.workers == 0
+    assert cfg.epochs == config.TrainConfig().epochs
+
+
+def test_auto_values():
+    cfg = config.build(config.TrainConfig, batch_size="auto", workers="auto")
+    assert cfg.batch_size == "auto" and cfg.workers == "auto"
+
+
+def test_config_is_frozen():
+    cfg = config.build(config.TrainConfig)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.epochs = 3
+
+
+def test_yaml_layer_between_defaults_and_flags(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("epochs: 3\nbatch-size: 8\namp: true\n")
+    cfg = config.build(config.TrainConfig, y, batch_size=16)
+    assert cfg.epochs == 3          # from YAML
+    assert cfg.batch_size == 16     # flag beats YAML
+    assert cfg.amp is True
+
+
+def test_unknown_key_lists_valid_ones(tmp_path):
+    with pytest.raises(UserError, match="unknown option 'batchsize'.*batch-size"):
+        config.build(config.TrainConfig, batchsize=3)
+    y = tmp_path / "c.yaml"
+    y.write_text("lrate: 0.1\n")
+    with pytest.raises(UserError, match="unknown option 'lrate'"):
+        config.build(config.TrainConfig, y)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"batch_size": "0"}, "--batch-size '0'"),
+    ({"batch_size": "many"}, "--batch-size 'many'"),
+    ({"optimizer": "adam"}, "--optimizer 'adam' is not one of: sgd, adamw"),
+    ({"val_split": "1.5"}, "--val-split '1.5' is above its maximum"),
+    ({"epochs": "2.5"}, "--epochs '2.5': expected an integer"),
+    ({"amp": "maybe"}, "--amp 'maybe': expected true or false"),
+])
+def test_bad_values_name_the_flag(kwargs, message):
+    with pytest.raises(UserError) as e:
+        config.build(config.TrainConfig, **kwargs)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_yaml_is_one_line(tmp_path):
+    y = tmp_path / "bad.yaml"
+    y.write_text("epochs: [1,\n")
+    with pytest.raises(UserError, match="not valid YAML"):
+        config.build(config.TrainConfig, y)
+    with pytest.raises(UserError, match="not found"):
+        config.build(config.TrainConfig, tmp_path / "missing.yaml")
+
+
+def test_round_trip_through_dict():
+    cfg = config.build(config.BenchDataConfig, workers="0,4")
+    d = config.to_dict(cfg)
+    assert d["workers"] == [0, 4]
+    assert config.from_dict(config.BenchDataConfig, {**d, "gone_option": 1}) == cfg
+
+
+def test_every_option_has_help_and_a_parser():
+    for cmd in config.COMMANDS.values():
+        for f in config.options(cmd.config):
+            assert f.metadata["help"], f"{cmd.name} --{f.name} has no help"
+            assert callable(f.metadata["parse"])
+            # every default survives its own parser (so defaults are valid values)
+            if f.default is not None:
+                assert f.metadata["parse"](f.default) == f.default
