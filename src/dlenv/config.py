@@ -15,9 +15,10 @@ This module must not import torch: `dlenv --help` and `invoke --list` import it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from dlenv.errors import UserError
 
