@@ -19,12 +19,17 @@ A dlenv checkpoint is a dict of tensors and plain types only, so it loads with
 
 Writes go to a temporary file in the same folder, are fsynced and `os.replace`d into place, so a
 `kill -9` at any moment leaves the previous file or the new one, never half of one.
+
+PyTorch 1.13's weights_only loader knows no float opcode (2.x does), so every Python float (a learning
+rate, a config value, the GradScaler's scale) is stored as {"__float__": float.hex()} and turned back
+into the exact float on load. Files are the same on both profiles and load on either.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+from collections import OrderedDict
 import tempfile
 import zipfile
 from pathlib import Path
@@ -36,11 +41,49 @@ from dlenv import compat
 from dlenv.errors import UserError
 
 FORMAT = "dlenv/1"
+_FLOAT = "__float__"
+
+
+def _encode(obj: Any) -> Any:
+    """`obj` with every float replaced by {"__float__": hex}; containers without floats are kept as is."""
+    if isinstance(obj, float):
+        return {_FLOAT: obj.hex()}
+    if isinstance(obj, dict):
+        items = {k: _encode(v) for k, v in obj.items()}
+        if all(items[k] is obj[k] for k in obj):
+            return obj  # unchanged (a model state dict keeps its OrderedDict and _metadata)
+        out = OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
+        return out
+    if isinstance(obj, (list, tuple)):
+        items = [_encode(v) for v in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        return type(obj)(items) if type(obj) in (list, tuple) else list(items)
+    return obj
+
+
+def _decode(obj: Any) -> Any:
+    """Undo `_encode`."""
+    if isinstance(obj, dict):
+        if len(obj) == 1 and _FLOAT in obj and isinstance(obj[_FLOAT], str):
+            return float.fromhex(obj[_FLOAT])
+        for k, v in obj.items():
+            obj[k] = _decode(v)
+        return obj
+    if isinstance(obj, list):
+        return [_decode(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_decode(v) for v in obj)
+    return obj
 
 
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
-    """Write `state` to `path` atomically (temp file + fsync + os.replace); returns the path."""
+    """Write `state` to `path` atomically (temp file + fsync + os.replace); returns the path.
+
+    Floats are encoded so that PyTorch 1.13's weights_only loader reads the file (see the module doc).
+    """
     path = Path(path)
+    state = _encode(state)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -67,7 +110,7 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> Any:
     if not path.is_file():
         raise UserError(f"checkpoint {path} not found; pass the path of a .pth file (e.g. runs/exp/last.pth)")
     try:
-        return compat.load_weights_only(path, map_location=map_location)
+        return _decode(compat.load_weights_only(path, map_location=map_location))
     except pickle.UnpicklingError as e:
         # weights_only refuses any global it does not know: the file wants to run code or rebuild
         # arbitrary objects. Nothing from it was executed.
@@ -152,3 +195,36 @@ def environment() -> dict[str, Any]:
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"dlenv": __version__, "torch": torch.__version__, "cuda": torch.version.cuda, "gpu": gpu}
+
+
+def rng_state() -> dict[str, Any]:
+    """The RNG states a resumed run needs to draw the same numbers: torch CPU and CUDA, Python, NumPy.
+
+    Plain types and uint8 tensors only (NumPy's array becomes a list of ints).
+    """
+    import random
+
+    import numpy as np
+
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` returned (CUDA states only where this machine has as many GPUs)."""
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(state["torch"].cpu())
+    version, keys, gauss = state["python"]
+    random.setstate((version, tuple(keys), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    cuda = state.get("cuda")
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([s.cpu() for s in cuda])

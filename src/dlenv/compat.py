@@ -7,7 +7,12 @@ itself, so the differences between releases are visible here and nowhere else.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import importlib.util
+import inspect
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -42,6 +47,44 @@ def autocast(device_type: str, dtype: torch.dtype | None, enabled: bool):
     return torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled)
 
 
+#: torch.get_autocast_dtype(device) / is_autocast_enabled(device) (2.4+) replace 1.13's per-device getters.
+_HAS_AUTOCAST_BY_DEVICE = hasattr(torch, "get_autocast_dtype")
+
+
+def autocast_state() -> dict[str, tuple[bool, torch.dtype]]:
+    """The autocast setting in force now, {device_type: (enabled, dtype)}, for `autocast_like`."""
+    devices = ("cuda", "cpu") if torch.cuda.is_available() else ("cpu",)
+    if _HAS_AUTOCAST_BY_DEVICE:
+        return {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices}
+    legacy = {"cuda": (torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()),
+              "cpu": (torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype())}
+    return {d: legacy[d] for d in devices}
+
+
+def autocast_like(state: dict[str, tuple[bool, torch.dtype]]) -> contextlib.ExitStack:
+    """Re-enter the autocast setting `autocast_state()` captured (enabled or explicitly disabled).
+
+    1.13's non-reentrant checkpoint recomputes under CUDA autocast with its default dtype (fp16) and
+    ignores CPU autocast; re-entering the forward's own setting makes the recompute match it.
+    """
+    stack = contextlib.ExitStack()
+    for device, (enabled, dtype) in state.items():
+        stack.enter_context(torch.autocast(device_type=device, dtype=dtype, enabled=enabled))
+    return stack
+
+
+def checkpoint(function: Any, *args: Any) -> Any:
+    """function(*args) with its activations recomputed in backward instead of stored.
+
+    Non-reentrant (exists from 1.13 on): parameters get gradients even when no input needs one, and
+    autograd hooks behave as without checkpointing. RNG state is preserved, so dropout and stochastic
+    depth draw the same masks in the recompute.
+    """
+    from torch.utils.checkpoint import checkpoint as _checkpoint
+
+    return _checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
+
+
 def load_weights_only(path: Any, map_location: Any = "cpu") -> Any:
     """torch.load(..., weights_only=True): tensors and plain types only, never arbitrary pickles.
 
@@ -60,9 +103,18 @@ def compile_model(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
 def cuda_arch_supported(capability: tuple[int, int]) -> bool:
     """Whether this torch build carries kernels (SASS, or PTX it can JIT) for a compute capability."""
     archs = torch.cuda.get_arch_list() if torch.cuda.is_available() else []
+    return arch_list_supports(archs, capability)
+
+
+def arch_list_supports(archs: list[str], capability: tuple[int, int]) -> bool:
+    """Whether an arch list like torch.cuda.get_arch_list()'s has kernels for a compute capability."""
     want = capability[0] * 10 + capability[1]
-    sass = {int(a.split("_")[1]) for a in archs if a.startswith("sm_")}
-    ptx = {int(a.split("_")[1]) for a in archs if a.startswith("compute_")}
+
+    def number(arch: str) -> int:  # 'sm_90a' -> 90: arch-specific variants count as their base
+        return int("".join(ch for ch in arch.split("_")[1] if ch.isdigit()))
+
+    sass = {number(a) for a in archs if a.startswith("sm_")}
+    ptx = {number(a) for a in archs if a.startswith("compute_")}
     # SASS runs on the same major generation with a minor >= its own; PTX JITs for anything newer.
     if any(a // 10 == want // 10 and a <= want for a in sass):
         return True
@@ -72,3 +124,147 @@ def cuda_arch_supported(capability: tuple[int, int]) -> bool:
 def set_allocator_conf(conf: str) -> None:
     """Set PYTORCH_CUDA_ALLOC_CONF; only takes effect before CUDA is first initialised."""
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
+
+
+#: The CUDA out-of-memory exception class (a RuntimeError subclass in 1.13 and 2.x).
+_OOM_ERROR = getattr(torch.cuda, "OutOfMemoryError", None) or getattr(torch, "OutOfMemoryError", None)
+
+# Allocation failures that cuBLAS/cuDNN report as their own status instead of an OutOfMemoryError.
+_OOM_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether an exception means the GPU ran out of memory (and a smaller step may succeed)."""
+    if _OOM_ERROR is not None and isinstance(exc, _OOM_ERROR):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _OOM_MESSAGES)
+
+
+# ---------------------------------------------------------------------------------------------------
+# int8 quantization and ONNX export (dlenv.compress).
+
+
+def _quant_module() -> Any:
+    """torch.ao.quantization (1.10+), else the older torch.quantization alias; None if neither."""
+    for name in ("torch.ao.quantization", "torch.quantization"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    return None
+
+
+@contextlib.contextmanager
+def _quiet_deprecations():
+    """Silence the 'torch.ao.quantization / torch.jit is deprecated' notices of 2.9+: those APIs still
+    work there and docs/compress.md says where they are heading; users need no warning per call."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
+def quantization_unavailable() -> str | None:
+    """Why int8 quantization cannot run with this PyTorch (a one-line reason), or None if it can."""
+    q = _quant_module()
+    if q is None or not hasattr(q, "quantize_dynamic"):
+        return f"PyTorch {torch.__version__} has no torch.ao.quantization"
+    if not quant_backend():
+        return f"PyTorch {torch.__version__} has no int8 CPU engine (fbgemm, x86 or qnnpack)"
+    return None
+
+
+def quant_backend() -> str | None:
+    """The int8 CPU engine to use: 'x86' (1.13+ on x86), else 'fbgemm', else 'qnnpack' (ARM); or None."""
+    engines = torch.backends.quantized.supported_engines
+    for name in ("x86", "fbgemm", "qnnpack"):
+        if name in engines:
+            return name
+    return None
+
+
+def quantize_dynamic(model: torch.nn.Module, layer_types: set) -> torch.nn.Module:
+    """Dynamic int8 quantization (weights int8, activations quantized on the fly) of `layer_types`."""
+    q = _quant_module()
+    torch.backends.quantized.engine = quant_backend()
+    with _quiet_deprecations():
+        return q.quantize_dynamic(model, layer_types, dtype=torch.qint8)
+
+
+def prepare_fx(model: torch.nn.Module, example_inputs: tuple) -> torch.nn.Module:
+    """FX graph mode post-training static quantization, step 1: fuse and insert observers.
+
+    Uses the default qconfig mapping of `quant_backend()`. Raises torch.fx's TraceError for models
+    whose forward cannot be traced symbolically.
+    """
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import prepare_fx as _prepare
+
+    backend = quant_backend()
+    torch.backends.quantized.engine = backend
+    with _quiet_deprecations():
+        return _prepare(model, get_default_qconfig_mapping(backend), example_inputs=example_inputs)
+
+
+def convert_fx(prepared: torch.nn.Module) -> torch.nn.Module:
+    """FX static quantization, step 2: turn a calibrated, prepared model into an int8 model."""
+    from torch.ao.quantization.quantize_fx import convert_fx as _convert
+
+    with _quiet_deprecations():
+        return _convert(prepared)
+
+
+def jit_trace(model: torch.nn.Module, example: Any) -> Any:
+    """torch.jit.trace without the per-call deprecation notice of 2.9+ (TorchScript still works)."""
+    with _quiet_deprecations(), torch.no_grad():
+        return torch.jit.trace(model, example, check_trace=False)
+
+
+def _onnx_export_params() -> set:
+    return set(inspect.signature(torch.onnx.export).parameters)
+
+
+def onnx_export_unavailable() -> str | None:
+    """Why this environment cannot export ONNX (one line), or None if it can.
+
+    1.13 to 2.x keep the TorchScript-based exporter (2.9+ behind dynamo=False); the dynamo exporter
+    needs the onnxscript package, which dlenv does not install. Both need the onnx package.
+    """
+    if importlib.util.find_spec("onnx") is None:
+        return "the onnx package is not installed (it is in requirements.txt: pip install -r requirements.txt)"
+    legacy = "dynamo" not in _onnx_export_params() or (
+        importlib.util.find_spec("torch.onnx._internal.torchscript_exporter") is not None
+        or importlib.util.find_spec("torch.onnx.utils") is not None)
+    if legacy or importlib.util.find_spec("onnxscript") is not None:
+        return None
+    return (f"PyTorch {torch.__version__} has only the dynamo ONNX exporter and the onnxscript package "
+            "is not installed; pip install onnxscript, or use --format torchscript")
+
+
+def onnx_export(model: torch.nn.Module, example: torch.Tensor, path: Any, opset: int,
+                input_name: str = "input", output_name: str = "logits") -> None:
+    """Export `model` to ONNX at `path` with a dynamic batch axis, using the TorchScript-based exporter.
+
+    On 2.x `dynamo=False` keeps the exporter that 1.13 has (the dynamo one needs onnxscript and
+    handles dynamic axes differently). Where only the dynamo exporter is left and onnxscript is
+    installed, that one is used with a dynamic batch dimension.
+    """
+    params = _onnx_export_params()
+    kwargs: dict[str, Any] = dict(input_names=[input_name], output_names=[output_name],
+                                  opset_version=opset, do_constant_folding=True)
+    dynamic_axes = {input_name: {0: "batch"}, output_name: {0: "batch"}}
+    with _quiet_deprecations():
+        if "dynamo" in params:
+            try:
+                torch.onnx.export(model, (example,), str(path), dynamo=False, dynamic_axes=dynamic_axes,
+                                  **kwargs)
+                return
+            except ImportError:
+                if importlib.util.find_spec("onnxscript") is None:
+                    raise
+            batch = torch.export.Dim("batch")
+            kwargs.pop("do_constant_folding")
+            torch.onnx.export(model, (example,), str(path), dynamo=True,
+                              dynamic_shapes=({0: batch},), **kwargs)
+            return
+        torch.onnx.export(model, (example,), str(path), dynamic_axes=dynamic_axes, **kwargs)

@@ -196,7 +196,8 @@ class ValConfig:
     model: str | None = opt(None, "architecture, for a bare state dict from another tool", parse=_str)
     batch_size: int = opt(64, "batch size", min=1)
     img_size: int | None = opt(None, "image size; default: the checkpoint's", parse=_int, min=16)
-    workers: int | str = opt("auto", "DataLoader worker processes, or auto", parse=int_or_auto)
+    workers: int | str = opt("auto", "DataLoader worker processes: a number (0: load in the main "
+                                     "process), or auto", parse=lambda v: 0 if str(v) == "0" else int_or_auto(v))
     amp: bool = opt(False, "automatic mixed precision")
     device: str = opt("auto", _DEVICE_HELP)
     out: str | None = opt(None, "output folder; default <weights dir>/val/", parse=_str)
@@ -219,6 +220,12 @@ class UnpackConfig:
     overwrite: bool = opt(False, "replace a non-empty destination (only after the new extraction "
                                  "succeeded)")
     report: bool = opt(True, "print the dataset report at the end")
+    name_encoding: str = opt("auto", "code page of zip member names stored without the UTF-8 flag: auto "
+                                     "(UTF-8, else the best fit of GBK, Shift-JIS, Big5, EUC-KR) or a "
+                                     "codec name such as gbk or cp932")
+    max_ratio: float = opt(100.0, "refuse an archive that unpacks to more than this many times its own "
+                                  "size (a decompression bomb); under 64 MiB unpacked is always allowed",
+                           min=1.0)
 
 
 @dataclass(frozen=True)
@@ -263,8 +270,13 @@ class BenchMemoryConfig:
     batch_size: int = opt(64, "batch size", min=1)
     img_size: int = opt(224, "image size", min=16)
     steps: int = opt(10, "training steps measured per configuration", min=2)
+    warmup: int = opt(3, "untimed steps before the timed ones (cuDNN autotuning, allocator warm-up)", min=0)
+    channels_last: bool = opt(True, "also measure channels_last variants of convolutional models")
     max_batch: bool = opt(False, "also find the largest batch that fits each configuration")
     allocator: bool = opt(True, "also compare the allocator settings this PyTorch offers")
+    alloc_steps: int = opt(20, "steps of the shape-changing workload per allocator setting", min=2)
+    gpu_memory_gib: float | None = opt(None, "measure as if the GPU had only this many GiB (caps PyTorch's "
+                                             "allocator), to see what fits a smaller card", parse=_float, min=0.25)
     amp_dtype: str = opt("auto", "AMP dtype", choices=("auto", "fp16", "bf16"))
     device: str = opt("auto", _DEVICE_HELP)
     out: str = opt("runs/bench-memory", "output folder for the table, CSV and chart")
@@ -293,8 +305,12 @@ class PruneConfig:
     structured: bool = opt(False, "remove whole conv channels (L2) instead of single weights")
     data: str | None = opt(None, "validation data for top-1 before and after; default: the checkpoint's",
                            parse=_str)
-    finetune_epochs: int = opt(0, "epochs of fine-tuning after pruning", min=0)
+    finetune_epochs: int = opt(0, "epochs of fine-tuning after pruning (on the checkpoint's training "
+                                  "data; pruned weights stay zero)", min=0)
+    finetune_lr: float = opt(0.01, "SGD learning rate of the fine-tuning", min=0.0)
     batch_size: int = opt(64, "batch size", min=1)
+    workers: int | str = opt("auto", "DataLoader worker processes, or auto",
+                             parse=lambda v: 0 if str(v) == "0" else int_or_auto(v))
     device: str = opt("auto", _DEVICE_HELP)
     out: str | None = opt(None, "output checkpoint; default <stem>_pruned.pth beside the input", parse=_str)
 
@@ -312,6 +328,8 @@ class ExportConfig:
                                  "checkpoint's", parse=_str)
     calib_batches: int = opt(8, "calibration batches for --quantize static", min=1)
     batch_size: int = opt(32, "batch size for checks and calibration", min=1)
+    workers: int | str = opt("auto", "DataLoader worker processes, or auto",
+                             parse=lambda v: 0 if str(v) == "0" else int_or_auto(v))
     opset: int = opt(17, "ONNX opset", min=7)
     out: str | None = opt(None, "output file; default beside the checkpoint", parse=_str)
 

@@ -1,0 +1,134 @@
+"""How good is `--batch-size auto`? find_max_batch against the true largest batch.
+
+The true largest batch: each candidate runs a few real training steps (forward, backward, SGD step)
+in a fresh process, so no try inherits another's cached memory; candidates are bracketed around
+find_max_batch's raw answer and bisected to the exact batch. find_max_batch itself runs the way the
+trainer runs it: one process, one probe, doubling then bisection, then the safety margin. It
+prints both, the ratio, and the search time (targets: within 10% and under 60 s for ResNet-50).
+
+    python3 scripts/bench_autobatch.py                       # ResNet-50, 224 px, AMP
+    python3 scripts/bench_autobatch.py --model vit_b_16 --checkpoint
+
+Needs a CUDA GPU. dlenv need not be installed: src/ is put on the path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+FITS, OOM = 0, 3  # exit codes of a --try worker
+
+
+def _setup(a: argparse.Namespace):
+    import torch
+
+    from dlenv.models import build_model
+    from dlenv.precision import resolve_precision
+
+    dev = torch.device("cuda")
+    torch.backends.cudnn.benchmark = True  # as the trainer sets it
+    mode = resolve_precision(a.amp, a.amp_dtype, dev)
+
+    def factory():
+        torch.manual_seed(0)
+        return build_model(a.model, 1000)
+
+    return dev, mode, factory
+
+
+def try_in_fresh_process(a: argparse.Namespace, batch: int) -> bool:
+    """Whether `batch` fits: a few real training steps in a fresh Python process."""
+    cmd = [sys.executable, __file__, "--try-batch", str(batch), "--model", a.model, "--img-size",
+           str(a.img_size), "--amp-dtype", a.amp_dtype, "--steps", str(a.steps)]
+    cmd += ["--amp"] if a.amp else ["--no-amp"]
+    cmd += ["--checkpoint"] if a.checkpoint else []
+    code = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True).returncode
+    if code not in (FITS, OOM):
+        raise SystemExit(f"worker for batch {batch} failed with exit code {code}")
+    print(f"  true search: batch {batch}: {'fits' if code == FITS else 'out of memory'}", file=sys.stderr)
+    return code == FITS
+
+
+def true_largest(a: argparse.Namespace, guess: int) -> int:
+    """Exact largest fitting batch, bracketed from `guess` in 5% steps, then bisected."""
+    step = max(1, guess // 20)
+    if try_in_fresh_process(a, guess):
+        lo, hi = guess, guess + step
+        while try_in_fresh_process(a, hi):
+            lo, hi = hi, hi + step
+    else:
+        hi, lo = guess, max(1, guess - step)
+        while not try_in_fresh_process(a, lo):
+            if lo == 1:
+                raise SystemExit("even batch 1 does not fit")
+            hi, lo = lo, max(1, lo - step)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if try_in_fresh_process(a, mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="resnet50")
+    p.add_argument("--img-size", type=int, default=224)
+    p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--amp-dtype", default="auto", choices=("auto", "fp16", "bf16"))
+    p.add_argument("--checkpoint", action="store_true")
+    p.add_argument("--steps", type=int, default=2, help="training steps per try")
+    p.add_argument("--start", type=int, default=1, help="find_max_batch's first try")
+    p.add_argument("--try-batch", type=int, help=argparse.SUPPRESS)
+    a = p.parse_args()
+
+    from dlenv.autobatch import find_max_batch, make_train_step_probe
+
+    if a.try_batch:
+        dev, mode, factory = _setup(a)
+        probe = make_train_step_probe(factory, mode, a.checkpoint, a.img_size, 1000, dev, steps=a.steps)
+        return FITS if probe(a.try_batch) else OOM
+
+    t0 = time.perf_counter()
+    dev, mode, factory = _setup(a)
+    probe = make_train_step_probe(factory, mode, a.checkpoint, a.img_size, 1000, dev, steps=a.steps)
+    tries: list[tuple[int, bool]] = []
+
+    def logged(batch: int) -> bool:
+        ok = probe(batch)
+        tries.append((batch, ok))
+        return ok
+
+    auto = find_max_batch(logged, start=a.start, what=a.model)
+    seconds = time.perf_counter() - t0
+    probe.close()
+    raw = max(b for b, ok in tries if ok)
+    print(f"find_max_batch: raw {raw}, with safety margin {auto}, {len(tries)} tries, {seconds:.1f} s",
+          file=sys.stderr)
+
+    true = true_largest(a, raw)
+    import torch
+
+    print(f"\n{a.model}, {a.img_size} px, {mode}{', checkpointing' if a.checkpoint else ''}, {a.steps} steps "
+          f"per try on {torch.cuda.get_device_name(0)}; PyTorch {torch.__version__}\n")
+    print("| true largest batch | find_max_batch raw | auto (with margin) | auto / true | tries | search s |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    print(f"| {true} | {raw} | {auto} | {auto / true:.3f} | {len(tries)} | {seconds:.1f} |")
+    within = abs(auto / true - 1) <= 0.10
+    fast = seconds < 60
+    print(f"\nwithin 10% of the true largest: {'PASS' if within else 'FAIL'}; "
+          f"under 60 s: {'PASS' if fast else 'FAIL'}")
+    return 0 if within and fast else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,252 @@
+"""The batch size that fits: search, accumulation arithmetic and OOM halving.
+
+`--batch-size auto` asks `find_max_batch` for the largest micro-batch whose real training steps
+(forward, backward, optimizer step, at the run's precision and checkpointing) fit in GPU memory:
+the batch doubles until a step runs out of memory, then the gap is bisected, and a safety margin
+is taken off because a long run meets a fuller, more fragmented allocator than the probe did.
+`plan_accumulation` turns an effective batch into micro-batch x accumulation x GPUs, and
+`halve_on_oom` gives the next, smaller split after an OOM while keeping the effective batch.
+
+The search and the arithmetic are pure functions (tested on a CPU against a fake memory limit);
+`make_train_step_probe` is the real `try_step` for a model on a device.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dlenv.errors import UserError
+
+log = logging.getLogger(__name__)
+
+_OOM_ADVICE = ("use --amp, --checkpoint, a smaller --img-size or a smaller model, or free the GPU "
+               "(nvidia-smi shows what else holds its memory)")
+
+
+def _is_oom(exc: BaseException) -> bool:
+    from dlenv.compat import is_oom  # imports torch; the pure logic here does not need it
+
+    return is_oom(exc)
+
+
+@dataclass
+class SearchResult:
+    """What `search_max_batch` found: the largest batch that ran, the smallest that did not, and each try."""
+
+    largest_fit: int
+    smallest_fail: int | None
+    tries: list[tuple[int, bool]] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _fits(try_step: Callable[[int], Any], batch: int) -> bool:
+    """One try: True when the step ran; False when it returned False or raised an out-of-memory error."""
+    try:
+        return try_step(batch) is not False
+    except Exception as e:  # only OOM means "too big"; any other error is a real bug and propagates
+        if _is_oom(e):
+            return False
+        raise
+
+
+def search_max_batch(try_step: Callable[[int], Any], start: int = 1, upper: int | None = None,
+                     tolerance: float = 0.0, what: str = "this model") -> SearchResult:
+    """Largest batch for which `try_step(batch)` succeeds: doubling from `start`, then bisection.
+
+    `try_step` returns True/None when the batch fits, False (or raises an out-of-memory error) when
+    it does not; other exceptions propagate. `upper` caps the search (returned when it fits).
+    Bisection stops once the gap is at most `tolerance` x the fitting batch (0: exact).
+    Raises UserError when even a batch of 1 does not fit (naming `what`), and ValueError for bad
+    arguments.
+    """
+    if start < 1 or (upper is not None and upper < 1) or tolerance < 0:
+        raise ValueError(f"bad search bounds: start={start}, upper={upper}, tolerance={tolerance}")
+    t0 = time.perf_counter()
+    tries: list[tuple[int, bool]] = []
+
+    def attempt(b: int) -> bool:
+        ok = _fits(try_step, b)
+        tries.append((b, ok))
+        log.debug("batch %d: %s", b, "fits" if ok else "out of memory")
+        return ok
+
+    b = min(start, upper) if upper else start
+    lo, hi = 0, None  # lo: largest known to fit; hi: smallest known to fail
+    while hi is None:
+        if attempt(b):
+            lo = b
+            if upper is not None and b >= upper:
+                break
+            b = min(b * 2, upper) if upper else b * 2
+        else:
+            hi = b
+    if lo == 0:
+        # the first try failed: walk down to 1 by halving before giving up
+        while hi > 1:
+            b = hi // 2
+            if attempt(b):
+                lo = b
+                break
+            hi = b
+        if lo == 0:
+            raise UserError(f"even a batch of 1 does not fit in GPU memory for {what}; {_OOM_ADVICE}")
+    while hi is not None and hi - lo > max(1, int(lo * tolerance)):
+        mid = (lo + hi) // 2
+        if attempt(mid):
+            lo = mid
+        else:
+            hi = mid
+    return SearchResult(lo, hi, tries, time.perf_counter() - t0)
+
+
+def find_max_batch(try_step: Callable[[int], Any], start: int = 1, upper: int | None = None,
+                   safety: float = 0.92, tolerance: float = 0.01, what: str = "this model") -> int:
+    """The largest batch that fits (see `search_max_batch`) times `safety`, rounded down, at least 1.
+
+    The margin leaves room for what one probe does not meet: fragmentation over a long run, a
+    validation pass. 0.92 with a 1% search tolerance lands within 10% of the true largest batch (the
+    target of scripts/bench_autobatch.py); an OOM that still happens is caught by halving the
+    micro-batch (`halve_on_oom`). Raises UserError when a batch of 1 does not fit.
+    """
+    if not 0 < safety <= 1:
+        raise ValueError(f"safety must be in (0, 1], got {safety}")
+    res = search_max_batch(try_step, start=start, upper=upper, tolerance=tolerance, what=what)
+    return max(1, int(res.largest_fit * safety))
+
+
+def plan_accumulation(effective_batch: int, micro_batch: int, world_size: int = 1) -> tuple[int, int]:
+    """Split an effective batch into (micro-batch per GPU, accumulation steps) for `world_size` GPUs.
+
+    accumulation = ceil(effective / (micro x world)); the micro-batch is then lowered (never raised)
+    so that micro x accumulation x world == effective exactly. When that would need more than twice
+    the accumulation steps (or the GPUs don't divide the effective batch), the nearest inexact split
+    is used and a warning names the effective batch actually trained. Raises UserError when the
+    effective batch is smaller than the number of GPUs, and ValueError for non-positive arguments.
+    """
+    if effective_batch < 1 or micro_batch < 1 or world_size < 1:
+        raise ValueError(f"need positive sizes, got effective={effective_batch}, micro={micro_batch}, "
+                         f"world={world_size}")
+    if effective_batch < world_size:
+        raise UserError(f"--effective-batch {effective_batch} is smaller than the {world_size} GPUs; "
+                        f"use at least {world_size} (one image per GPU)")
+    accum = math.ceil(effective_batch / (micro_batch * world_size))
+    if effective_batch % world_size == 0:
+        per_gpu = effective_batch // world_size
+        # the smallest accumulation >= accum that divides the per-GPU batch, unless it would more than
+        # double the steps (a prime effective batch would otherwise mean micro-batches of 1)
+        exact = next(a for a in range(accum, per_gpu + 1) if per_gpu % a == 0)
+        if exact <= 2 * accum:
+            return per_gpu // exact, exact
+    micro = min(micro_batch, max(1, round(effective_batch / (accum * world_size))))
+    actual = micro * accum * world_size
+    log.warning("effective batch %d cannot be split exactly into micro-batch x %d accumulation x %d GPUs "
+                "with a micro-batch of at most %d; training with %d x %d x %d = %d",
+                effective_batch, accum, world_size, micro_batch, micro, accum, world_size, actual)
+    return micro, accum
+
+
+def halve_on_oom(micro_batch: int, accum_steps: int) -> tuple[int, int]:
+    """The split to retry with after an OOM: half the micro-batch, twice the accumulation.
+
+    The product micro x accumulation (the effective batch per GPU) is kept; an odd micro-batch is
+    re-split exactly where possible (5 x 1 -> 1 x 5). Raises UserError at micro-batch 1.
+    """
+    if micro_batch <= 1:
+        raise UserError(f"CUDA out of memory at micro-batch 1 (accumulation {accum_steps}); "
+                        f"halving cannot go further: {_OOM_ADVICE}")
+    if micro_batch % 2 == 0:
+        return micro_batch // 2, accum_steps * 2
+    return plan_accumulation(micro_batch * accum_steps, micro_batch // 2)
+
+
+class TrainStepProbe:
+    """A `try_step` for `find_max_batch`: real training steps on random data at a given batch size.
+
+    Call it with a batch size: it runs `steps` training steps (forward, backward, optimizer step;
+    two by default, so optimizer state is allocated as in training) and returns True, or False on
+    CUDA out of memory; other errors propagate. After each call gradients, optimizer state and
+    cached blocks are freed and the peak statistics reset, so one try does not weigh on the next.
+    The probe trains its own model (from `model_factory`); call `close()` before building the real
+    one so its memory is returned.
+    """
+
+    def __init__(self, model_factory: Callable[[], Any], precision_mode: str, checkpoint: bool | float,
+                 img_size: int, num_classes: int, device: Any, channels_last: bool = False,
+                 steps: int = 2):
+        import torch
+
+        from dlenv.models import apply_checkpointing
+        from dlenv.precision import Precision
+
+        self.device = torch.device(device)
+        self.img_size, self.num_classes, self.steps = img_size, num_classes, steps
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        model = model_factory()
+        if checkpoint:
+            apply_checkpointing(model, ratio=1.0 if checkpoint is True else float(checkpoint))
+        self.model = model.to(self.device, memory_format=self.memory_format).train()
+        self.precision = Precision(precision_mode, self.device)
+
+    def _train(self, batch: int) -> None:
+        import torch
+        import torch.nn.functional as F
+
+        # every tensor of a try is local to this frame, so an OOM's traceback frees them with it
+        opt = torch.optim.SGD(self.model.parameters(), lr=1e-4, momentum=0.9)
+        for _ in range(self.steps):
+            x = torch.randn(batch, 3, self.img_size, self.img_size, device=self.device)
+            x = x.contiguous(memory_format=self.memory_format)
+            y = torch.randint(0, self.num_classes, (batch,), device=self.device)
+            with self.precision.autocast():
+                loss = F.cross_entropy(self.model(x), y)
+            self.precision.backward(loss)
+            self.precision.step(opt)
+            opt.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def __call__(self, batch: int) -> bool:
+        ok = True
+        try:
+            self._train(batch)
+        except Exception as e:
+            if not _is_oom(e):
+                raise
+            ok = False
+        # outside the except block: the exception and its frames (activations, grads) are gone now
+        self.free()
+        return ok
+
+    def free(self) -> None:
+        """Drop gradients and cached blocks; reset peak statistics."""
+        import torch
+
+        self.model.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def close(self) -> None:
+        """Release the probe's model and its GPU memory."""
+        self.model = None
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+
+
+def make_train_step_probe(model_factory: Callable[[], Any], precision_mode: str, checkpoint: bool | float,
+                          img_size: int, num_classes: int, device: Any, channels_last: bool = False,
+                          steps: int = 2) -> TrainStepProbe:
+    """A callable(batch) -> bool that runs real training steps and returns False on out of memory.
+
+    `checkpoint` is False, True or a ratio of blocks to checkpoint; `precision_mode` is "fp32",
+    "fp16" or "bf16" (see dlenv.precision). See `TrainStepProbe`.
+    """
+    return TrainStepProbe(model_factory, precision_mode, checkpoint, img_size, num_classes, device,
+                          channels_last=channels_last, steps=steps)

@@ -1,0 +1,597 @@
+"""bench-memory: the memory/speed table of FP32, AMP, checkpointing and both, measured here.
+
+Articles print such a table for someone else's GPU; this measures it for the user's model, image
+size and batch on the user's GPU. Each configuration runs in a fresh Python process
+(`python -m dlenv.bench --worker SPEC --result FILE`), so its peak statistics and its caching
+allocator start clean and no configuration inherits another's cached blocks. Every configuration
+starts from the same seeded weights and trains on the same seeded batch, so the loss after the same
+N steps shows what AMP and checkpointing cost in accuracy (nothing measurable, or they are wrong).
+
+Per configuration: peak memory allocated and reserved over the timed steps, images/s, both as
+ratios to FP32, the loss at step N, and with --max-batch the largest batch that fits (real training
+steps, doubling then bisection, see dlenv.autobatch). A second table compares the allocator
+settings this PyTorch offers on a workload that fragments (batch and image size change every step):
+fragmentation = 1 - peak allocated / peak reserved, measured rather than repeated from articles.
+
+Output in --out: memory.md (the tables), memory.csv, allocator.csv and memory.png. On a machine
+without a GPU it still runs (speed and loss only; the memory columns say NA).
+
+The parent process never imports torch: the workers do all the measuring.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from dlenv.errors import UserError
+
+GIB = 1024 ** 3
+NUM_CLASSES = 1000  # an ImageNet-sized head, as in the articles' tables
+SEED = 0
+
+#: (key, label, amp, checkpoint) of the configurations, FP32 first: it is every ratio's reference.
+BASE_CONFIGS = [
+    ("fp32", "FP32", False, False),
+    ("amp", "AMP", True, False),
+    ("ckpt", "Checkpointing", False, True),
+    ("amp_ckpt", "AMP + checkpointing", True, True),
+]
+
+CSV_COLUMNS = ["key", "configuration", "status", "precision", "checkpoint", "channels_last", "batch_size",
+               "img_size", "steps", "peak_alloc_gib", "peak_reserved_gib", "mem_vs_fp32", "img_per_s",
+               "speed_vs_fp32", "loss_first", "loss_last", "skipped_steps", "max_batch"]
+ALLOC_COLUMNS = ["setting", "status", "peak_alloc_gib", "peak_reserved_gib", "fragmentation", "img_per_s"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The configurations and the allocator settings to compare.
+
+
+def configurations(convolutional: bool, channels_last: bool) -> list[dict[str, Any]]:
+    """The configurations to run: the four base ones, then their channels_last variants for conv nets."""
+    out = [dict(key=k, label=lb, amp=a, checkpoint=c, channels_last=False) for k, lb, a, c in BASE_CONFIGS]
+    if convolutional and channels_last:
+        out += [dict(key=k + "_cl", label=lb + " + channels_last", amp=a, checkpoint=c, channels_last=True)
+                for k, lb, a, c in BASE_CONFIGS]
+    return out
+
+
+def allocator_settings(has_expandable_segments: bool) -> list[str]:
+    """PYTORCH_CUDA_ALLOC_CONF values to compare ("" = unset); expandable_segments needs PyTorch 2.1+."""
+    settings = ["", "max_split_size_mb:128", "garbage_collection_threshold:0.8"]
+    if has_expandable_segments:
+        settings.append("expandable_segments:True")
+    return settings
+
+
+def fragmentation_schedule(batch_size: int, img_size: int, steps: int, seed: int = SEED) -> list[tuple[int, int]]:
+    """A seeded sequence of (batch, image size) that changes every step, as mixed-size data does.
+
+    Batches of 1/4 to 4/4 of `batch_size`, images of 0.75x to 1.25x `img_size` (multiples of 8):
+    tensors of many sizes come and go, which is what splits the allocator's cached blocks.
+    """
+    import random
+
+    rng = random.Random(seed)
+    batches = sorted({max(1, batch_size * k // 4) for k in (1, 2, 3, 4)})
+    sizes = sorted({max(16, int(img_size * f) // 8 * 8) for f in (0.75, 0.875, 1.0, 1.125, 1.25)})
+    return [(rng.choice(batches), rng.choice(sizes)) for _ in range(steps)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Running a worker process.
+
+
+def _src_dir() -> str:
+    import dlenv
+
+    return str(Path(dlenv.__file__).resolve().parent.parent)
+
+
+def run_worker(spec: dict[str, Any], alloc_conf: str | None = None, timeout: float | None = 3600) -> dict:
+    """Run one measurement in a fresh Python process and return its result dict.
+
+    `alloc_conf` sets PYTORCH_CUDA_ALLOC_CONF for that process ("" unsets it; None keeps the
+    user's). A worker that crashes gives {"status": "error", "error": <its last stderr line>}; a
+    UserError in the worker (an unknown model, no GPU) is raised here.
+    """
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_src_dir(), env.get("PYTHONPATH")) if p)
+    if alloc_conf is not None:
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        if alloc_conf:
+            env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+    fd, result_path = tempfile.mkstemp(prefix="dlenv-bench-", suffix=".json")
+    os.close(fd)
+    try:
+        cmd = [sys.executable, "-m", "dlenv.bench", "--worker", json.dumps(spec), "--result", result_path]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        text = Path(result_path).read_text(encoding="utf-8")
+        result = json.loads(text) if text.strip() else None
+    except subprocess.TimeoutExpired:
+        return {"status": "error", "error": f"worker took more than {timeout:.0f} s"}
+    finally:
+        Path(result_path).unlink(missing_ok=True)
+    if result is None:
+        lines = [ln for ln in (proc.stderr or "").strip().splitlines() if ln.strip()]
+        sys.stderr.write(proc.stderr[-4000:] if proc.stderr else "")
+        return {"status": "error", "error": lines[-1] if lines else f"worker exited {proc.returncode}"}
+    if result.get("status") == "user_error":
+        raise UserError(result["error"])
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inside a worker process.
+
+
+def _device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name!r} is not a device; use cuda, cuda:N, cpu or auto") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {name} asked for a GPU but PyTorch sees none; use --device cpu "
+                        "(speed and loss only) or run on a GPU machine")
+    return dev
+
+
+def _setup(spec: dict[str, Any]):
+    """Device, model (seeded, checkpointed, channels_last as asked) and precision mode for a spec."""
+    import torch
+
+    from dlenv.models import apply_checkpointing, build_model, is_convolutional
+    from dlenv.precision import resolve_precision
+
+    dev = _device(spec["device"])
+    if spec.get("gpu_memory_gib") and dev.type == "cuda":
+        total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, spec["gpu_memory_gib"] * GIB / total), dev)
+    torch.manual_seed(spec.get("seed", SEED))  # the same initial weights in every configuration
+    model = build_model(spec["model"], spec.get("num_classes", NUM_CLASSES))
+    conv = bool(is_convolutional(model))
+    if spec.get("checkpoint"):
+        apply_checkpointing(model, ratio=1.0)
+    fmt = torch.channels_last if spec.get("channels_last") else torch.contiguous_format
+    model = model.to(dev, memory_format=fmt).train()
+    mode = resolve_precision(True, spec.get("amp_dtype", "auto"), dev) if spec.get("amp") else "fp32"
+    if dev.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # as training does: the fastest kernels for fixed shapes
+    return dev, model, conv, mode, fmt
+
+
+def _env_info(dev, spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    info = {"device": dev.type, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+    if dev.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(dev)
+        info["gpu_total_gib"] = torch.cuda.get_device_properties(dev).total_memory / GIB
+        if spec.get("gpu_memory_gib"):
+            info["gpu_capped_gib"] = min(spec["gpu_memory_gib"], info["gpu_total_gib"])
+    return info
+
+
+def _sync(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _peaks(dev) -> tuple[float | None, float | None]:
+    import torch
+
+    if dev.type != "cuda":
+        return None, None
+    return torch.cuda.max_memory_allocated(dev) / GIB, torch.cuda.max_memory_reserved(dev) / GIB
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """One configuration's warmup + timed training steps on one seeded batch (run inside a worker).
+
+    Returns status ("ok" or "oom"), peak allocated/reserved GiB over the timed steps (None on CPU),
+    images/s, the loss at the first and the last step, and steps the GradScaler skipped.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from dlenv.compat import is_oom
+    from dlenv.precision import Precision
+
+    dev, model, conv, mode, fmt = _setup(spec)
+    out = dict(_env_info(dev, spec), convolutional=conv, precision=mode, status="ok")
+    b, s = spec["batch_size"], spec["img_size"]
+    gen = torch.Generator().manual_seed(spec.get("seed", SEED) + 1)  # the same batch everywhere
+    x_cpu = torch.randn(b, 3, s, s, generator=gen)
+    y_cpu = torch.randint(0, spec.get("num_classes", NUM_CLASSES), (b,), generator=gen)
+    warmup, steps = spec["warmup"], spec["steps"]
+
+    def run() -> None:
+        x = x_cpu.to(dev).contiguous(memory_format=fmt)
+        y = y_cpu.to(dev)
+        precision = Precision(mode, dev)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        skipped, first, loss = 0, None, None
+        for i in range(warmup + steps):
+            if i == warmup:
+                _sync(dev)
+                if dev.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(dev)
+                t0 = time.perf_counter()
+            with precision.autocast():
+                loss = F.cross_entropy(model(x), y)
+            precision.backward(loss)
+            skipped += 0 if precision.step(opt) is not False else 1
+            opt.zero_grad(set_to_none=True)
+            if first is None:
+                first = loss.detach()
+        _sync(dev)
+        seconds = time.perf_counter() - t0
+        alloc, reserved = _peaks(dev)
+        out.update(peak_alloc_gib=alloc, peak_reserved_gib=reserved, img_per_s=b * steps / seconds,
+                   loss_first=float(first), loss_last=float(loss.detach()), skipped_steps=skipped)
+
+    try:
+        run()
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        out.update(status="oom", error=str(e).splitlines()[0][:200])
+    return out
+
+
+def measure_max_batch(spec: dict[str, Any]) -> dict[str, Any]:
+    """The largest batch whose real training steps fit this configuration (run inside a worker; CUDA only)."""
+    import torch
+
+    from dlenv.autobatch import make_train_step_probe, search_max_batch
+    from dlenv.models import build_model
+
+    dev, model, conv, mode, fmt = _setup(spec)
+    out = dict(_env_info(dev, spec), convolutional=conv, precision=mode, status="ok")
+    if dev.type != "cuda":
+        return dict(out, max_batch=None)
+    del model
+    torch.cuda.empty_cache()
+
+    def factory():
+        torch.manual_seed(spec.get("seed", SEED))
+        return build_model(spec["model"], spec.get("num_classes", NUM_CLASSES))
+
+    probe = make_train_step_probe(factory, mode, spec.get("checkpoint", False), spec["img_size"],
+                                  spec.get("num_classes", NUM_CLASSES), dev,
+                                  channels_last=bool(spec.get("channels_last")))
+    res = search_max_batch(probe, start=spec["batch_size"], tolerance=spec.get("tolerance", 0.01),
+                           what=f"{spec['model']} at {spec['img_size']} px")
+    probe.close()
+    return dict(out, max_batch=res.largest_fit, max_batch_tries=len(res.tries), max_batch_s=res.seconds)
+
+
+def measure_allocator(spec: dict[str, Any]) -> dict[str, Any]:
+    """Peak allocated/reserved, fragmentation and images/s on a shape-changing workload (in a worker).
+
+    The worker's PYTORCH_CUDA_ALLOC_CONF is the setting under test; the workload is the same seeded
+    schedule of batch and image sizes for every setting.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from dlenv.compat import is_oom
+    from dlenv.precision import Precision
+
+    dev, model, conv, mode, fmt = _setup(spec)
+    out = dict(_env_info(dev, spec), precision=mode, status="ok")
+    schedule = fragmentation_schedule(spec["batch_size"], spec["img_size"], spec["steps"])
+    precision = Precision(mode, dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    gen = torch.Generator().manual_seed(spec.get("seed", SEED) + 2)
+
+    def run() -> None:
+        images = 0
+        _sync(dev)
+        t0 = time.perf_counter()
+        for b, s in schedule:
+            x = torch.randn(b, 3, s, s, generator=gen).to(dev).contiguous(memory_format=fmt)
+            y = torch.randint(0, spec.get("num_classes", NUM_CLASSES), (b,), generator=gen).to(dev)
+            with precision.autocast():
+                loss = F.cross_entropy(model(x), y)
+            precision.backward(loss)
+            precision.step(opt)
+            opt.zero_grad(set_to_none=True)
+            images += b
+        _sync(dev)
+        alloc, reserved = _peaks(dev)
+        out.update(peak_alloc_gib=alloc, peak_reserved_gib=reserved,
+                   fragmentation=(1 - alloc / reserved) if reserved else None,
+                   img_per_s=images / (time.perf_counter() - t0))
+
+    try:
+        run()
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        out.update(status="oom", error=str(e).splitlines()[0][:200])
+    return out
+
+
+_MODES = {"measure": measure, "max_batch": measure_max_batch, "allocator": measure_allocator}
+
+
+def _worker_main(argv: list[str]) -> int:
+    """Entry of `python -m dlenv.bench --worker SPEC --result FILE`: run one spec, write JSON to FILE."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m dlenv.bench")
+    p.add_argument("--worker", required=True, help="JSON spec of one measurement")
+    p.add_argument("--result", required=True, help="file to write the JSON result to")
+    a = p.parse_args(argv)
+    spec = json.loads(a.worker)
+    try:
+        result = _MODES[spec.get("mode", "measure")](spec)
+    except UserError as e:
+        result = {"status": "user_error", "error": str(e)}
+    Path(a.result).write_text(json.dumps(result), encoding="utf-8")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tables, CSV and chart from the results (no torch here).
+
+
+def _ratio(v: float | None, ref: float | None) -> float | None:
+    return v / ref if v is not None and ref else None
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Fill mem_vs_fp32 (peak allocated) and speed_vs_fp32 from the row whose key is 'fp32'."""
+    ref = next((r for r in rows if r["key"] == "fp32"), {})
+    for r in rows:
+        r["mem_vs_fp32"] = _ratio(r.get("peak_alloc_gib"), ref.get("peak_alloc_gib"))
+        r["speed_vs_fp32"] = _ratio(r.get("img_per_s"), ref.get("img_per_s"))
+    return rows
+
+
+def _num(v: Any, fmt: str, na: str = "NA") -> str:
+    return na if v is None or v == "" else format(v, fmt)
+
+
+def _pct(ratio: float | None) -> str:
+    return "—" if ratio is None else f"{(ratio - 1) * 100:+.0f}%"
+
+
+def markdown_table(rows: list[dict[str, Any]], steps: int, with_max_batch: bool) -> str:
+    """The articles' table: Configuration | Peak alloc GiB | Peak reserved GiB | vs FP32 | img/s | ..."""
+    head = ["Configuration", "Peak alloc GiB", "Peak reserved GiB", "vs FP32", "img/s", "speed vs FP32",
+            f"loss after {steps} steps"]
+    if with_max_batch:
+        head.append("max batch")
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+    for r in rows:
+        label = r["configuration"] + (f" ({r['precision']})" if r.get("precision") in ("fp16", "bf16") else "")
+        if r.get("status") != "ok":
+            what = "out of memory" if r.get("status") == "oom" else f"failed: {r.get('error', '?')}"
+            cells = [label, what] + ["—"] * (len(head) - 2)
+            if with_max_batch:
+                cells[-1] = _num(r.get("max_batch"), "d")
+        else:
+            cells = [label, _num(r.get("peak_alloc_gib"), ".2f"), _num(r.get("peak_reserved_gib"), ".2f"),
+                     _pct(r.get("mem_vs_fp32")), _num(r.get("img_per_s"), ".1f"),
+                     _num(r.get("speed_vs_fp32"), ".2f", "—") + ("x" if r.get("speed_vs_fp32") else ""),
+                     _num(r.get("loss_last"), ".4f")]
+            if with_max_batch:
+                cells.append(_num(r.get("max_batch"), "d"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def allocator_table(rows: list[dict[str, Any]]) -> str:
+    """Setting | Peak alloc GiB | Peak reserved GiB | fragmentation | img/s."""
+    lines = ["| PYTORCH_CUDA_ALLOC_CONF | Peak alloc GiB | Peak reserved GiB | fragmentation | img/s |",
+             "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        if r.get("status") != "ok":
+            what = "out of memory" if r.get("status") == "oom" else f"failed: {r.get('error', '?')}"
+            lines.append(f"| {r['setting'] or '(unset)'} | {what} | — | — | — |")
+            continue
+        frag = r.get("fragmentation")
+        lines.append(f"| {r['setting'] or '(unset)'} | {_num(r.get('peak_alloc_gib'), '.2f')} | "
+                     f"{_num(r.get('peak_reserved_gib'), '.2f')} | "
+                     f"{'NA' if frag is None else f'{frag * 100:.1f}%'} | {_num(r.get('img_per_s'), '.1f')} |")
+    return "\n".join(lines)
+
+
+def _atomic_write(path: Path, write) -> None:
+    """Write through a temporary file beside `path`, renamed into place when complete."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path, columns: list[str]) -> Path:
+    """`rows` as CSV with `columns` (missing values empty, floats to 6 significant digits)."""
+    def write(tmp: Path) -> None:
+        with tmp.open("w", newline="", encoding="utf-8") as fh:
+            w = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore")
+            w.writeheader()
+            for r in rows:
+                w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else ("" if v is None else v))
+                            for k, v in ((k, r.get(k)) for k in columns)})
+
+    _atomic_write(Path(path), write)
+    return Path(path)
+
+
+def bar_chart(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
+    """Two panels: peak allocated/reserved GiB per configuration (when measured) and images/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok"]
+    labels = [r["configuration"].replace(" + ", "\n+ ") for r in ok]
+    xs = list(range(len(ok)))
+    fig, (ax_mem, ax_speed) = plt.subplots(1, 2, figsize=(max(10, 1.9 * len(ok) + 4), 4.8))
+    if any(r.get("peak_alloc_gib") is not None for r in ok):
+        w = 0.4
+        alloc = [r.get("peak_alloc_gib") or 0 for r in ok]
+        reserved = [r.get("peak_reserved_gib") or 0 for r in ok]
+        ax_mem.bar([x - w / 2 for x in xs], alloc, w, label="peak allocated")
+        ax_mem.bar([x + w / 2 for x in xs], reserved, w, label="peak reserved")
+        for x, a in zip(xs, alloc, strict=True):
+            ax_mem.annotate(f"{a:.1f}", (x - w / 2, a), ha="center", va="bottom", fontsize=8)
+        ax_mem.set_ylabel("GiB")
+        ax_mem.legend()
+    else:
+        ax_mem.text(0.5, 0.5, "memory numbers need a CUDA GPU", ha="center", va="center",
+                    transform=ax_mem.transAxes)
+    ax_mem.set_title("Peak GPU memory")
+    speeds = [r.get("img_per_s") or 0 for r in ok]
+    ax_speed.bar(xs, speeds, 0.6, color="tab:green")
+    ax_speed.set_title("Training throughput")
+    ax_speed.set_ylabel("images / s")
+    for ax in (ax_mem, ax_speed):
+        ax.set_xticks(xs)
+        ax.set_xticklabels(labels, fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    _atomic_write(Path(path), lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    plt.close(fig)
+    return Path(path)
+
+
+def _header(cfg: Any, info: dict[str, Any]) -> str:
+    where = info.get("gpu") or "CPU"
+    mem = f", {info['gpu_total_gib']:.0f} GiB" if info.get("gpu_total_gib") else ""
+    if info.get("gpu_capped_gib"):
+        mem += f" capped at {info['gpu_capped_gib']:g} GiB (--gpu-memory-gib)"
+    return (f"{cfg.model}, batch {cfg.batch_size}, {cfg.img_size} px, {cfg.warmup} warmup + {cfg.steps} timed "
+            f"steps (SGD, {NUM_CLASSES} classes) on {where}{mem}; PyTorch {info.get('torch')}, CUDA "
+            f"{info.get('cuda') or '-'}; PYTORCH_CUDA_ALLOC_CONF={info.get('alloc_conf') or '(unset)'}")
+
+
+def report(cfg: Any, rows: list[dict[str, Any]], alloc_rows: list[dict[str, Any]],
+           info: dict[str, Any]) -> str:
+    """The whole memory.md text: header, the configuration table, notes, the allocator table."""
+    parts = [f"# bench-memory: {cfg.model}", "", _header(cfg, info), "",
+             markdown_table(rows, cfg.warmup + cfg.steps, cfg.max_batch), ""]
+    notes = ["Peak alloc/reserved: torch.cuda.max_memory_allocated/reserved over the timed steps, each "
+             "configuration in a fresh process. vs FP32: peak allocated relative to FP32.",
+             f"Loss: cross-entropy at step {cfg.warmup + cfg.steps}, from the same seeded weights on the same "
+             "seeded batch in every configuration."]
+    if info.get("device") != "cuda":
+        notes.insert(0, "Memory numbers need a CUDA GPU: this run on the CPU measured speed and loss only.")
+    if cfg.max_batch:
+        notes.append("Max batch: the largest batch whose real training steps (forward, backward, SGD step) "
+                     "fit, by doubling then bisection to within 1%, in a fresh process per configuration.")
+    skipped = [r["configuration"] for r in rows if r.get("skipped_steps")]
+    if skipped:
+        notes.append("The fp16 GradScaler skipped its first step(s) while finding its scale in: "
+                     + ", ".join(skipped) + " (so their loss is a step or two behind).")
+    parts += [f"- {n}" for n in notes]
+    if alloc_rows:
+        sched = fragmentation_schedule(cfg.batch_size, cfg.img_size, cfg.alloc_steps)
+        parts += ["", "## Allocator settings", "",
+                  f"{alloc_rows[0].get('precision', '')} training whose batch and image size change every "
+                  f"step ({len(sched)} steps: batches {min(b for b, _ in sched)}-{max(b for b, _ in sched)}, "
+                  f"images {min(s for _, s in sched)}-{max(s for _, s in sched)} px), each setting in a fresh "
+                  "process. Fragmentation = 1 - peak allocated / peak reserved: the share of reserved memory "
+                  "that tensors never used at the peak.", "", allocator_table(alloc_rows)]
+    elif cfg.allocator:
+        parts += ["", "Allocator settings: not compared (they need a CUDA GPU)."]
+    return "\n".join(parts) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The command.
+
+
+def _spec(cfg: Any, mode: str = "measure", **extra: Any) -> dict[str, Any]:
+    return dict(mode=mode, model=cfg.model, batch_size=cfg.batch_size, img_size=cfg.img_size,
+                warmup=cfg.warmup, steps=cfg.steps, amp_dtype=cfg.amp_dtype, device=cfg.device,
+                seed=SEED, num_classes=NUM_CLASSES, gpu_memory_gib=cfg.gpu_memory_gib, **extra)
+
+
+def run_bench(cfg: Any, progress=print) -> tuple[list[dict], list[dict], dict]:
+    """Run every configuration (and the allocator settings) in fresh workers.
+
+    Returns (rows, allocator rows, environment info of the first worker). Raises UserError for an
+    unknown model or a device that is not there.
+    """
+    rows: list[dict[str, Any]] = []
+    info: dict[str, Any] = {}
+    todo = configurations(False, False)
+    i = 0
+    while i < len(todo):
+        c = todo[i]
+        progress(f"[bench-memory] {c['label']} ...")
+        res = run_worker(_spec(cfg, amp=c["amp"], checkpoint=c["checkpoint"], channels_last=c["channels_last"]))
+        if not info and "device" in res:
+            info = {k: res.get(k) for k in ("device", "gpu", "gpu_total_gib", "gpu_capped_gib", "torch", "cuda",
+                                             "alloc_conf")}
+            # the first worker tells whether the model is convolutional: add channels_last variants
+            todo = configurations(bool(res.get("convolutional")), cfg.channels_last)
+        row = dict(res, key=c["key"], configuration=c["label"], checkpoint=c["checkpoint"],
+                   channels_last=c["channels_last"], batch_size=cfg.batch_size, img_size=cfg.img_size,
+                   steps=cfg.warmup + cfg.steps)
+        if cfg.max_batch and info.get("device") == "cuda":
+            progress(f"[bench-memory] {c['label']}: largest batch ...")
+            mb = run_worker(_spec(cfg, "max_batch", amp=c["amp"], checkpoint=c["checkpoint"],
+                                  channels_last=c["channels_last"]))
+            row["max_batch"] = mb.get("max_batch")
+        rows.append(row)
+        i += 1
+    add_ratios(rows)
+
+    alloc_rows: list[dict[str, Any]] = []
+    if cfg.allocator and info.get("device") == "cuda":
+        from dlenv.compat import HAS_EXPANDABLE_SEGMENTS  # imports torch, in this one case only
+
+        for setting in allocator_settings(HAS_EXPANDABLE_SEGMENTS):
+            progress(f"[bench-memory] allocator {setting or '(unset)'} ...")
+            res = run_worker(_spec(cfg, "allocator", amp=True, checkpoint=False, channels_last=False,
+                                   steps=cfg.alloc_steps), alloc_conf=setting)
+            alloc_rows.append(dict(res, setting=setting))
+    return rows, alloc_rows, info
+
+
+def main(cfg: Any) -> int:
+    """`dlenv bench-memory`: run, print the tables, write memory.md/.csv/.png and allocator.csv to --out.
+
+    Returns 0, or 1 when a configuration's worker failed for a reason other than out of memory.
+    """
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, alloc_rows, info = run_bench(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    text = report(cfg, rows, alloc_rows, info)
+    _atomic_write(out / "memory.md", lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    write_csv(rows, out / "memory.csv", CSV_COLUMNS)
+    if alloc_rows:
+        write_csv(alloc_rows, out / "allocator.csv", ALLOC_COLUMNS)
+    bar_chart(rows, out / "memory.png", _header(cfg, info))
+    print(text)
+    print(f"written: {out / 'memory.md'}, {out / 'memory.csv'}, {out / 'memory.png'}"
+          + (f", {out / 'allocator.csv'}" if alloc_rows else ""))
+    failed = [r for r in rows + alloc_rows if r.get("status") == "error"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_worker_main(sys.argv[1:]))

@@ -1,0 +1,224 @@
+"""What dlenv.compress works on and how it measures it.
+
+A command starts from a `Source`: a dlenv checkpoint with the model rebuilt from it, its class names
+and image size. Data for re-validation comes from `--data` or the data the checkpoint was trained on
+(the same rules as `dlenv val`). The measurements are the ones every compress report prints:
+top-1 on that data, serialized size raw and zipped (zip deflate, as a download or an artifact store
+would compress it), and median CPU latency of one image.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import os
+import statistics
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from dlenv.errors import UserError
+
+
+@dataclasses.dataclass
+class Source:
+    """A loaded checkpoint: its path, the raw dict, the rebuilt float model (CPU, eval mode), its
+    class names and image size."""
+
+    path: Path
+    ckpt: dict
+    model: torch.nn.Module
+    class_names: list[str]
+    img_size: int
+
+
+def load_source(weights: str | None, verb: str) -> Source:
+    """Load `weights` as a dlenv checkpoint and rebuild its model.
+
+    Raises UserError when --weights is missing, the file is missing/corrupt/unsafe, it is a bare
+    state dict or a checkpoint without class names, or the weights don't fit the architecture.
+    """
+    from dlenv.checkpoint import is_bare_state_dict, is_dlenv_checkpoint, load_checkpoint, model_from_checkpoint
+
+    if not weights:
+        raise UserError(f"--weights is required: the checkpoint to {verb} (e.g. runs/exp/best_model.pth)")
+    path = Path(weights)
+    ckpt = load_checkpoint(path)
+    if not is_dlenv_checkpoint(ckpt):
+        what = "a bare state dict" if is_bare_state_dict(ckpt) else "not a dlenv checkpoint"
+        raise UserError(f"{path} is {what}, without class names or image size; {verb} needs a checkpoint "
+                        "written by `invoke train` (best_model.pth or last.pth). Make one with "
+                        f"invoke train --weights {path} --model NAME --data FOLDER --epochs 1")
+    names = ckpt.get("class_names")
+    if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names):
+        raise UserError(f"{path} has no class names (its 'class_names' entry is missing or empty); "
+                        f"{verb} re-validates by class, so use a checkpoint written by `invoke train`")
+    if len(names) != int(ckpt.get("num_classes", len(names))):
+        raise UserError(f"{path} lists {len(names)} class names for a {ckpt['num_classes']}-class model; "
+                        "the checkpoint is inconsistent, use another one")
+    model, class_names, img_size = model_from_checkpoint(ckpt, source=str(path))
+    if not img_size:
+        img_size = 224
+        print(f"image size: 224 ({path} does not say)")
+    return Source(path, ckpt, model.cpu().eval(), list(class_names), int(img_size))
+
+
+def _val_data(data: str | None, src: Source) -> tuple[Path, list[tuple[str, int]]]:
+    """(root, samples) to measure on, with labels in the checkpoint's class order (as `dlenv val`)."""
+    from dlenv.evaluate import _match_classes, _resolve_data
+
+    # (root, samples, classes[, what]): the same choice of data as `dlenv val` makes
+    found = _resolve_data(SimpleNamespace(data=data), src.ckpt)
+    root, samples, classes = found[0], found[1], found[2]
+    remap = _match_classes(list(classes), src.class_names, False, root)
+    samples = [(p, remap[i]) for p, i in samples]
+    if not samples:
+        raise UserError(f"no images in {root}; pass --data with class folders of images")
+    return Path(root), samples
+
+
+def eval_loader(data: str | None, src: Source, batch_size: int, workers: int | str) -> tuple[Path, Any]:
+    """(root, loader) over the images to re-validate on: --data, else the checkpoint's own val data.
+
+    Raises UserError when neither is there or its classes differ from the checkpoint's.
+    """
+    from dlenv.data.loaders import build_eval_loader
+
+    root, samples = _val_data(data, src)
+    return root, build_eval_loader(samples, src.img_size, batch_size, workers)
+
+
+def train_layout(src: Source) -> Any:
+    """The training split of the data the checkpoint was trained on, labels in its class order.
+
+    Returns a dlenv.data.folder.Layout with an empty val split (for fine-tuning). Raises UserError
+    when that data is not on this machine.
+    """
+    from dlenv.data.folder import find_layout
+    from dlenv.evaluate import _match_classes, _resolve_data
+
+    train_cfg = src.ckpt.get("config") if isinstance(src.ckpt.get("config"), dict) else {}
+    root = Path(_resolve_data(SimpleNamespace(data=None), src.ckpt)[0])
+    layout = find_layout(root, val_split=float(train_cfg.get("val_split", 0.2)),
+                         seed=int(train_cfg.get("seed", 0)))
+    remap = _match_classes(list(layout.classes), src.class_names, False, root)
+    train = [(p, remap[i]) for p, i in layout.train]
+    if not train:
+        raise UserError(f"no training images in {root}; fine-tuning needs the data the checkpoint was "
+                        "trained on")
+    return dataclasses.replace(layout, classes=list(src.class_names), train=train, val=[], test=[])
+
+
+def top1(model: torch.nn.Module, loader: Any, device: torch.device | str, class_names: list[str]) -> float:
+    """Top-1 accuracy in % of `model` over `loader` (evaluated on `device`)."""
+    from dlenv.evaluate import compute_metrics, predict
+
+    logits, targets = predict(model, loader, device)
+    if len(targets) == 0:
+        raise UserError("none of the validation images could be read; check them with invoke data-report")
+    return float(compute_metrics(logits, targets, class_names)["top1"])
+
+
+def first_batch(loader: Any) -> torch.Tensor:
+    """The first batch of images of a loader (CPU float tensor)."""
+    for images, _ in loader:
+        return images
+    raise UserError("the data loader yielded no images; check the data with invoke data-report")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sizes and latency.
+
+
+def zipped_size(data: bytes) -> int:
+    """Bytes of `data` after zip deflate (level 6), the compression a download or upload would see."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=6) as zf:
+        zf.writestr("model", data)
+    return buf.tell()
+
+
+def saved_sizes(obj: Any) -> tuple[int, int]:
+    """(raw, zipped) bytes of torch.save(obj) (a state dict, a checkpoint) or torch.jit.save(obj)."""
+    buf = io.BytesIO()
+    if isinstance(obj, torch.jit.ScriptModule):
+        torch.jit.save(obj, buf)
+    else:
+        torch.save(obj, buf)
+    raw = buf.getvalue()
+    return len(raw), zipped_size(raw)
+
+
+def file_sizes(path: str | Path) -> tuple[int, int]:
+    """(raw, zipped) bytes of a file."""
+    raw = Path(path).read_bytes()
+    return len(raw), zipped_size(raw)
+
+
+def cpu_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A float CPU copy of `model` in eval mode (the original may live on a GPU)."""
+    return copy.deepcopy(model).float().cpu().eval()
+
+
+def cpu_latency_ms(model: Any, img_size: int, batch: int = 1, min_runs: int = 10, budget_s: float = 2.0) -> float:
+    """Median wall time in ms of one forward of `batch` images on the CPU (after warm-up).
+
+    `model` must already be on the CPU. Runs at least `min_runs` times, more while under `budget_s`,
+    at torch's current thread count (torch.get_num_threads()).
+    """
+    x = torch.randn(batch, 3, img_size, img_size)
+    times: list[float] = []
+    with torch.no_grad():
+        for _ in range(3):
+            model(x)
+        start = time.perf_counter()
+        while len(times) < min_runs or (time.perf_counter() - start < budget_s and len(times) < 200):
+            t0 = time.perf_counter()
+            model(x)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
+# ---------------------------------------------------------------------------------------------------
+# Printing.
+
+
+def mib(n: float) -> str:
+    """Bytes as MiB with 2 decimals ('11.23 MiB'), or KiB below 1 MiB."""
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A plain-text table: the first column left-aligned, the others right-aligned."""
+    cells = [[str(c) for c in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for k, r in enumerate(cells):
+        padded = (c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        lines.append("  ".join(padded).rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_atomic(path: Path, write: Any) -> Path:
+    """Call `write(tmp_path)` for a temporary file beside `path`, then os.replace it into place.
+
+    A failure removes the temporary file and leaves whatever was at `path` untouched.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -1,0 +1,188 @@
+"""`dlenv export`: a checkpoint to ONNX or TorchScript (float32, fp16 or int8), checked against PyTorch.
+
+The model is rebuilt from the checkpoint alone. Files have a dynamic batch axis (traced with one
+image, checked with a whole batch). After writing, the file is loaded back and run on real images
+from `--data` (or the checkpoint's own val data; random input only when there is none, and the
+report says so), and the largest absolute difference from PyTorch's output is reported:
+
+    onnx         onnxruntime when it is installed; else the ONNX checker validates the file and the
+                 TorchScript trace the exporter is built on is compared instead
+    torchscript  torch.jit.load of the written file
+
+`--half` exports fp16 for GPU inference (needs CUDA). `--quantize dynamic|static` converts to int8
+for CPU inference first (see dlenv.compress.quantize) and reports top-1, size and CPU latency before
+and after; int8 models go to TorchScript only, since PyTorch's quantized modules do not export to
+ONNX reliably (quantize the float ONNX file with onnxruntime's tools instead).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlenv import compat
+from dlenv.compress import common, quantize
+from dlenv.errors import UserError
+
+_SUFFIX = {"onnx": ".onnx", "torchscript": ".torchscript.pt"}
+
+
+def _check_options(cfg: Any) -> None:
+    """UserError for option combinations that cannot work here, before anything is loaded."""
+    if cfg.half and cfg.quantize != "none":
+        raise UserError("--half and --quantize don't mix: fp16 is for GPU inference, int8 for CPU; pick one")
+    if cfg.quantize != "none" and cfg.format == "onnx":
+        raise UserError(f"--quantize {cfg.quantize} with --format onnx is not supported: PyTorch's int8 modules "
+                        "do not export to ONNX reliably; use --format torchscript, or export float ONNX "
+                        "and quantize it with onnxruntime.quantization")
+    if cfg.half and not torch.cuda.is_available():
+        raise UserError(f"--half needs a CUDA GPU (fp16 export is for GPU inference) and PyTorch "
+                        f"{torch.__version__} sees none here; drop --half to export float32")
+    if cfg.quantize != "none":
+        quantize.check_available(cfg.quantize)
+    if cfg.format == "onnx":
+        reason = compat.onnx_export_unavailable()
+        if reason:
+            raise UserError(f"--format onnx: {reason}")
+
+
+def output_path(cfg: Any, src_path: Path) -> Path:
+    """--out, else <stem>[_fp16|_int8_dynamic|_int8_static].onnx / .torchscript.pt beside the checkpoint."""
+    if cfg.out:
+        out = Path(cfg.out)
+    else:
+        tag = "_fp16" if cfg.half else (f"_int8_{cfg.quantize}" if cfg.quantize != "none" else "")
+        out = src_path.with_name(f"{src_path.stem}{tag}{_SUFFIX[cfg.format]}")
+    if out.resolve() == src_path.resolve():
+        raise UserError(f"--out {out} is the input checkpoint; write the export to another file")
+    return out
+
+
+def _check_inputs(cfg: Any, src: common.Source) -> tuple[torch.Tensor, Any, str]:
+    """(images, loader or None, description) to check and calibrate with."""
+    try:
+        root, loader = common.eval_loader(cfg.data, src, cfg.batch_size, cfg.workers)
+    except UserError as e:
+        if cfg.data or cfg.quantize != "none":
+            raise
+        print(f"no data for the output check ({e}); checking on random input instead")
+        n = min(cfg.batch_size, 4)
+        return torch.randn(n, 3, src.img_size, src.img_size), None, f"{n} random inputs (no data found)"
+    images = common.first_batch(loader)
+    return images, loader, f"{len(images)} real images from {root}"
+
+
+def run_exported(path: Path, fmt: str, inputs: torch.Tensor, device: torch.device,
+                 model: torch.nn.Module, example: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """Outputs of the exported file on `inputs` (float32 CPU) and how they were obtained.
+
+    ONNX: onnxruntime when installed (CUDA provider for fp16 where it has one). Without it, or when
+    it cannot run the file, onnx.checker validates the file and the TorchScript trace of `model` is
+    run instead.
+    """
+    if fmt == "torchscript":
+        loaded = torch.jit.load(str(path), map_location=device)
+        with torch.no_grad():
+            return loaded(inputs).float().cpu(), "TorchScript (torch.jit.load of the file)"
+    note = "onnxruntime not installed"
+    if importlib.util.find_spec("onnxruntime") is not None:
+        import onnxruntime as ort
+
+        providers = ["CPUExecutionProvider"]
+        if device.type == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
+            providers.insert(0, "CUDAExecutionProvider")
+        try:
+            sess = ort.InferenceSession(str(path), providers=providers)
+            out = sess.run(None, {sess.get_inputs()[0].name: inputs.cpu().numpy()})[0]
+            return torch.from_numpy(out).float(), f"onnxruntime {ort.__version__} ({providers[0]})"
+        except Exception as e:  # e.g. no fp16 kernel on the CPU provider: fall back, and say why
+            note = f"onnxruntime could not run it: {str(e).strip().splitlines()[0][:120]}"
+    import onnx
+
+    onnx.checker.check_model(str(path))
+    traced = compat.jit_trace(model, example)
+    with torch.no_grad():
+        out = traced(inputs).float().cpu()
+    return out, f"ONNX checker passed + TorchScript trace comparison ({note})"
+
+
+def _quantize(cfg: Any, src: common.Source, loader: Any, example: torch.Tensor) -> torch.nn.Module:
+    """The int8 model, after printing the float-vs-int8 table (top-1, TorchScript size, CPU latency)."""
+    model = src.model
+    if cfg.quantize == "dynamic":
+        q = quantize.quantize_dynamic(model)
+    else:
+        q = quantize.quantize_static(model, quantize.calibration_batches(loader, cfg.calib_batches), example)
+    int8, flt = quantize.int8_layers(q)
+    print(f"int8 ({cfg.quantize}, {compat.quant_backend()} engine): {int8} conv/linear layers int8, "
+          f"{flt} kept float")
+    rows = []
+    cpu = torch.device("cpu")
+    if loader is not None:
+        rows.append(["top-1 (%)", f"{common.top1(common.cpu_copy(model), loader, cpu, src.class_names):.2f}",
+                     f"{common.top1(q, loader, cpu, src.class_names):.2f}"])
+    f_raw, f_zip = common.saved_sizes(compat.jit_trace(common.cpu_copy(model), example))
+    q_raw, q_zip = common.saved_sizes(compat.jit_trace(q, example))
+    rows += [["TorchScript size", common.mib(f_raw), common.mib(q_raw)],
+             ["zipped", common.mib(f_zip), common.mib(q_zip)],
+             ["CPU latency, 1 image", f"{common.cpu_latency_ms(common.cpu_copy(model), src.img_size):.2f} ms",
+              f"{common.cpu_latency_ms(q, src.img_size):.2f} ms"]]
+    print(common.table(["", "float32", f"int8 {cfg.quantize}"], rows))
+    print(f"(CPU, {src.img_size}px, {torch.get_num_threads()} threads, median)")
+    return q
+
+
+def tolerance(ref: torch.Tensor, half: bool) -> float:
+    """Largest acceptable |exported - PyTorch| for outputs `ref`: relative to their scale, looser in fp16."""
+    scale = max(1.0, float(ref.abs().max()))
+    return (2e-2 if half else 1e-3) * scale
+
+
+def main(cfg: Any) -> int:
+    """`dlenv export`: write cfg.weights as ONNX or TorchScript and check it against PyTorch.
+
+    Returns 0 when the exported outputs agree within `tolerance`, 1 when they don't (the file is
+    kept for inspection). Raises UserError for incompatible options (--half without CUDA, int8 ONNX),
+    a checkpoint that is missing or has no class names, a model static quantization cannot handle,
+    or an environment that cannot export ONNX.
+    """
+    _check_options(cfg)
+    src = common.load_source(cfg.weights, "export")
+    out = output_path(cfg, src.path)
+    inputs, loader, described = _check_inputs(cfg, src)
+    example = inputs[:1]
+
+    model: torch.nn.Module = src.model
+    device = torch.device("cpu")
+    if cfg.quantize != "none":
+        model = _quantize(cfg, src, loader, example)
+    elif cfg.half:
+        device = torch.device("cuda")
+        model = model.half().to(device)
+        inputs, example = inputs.half().to(device), example.half().to(device)
+
+    if cfg.format == "torchscript":
+        traced = compat.jit_trace(model, example)
+        common.write_atomic(out, lambda p: torch.jit.save(traced, str(p)))
+    else:
+        common.write_atomic(out, lambda p: compat.onnx_export(model, example, p, cfg.opset))
+
+    with torch.no_grad():
+        ref = model(inputs).float().cpu()
+    got, how = run_exported(out, cfg.format, inputs, device, model, example)
+    diff = float((got - ref).abs().max())
+    tol = tolerance(ref, cfg.half)
+    agree = float((got.argmax(1) == ref.argmax(1)).float().mean() * 100)
+    raw, zipped = common.file_sizes(out)
+    dtype = "fp16" if cfg.half else (f"int8 {cfg.quantize}" if cfg.quantize != "none" else "float32")
+    print(f"wrote {out} ({cfg.format}, {dtype}, dynamic batch; {common.mib(raw)}, zipped {common.mib(zipped)})")
+    print(f"check on {described} via {how}: largest |difference| from PyTorch {diff:.3g} "
+          f"(tolerance {tol:.2g}), same top-1 class for {agree:.1f}%")
+    if diff > tol:
+        print(f"the exported model's outputs differ from PyTorch's by more than {tol:.2g}; {out} is kept "
+              "for inspection, do not deploy it unchecked")
+        return 1
+    return 0

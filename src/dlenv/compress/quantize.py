@@ -1,0 +1,167 @@
+"""int8 quantization for CPU inference: dynamic (linear layers) and static post-training (FX).
+
+Dynamic: weights of `nn.Linear` layers become int8 and activations are quantized on the fly per
+batch; no calibration. For a convnet this only touches the classifier, so most compute stays float.
+Static: FX graph mode (`prepare_fx` / `convert_fx`, the backend's default qconfig: per-channel
+weights, histogram-observed activations) fuses conv+bn+relu, observes activation ranges on a few
+calibration batches and converts conv and linear layers to int8 kernels (x86/fbgemm on Intel/AMD,
+qnnpack on ARM). Both give CPU-only models; they are saved as TorchScript. Version differences
+(torch.ao.quantization vs the 1.13 aliases, the deprecation of 2.9+) live in dlenv.compat.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dlenv import compat
+from dlenv.errors import UserError
+
+
+def check_available(mode: str) -> None:
+    """Raise UserError if this PyTorch cannot quantize to int8."""
+    reason = compat.quantization_unavailable()
+    if reason:
+        raise UserError(f"--quantize {mode}: {reason}; export in float (drop --quantize)")
+
+
+def quantize_dynamic(model: nn.Module) -> nn.Module:
+    """A dynamic int8 copy of `model` (its Linear layers), on the CPU in eval mode.
+
+    Raises UserError when the model has no Linear layer.
+    """
+    check_available("dynamic")
+    if not any(isinstance(m, nn.Linear) for m in model.modules()):
+        raise UserError("--quantize dynamic: the model has no Linear layer (dynamic int8 covers Linear "
+                        "layers only); use --quantize static for conv layers")
+    return compat.quantize_dynamic(copy.deepcopy(model).float().cpu().eval(), {nn.Linear})
+
+
+def _is_fx_leaf(m: nn.Module) -> bool:
+    """torch.fx treats torch.nn's own layers (not containers) as opaque leaves."""
+    return type(m).__module__.startswith("torch.nn") and not isinstance(m, (nn.Sequential, nn.ModuleList,
+                                                                              nn.ModuleDict))
+
+
+def untraceable_layer(model: nn.Module) -> str | None:
+    """The deepest submodule that torch.fx cannot trace symbolically, as "name (Type)"; None if none is."""
+    import torch.fx
+
+    worst = None
+    for name, sub in model.named_modules():
+        if not name or _is_fx_leaf(sub):
+            continue
+        try:
+            torch.fx.symbolic_trace(sub)
+        except Exception:  # any tracing failure marks the layer; the deepest one is the culprit
+            if worst is None or name.count(".") >= worst[0].count("."):
+                worst = (name, type(sub).__name__)
+    return f"{worst[0]} ({worst[1]})" if worst else None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:200]
+
+
+def quantize_static(model: nn.Module, calibration: Iterable[torch.Tensor], example: torch.Tensor) -> nn.Module:
+    """A static int8 copy of `model` calibrated on the `calibration` batches, on the CPU in eval mode.
+
+    Raises UserError when torch.fx cannot trace the model (naming the layer), when no calibration
+    batch is given, or when the converted model hits an op without an int8 CPU kernel.
+    """
+    check_available("static")
+    m = copy.deepcopy(model).float().cpu().eval()
+    example = example.float().cpu()
+    try:
+        prepared = compat.prepare_fx(m, (example,))
+    except Exception as e:  # FX tracing of the user's model: a limit of their model, not a dlenv bug
+        layer = untraceable_layer(m)
+        where = f"layer {layer}" if layer else f"model {type(m).__name__}"
+        raise UserError(f"--quantize static: {where} is not supported for static quantization: torch.fx "
+                        f"cannot trace it ({_first_line(e)}); use --quantize dynamic, or export in float"
+                        ) from None
+    seen = 0
+    with torch.no_grad():
+        for images in calibration:
+            prepared(images.float().cpu())
+            seen += 1
+    if not seen:
+        raise UserError("--quantize static needs calibration images; pass --data with class folders of images")
+    q = compat.convert_fx(prepared)
+    try:
+        with torch.no_grad():
+            q(example)
+    except (RuntimeError, NotImplementedError) as e:
+        where = failing_op(q, example) or "an operator of this model"
+        raise UserError(f"--quantize static: {where} has no int8 CPU kernel for its input in PyTorch "
+                        f"{torch.__version__} ({_first_line(e)}); use --quantize dynamic, or export in float"
+                        ) from None
+    return q
+
+
+def _describe(node: Any, gm: nn.Module) -> str:
+    """A graph node as the user wrote it: the layer or call, and the source line it came from."""
+    if node.op == "call_module":
+        what = f"layer {node.target} ({type(gm.get_submodule(node.target)).__name__})"
+    elif node.op == "call_method":
+        what = f"x.{node.target}(...)"
+    else:
+        what = f"{getattr(node.target, '__name__', node.target)}(...)"
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', getattr(node, "stack_trace", None) or "")
+    torch_dir = str(Path(torch.__file__).parent)
+    user = [f for f in frames if not f[0].startswith(torch_dir)]
+    if user:
+        file, line, func = user[0]
+        what += f" at {Path(file).name}:{line} (in {func})"
+    return what
+
+
+def failing_op(gm: nn.Module, example: torch.Tensor) -> str | None:
+    """Run an FX GraphModule node by node and describe the first node that raises; None if none does."""
+    import torch.fx
+
+    class _Finder(torch.fx.Interpreter):
+        failed = None
+
+        def run_node(self, n: Any) -> Any:
+            try:
+                return super().run_node(n)
+            except Exception:  # remember where, then let it propagate
+                if self.failed is None:
+                    self.failed = n
+                raise
+
+    finder = _Finder(gm)
+    try:
+        with torch.no_grad():
+            finder.run(example)
+    except Exception:  # the failure itself is reported by the caller
+        pass
+    return _describe(finder.failed, gm) if finder.failed is not None else None
+
+
+def int8_layers(model: nn.Module) -> tuple[int, int]:
+    """(int8, float) counts of the conv and linear layers of a (possibly) quantized model."""
+    int8 = flt = 0
+    for m in model.modules():
+        name = type(m).__name__
+        if "quantized" in type(m).__module__ and ("Conv" in name or "Linear" in name):
+            int8 += 1
+        elif isinstance(m, (nn.modules.conv._ConvNd, nn.Linear)):
+            flt += 1
+    return int8, flt
+
+
+def calibration_batches(loader: Any, n: int) -> Iterable[torch.Tensor]:
+    """The images of the first `n` batches of `loader`."""
+    for i, (images, _) in enumerate(loader):
+        if i >= n:
+            return
+        yield images

@@ -1,0 +1,239 @@
+"""The built-in demo dataset: ten classes of geometric shapes, generated on the spot, no download.
+
+Each image is one shape (circle, ring, square, frame, triangle, star, cross, hexagon, crescent, arrow)
+of random colour, size, position and rotation on a random two-colour gradient with noise. Colour is
+drawn independently of the class, so the task needs shape, not colour: a classifier on mean colour is
+at chance, a small CNN learns it in minutes on a CPU. The same seed gives the same bytes.
+
+`ensure_demo_data` writes train/<class>/*.png and val/<class>/*.png into a temporary folder beside
+the destination and renames it into place when complete; a complete dataset with the same settings
+is reused, so `dlenv train` without --data can call it every time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dlenv.errors import UserError
+
+#: The demo's image size, and the default --img-size when training on it.
+DEMO_IMG_SIZE = 64
+CLASSES = ("arrow", "circle", "crescent", "cross", "frame", "hexagon", "ring", "square", "star",
+           "triangle")
+#: Bump when the drawing changes, so an older dataset on disk is not mistaken for the current one.
+VERSION = 1
+MARKER = ".dlenv-demo.json"
+_SUPERSAMPLE = 4  # shapes are drawn 4x larger and box-filtered down: smooth, anti-aliased edges
+
+
+def _polygon(cx: float, cy: float, pts: list[tuple[float, float]], angle: float) -> list[tuple[float, float]]:
+    """Local (x, y) points rotated by `angle` and moved to (cx, cy)."""
+    c, s = math.cos(angle), math.sin(angle)
+    return [(cx + x * c - y * s, cy + x * s + y * c) for x, y in pts]
+
+
+def _regular(n: int, r: float, phase: float = 0.0) -> list[tuple[float, float]]:
+    return [(r * math.cos(phase + 2 * math.pi * k / n), r * math.sin(phase + 2 * math.pi * k / n))
+            for k in range(n)]
+
+
+def _shape_mask(name: str, rng: np.random.Generator, size: int) -> np.ndarray:
+    """Coverage (0..1, float32, size x size) of one randomly placed, sized and rotated shape."""
+    from PIL import Image, ImageDraw
+
+    big = size * _SUPERSAMPLE
+    mask = Image.new("L", (big, big), 0)
+    draw = ImageDraw.Draw(mask)
+    r = rng.uniform(0.2, 0.36) * big  # half-extent of the shape
+    margin = 0.07 * big  # keeps the shape inside the eval centre crop (256/224 resize)
+    cx, cy = rng.uniform(r + margin, big - r - margin, size=2)
+    a = rng.uniform(0, 2 * math.pi)
+
+    def poly(pts, fill=255):
+        draw.polygon(_polygon(cx, cy, pts, a), fill=fill)
+
+    def disc(x, y, rad, fill=255):
+        draw.ellipse((x - rad, y - rad, x + rad, y + rad), fill=fill)
+
+    if name == "circle":
+        disc(cx, cy, r)
+    elif name == "ring":
+        disc(cx, cy, r)
+        disc(cx, cy, r * rng.uniform(0.5, 0.7), 0)
+    elif name == "square":
+        poly(_regular(4, r))
+    elif name == "frame":
+        poly(_regular(4, r))
+        poly(_regular(4, r * rng.uniform(0.5, 0.65)), 0)
+    elif name == "triangle":
+        poly(_regular(3, r))
+    elif name == "hexagon":
+        poly(_regular(6, r))
+    elif name == "star":
+        outer, inner = _regular(5, r), _regular(5, r * 0.42, math.pi / 5)
+        poly([p for pair in zip(outer, inner, strict=True) for p in pair])
+    elif name == "cross":
+        w = r * rng.uniform(0.25, 0.35)
+        poly([(-w, -r), (w, -r), (w, -w), (r, -w), (r, w), (w, w), (w, r), (-w, r), (-w, w), (-r, w),
+              (-r, -w), (-w, -w)])
+    elif name == "crescent":
+        disc(cx, cy, r)
+        off = r * rng.uniform(0.4, 0.55)
+        disc(cx + off * math.cos(a), cy + off * math.sin(a), r * 0.85, 0)
+    elif name == "arrow":
+        w, head = r * 0.22, r * 0.15
+        poly([(-r, -w), (head, -w), (head, -2.6 * w), (r, 0), (head, 2.6 * w), (head, w), (-r, w)])
+    else:
+        raise ValueError(f"unknown demo class {name!r}")
+    small = mask.resize((size, size), Image.BOX)
+    return np.asarray(small, dtype=np.float32) / 255.0
+
+
+def _colour(rng: np.random.Generator) -> np.ndarray:
+    return rng.uniform(0, 255, size=3).astype(np.float32)
+
+
+def render(name: str, rng: np.random.Generator, size: int = DEMO_IMG_SIZE) -> np.ndarray:
+    """One demo image of class `name` as a (size, size, 3) uint8 array."""
+    # Background: a linear gradient between two random colours in a random direction.
+    c1, c2 = _colour(rng), _colour(rng)
+    t = np.linspace(-1.0, 1.0, size, dtype=np.float32)
+    ang = rng.uniform(0, 2 * math.pi)
+    ramp = (math.cos(ang) * t[None, :] + math.sin(ang) * t[:, None]) / 2.0 + 0.5
+    img = c1 + (c2 - c1) * ramp[..., None]
+    # Shape colour: random, but far enough from the background that the shape is visible. This
+    # rule is the same for every class, so colour carries no information about the class.
+    bg_mean = (c1 + c2) / 2
+    fg = _colour(rng)
+    while np.linalg.norm(fg - bg_mean) < 90:
+        fg = _colour(rng)
+    alpha = _shape_mask(name, rng, size)[..., None]
+    img = img * (1 - alpha) + fg * alpha
+    img += rng.normal(0, rng.uniform(4, 16), size=img.shape).astype(np.float32)
+    return np.clip(np.rint(img), 0, 255).astype(np.uint8)
+
+
+def _write_split(root: Path, split: int, split_name: str, per_class: int, size: int, seed: int) -> None:
+    from PIL import Image
+
+    for ci, name in enumerate(CLASSES):
+        d = root / split_name / name
+        d.mkdir(parents=True)
+        for i in range(per_class):
+            # One generator per image: the same image whatever the counts or the order of writing.
+            rng = np.random.default_rng([seed, split, ci, i])
+            Image.fromarray(render(name, rng, size)).save(d / f"{name}_{i:05d}.png", compress_level=1)
+
+
+def _params(train_per_class: int, val_per_class: int, size: int, seed: int) -> dict[str, Any]:
+    return {"version": VERSION, "classes": list(CLASSES), "train_per_class": train_per_class,
+            "val_per_class": val_per_class, "size": size, "seed": seed}
+
+
+def _read_marker(dest: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((dest / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def is_complete(dest: str | Path, params: dict[str, Any]) -> bool:
+    """Whether `dest` holds a whole demo dataset made with exactly these settings."""
+    dest = Path(dest)
+    if _read_marker(dest) != params:
+        return False
+    for split, n in (("train", params["train_per_class"]), ("val", params["val_per_class"])):
+        for name in params["classes"]:
+            d = dest / split / name
+            if not d.is_dir() or sum(1 for f in os.scandir(d) if f.name.endswith(".png")) != n:
+                return False
+    return True
+
+
+@contextlib.contextmanager
+def _lock(dest: Path):
+    """Serialise writers of one destination (several ranks of a torchrun job may call us at once)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no concurrent writers to guard against in practice
+        yield
+        return
+    with open(dest.parent / f".{dest.name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def ensure_demo_data(dest: str | Path = "data/demo", train_per_class: int = 300, val_per_class: int = 60,
+                     size: int = DEMO_IMG_SIZE, seed: int = 0, overwrite: bool = False) -> Path:
+    """Write the demo dataset to `dest` (train/ and val/ of class folders) unless it is already
+    there with the same settings; return `dest`.
+
+    Written to a temporary folder beside `dest` and renamed into place when complete, so an
+    interrupted run never leaves a half dataset. Raises UserError when `dest` holds something else
+    (another folder, or a demo dataset with other settings) and `overwrite` is False.
+    """
+    dest = Path(dest)
+    params = _params(train_per_class, val_per_class, size, seed)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with _lock(dest):
+        if not overwrite and is_complete(dest, params):
+            return dest
+        if not overwrite and dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+            old = _read_marker(dest)
+            if old is None:
+                raise UserError(f"{dest} exists and is not a demo dataset; choose another --dest, "
+                                "or --overwrite to replace it")
+            changed = ", ".join(f"{k} {old.get(k)} -> {v}" for k, v in params.items() if old.get(k) != v)
+            raise UserError(f"{dest} holds a demo dataset made with other settings ({changed or 'incomplete'}); "
+                            "pass --overwrite to replace it, or choose another --dest")
+        # Leftovers of an interrupted run (we hold the lock, so no one else is writing them).
+        for stale in dest.parent.glob(f".{dest.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+        try:
+            tmp.chmod(0o755)  # mkdtemp makes it private; the dataset is not
+            _write_split(tmp, 0, "train", train_per_class, size, seed)
+            _write_split(tmp, 1, "val", val_per_class, size, seed)
+            (tmp / MARKER).write_text(json.dumps(params, indent=1))
+            if dest.exists() or dest.is_symlink():
+                old_dir = tmp.with_name(tmp.name + "-old")
+                os.rename(dest, old_dir)
+                os.rename(tmp, dest)
+                if old_dir.is_dir() and not old_dir.is_symlink():
+                    shutil.rmtree(old_dir)
+                else:
+                    old_dir.unlink()
+            else:
+                os.rename(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return dest
+
+
+def main(cfg: Any) -> int:
+    """`dlenv demo-data`: write (or reuse) the demo dataset and say where it is; 0 on success."""
+    params = _params(cfg.train_per_class, cfg.val_per_class, cfg.size, cfg.seed)
+    reused = not cfg.overwrite and is_complete(cfg.dest, params)
+    t0 = time.perf_counter()
+    path = ensure_demo_data(cfg.dest, cfg.train_per_class, cfg.val_per_class, cfg.size, cfg.seed,
+                            cfg.overwrite)
+    how = "already there, reused" if reused else f"written in {time.perf_counter() - t0:.1f} s"
+    print(f"demo dataset {path}: {len(CLASSES)} classes ({', '.join(CLASSES)}), "
+          f"{cfg.train_per_class * len(CLASSES)} train / {cfg.val_per_class * len(CLASSES)} val images, "
+          f"{cfg.size}x{cfg.size} PNG; {how}")
+    print(f"train on it: invoke train (no --data), or invoke train --data {path}")
+    return 0

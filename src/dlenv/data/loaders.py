@@ -1,0 +1,343 @@
+"""Images to batches: decoding to RGB, transforms, the dataset and its DataLoaders.
+
+Every image comes out as 3-channel 8-bit RGB whatever it was on disk (`load_rgb`). A file that fails
+to decode is handled by `ImageDataset` and the loaders built here without ever showing a DataLoader
+worker traceback: the worker hands a small marker back with the batch, and the main process either
+logs the path once and carries on with a substitute sample (`bad_images="skip"`) or raises
+`BadImageError`, one line naming the file (`bad_images="error"`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from dlenv.errors import UserError
+
+log = logging.getLogger("dlenv.data")
+
+#: ImageNet channel statistics, the normalization every torchvision model expects.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+#: batches each worker prepares ahead; also used to size the /dev/shm check.
+PREFETCH_FACTOR = 4
+#: most workers 'auto' picks: beyond this, more processes rarely feed one GPU faster.
+MAX_AUTO_WORKERS = 12
+
+
+class BadImageError(UserError):
+    """An image failed to decode with bad_images='error'. str() is one line naming the file."""
+
+    def __init__(self, path: str, reason: str,
+                 hint: str = "fix or delete it, or train with --bad-images skip"):
+        self.path, self.reason = path, reason
+        super().__init__(f"image {path} could not be decoded ({reason}); {hint}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decoding.
+
+
+def _to_8bit(im: Any) -> Any:
+    """A 16-bit or 32-bit single-channel image scaled (not clipped) into 8-bit 'L'."""
+    import numpy as np
+    from PIL import Image
+
+    arr = np.asarray(im)
+    if im.mode == "F":
+        peak = float(arr.max()) if arr.size else 1.0
+        scaled = arr * 255.0 if peak <= 1.0 else arr * (255.0 / peak)
+    elif im.mode.startswith("I;16") or arr.max(initial=0) > 255:
+        # 16-bit data (PNG opens as I;16 or I): 65535 -> 255, keeping the full tonal range.
+        scaled = arr.astype(np.float32) / 257.0
+    else:
+        scaled = arr
+    return Image.fromarray(np.clip(np.rint(scaled), 0, 255).astype(np.uint8))  # 2-D uint8: mode L
+
+
+def load_rgb(path: str | os.PathLike) -> Any:
+    """Decode an image file to a PIL Image in 8-bit RGB, fully loaded and closed.
+
+    EXIF orientation is applied. Grayscale and CMYK are converted; 16-bit images are scaled to 8
+    bits; transparency (RGBA, LA, palette with a transparent colour) is composited on WHITE, the
+    way a viewer shows it, rather than dropped, which would expose whatever colour the transparent
+    pixels happen to store (often black). Raises whatever PIL raises for a broken file.
+    """
+    from PIL import Image, ImageOps
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # EXIF and palette warnings are noise for training
+        with Image.open(path) as im:
+            im.load()
+            # A malformed EXIF block is not a broken image: keep it unrotated.
+            with contextlib.suppress(Exception):
+                im = ImageOps.exif_transpose(im)
+            if im.mode == "P":
+                im = im.convert("RGBA" if "transparency" in im.info else "RGB")
+            elif im.mode == "PA":
+                im = im.convert("RGBA")
+            elif im.mode in ("I", "F") or im.mode.startswith("I;16"):
+                im = _to_8bit(im)
+            if im.mode in ("RGBA", "LA", "La", "RGBa"):
+                rgba = im.convert("RGBA")
+                white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+                return Image.alpha_composite(white, rgba).convert("RGB")
+            return im.convert("RGB") if im.mode != "RGB" else im.copy()
+
+
+def build_transforms(img_size: int, train: bool, scale: tuple[float, float] = (0.08, 1.0)) -> Callable:
+    """torchvision transforms: train = RandomResizedCrop(img_size, scale) + horizontal flip; eval =
+    Resize(img_size * 256/224) + CenterCrop(img_size); both end in ToTensor + ImageNet Normalize."""
+    from torchvision import transforms as T
+
+    if train:
+        head = [T.RandomResizedCrop(img_size, scale=scale), T.RandomHorizontalFlip()]
+    else:
+        head = [T.Resize(int(img_size * 256 / 224)), T.CenterCrop(img_size)]
+    return T.Compose([*head, T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+
+
+# ---------------------------------------------------------------------------------------------------
+# The dataset, and how a bad file travels from a worker to the main process.
+
+
+class _Item(tuple):
+    """(image, label) that also carries the bad files skipped to produce it."""
+
+    bad: list[tuple[str, str]]
+
+
+class _Fatal:
+    """Stands in for a sample (and then a batch) when a bad file must stop the run."""
+
+    def __init__(self, *args: str):
+        self.args = args  # BadImageError's arguments
+
+
+class _Flagged:
+    """A batch plus the bad files skipped while making it; unwrapped in the main process."""
+
+    def __init__(self, batch: Any, bad: list[tuple[str, str]]):
+        self.batch, self.bad = batch, bad
+
+    def pin_memory(self) -> _Flagged:  # DataLoader's pin thread calls this on unknown objects
+        pinned = [b.pin_memory() if isinstance(b, torch.Tensor) else b for b in self.batch]
+        return _Flagged(type(self.batch)(pinned), self.bad)
+
+
+def _reason(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+class ImageDataset(Dataset):
+    """(path, label) samples -> (transform(load_rgb(path)), label).
+
+    bad_images="skip": a file that fails to decode is logged once per process with its path and the
+    next readable sample (in sample order, wrapping) is returned instead, so a run is deterministic.
+    bad_images="error": BadImageError names the file. Inside loaders from this module, both are
+    reported from the main process instead (once per path across all workers; no worker traceback).
+    """
+
+    def __init__(self, samples: Sequence[tuple[str, int]], transform: Callable | None = None,
+                 bad_images: str = "skip"):
+        if bad_images not in ("skip", "error"):
+            raise UserError(f"bad_images {bad_images!r} is not one of: skip, error")
+        self.samples = list(samples)
+        self.transform = transform
+        self.bad_images = bad_images
+        #: set by this module's loaders: hand bad files to the main process instead of raising/logging
+        self.report_in_main = False
+        self._known_bad: dict[int, str] = {}
+        self._logged: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def _load(self, index: int) -> Any:
+        path, label = self.samples[index]
+        img = load_rgb(path)
+        return (self.transform(img) if self.transform is not None else img), label
+
+    def __getitem__(self, index: int) -> Any:
+        bad: list[tuple[str, str]] = []
+        n = len(self.samples)
+        for step in range(n):
+            i = (index + step) % n
+            if i in self._known_bad:
+                bad.append((self.samples[i][0], self._known_bad[i]))
+                continue
+            try:
+                item = self._load(i)
+            except Exception as e:  # any decoder error; the file is what's wrong, not the code
+                self._known_bad[i] = _reason(e)
+                bad.append((self.samples[i][0], self._known_bad[i]))
+                if self.bad_images == "error":
+                    break
+                continue
+            if not bad:
+                return item
+            return self._substituted(item, bad)
+        if self.bad_images == "error":
+            return self._fail(*bad[0])
+        return self._fail(bad[0][0], bad[0][1], "and no other image in the dataset decodes either")
+
+    def _substituted(self, item: tuple, bad: list[tuple[str, str]]) -> Any:
+        if not self.report_in_main:
+            for path, reason in bad:
+                if path not in self._logged:
+                    self._logged.add(path)
+                    log.warning("skipping unreadable image %s (%s)", path, reason)
+            return item
+        out = _Item(item)
+        out.bad = bad
+        return out
+
+    def _fail(self, *args: str) -> Any:
+        if self.report_in_main:
+            return _Fatal(*args)
+        raise BadImageError(*args)
+
+
+def _collate(items: list[Any]) -> Any:
+    """default_collate, except that bad-file markers are lifted from the items onto the batch."""
+    from torch.utils.data import default_collate
+
+    fatal = next((it for it in items if isinstance(it, _Fatal)), None)
+    if fatal is not None:
+        return fatal
+    bad = [b for it in items if isinstance(it, _Item) for b in it.bad]
+    batch = default_collate([tuple(it) for it in items])
+    return _Flagged(batch, bad) if bad else batch
+
+
+class SafeLoader(DataLoader):
+    """A DataLoader that turns bad-file markers into one log line per path (`bad_paths` keeps them,
+    path -> reason) or a BadImageError raised in the main process."""
+
+    def __init__(self, dataset: ImageDataset, **kwargs: Any):
+        dataset.report_in_main = True
+        super().__init__(dataset, collate_fn=_collate, **kwargs)
+        self.bad_paths: dict[str, str] = {}
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            if isinstance(batch, _Fatal):
+                raise BadImageError(*batch.args)
+            if isinstance(batch, _Flagged):
+                for path, reason in batch.bad:
+                    if path not in self.bad_paths:
+                        self.bad_paths[path] = reason
+                        log.warning("skipping unreadable image %s (%s)", path, reason)
+                batch = batch.batch
+            yield batch
+
+
+# ---------------------------------------------------------------------------------------------------
+# Workers and loaders.
+
+_said: set[str] = set()
+
+
+def _say_once(msg: str) -> None:
+    if msg not in _said:
+        _said.add(msg)
+        log.warning(msg)
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: affinity mask, and a cgroup CPU quota (docker --cpus) if set."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:
+        n = os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, int(int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return n
+
+
+def resolve_workers(workers: int | str, batch_size: int | None = None, img_size: int = 224,
+                    shm: str = "/dev/shm") -> int:
+    """DataLoader worker count: an int is kept; 'auto' is the usable CPU count capped at
+    MAX_AUTO_WORKERS, then reduced so the batches in flight fit in /dev/shm (workers pass batches
+    through shared memory; Docker's default is only 64 MiB). A reduction is logged once.
+    Raises UserError for anything else.
+    """
+    if isinstance(workers, int) and not isinstance(workers, bool):
+        if workers < 0:
+            raise UserError(f"workers {workers} must be 0 or more (or auto)")
+        return workers
+    if str(workers).strip().lower() != "auto":
+        raise UserError(f"workers {workers!r} must be a number or auto")
+    n = min(usable_cpus(), MAX_AUTO_WORKERS)
+    try:
+        usage = shutil.disk_usage(shm)
+    except OSError:  # no /dev/shm (not Linux): nothing to size against
+        return n
+    # Float32 batches in flight: PREFETCH_FACTOR per worker, with 50% headroom.
+    per_worker = (batch_size or 64) * 3 * img_size * img_size * 4 * PREFETCH_FACTOR * 1.5
+    fit = int(usage.free // per_worker)
+    if usage.total < 1 << 30:
+        fit = min(fit, 2)  # a small /dev/shm is shared with everything else: stay well clear of it
+    if fit < n:
+        _say_once(f"{shm} has {usage.free / 2**20:.0f} MiB free of {usage.total / 2**20:.0f} MiB; "
+                  f"using {fit} DataLoader workers instead of {n}. Start the container with "
+                  "--ipc=host or --shm-size=8g for more")
+        n = fit
+    return n
+
+
+def _loader(dataset: ImageDataset, batch_size: int, workers: int, pin_memory: bool | None,
+            persistent: bool, **kwargs: Any) -> SafeLoader:
+    if pin_memory is None:
+        pin_memory = torch.cuda.is_available()
+    extra: dict[str, Any] = {}
+    if workers > 0:
+        extra = {"persistent_workers": persistent, "prefetch_factor": PREFETCH_FACTOR}
+    return SafeLoader(dataset, batch_size=batch_size, num_workers=workers, pin_memory=pin_memory,
+                      **extra, **kwargs)
+
+
+def build_loaders(layout: Any, img_size: int, batch_size: int, workers: int | str, seed: int = 0,
+                  bad_images: str = "skip", train_sampler: Any = None, pin_memory: bool | None = None,
+                  drop_last: bool = False, train_scale: tuple[float, float] = (0.08, 1.0),
+                  ) -> tuple[SafeLoader, SafeLoader | None]:
+    """(train_loader, val_loader) for a folder.Layout; val_loader is None when the layout has no val.
+
+    Train shuffles with a generator seeded by `seed` unless `train_sampler` is given (then the
+    sampler decides the order); val keeps sample order. Memory is pinned when CUDA is available
+    (pin_memory=None); workers persist across epochs. Each loader's `bad_paths` collects skipped files.
+    """
+    n = resolve_workers(workers, batch_size, img_size)
+    gen = torch.Generator()
+    gen.manual_seed(seed)  # also seeds each worker's RNG, so augmentations repeat run to run
+    train_ds = ImageDataset(layout.train, build_transforms(img_size, True, train_scale), bad_images)
+    train = _loader(train_ds, batch_size, n, pin_memory, True, shuffle=train_sampler is None,
+                    sampler=train_sampler, generator=gen, drop_last=drop_last)
+    if not layout.val:
+        return train, None
+    val_ds = ImageDataset(layout.val, build_transforms(img_size, False), bad_images)
+    val = _loader(val_ds, batch_size, n, pin_memory, True, shuffle=False)
+    return train, val
+
+
+def build_eval_loader(samples: Sequence[tuple[str, int]], img_size: int, batch_size: int,
+                      workers: int | str, bad_images: str = "skip") -> SafeLoader:
+    """A loader over eval transforms in sample order, for one pass (the i-th prediction is the i-th
+    sample's). A skipped bad file's slot holds its substitute; `loader.bad_paths` lists those files
+    after the pass, so their predictions can be dropped."""
+    n = resolve_workers(workers, batch_size, img_size)
+    ds = ImageDataset(samples, build_transforms(img_size, False), bad_images)
+    return _loader(ds, batch_size, n, None, False, shuffle=False)

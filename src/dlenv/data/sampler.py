@@ -1,0 +1,90 @@
+"""A seeded, resumable sampler: the order of an epoch depends only on (seed, epoch).
+
+The training order is a permutation drawn from a generator seeded with `seed + epoch`, never from
+the global RNG, so a run resumed in the middle of an epoch sees exactly the samples the interrupted
+run had not reached yet: `set_epoch(epoch, start=position)` skips the first `position` indices of
+this rank's share. `rank`/`world_size` split each epoch's permutation between GPUs the way
+`torch.utils.data.DistributedSampler` does (padded to a multiple of the world size, then every
+`world_size`-th index), so distributed training reuses this class as is.
+
+The sampler does not count what the DataLoader consumed (workers prefetch ahead of training); the
+trainer tracks the position of the batches it actually trained on and saves it in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+
+class ResumableSampler(Sampler[int]):
+    """Indices 0..num_samples-1 in a (seed, epoch)-determined order, from `start` on.
+
+    `shuffle=False` keeps the natural order (validation). With `world_size` > 1 each rank gets
+    ceil(num_samples / world_size) indices (the permutation is padded by repeating its head, or
+    truncated with `drop_last`). Raises ValueError for a bad rank, world size or start.
+    """
+
+    def __init__(self, num_samples: int, seed: int = 0, shuffle: bool = True, rank: int = 0,
+                 world_size: int = 1, drop_last: bool = False):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        if num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+        self.num_samples = num_samples
+        self.seed, self.shuffle = seed, shuffle
+        self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
+        self.epoch = 0
+        self.start = 0
+
+    @property
+    def per_rank(self) -> int:
+        """Indices this rank gets in a whole epoch."""
+        if self.drop_last:
+            return self.num_samples // self.world_size
+        return math.ceil(self.num_samples / self.world_size)
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Select the epoch's order and skip this rank's first `start` indices (0 = a whole epoch)."""
+        if not 0 <= start <= self.per_rank:
+            raise ValueError(f"start {start} is outside this epoch's {self.per_rank} samples")
+        self.epoch, self.start = epoch, start
+
+    def epoch_indices(self) -> list[int]:
+        """This rank's indices for the whole current epoch (ignoring `start`)."""
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_samples, generator=g).tolist()
+        else:
+            order = list(range(self.num_samples))
+        total = self.per_rank * self.world_size
+        if total > len(order) and order:
+            # pad by repeating the head so every rank gets the same number of indices
+            order = (order * math.ceil(total / len(order)))[:total]
+        else:
+            order = order[:total]
+        return order[self.rank:total:self.world_size]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.epoch_indices()[self.start:])
+
+    def __len__(self) -> int:
+        return self.per_rank - self.start
+
+    def state_dict(self, position: int) -> dict[str, int]:
+        """Plain-typed state for a checkpoint; `position` = samples of this epoch already trained on."""
+        return {"seed": self.seed, "epoch": self.epoch, "position": int(position),
+                "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue where `state_dict` was taken: same seed, epoch and position.
+
+        A different world size cannot continue mid-epoch (the shares differ): it restarts the epoch.
+        """
+        self.seed = int(state["seed"])
+        same_split = int(state.get("world_size", 1)) == self.world_size
+        self.set_epoch(int(state["epoch"]), int(state["position"]) if same_split else 0)

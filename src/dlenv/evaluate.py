@@ -1,0 +1,401 @@
+"""Validation metrics and reports: `dlenv val`.
+
+`main` rebuilds the model from a checkpoint alone (architecture, classes and image size are stored in
+it; `--model` only names the architecture of a bare state dict from another tool), runs it over a
+folder of class folders, prints loss, top-1, top-5 and a per-class precision/recall/F1 table, and
+writes the reports into `--out` (default `<weights dir>/val/`):
+
+    metrics.json           everything below, machine-readable
+    per_class.csv          precision, recall, F1, support per class, then macro and weighted averages
+    confusion_matrix.csv   rows: true class, columns: predicted class
+    confusion_matrix.png   counts and row-normalized, side by side
+    errors.csv             path, true class, predicted class, confidence; most confident mistakes first
+
+Each file is written to a temporary file and `os.replace`d, so a report is whole or absent. The
+building blocks `resolve_device`, `predict` and `compute_metrics` are shared with `dlenv.compress`,
+which re-validates what it changes. Metrics come from scikit-learn and torch.topk, not hand-written.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlenv.errors import UserError
+
+#: the report files `main` writes, in the order it writes them
+REPORT_FILES = ("metrics.json", "per_class.csv", "confusion_matrix.csv", "confusion_matrix.png", "errors.csv")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Building blocks (also used by dlenv.compress).
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> the first GPU if CUDA is available, else the CPU; 'cpu', 'cuda', 'cuda:N' as given.
+
+    Raises UserError for a name that is no device, or a GPU that this machine does not have.
+    """
+    name = str(name).strip().lower()
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {name!r} is not a device; use cuda, cuda:N, cpu or auto") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise UserError(f"--device {name!r}: only cuda, cuda:N, cpu or auto are supported")
+    if not torch.cuda.is_available():
+        raise UserError(f"--device {name}: CUDA is not available here (torch {torch.__version__}); "
+                        "use --device cpu, or run verify-env to see why")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise UserError(f"--device {name}: this machine has {count} GPU(s) (cuda:0 to cuda:{count - 1})")
+    return device
+
+
+def predict(model: torch.nn.Module, loader: Any, device: torch.device | str, amp: bool = False):
+    """Run `model` (moved to `device`, in eval mode) over `loader`'s (images, labels) batches.
+
+    `amp` runs the forward under the toolkit's one mixed-precision path (bf16/fp16 as
+    `dlenv.precision` chooses for the device). Returns (logits, targets): a float32 CPU tensor
+    [N, num_classes] and an int64 CPU tensor [N], in the loader's order.
+    """
+    from dlenv.precision import Precision, resolve_precision
+
+    device = torch.device(device)
+    mode = resolve_precision(amp, "auto", device)
+    precision = Precision(mode, device)
+    model = model.to(device).eval()
+    non_blocking = device.type == "cuda"
+    all_logits, all_targets = [], []
+    with torch.inference_mode():
+        for images, labels in loader:
+            images = images.to(device, non_blocking=non_blocking)
+            with precision.autocast():
+                out = model(images)
+            all_logits.append(out.float().cpu())
+            all_targets.append(torch.as_tensor(labels).long().cpu())
+    if not all_logits:
+        return torch.zeros(0, 0), torch.zeros(0, dtype=torch.long)
+    return torch.cat(all_logits), torch.cat(all_targets)
+
+
+def _avg(p: Any, r: Any, f: Any, support: int) -> dict[str, float]:
+    return {"precision": float(p), "recall": float(r), "f1": float(f), "support": int(support)}
+
+
+def compute_metrics(logits: torch.Tensor, targets: torch.Tensor, class_names: list[str]) -> dict[str, Any]:
+    """Loss, accuracy and the per-class report of `logits` [N, C] against `targets` [N].
+
+    Returns a dict of plain types:
+      num_samples, num_classes, class_names,
+      loss (mean cross-entropy), top1, top5 (in %; top5 is top-min(5, C), named by top5_k),
+      per_class: [{class, precision, recall, f1, support}] (fractions 0-1, scikit-learn's definitions,
+      0 where undefined), macro_avg and weighted_avg (same keys), confusion_matrix (list of lists,
+      rows = true class, columns = predicted class, in class_names order).
+    Raises ValueError for empty input or logits whose width is not len(class_names).
+    """
+    from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
+
+    logits = logits.detach().float().cpu()
+    targets = targets.detach().long().cpu()
+    n, c = (logits.shape[0], logits.shape[1]) if logits.ndim == 2 else (0, 0)
+    if n == 0:
+        raise ValueError("no samples to compute metrics on")
+    if c != len(class_names):
+        raise ValueError(f"logits have {c} columns but there are {len(class_names)} class names")
+    k = min(5, c)
+    topk = torch.topk(logits, k, dim=1).indices
+    hit = topk == targets[:, None]
+    preds = topk[:, 0].numpy()
+    y = targets.numpy()
+    labels = list(range(c))
+    p, r, f, s = precision_recall_fscore_support(y, preds, labels=labels, average=None, zero_division=0)
+    macro = precision_recall_fscore_support(y, preds, labels=labels, average="macro", zero_division=0)
+    weighted = precision_recall_fscore_support(y, preds, labels=labels, average="weighted", zero_division=0)
+    return {
+        "num_samples": int(n),
+        "num_classes": int(c),
+        "class_names": list(class_names),
+        "loss": float(torch.nn.functional.cross_entropy(logits, targets)),
+        "top1": float(hit[:, 0].float().mean() * 100),
+        "top5": float(hit.any(dim=1).float().mean() * 100),
+        "top5_k": int(k),
+        "per_class": [{"class": name, **_avg(p[i], r[i], f[i], s[i])} for i, name in enumerate(class_names)],
+        "macro_avg": _avg(*macro[:3], n),
+        "weighted_avg": _avg(*weighted[:3], n),
+        "confusion_matrix": confusion_matrix(y, preds, labels=labels).tolist(),
+    }
+
+
+def error_rows(logits: torch.Tensor, targets: torch.Tensor, paths: list[str],
+               class_names: list[str]) -> list[dict[str, Any]]:
+    """The misclassified samples, most confident mistakes first.
+
+    Returns [{path, true_class, predicted_class, confidence}] where confidence is the softmax
+    probability of the predicted class; ties keep the data's order.
+    """
+    probs = torch.softmax(logits.float(), dim=1)
+    conf, pred = probs.max(dim=1)
+    wrong = (pred != targets).nonzero().flatten().tolist()
+    wrong.sort(key=lambda i: -float(conf[i]))  # stable: equal confidences stay in data order
+    return [{"path": str(paths[i]), "true_class": class_names[int(targets[i])],
+             "predicted_class": class_names[int(pred[i])], "confidence": round(float(conf[i]), 6)}
+            for i in wrong]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reports.
+
+
+def format_report(m: dict[str, Any]) -> str:
+    """The printed report: loss and accuracy, then a per-class table with macro and weighted averages."""
+    width = max([len(str(row["class"])) for row in m["per_class"]] + [len("weighted avg")])
+    top5 = "top-5" if m["top5_k"] == 5 else f"top-{m['top5_k']}"
+    lines = [f"{m['num_samples']} images, {m['num_classes']} classes: loss {m['loss']:.4f}  "
+             f"top-1 {m['top1']:.2f}%  {top5} {m['top5']:.2f}%", "",
+             f"{'class':<{width}}  precision  recall     f1  support"]
+    rows = [(r["class"], r) for r in m["per_class"]] + [("", None)]
+    rows += [("macro avg", m["macro_avg"]), ("weighted avg", m["weighted_avg"])]
+    for name, r in rows:
+        if r is None:
+            lines.append("")
+            continue
+        lines.append(f"{name:<{width}}  {r['precision']:9.3f}  {r['recall']:6.3f}  {r['f1']:5.3f}  "
+                     f"{r['support']:7d}")
+    return "\n".join(lines)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write bytes to `path` through a temporary file in the same folder and os.replace."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _csv_bytes(header: list[str], rows: list[list[Any]]) -> bytes:
+    buf = io.StringIO(newline="")
+    w = csv.writer(buf)
+    w.writerow(header)
+    w.writerows(rows)
+    return buf.getvalue().encode("utf-8")
+
+
+def _short(name: str, limit: int = 22) -> str:
+    """A long class name cut in the middle, so names that share a prefix stay distinguishable."""
+    if len(name) <= limit:
+        return name
+    head = (limit - 1) // 2
+    return name[:head] + "…" + name[-(limit - 1 - head):]
+
+
+def plot_confusion(cm: list[list[int]], class_names: list[str], title: str | None = None):
+    """Figure of the confusion matrix: counts (left) and row-normalized in % (right), under `title`.
+
+    Cells carry their numbers up to 25 classes; the figure grows with the class count so 2-50
+    classes stay readable. Returns a matplotlib Figure (Agg, no pyplot).
+    """
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    counts = np.asarray(cm, dtype=float)
+    c = len(class_names)
+    rows = counts.sum(axis=1, keepdims=True)
+    normed = np.divide(counts, rows, out=np.zeros_like(counts), where=rows > 0) * 100
+    cell = 0.55 if c <= 10 else 0.4 if c <= 25 else 0.28
+    labels = [_short(n) for n in class_names]
+    label_room = 0.09 * max(len(s) for s in labels) + 0.6
+    side = max(3.5, c * cell) + label_room
+    fig = Figure(figsize=(2 * side + 3.0, side + (1.3 if title else 0.8)), layout="constrained")
+    fig.get_layout_engine().set(w_pad=0.15)
+    if title:
+        fig.suptitle(title, fontsize=13)
+    axes = fig.subplots(1, 2)
+    tick_fs = 10 if c <= 10 else 8 if c <= 25 else 7
+    cell_fs = 10 if c <= 10 else 7 if c <= 18 else 6
+    for ax, data, title, fmt, bar in (
+            (axes[0], counts, f"Counts ({int(counts.sum())} images)", "{:.0f}", "images"),
+            (axes[1], normed, "Row-normalized (recall per true class)", "{:.0f}", "% of the true class")):
+        im = ax.imshow(data, cmap="Blues", vmin=0, vmax=100 if data is normed else max(1.0, data.max()))
+        ax.set_title(title)
+        ax.set_xlabel("predicted class")
+        ax.set_ylabel("true class")
+        ax.set_xticks(range(c))
+        ax.set_yticks(range(c))
+        ax.set_xticklabels(labels, rotation=45 if c <= 10 else 90, ha="right" if c <= 10 else "center",
+                           rotation_mode="anchor" if c <= 10 else "default", fontsize=tick_fs)
+        ax.set_yticklabels(labels, fontsize=tick_fs)
+        fig.colorbar(im, ax=ax, shrink=0.8, label=bar)
+        if c <= 25:
+            top = im.norm.vmax
+            for i in range(c):
+                for j in range(c):
+                    v = data[i, j]
+                    if v == 0 and data is normed:
+                        continue
+                    ax.text(j, i, fmt.format(v), ha="center", va="center", fontsize=cell_fs,
+                            color="white" if v > 0.6 * top else "black")
+    return fig
+
+
+def write_reports(out: Path, metrics: dict[str, Any], errors: list[dict[str, Any]]) -> list[Path]:
+    """Write the five report files into `out` (created if needed), each atomically; returns their paths."""
+    from dlenv.plots import save_figure
+
+    out.mkdir(parents=True, exist_ok=True)
+    names = metrics["class_names"]
+    fields = ["precision", "recall", "f1", "support"]
+    per_class = [[r["class"], *(round(r[k], 6) for k in fields)] for r in metrics["per_class"]]
+    per_class += [[label, *(round(metrics[key][k], 6) for k in fields)]
+                  for label, key in (("macro avg", "macro_avg"), ("weighted avg", "weighted_avg"))]
+    cm = metrics["confusion_matrix"]
+    _write_atomic(out / "metrics.json", (json.dumps(metrics, indent=2) + "\n").encode("utf-8"))
+    _write_atomic(out / "per_class.csv", _csv_bytes(["class", *fields], per_class))
+    _write_atomic(out / "confusion_matrix.csv",
+                  _csv_bytes(["true \\ predicted", *names], [[n, *row] for n, row in zip(names, cm, strict=True)]))
+    title = (f"Confusion matrix: {metrics.get('weights', 'model')} on {metrics.get('data', 'data')} "
+             f"(top-1 {metrics['top1']:.1f}%)")
+    save_figure(plot_confusion(cm, names, title), out / "confusion_matrix.png")
+    cols = ["path", "true_class", "predicted_class", "confidence"]
+    _write_atomic(out / "errors.csv", _csv_bytes(cols, [[e[k] for k in cols] for e in errors]))
+    return [out / f for f in REPORT_FILES]
+
+
+# ---------------------------------------------------------------------------------------------------
+# `dlenv val`.
+
+
+def _samples_of(root: Path, val_split: float, seed: int, trained_on: bool) -> tuple[list, list[str], str]:
+    """(samples, classes, what) to validate on from a dataset folder.
+
+    A dataset with a val/ folder gives its val split. Class folders only give all their images (a
+    val folder passed with --data), or, when the model was `trained_on` this folder, the part that
+    training held out with the same `val_split` and `seed`; so does a train/ without val/.
+    """
+    from dlenv.data.folder import find_layout
+
+    has_train = any(p.is_dir() and p.name.lower() == "train" for p in root.iterdir())
+    if not has_train and not trained_on:  # a folder of class folders: every image is validation data
+        layout = find_layout(root, val_split=0.0, seed=seed)
+        return list(layout.train), list(layout.classes), "all images"
+    layout = find_layout(root, val_split=val_split, seed=seed)
+    if layout.split == "folders":
+        return list(layout.val), list(layout.classes), "its val/ folder"
+    return list(layout.val), list(layout.classes), f"the {val_split:g} held out for validation (seed {seed})"
+
+
+def _resolve_data(cfg: Any, ckpt: Any) -> tuple[Path, list, list[str], str]:
+    """(root, samples, classes, what) to validate on: --data, else the data the checkpoint was
+    trained on (the part it held out), else the demo data when it was trained on that."""
+    train_cfg = ckpt.get("config") if isinstance(ckpt, dict) else None
+    train_cfg = train_cfg if isinstance(train_cfg, dict) else {}
+    val_split = float(train_cfg.get("val_split") or 0.2)
+    seed = int(train_cfg.get("seed") or 0)
+    if cfg.data:
+        root = Path(cfg.data)
+        if not root.is_dir():
+            raise UserError(f"--data {root}: no such folder; pass a folder of class folders or a dataset "
+                            "with val/")
+        return (root, *_samples_of(root, val_split, seed, trained_on=False))
+    if not train_cfg:
+        raise UserError("this checkpoint does not say what data it was trained on; pass --data FOLDER")
+    if train_cfg.get("data"):
+        root = Path(train_cfg["data"])
+        if not root.is_dir():
+            raise UserError(f"the checkpoint was trained on {root}, which is not found from here; "
+                            "pass --data FOLDER")
+    else:
+        from dlenv.data.demo import ensure_demo_data
+
+        root = Path(ensure_demo_data())  # what `dlenv train` without --data trained on
+    return (root, *_samples_of(root, val_split, seed, trained_on=True))
+
+
+def _match_classes(data_classes: list[str], ckpt_classes: list[str], bare: bool, where: Path) -> list[int]:
+    """Map each data class index to the checkpoint's class index; UserError naming any difference.
+
+    A bare state dict has no class names: the data's (sorted) classes are taken when the counts agree.
+    """
+    if bare:
+        if len(data_classes) != len(ckpt_classes):
+            raise UserError(f"{where} has {len(data_classes)} classes but the state dict's head has "
+                            f"{len(ckpt_classes)} outputs; pass data with the classes it was trained on")
+        return list(range(len(data_classes)))
+    missing = [c for c in ckpt_classes if c not in data_classes]
+    extra = [c for c in data_classes if c not in ckpt_classes]
+    if missing or extra:
+        def some(xs: list[str]) -> str:
+            return ", ".join(xs[:8]) + (f" and {len(xs) - 8} more" if len(xs) > 8 else "")
+        parts = ([f"missing {len(missing)} of the checkpoint's classes ({some(missing)})"] if missing else [])
+        parts += [f"has {len(extra)} class(es) the checkpoint does not know ({some(extra)})"] if extra else []
+        raise UserError(f"{where} {' and '.join(parts)}; validate on data with the checkpoint's "
+                        f"{len(ckpt_classes)} classes")
+    return [ckpt_classes.index(c) for c in data_classes]
+
+
+def main(cfg: Any) -> int:
+    """`dlenv val`: validate cfg.weights on cfg.data and write the reports. Returns 0.
+
+    Raises UserError for a missing/unsafe/corrupt checkpoint, a bare state dict without --model, data
+    that is missing or has other classes than the checkpoint, or a bad --device.
+    """
+    from dlenv.checkpoint import is_dlenv_checkpoint, load_checkpoint, model_from_checkpoint
+    from dlenv.data.loaders import build_eval_loader, resolve_workers
+
+    if not cfg.weights:
+        raise UserError("--weights is required: the checkpoint to validate (e.g. runs/exp/best_model.pth)")
+    weights = Path(cfg.weights)
+    device = resolve_device(cfg.device)
+    ckpt = load_checkpoint(weights)
+    model, class_names, img_size = model_from_checkpoint(ckpt, cfg.model, source=str(weights))
+    bare = not is_dlenv_checkpoint(ckpt)
+    root, samples, data_classes, what = _resolve_data(cfg, ckpt if not bare else {})
+    if not samples:
+        raise UserError(f"no images to validate on in {root}; pass --data with class folders of images")
+    remap = _match_classes(data_classes, class_names, bare, root)
+    if bare:
+        class_names = list(data_classes)
+    samples = [(path, remap[idx]) for path, idx in samples]
+    size = cfg.img_size or img_size
+    if size is None:
+        size = 224
+        print("image size: 224 (the state dict does not say; set --img-size to change it)")
+    loader = build_eval_loader(samples, size, cfg.batch_size, resolve_workers(cfg.workers, cfg.batch_size, size))
+    print(f"validating {weights} on {len(samples)} images from {root}, {what} ({device}, {size}px"
+          f"{', AMP' if cfg.amp else ''})")
+    logits, targets = predict(model, loader, device, amp=cfg.amp)
+    paths = [p for p, _ in samples]
+    bad = set(getattr(loader, "bad_paths", {}))
+    if bad:  # a skipped file's slot holds a substitute image: drop its prediction
+        keep = torch.tensor([p not in bad for p in paths])
+        logits, targets = logits[keep], targets[keep]
+        paths = [p for p in paths if p not in bad]
+        print(f"{len(bad)} unreadable image(s) left out; list them with invoke data-report {root} "
+              "--check-images")
+    if len(targets) == 0:
+        raise UserError(f"none of the images in {root} could be read; check them with "
+                        f"invoke data-report {root} --check-images")
+    metrics = compute_metrics(logits, targets, class_names)
+    metrics.update({"weights": str(weights), "data": str(root), "img_size": int(size),
+                    "device": str(device), "amp": bool(cfg.amp)})
+    errors = error_rows(logits, targets, paths, class_names)
+    print(format_report(metrics))
+    out = Path(cfg.out) if cfg.out else weights.parent / "val"
+    write_reports(out, metrics, errors)
+    print(f"\nreports in {out}/: {', '.join(REPORT_FILES)} ({len(errors)} errors listed)")
+    return 0

@@ -1,0 +1,225 @@
+"""Figures from a run's results.csv: `dlenv plot --log-dir DIR`.
+
+Reads only `results.csv` (the contract in `dlenv.results`), never a checkpoint or a running trainer, so
+it works on a run still in progress, a single epoch included. For every run under DIR it writes
+`results.png` beside the CSV (losses, accuracy, learning rate, throughput, data wait, peak memory
+against epoch); with several runs it also writes `DIR/compare.png`, overlaying their val top-1 and
+peak memory. Figures are built on `matplotlib.figure.Figure` with the Agg renderer and no pyplot, so
+nothing global changes and no display is needed.
+
+This module never imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from dlenv.errors import UserError
+from dlenv.results import COLUMNS, read_results
+
+RESULTS = "results.csv"
+
+#: (panel title, y-axis label, [(column, legend label)]) for each panel of results.png, row by row.
+PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
+    ("Loss", "cross-entropy loss", [("train_loss", "train"), ("val_loss", "val")]),
+    ("Validation accuracy", "accuracy (%)", [("top1", "top-1"), ("top5", "top-5")]),
+    ("Learning rate", "learning rate", [("lr", "lr (end of epoch)")]),
+    ("Training throughput", "images / s", [("img_per_s", "images/s (all GPUs)")]),
+    ("Waiting for data", "share of epoch (%)", [("data_wait", "data wait")]),
+    ("Peak GPU memory", "memory (GiB)", [("mem_alloc_gib", "allocated"),
+                                         ("mem_reserved_gib", "reserved")]),
+]
+
+# columns stored as a 0-1 share but shown in %
+_PERCENT_OF_SHARE = {"data_wait"}
+
+
+def find_runs(log_dir: str | Path) -> list[Path]:
+    """Run folders under `log_dir` (itself included): every folder holding a results.csv, sorted.
+
+    Hidden folders are skipped. Raises UserError when `log_dir` is missing or holds no run.
+    """
+    root = Path(log_dir)
+    if not root.is_dir():
+        raise UserError(f"--log-dir {root}: no such folder; pass the folder of your runs (e.g. runs)")
+    runs = [p.parent for p in root.rglob(RESULTS)
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)]
+    if not runs:
+        raise UserError(f"--log-dir {root}: no {RESULTS} in it or its subfolders; train a run first "
+                        "(invoke train) or pass the folder that holds runs/<name>/results.csv")
+    return sorted(set(runs))
+
+
+def run_label(run: Path, log_dir: Path) -> str:
+    """A run's name for titles and legends: its path under log_dir, or its own name."""
+    rel = run.resolve().relative_to(log_dir.resolve()) if run.resolve() != log_dir.resolve() else None
+    return rel.as_posix() if rel else run.resolve().name
+
+
+def _series(df: Any, column: str):
+    """(epochs, values) of one column with its missing values dropped; %-scaled where shown in %."""
+    if column not in df.columns:
+        return [], []
+    sub = df[["epoch", column]].dropna()
+    values = sub[column] * 100.0 if column in _PERCENT_OF_SHARE else sub[column]
+    return sub["epoch"].tolist(), values.tolist()
+
+
+def _style_epoch_axis(ax: Any, epochs: list[float]) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel("epoch")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if epochs:
+        lo, hi = min(epochs), max(epochs)
+        if lo == hi:  # one epoch: give the single point some room instead of a zero-width axis
+            ax.set_xlim(lo - 1, hi + 1)
+    ax.grid(True, alpha=0.3)
+
+
+def _note(ax: Any, text: str) -> None:
+    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", color="0.4",
+            fontsize=10, wrap=True)
+
+
+def plot_run(df: Any, title: str):
+    """The results.png figure of one run's results (a DataFrame from `read_results`).
+
+    Returns a matplotlib Figure with one Axes per entry of PANELS (title as in PANELS); each plotted
+    column is a Line2D labelled as in PANELS, its ydata the CSV's values (data wait in %).
+    """
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(15, 8.5), layout="constrained")
+    axes = fig.subplots(2, 3).ravel()
+    n = len(df)
+    last = int(df["epoch"].max()) if n else 0
+    first = int(df["epoch"].min()) if n else 0
+    span = f"epoch {last}" if first == last else f"epochs {first}-{last}"
+    fig.suptitle(f"{title}: {span} ({n} row{'s' if n != 1 else ''} in results.csv)", fontsize=14)
+    marker = "o" if n <= 30 else None
+    for ax, (panel, ylabel, cols) in zip(axes, PANELS, strict=True):
+        ax.set_title(panel)
+        ax.set_ylabel(ylabel)
+        all_epochs, all_values = [], []
+        for col, label in cols:
+            epochs, values = _series(df, col)
+            if not epochs:
+                continue
+            ax.plot(epochs, values, marker=marker, markersize=4, label=label)
+            all_epochs += epochs
+            all_values += values
+        _style_epoch_axis(ax, all_epochs)
+        if not all_epochs:
+            _note(ax, "not recorded in results.csv")
+        elif panel == "Peak GPU memory" and not any(all_values):
+            _note(ax, "0 GiB: a CPU run records no GPU memory")
+        if panel == "Learning rate":
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+        if all_epochs and (panel in ("Waiting for data", "Peak GPU memory")
+                           or (len(set(all_epochs)) == 1 and min(all_values) >= 0)):
+            # shares, GiB and a lone epoch's values read against zero, not against a zoomed-in band
+            ax.set_ylim(bottom=0)
+        if all_epochs:
+            ax.legend(loc="best", fontsize=9)
+    return fig
+
+
+def plot_compare(runs: dict[str, Any]):
+    """The compare.png figure: val top-1 and peak memory of several runs ({label: DataFrame}).
+
+    Returns a Figure with two Axes ("Validation top-1", "Peak GPU memory"); in each, one line per run
+    labelled with the run's label (memory: allocated solid, reserved dashed with label '_'-prefixed).
+    """
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(14, 5.5), layout="constrained")
+    ax_acc, ax_mem = fig.subplots(1, 2)
+    fig.suptitle(f"{len(runs)} runs compared", fontsize=14)
+    ax_acc.set_title("Validation top-1")
+    ax_acc.set_ylabel("top-1 accuracy (%)")
+    ax_mem.set_title("Peak GPU memory (solid: allocated, dashed: reserved)")
+    ax_mem.set_ylabel("memory (GiB)")
+    all_epochs: list[float] = []
+    for i, (label, df) in enumerate(runs.items()):
+        color = f"C{i % 10}"
+        marker = "o" if len(df) <= 30 else None
+        epochs, top1 = _series(df, "top1")
+        if epochs:
+            ax_acc.plot(epochs, top1, color=color, marker=marker, markersize=4, label=label)
+        epochs_m, alloc = _series(df, "mem_alloc_gib")
+        if epochs_m:
+            ax_mem.plot(epochs_m, alloc, color=color, marker=marker, markersize=4, label=label)
+        epochs_r, reserved = _series(df, "mem_reserved_gib")
+        if epochs_r:
+            ax_mem.plot(epochs_r, reserved, color=color, linestyle="--", alpha=0.7, label=f"_{label}")
+        all_epochs += epochs + epochs_m
+    for ax in (ax_acc, ax_mem):
+        _style_epoch_axis(ax, all_epochs)
+        if ax.get_lines():
+            # many runs: the legend goes below the axes so it never covers the curves
+            if len(runs) > 6:
+                ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, fontsize=8)
+            else:
+                ax.legend(loc="best", fontsize=9)
+        else:
+            _note(ax, "not recorded in results.csv")
+    return fig
+
+
+def save_figure(fig: Any, path: str | Path, dpi: int = 100) -> Path:
+    """Write `fig` as a PNG atomically (temp file in the same folder, then os.replace); returns the path."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fig.savefig(fh, format="png", dpi=dpi)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def plot_log_dir(log_dir: str | Path) -> list[Path]:
+    """Write results.png for every run under `log_dir` and compare.png when there are several.
+
+    Runs whose CSV has no complete epoch yet are skipped with a note. Returns the PNGs written.
+    Raises UserError when there is no run, or no run with a complete epoch.
+    """
+    root = Path(log_dir)
+    written: list[Path] = []
+    frames: dict[str, Any] = {}
+    for run in find_runs(root):
+        label = run_label(run, root)
+        try:
+            df = read_results(run / RESULTS)
+        except Exception as e:  # an empty or garbled file: say which, keep plotting the others
+            print(f"skipping {run / RESULTS}: unreadable ({str(e).splitlines()[0] if str(e) else e})")
+            continue
+        if "epoch" not in df.columns or len(df) == 0:
+            print(f"skipping {run / RESULTS}: no complete epoch yet")
+            continue
+        unknown = [c for c in df.columns if c not in COLUMNS]
+        if unknown:
+            print(f"note: {run / RESULTS} has columns this version does not plot: {', '.join(unknown)}")
+        df = df.sort_values("epoch")
+        written.append(save_figure(plot_run(df, label), run / "results.png"))
+        frames[label] = df
+        print(f"{label}: {len(df)} epoch(s) -> {run / 'results.png'}")
+    if not frames:
+        raise UserError(f"--log-dir {root}: no run has a complete epoch in its {RESULTS} yet; "
+                        "wait for the first epoch to finish")
+    if len(frames) > 1:
+        written.append(save_figure(plot_compare(frames), root / "compare.png"))
+        print(f"{len(frames)} runs compared -> {root / 'compare.png'}")
+    return written
+
+
+def main(cfg: Any) -> int:
+    """`dlenv plot`: plot every run under cfg.log_dir. Returns 0; raises UserError when there is none."""
+    plot_log_dir(cfg.log_dir)
+    return 0

@@ -1,0 +1,173 @@
+"""dlenv.autobatch: batch search against a fake memory limit, accumulation arithmetic, OOM halving."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from dlenv.autobatch import find_max_batch, halve_on_oom, plan_accumulation, search_max_batch
+from dlenv.errors import UserError
+
+
+class FakeGPU:
+    """A try_step whose steps fit up to `limit` images; above it raises what CUDA raises."""
+
+    def __init__(self, limit: int, signal: str = "raise"):
+        self.limit, self.signal, self.calls = limit, signal, []
+
+    def __call__(self, batch: int):
+        self.calls.append(batch)
+        if batch <= self.limit:
+            return True
+        if self.signal == "false":
+            return False
+        raise RuntimeError(f"CUDA out of memory. Tried to allocate {batch} MiB (fake)")
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3, 7, 64, 100, 1000, 1023, 4097])
+def test_search_finds_exact_limit(limit):
+    fake = FakeGPU(limit)
+    res = search_max_batch(fake, start=1)
+    assert res.largest_fit == limit
+    assert res.smallest_fail == limit + 1
+    # doubling then bisection: logarithmic number of tries, never a try twice
+    assert len(fake.calls) == len(set(fake.calls))
+    assert len(fake.calls) <= 2 * limit.bit_length() + 2
+
+
+def test_search_accepts_false_as_out_of_memory():
+    assert search_max_batch(FakeGPU(37, signal="false")).largest_fit == 37
+
+
+def test_search_start_above_limit_walks_down():
+    fake = FakeGPU(5)
+    assert search_max_batch(fake, start=64).largest_fit == 5
+    assert fake.calls[0] == 64
+
+
+def test_search_upper_caps_and_is_returned_when_it_fits():
+    fake = FakeGPU(10_000)
+    res = search_max_batch(fake, start=4, upper=100)
+    assert res.largest_fit == 100 and res.smallest_fail is None
+    assert max(fake.calls) == 100
+
+
+def test_search_tolerance_stops_early_within_bound():
+    fake_exact, fake_tol = FakeGPU(3000), FakeGPU(3000)
+    exact = search_max_batch(fake_exact, tolerance=0.0)
+    approx = search_max_batch(fake_tol, tolerance=0.05)
+    assert exact.largest_fit == 3000
+    assert 3000 * 0.95 <= approx.largest_fit <= 3000
+    assert len(fake_tol.calls) < len(fake_exact.calls)
+
+
+def test_find_max_batch_applies_safety_margin():
+    assert find_max_batch(FakeGPU(100), safety=0.9, tolerance=0.0) == 90
+    assert find_max_batch(FakeGPU(100), safety=1.0, tolerance=0.0) == 100
+    # never below 1, even when the margin rounds a fitting batch of 1 down
+    assert find_max_batch(FakeGPU(1), safety=0.5) == 1
+
+
+def test_find_max_batch_batch_one_failing_is_user_error():
+    with pytest.raises(UserError, match="batch of 1 does not fit.*resnet50.*--amp"):
+        find_max_batch(FakeGPU(0), what="resnet50 at 224 px")
+
+
+def test_other_errors_propagate():
+    def broken(batch):
+        raise RuntimeError("shape mismatch in layer4")
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        search_max_batch(broken)
+
+
+@pytest.mark.parametrize("bad", [dict(safety=0.0), dict(safety=1.5), dict(start=0)])
+def test_find_max_batch_rejects_bad_arguments(bad):
+    with pytest.raises(ValueError):
+        find_max_batch(FakeGPU(10), **bad)
+
+
+@pytest.mark.parametrize("effective,micro,world,expected", [
+    (256, 64, 1, (64, 4)),       # divides: unchanged
+    (256, 100, 1, (64, 4)),      # ceil gives 3, which does not divide 256 -> 4 x 64
+    (256, 300, 1, (256, 1)),     # fits in one step
+    (256, 64, 4, (64, 1)),       # four GPUs
+    (256, 40, 4, (32, 2)),       # 64 per GPU: accum 2 of 32
+    (240, 100, 2, (60, 2)),
+    (12, 5, 1, (4, 3)),
+    (9, 8, 1, (3, 3)),           # 3 x 3 exact beats 4 x 2 = 8
+])
+def test_plan_accumulation_exact(effective, micro, world, expected):
+    m, a = plan_accumulation(effective, micro, world)
+    assert (m, a) == expected
+    assert m * a * world == effective
+    assert m <= micro
+
+
+def test_plan_accumulation_inexact_warns(caplog):
+    with caplog.at_level(logging.WARNING, logger="dlenv.autobatch"):
+        m, a = plan_accumulation(254, 100, 1)  # 254 = 2 x 127: exact would need 127 steps of 2
+    assert m <= 100 and a == 3
+    assert abs(m * a - 254) <= a
+    assert "cannot be split exactly" in caplog.text and str(m * a) in caplog.text
+
+
+def test_plan_accumulation_more_gpus_than_images():
+    with pytest.raises(UserError, match="--effective-batch 2.*4 GPUs"):
+        plan_accumulation(2, 8, world_size=4)
+
+
+@pytest.mark.parametrize("micro,accum,expected", [(64, 1, (32, 2)), (2, 8, (1, 16)), (6, 1, (3, 2)),
+                                                  (5, 1, (1, 5))])
+def test_halve_on_oom_keeps_effective_batch(micro, accum, expected):
+    new = halve_on_oom(micro, accum)
+    assert new == expected
+    assert new[0] * new[1] == micro * accum
+    assert new[0] < micro
+
+
+def test_halve_on_oom_repeated_reaches_one_then_gives_up():
+    micro, accum = 48, 2
+    seen = []
+    while True:
+        try:
+            micro, accum = halve_on_oom(micro, accum)
+        except UserError as e:
+            assert "micro-batch 1" in str(e)
+            break
+        seen.append((micro, accum))
+        assert micro * accum == 96
+    assert seen[-1][0] == 1 and len(seen) <= 7
+
+
+# ---------------------------------------------------------------------------------------------------
+# The real probe on a GPU (a capped allocator stands in for a small card).
+
+
+@pytest.mark.gpu
+def test_gpu_probe_fits_then_ooms_and_frees_its_memory():
+    import torch
+
+    from dlenv.autobatch import make_train_step_probe
+    from dlenv.compat import is_oom
+    from dlenv.models import build_model
+
+    dev = torch.device("cuda")
+    total = torch.cuda.get_device_properties(dev).total_memory
+    torch.cuda.set_per_process_memory_fraction(2 * 1024 ** 3 / total, dev)
+    try:
+        probe = make_train_step_probe(lambda: build_model("resnet18", 10), "fp32", False, 64, 10, dev)
+        base = torch.cuda.memory_allocated(dev)
+        assert probe(4) is True
+        assert probe(100_000) is False  # far beyond 2 GiB: an OOM, caught
+        assert torch.cuda.memory_allocated(dev) == base  # nothing of the failed try is left
+        res = search_max_batch(probe, start=8, tolerance=0.0)
+        assert probe(res.largest_fit) and not probe(res.largest_fit + 1)
+        probe.close()
+        with pytest.raises(Exception) as info:
+            torch.empty(10 ** 13, dtype=torch.uint8, device=dev)
+        assert is_oom(info.value)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, dev)
+        torch.cuda.empty_cache()

@@ -1,0 +1,150 @@
+"""dlenv.bench: configurations, tables/CSV/chart from results, and real worker runs on the CPU."""
+
+from __future__ import annotations
+
+import csv
+from types import SimpleNamespace
+
+import pytest
+
+from dlenv import bench, config
+from dlenv.errors import UserError
+
+
+def _row(key, label, alloc, reserved, speed, loss, status="ok", **kw):
+    return dict(key=key, configuration=label, status=status, precision="fp32", peak_alloc_gib=alloc,
+                peak_reserved_gib=reserved, img_per_s=speed, loss_last=loss, **kw)
+
+
+GPU_ROWS = [
+    _row("fp32", "FP32", 10.0, 12.0, 100.0, 6.5),
+    dict(_row("amp", "AMP", 6.5, 8.0, 250.0, 6.5001), precision="bf16"),
+    _row("ckpt", "Checkpointing", 4.0, 5.0, 75.0, 6.5),
+    _row("amp_ckpt", "AMP + checkpointing", None, None, None, None, status="oom"),
+]
+
+
+def test_configurations_add_channels_last_only_for_conv_nets():
+    plain = bench.configurations(convolutional=False, channels_last=True)
+    assert [c["key"] for c in plain] == ["fp32", "amp", "ckpt", "amp_ckpt"]
+    assert plain[0]["amp"] is False and plain[3]["amp"] and plain[3]["checkpoint"]
+    conv = bench.configurations(convolutional=True, channels_last=True)
+    assert len(conv) == 8 and all(c["channels_last"] for c in conv[4:])
+    assert len(bench.configurations(convolutional=True, channels_last=False)) == 4
+
+
+def test_allocator_settings_follow_pytorch_features():
+    assert "expandable_segments:True" not in bench.allocator_settings(False)
+    with_es = bench.allocator_settings(True)
+    assert with_es[0] == "" and "expandable_segments:True" in with_es
+    assert {"max_split_size_mb:128", "garbage_collection_threshold:0.8"} <= set(with_es)
+
+
+def test_fragmentation_schedule_varies_and_is_seeded():
+    a = bench.fragmentation_schedule(64, 224, 30)
+    assert a == bench.fragmentation_schedule(64, 224, 30)
+    assert len({b for b, _ in a}) > 2 and len({s for _, s in a}) > 2
+    assert all(1 <= b <= 64 and 168 <= s <= 280 and s % 8 == 0 for b, s in a)
+
+
+def test_ratios_and_markdown_table():
+    rows = bench.add_ratios([dict(r) for r in GPU_ROWS])
+    assert rows[1]["mem_vs_fp32"] == pytest.approx(0.65)
+    assert rows[1]["speed_vs_fp32"] == pytest.approx(2.5)
+    assert rows[3]["mem_vs_fp32"] is None
+    rows[0]["max_batch"], rows[1]["max_batch"] = 300, 512
+    md = bench.markdown_table(rows, steps=13, with_max_batch=True).splitlines()
+    assert md[0].startswith("| Configuration | Peak alloc GiB | Peak reserved GiB | vs FP32 | img/s")
+    assert "loss after 13 steps" in md[0] and md[0].endswith("max batch |")
+    assert all(line.count("|") == md[0].count("|") for line in md)
+    assert md[3] == "| AMP (bf16) | 6.50 | 8.00 | -35% | 250.0 | 2.50x | 6.5001 | 512 |"
+    assert "| FP32 | 10.00 | 12.00 | +0% | 100.0 | 1.00x | 6.5000 | 300 |" in md
+    assert "| AMP + checkpointing | out of memory |" in md[5]
+
+
+def test_markdown_table_on_cpu_says_na():
+    rows = bench.add_ratios([_row("fp32", "FP32", None, None, 50.0, 2.0),
+                             _row("ckpt", "Checkpointing", None, None, 40.0, 2.0)])
+    md = bench.markdown_table(rows, steps=3, with_max_batch=False)
+    assert "| Checkpointing | NA | NA | — | 40.0 | 0.80x | 2.0000 |" in md
+    assert "max batch" not in md
+
+
+def test_allocator_table_reports_measured_fragmentation():
+    md = bench.allocator_table([
+        dict(setting="", status="ok", peak_alloc_gib=6.0, peak_reserved_gib=8.0, fragmentation=0.25,
+             img_per_s=100.0),
+        dict(setting="expandable_segments:True", status="oom")])
+    assert "| (unset) | 6.00 | 8.00 | 25.0% | 100.0 |" in md
+    assert "| expandable_segments:True | out of memory |" in md
+
+
+def test_csv_and_chart_written(tmp_path):
+    rows = bench.add_ratios([dict(r) for r in GPU_ROWS])
+    path = bench.write_csv(rows, tmp_path / "memory.csv", bench.CSV_COLUMNS)
+    with path.open() as fh:
+        got = list(csv.DictReader(fh))
+    assert [r["key"] for r in got] == ["fp32", "amp", "ckpt", "amp_ckpt"]
+    assert float(got[1]["mem_vs_fp32"]) == pytest.approx(0.65)
+    assert got[3]["status"] == "oom" and got[3]["peak_alloc_gib"] == ""
+    png = bench.bar_chart(rows, tmp_path / "memory.png", "test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    assert not list(tmp_path.glob(".*tmp"))  # temporary files renamed into place
+
+
+def test_worker_user_error_is_raised_in_parent():
+    spec = dict(mode="measure", model="resnet_does_not_exist", batch_size=2, img_size=32, warmup=0, steps=2,
+                amp_dtype="auto", device="cpu")
+    with pytest.raises(UserError, match="resnet_does_not_exist"):
+        bench.run_worker(spec)
+
+
+def test_worker_crash_becomes_error_row():
+    res = bench.run_worker(dict(mode="no_such_mode"))
+    assert res["status"] == "error" and "no_such_mode" in res["error"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# One real run on the CPU: four configurations, each in its own worker process.
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    cfg = config.build(config.BenchMemoryConfig, model="resnet18", batch_size=4, img_size=32, steps=2,
+                       warmup=1, channels_last=False, device="cpu", out=str(out))
+    code = bench.main(cfg)
+    return SimpleNamespace(cfg=cfg, out=out, code=code)
+
+
+def test_cpu_run_writes_outputs(cpu_run):
+    assert cpu_run.code == 0
+    md = (cpu_run.out / "memory.md").read_text()
+    assert "Memory numbers need a CUDA GPU" in md and "on CPU" in md
+    assert "| AMP + checkpointing" in md and "loss after 3 steps" in md
+    assert "Allocator settings: not compared" in md
+    with (cpu_run.out / "memory.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["status"] for r in rows] == ["ok"] * 4
+    assert all(r["peak_alloc_gib"] == "" and float(r["img_per_s"]) > 0 for r in rows)
+    assert (cpu_run.out / "memory.png").stat().st_size > 5000
+
+
+def test_cpu_run_checkpointing_leaves_the_loss_unchanged(cpu_run):
+    with (cpu_run.out / "memory.csv").open() as fh:
+        rows = {r["key"]: r for r in csv.DictReader(fh)}
+    fp32, ckpt = float(rows["fp32"]["loss_last"]), float(rows["ckpt"]["loss_last"])
+    # the same start and the same batch: training went somewhere (loss moved) and got to the same place
+    assert float(rows["fp32"]["loss_first"]) != fp32
+    assert ckpt == pytest.approx(fp32, rel=1e-5)
+    # AMP on the CPU is bf16: the same training up to rounding
+    assert float(rows["amp"]["loss_last"]) == pytest.approx(fp32, rel=0.05)
+
+
+def test_worker_gets_the_allocator_setting_and_unset_means_unset(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    spec = dict(mode="measure", model="resnet18", batch_size=2, img_size=32, warmup=0, steps=2,
+                amp_dtype="auto", device="cpu")
+    assert bench.run_worker(spec, alloc_conf="garbage_collection_threshold:0.8")["alloc_conf"] == \
+        "garbage_collection_threshold:0.8"
+    assert bench.run_worker(spec, alloc_conf="")["alloc_conf"] == ""

@@ -1,0 +1,75 @@
+"""bench-memory and the batch-size probe on a real GPU: the measurements mean what they say."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from dlenv import bench, config
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def gpu_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_gpu")
+    cfg = config.build(config.BenchMemoryConfig, model="resnet18", batch_size=64, img_size=96, steps=3,
+                       warmup=2, channels_last=True, allocator=True, alloc_steps=8, device="cuda",
+                       out=str(out))
+    assert bench.main(cfg) == 0
+    with (out / "memory.csv").open() as fh:
+        rows = {r["key"]: r for r in csv.DictReader(fh)}
+    alloc = []
+    if (out / "allocator.csv").exists():
+        with (out / "allocator.csv").open() as fh:
+            alloc = list(csv.DictReader(fh))
+    return out, rows, alloc
+
+
+def test_gpu_table_has_memory_and_the_expected_order(gpu_run):
+    out, rows, _ = gpu_run
+    assert set(rows) == {"fp32", "amp", "ckpt", "amp_ckpt", "fp32_cl", "amp_cl", "ckpt_cl", "amp_ckpt_cl"}
+    mem = {k: float(r["peak_alloc_gib"]) for k, r in rows.items()}
+    assert all(r["status"] == "ok" for r in rows.values())
+    assert all(float(r["peak_reserved_gib"]) >= float(r["peak_alloc_gib"]) > 0 for r in rows.values())
+    # activations dominate at this batch: AMP and checkpointing must each lower the peak, both more
+    assert mem["amp"] < mem["fp32"] and mem["ckpt"] < mem["fp32"]
+    assert mem["amp_ckpt"] < min(mem["amp"], mem["ckpt"])
+    assert float(rows["fp32"]["mem_vs_fp32"]) == pytest.approx(1.0)
+    assert "Memory numbers need a CUDA GPU" not in (out / "memory.md").read_text()
+
+
+def test_gpu_checkpointing_keeps_the_loss(gpu_run):
+    _, rows, _ = gpu_run
+    fp32, ckpt = float(rows["fp32"]["loss_last"]), float(rows["ckpt"]["loss_last"])
+    assert float(rows["fp32"]["loss_first"]) != fp32
+    assert ckpt == pytest.approx(fp32, rel=1e-3)  # cuDNN kernels may differ in the last bits
+    assert float(rows["amp_ckpt"]["loss_last"]) == pytest.approx(float(rows["amp"]["loss_last"]), rel=1e-2)
+
+
+def test_gpu_allocator_rows_measure_fragmentation(gpu_run):
+    from dlenv.compat import HAS_EXPANDABLE_SEGMENTS
+
+    _, _, alloc = gpu_run
+    settings = [r["setting"] for r in alloc]
+    assert settings == bench.allocator_settings(HAS_EXPANDABLE_SEGMENTS)
+    for r in alloc:
+        assert r["status"] == "ok"
+        frag = float(r["fragmentation"])
+        assert 0.0 <= frag < 1.0
+        assert frag == pytest.approx(1 - float(r["peak_alloc_gib"]) / float(r["peak_reserved_gib"]), abs=1e-4)
+
+
+def test_gpu_max_batch_grows_with_memory_and_with_amp():
+    def largest(gib, amp):
+        spec = dict(mode="max_batch", model="resnet18", batch_size=16, img_size=96, warmup=0, steps=2,
+                    amp_dtype="auto", device="cuda", amp=amp, checkpoint=False, channels_last=False,
+                    tolerance=0.05, gpu_memory_gib=gib)
+        res = bench.run_worker(spec)
+        assert res["status"] == "ok" and res["gpu_capped_gib"] == gib
+        return res["max_batch"]
+
+    small, big = largest(1.5, amp=False), largest(3.0, amp=False)
+    assert 1 <= small < big
+    assert largest(1.5, amp=True) > small  # half-size activations: a bigger batch fits the same card

@@ -1,0 +1,333 @@
+"""dlenv.evaluate: metrics on hand-made cases, `dlenv val` end to end, unsafe and foreign checkpoints."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_image_folder
+
+from dlenv import evaluate
+from dlenv.checkpoint import FORMAT, save_checkpoint
+from dlenv.cli import main as cli_main
+from dlenv.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+CLASSES = ["cat", "dog", "fox"]
+
+# ---------------------------------------------------------------------------------------------------
+# compute_metrics and error_rows on hand-made logits.
+
+# 7 samples of 3 classes (supports 2, 3, 2). Predictions: a a | b b b b | a c  ->  confusion matrix
+#   true cat: [1 1 0]    true dog: [0 3 0]    true fox: [1 0 1]
+TARGETS = [0, 0, 1, 1, 1, 2, 2]
+PREDS = [0, 1, 1, 1, 1, 0, 2]
+
+
+def _hand_logits(preds, c=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.rand(len(preds), c, generator=g)  # in [0, 1): the +2 below always wins
+    for i, p in enumerate(preds):
+        logits[i, p] += 2.0
+    return logits
+
+
+def _ce(logits, targets):
+    """Mean cross-entropy written out with math, independent of torch's implementation."""
+    total = 0.0
+    for row, t in zip(logits.tolist(), targets, strict=False):
+        m = max(row)
+        total += m + math.log(sum(math.exp(v - m) for v in row)) - row[t]
+    return total / len(targets)
+
+
+def test_compute_metrics_hand_case():
+    logits = _hand_logits(PREDS)
+    m = evaluate.compute_metrics(logits, torch.tensor(TARGETS), CLASSES)
+    assert m["confusion_matrix"] == [[1, 1, 0], [0, 3, 0], [1, 0, 1]]
+    assert m["num_samples"] == 7 and m["num_classes"] == 3
+    assert m["top1"] == pytest.approx(500 / 7)
+    assert m["top5_k"] == 3 and m["top5"] == pytest.approx(100.0)  # 3 classes: top-3 always hits
+    assert m["loss"] == pytest.approx(_ce(logits, TARGETS), rel=1e-5)
+    expected = {  # class: (precision, recall, f1, support), worked out from the matrix above
+        "cat": (1 / 2, 1 / 2, 1 / 2, 2),
+        "dog": (3 / 4, 1.0, 6 / 7, 3),
+        "fox": (1.0, 1 / 2, 2 / 3, 2),
+    }
+    for row in m["per_class"]:
+        p, r, f, s = expected[row["class"]]
+        assert (row["precision"], row["recall"], row["f1"]) == pytest.approx((p, r, f))
+        assert row["support"] == s
+    assert m["macro_avg"]["precision"] == pytest.approx(0.75)
+    assert m["macro_avg"]["recall"] == pytest.approx(2 / 3)
+    assert m["macro_avg"]["f1"] == pytest.approx((1 / 2 + 6 / 7 + 2 / 3) / 3)
+    assert m["weighted_avg"]["recall"] == pytest.approx(5 / 7)
+    assert m["weighted_avg"]["f1"] == pytest.approx((2 * 1 / 2 + 3 * 6 / 7 + 2 * 2 / 3) / 7)
+    json.dumps(m)  # plain types only
+
+
+def test_top5_misses_when_the_true_class_ranks_sixth():
+    logits = torch.tensor([[6.0, 5, 4, 3, 2, 1], [6.0, 5, 4, 3, 2, 1], [1.0, 2, 3, 4, 5, 6]])
+    m = evaluate.compute_metrics(logits, torch.tensor([5, 4, 5]), list("abcdef"))
+    assert m["top5_k"] == 5
+    assert m["top1"] == pytest.approx(100 / 3)  # only the last row's argmax is right
+    assert m["top5"] == pytest.approx(200 / 3)  # row 0's class 5 ranks sixth
+
+
+def test_class_never_predicted_has_zero_precision_not_nan():
+    m = evaluate.compute_metrics(_hand_logits([0, 0, 0]), torch.tensor([0, 1, 2]), CLASSES)
+    assert [r["precision"] for r in m["per_class"]] == pytest.approx([1 / 3, 0.0, 0.0])
+    assert [r["f1"] for r in m["per_class"]] == pytest.approx([0.5, 0.0, 0.0])
+
+
+def test_compute_metrics_rejects_mismatched_names_and_empty_input():
+    with pytest.raises(ValueError, match="3 columns"):
+        evaluate.compute_metrics(_hand_logits([0, 1]), torch.tensor([0, 1]), ["a", "b"])
+    with pytest.raises(ValueError, match="no samples"):
+        evaluate.compute_metrics(torch.zeros(0, 3), torch.zeros(0, dtype=torch.long), CLASSES)
+
+
+def test_error_rows_most_confident_first():
+    logits = torch.log(torch.tensor([
+        [0.9, 0.05, 0.05],  # right
+        [0.2, 0.7, 0.1],    # cat called dog at 0.7
+        [0.1, 0.3, 0.6],    # dog called fox at 0.6
+        [0.05, 0.9, 0.05],  # fox called dog at 0.9
+        [0.1, 0.1, 0.8],    # right
+    ]))
+    rows = evaluate.error_rows(logits, torch.tensor([0, 0, 1, 2, 2]), list("ABCDE"), CLASSES)
+    assert [r["path"] for r in rows] == ["D", "B", "C"]
+    assert [r["confidence"] for r in rows] == pytest.approx([0.9, 0.7, 0.6], abs=1e-6)
+    assert (rows[0]["true_class"], rows[0]["predicted_class"]) == ("fox", "dog")
+
+
+# ---------------------------------------------------------------------------------------------------
+# predict and resolve_device.
+
+
+class _Echo(torch.nn.Module):
+    """Logits read straight off the image: class scores are the mean of each of its 3 channels."""
+
+    def forward(self, x):
+        return x.mean(dim=(2, 3))
+
+
+def test_predict_keeps_order_and_returns_float32_cpu():
+    images = torch.zeros(5, 3, 4, 4)
+    for i, c in enumerate([2, 0, 1, 1, 0]):
+        images[i, c] = 1.0 + i
+    loader = [(images[:2], torch.tensor([2, 0])), (images[2:], [1, 1, 2])]  # labels as a list too
+    logits, targets = evaluate.predict(_Echo(), loader, "cpu")
+    assert logits.dtype == torch.float32 and logits.device.type == "cpu"
+    assert logits.shape == (5, 3)
+    assert logits.argmax(1).tolist() == [2, 0, 1, 1, 0]
+    assert targets.tolist() == [2, 0, 1, 1, 2] and targets.dtype == torch.long
+    assert not torch.is_grad_enabled() or not logits.requires_grad
+
+
+def test_resolve_device():
+    assert evaluate.resolve_device("cpu") == torch.device("cpu")
+    assert evaluate.resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(UserError, match="'banana'"):
+        evaluate.resolve_device("banana")
+    with pytest.raises(UserError, match="cuda:99"):
+        evaluate.resolve_device("cuda:99")
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="CUDA is not available"):
+            evaluate.resolve_device("cuda")
+
+
+@pytest.mark.gpu
+def test_predict_on_cuda_with_amp_matches_fp32_cpu():
+    from dlenv.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("resnet18", 4).eval()
+    images = torch.randn(6, 3, 64, 64)
+    loader = [(images[:4], torch.arange(4)), (images[4:], torch.tensor([0, 1]))]
+    ref, _ = evaluate.predict(model, loader, "cpu")
+    for amp in (False, True):
+        out, targets = evaluate.predict(model, loader, evaluate.resolve_device("cuda:0"), amp=amp)
+        assert out.device.type == "cpu" and out.dtype == torch.float32
+        assert torch.allclose(out, ref, atol=5e-2 if amp else 1e-3, rtol=5e-2 if amp else 1e-3)
+        assert targets.tolist() == [0, 1, 2, 3, 0, 1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# `dlenv val` end to end with a tiny resnet18 forced to always answer class 0.
+
+SIZE = 32
+BIAS = torch.tensor([3.0, 0.0, 1.0])  # constant logits: always "cat", with a known confidence
+
+
+def _forced_model(num_classes=3):
+    from dlenv.models import build_model
+
+    model = build_model("resnet18", num_classes)
+    with torch.no_grad():
+        model.fc.weight.zero_()
+        model.fc.bias.copy_(BIAS[:num_classes])
+    return model
+
+
+def _dlenv_ckpt(path: Path, class_names=CLASSES, data=None) -> Path:
+    model = _forced_model(len(class_names))
+    state = {"format": FORMAT, "model": model.state_dict(), "model_name": "resnet18",
+             "num_classes": len(class_names), "class_names": list(class_names), "img_size": SIZE,
+             "config": {"data": str(data) if data else None, "val_split": 0.2, "seed": 0}, "epoch": 1}
+    return save_checkpoint(state, path)
+
+
+@pytest.fixture
+def val_data(tmp_path):
+    """dataset/train and dataset/val: cat 2, dog 3, fox 1 validation images."""
+    root = tmp_path / "dataset"
+    for name, n in zip(CLASSES, (2, 3, 1), strict=False):
+        make_image_folder(root / "val", classes=(name,), per_class=n, size=(20, 20))
+        make_image_folder(root / "train", classes=(name,), per_class=2, size=(20, 20))
+    return root
+
+
+def _read_csv(path: Path) -> list[list[str]]:
+    with path.open(newline="", encoding="utf-8") as fh:
+        return list(csv.reader(fh))
+
+
+def test_val_end_to_end_known_confusion_matrix(tmp_path, val_data, capsys):
+    weights = _dlenv_ckpt(tmp_path / "runs" / "exp" / "best_model.pth")
+    code = cli_main(["val", "--weights", str(weights), "--data", str(val_data / "val"), "--workers", "0",
+                     "--batch-size", "4", "--device", "cpu"])
+    assert code == 0
+    out = tmp_path / "runs" / "exp" / "val"  # the default --out
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["confusion_matrix"] == [[2, 0, 0], [3, 0, 0], [1, 0, 0]]
+    assert m["top1"] == pytest.approx(200 / 6)
+    p_cat = torch.softmax(BIAS, 0)
+    expected_loss = -(2 * math.log(p_cat[0]) + 3 * math.log(p_cat[1]) + math.log(p_cat[2])) / 6
+    assert m["loss"] == pytest.approx(expected_loss, rel=1e-4)
+
+    per_class = _read_csv(out / "per_class.csv")
+    assert per_class[0] == ["class", "precision", "recall", "f1", "support"]
+    assert [r[0] for r in per_class[1:]] == ["cat", "dog", "fox", "macro avg", "weighted avg"]
+    assert [float(x) for x in per_class[1][1:]] == pytest.approx([1 / 3, 1.0, 0.5, 2])
+    assert [float(x) for x in per_class[2][1:]] == pytest.approx([0, 0, 0, 3])
+    assert float(per_class[4][2]) == pytest.approx(1 / 3)  # macro recall
+
+    cm = _read_csv(out / "confusion_matrix.csv")
+    assert cm[0][1:] == CLASSES
+    assert cm[1:] == [["cat", "2", "0", "0"], ["dog", "3", "0", "0"], ["fox", "1", "0", "0"]]
+
+    errors = _read_csv(out / "errors.csv")
+    assert errors[0] == ["path", "true_class", "predicted_class", "confidence"]
+    # every dog and fox image is a mistake, all at the same confidence, so the data order is kept
+    expected_paths = sorted(str(p) for p in (val_data / "val" / "dog").iterdir())
+    expected_paths += [str(p) for p in (val_data / "val" / "fox").iterdir()]
+    assert [r[0] for r in errors[1:]] == expected_paths
+    assert {(r[1], r[2]) for r in errors[1:4]} == {("dog", "cat")}
+    assert [float(r[3]) for r in errors[1:]] == pytest.approx([float(p_cat[0])] * 4, abs=1e-5)
+
+    png = (out / "confusion_matrix.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert not list(out.glob(".*tmp"))
+
+    printed = capsys.readouterr().out
+    assert "top-1 33.33%" in printed and "weighted avg" in printed and "fox" in printed
+
+
+def test_val_defaults_to_the_checkpoints_data_and_maps_class_order(tmp_path, val_data):
+    # the checkpoint lists its classes in another order than the folders sort: index 0 is "dog"
+    weights = _dlenv_ckpt(tmp_path / "w" / "last.pth", class_names=["dog", "cat", "fox"], data=val_data)
+    out = tmp_path / "report"
+    assert cli_main(["val", "--weights", str(weights), "--workers", "0", "--out", str(out)]) == 0
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["data"] == str(val_data) and m["num_samples"] == 6  # the val/ folder, not train/
+    assert m["class_names"] == ["dog", "cat", "fox"]
+    assert m["confusion_matrix"] == [[3, 0, 0], [2, 0, 0], [1, 0, 0]]
+
+
+def test_val_classes_differ_names_them(tmp_path, val_data, capsys):
+    weights = _dlenv_ckpt(tmp_path / "best_model.pth")
+    other = tmp_path / "other"
+    make_image_folder(other, classes=("cat", "dog", "emu"), per_class=1)
+    code = cli_main(["val", "--weights", str(weights), "--data", str(other), "--workers", "0"])
+    assert code != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "missing" in err and "fox" in err and "emu" in err
+    assert not (tmp_path / "val").exists()
+
+
+class _Payload:
+    """Unpickling this creates a marker file: the stand-in for arbitrary code in a checkpoint."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_malicious_checkpoint_is_refused_and_runs_nothing(tmp_path, val_data, capsys):
+    # Control: the same kind of file really does run its payload when loaded unsafely.
+    control_marker = tmp_path / "control-ran"
+    control = tmp_path / "control.pth"
+    torch.save({"model": _Payload(control_marker)}, control)
+    subprocess.run([sys.executable, "-c", "import sys, torch; torch.load(sys.argv[1], weights_only=False)",
+                    str(control)], capture_output=True, cwd=tmp_path)
+    assert control_marker.exists(), "the test payload does not work; the test below would prove nothing"
+
+    marker = tmp_path / "payload-ran"
+    evil = tmp_path / "evil.pth"
+    torch.save({"model": _Payload(marker)}, evil)
+    plain = tmp_path / "evil.pkl"
+    plain.write_bytes(pickle.dumps(_Payload(marker)))
+    for f in (evil, plain):
+        code = cli_main(["val", "--weights", str(f), "--data", str(val_data / "val"), "--workers", "0"])
+        err = capsys.readouterr().err.strip()
+        assert code != 0
+        assert len(err.splitlines()) == 1 and str(f) in err, err
+        assert not marker.exists(), "the checkpoint's payload ran"
+    assert not (tmp_path / "val").exists()
+
+
+def test_bare_state_dict_needs_model_and_then_validates(tmp_path, val_data, capsys):
+    sd = tmp_path / "from_other_tool.pth"
+    torch.save(_forced_model().state_dict(), sd)
+    code = cli_main(["val", "--weights", str(sd), "--data", str(val_data / "val"), "--workers", "0"])
+    assert code != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--model" in err
+
+    code = cli_main(["val", "--weights", str(sd), "--data", str(val_data / "val"), "--model", "resnet18",
+                     "--img-size", str(SIZE), "--workers", "0"])
+    assert code == 0
+    m = json.loads((tmp_path / "val" / "metrics.json").read_text())
+    assert m["class_names"] == CLASSES  # taken from the data's folders
+    assert m["confusion_matrix"] == [[2, 0, 0], [3, 0, 0], [1, 0, 0]]
+    assert m["img_size"] == SIZE
+
+
+def test_val_without_weights_or_with_missing_data_is_one_line(tmp_path, capsys):
+    assert cli_main(["val"]) != 0
+    assert "--weights" in capsys.readouterr().err
+    weights = _dlenv_ckpt(tmp_path / "best_model.pth")
+    assert cli_main(["val", "--weights", str(weights), "--data", str(tmp_path / "nope")]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "nope" in err
+
+
+def test_workspace_val_script(tmp_path, val_data):
+    weights = _dlenv_ckpt(tmp_path / "best_model.pth")
+    r = subprocess.run([sys.executable, str(ROOT / "workspace" / "val.py"), "--weights", str(weights),
+                        "--data", str(val_data / "val"), "--workers", "0"],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "top-1 33.33%" in r.stdout
+    assert (tmp_path / "val" / "errors.csv").is_file()

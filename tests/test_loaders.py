@@ -1,0 +1,263 @@
+"""dlenv.data.loaders: RGB decoding, transforms, bad files, workers, loaders."""
+
+from __future__ import annotations
+
+import logging
+from collections import namedtuple
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_image_folder
+from PIL import Image
+
+from dlenv.data import loaders
+from dlenv.data.folder import find_layout
+from dlenv.data.loaders import (
+    BadImageError,
+    ImageDataset,
+    build_eval_loader,
+    build_loaders,
+    build_transforms,
+    load_rgb,
+    resolve_workers,
+)
+from dlenv.errors import UserError
+
+# --------------------------------------------------------------------------------------------- decoding
+
+
+def _check_rgb(im: Image.Image, size) -> np.ndarray:
+    assert im.mode == "RGB" and im.size == size
+    return np.asarray(im)
+
+
+def test_grayscale_and_bilevel(tmp_path):
+    Image.new("L", (8, 6), 77).save(tmp_path / "g.png")
+    Image.new("1", (8, 6), 1).save(tmp_path / "b.png")
+    assert (_check_rgb(load_rgb(tmp_path / "g.png"), (8, 6)) == 77).all()
+    assert (_check_rgb(load_rgb(tmp_path / "b.png"), (8, 6)) == 255).all()
+
+
+def test_transparency_is_composited_on_white(tmp_path):
+    rgba = np.zeros((4, 4, 4), np.uint8)
+    rgba[..., 0] = 200           # red everywhere underneath
+    rgba[:2, :, 3] = 255         # top half opaque, bottom half fully transparent
+    Image.fromarray(rgba).save(tmp_path / "a.png")
+    out = _check_rgb(load_rgb(tmp_path / "a.png"), (4, 4))
+    assert (out[:2] == [200, 0, 0]).all() and (out[2:] == 255).all()
+
+    la = Image.merge("LA", [Image.new("L", (4, 4), 10), Image.new("L", (4, 4), 0)])
+    la.save(tmp_path / "la.png")
+    assert (_check_rgb(load_rgb(tmp_path / "la.png"), (4, 4)) == 255).all()
+
+    pal = Image.new("P", (4, 4), 1)
+    pal.putpalette([0, 0, 0, 0, 0, 255] + [0] * 762)
+    pal.save(tmp_path / "p.png", transparency=1)  # palette index 1 (blue) is the transparent one
+    assert (_check_rgb(load_rgb(tmp_path / "p.png"), (4, 4)) == 255).all()
+    pal.save(tmp_path / "opaque.png")
+    assert (_check_rgb(load_rgb(tmp_path / "opaque.png"), (4, 4)) == [0, 0, 255]).all()
+
+
+def test_cmyk_jpeg(tmp_path):
+    Image.new("CMYK", (8, 8), (0, 255, 255, 0)).save(tmp_path / "c.jpg")  # pure red in CMYK
+    r, g, b = _check_rgb(load_rgb(tmp_path / "c.jpg"), (8, 8)).reshape(-1, 3).mean(0)
+    assert r > 200 and g < 60 and b < 60
+
+
+def test_16bit_png_is_scaled_not_clipped(tmp_path):
+    arr = np.array([[0, 257 * 64, 257 * 128, 65535]], dtype=np.uint16)
+    Image.fromarray(arr).save(tmp_path / "d.png")
+    assert Image.open(tmp_path / "d.png").mode in ("I;16", "I")
+    out = _check_rgb(load_rgb(tmp_path / "d.png"), (4, 1))
+    assert out[0, :, 0].tolist() == [0, 64, 128, 255]
+    assert (out[..., 0] == out[..., 2]).all()
+
+
+def test_exif_orientation_applied(tmp_path):
+    arr = np.zeros((10, 30, 3), np.uint8)  # 30 wide, 10 high
+    arr[:, :5] = 255                         # a white band on the left edge
+    im = Image.fromarray(arr)
+    exif = im.getexif()
+    exif[0x0112] = 6  # "rotate 90 CW to display"
+    im.save(tmp_path / "r.jpg", exif=exif, quality=95)
+    out = _check_rgb(load_rgb(tmp_path / "r.jpg"), (10, 30))
+    assert out[:5].mean() > 200 and out[-5:].mean() < 50  # the left band is now at the top
+
+
+def test_broken_file_raises(tmp_path):
+    (tmp_path / "x.jpg").write_bytes(b"not a jpeg")
+    with pytest.raises(Exception):  # noqa: B017 - any PIL error; the dataset decides what to do
+        load_rgb(tmp_path / "x.jpg")
+
+
+# --------------------------------------------------------------------------------------------- transforms
+
+def test_transforms_shapes_and_normalization(tmp_path):
+    img = Image.fromarray(np.full((40, 50, 3), 124, np.uint8))
+    train = build_transforms(32, train=True)(img)
+    val = build_transforms(32, train=False)
+    assert train.shape == (3, 32, 32) and val(img).shape == (3, 32, 32)
+    want = (124 / 255 - torch.tensor(loaders.IMAGENET_MEAN)) / torch.tensor(loaders.IMAGENET_STD)
+    assert torch.allclose(val(img)[:, 5, 5], want, atol=1e-5)  # ToTensor scale, then ImageNet stats
+    assert torch.equal(val(img), val(img))  # eval is deterministic
+
+
+# --------------------------------------------------------------------------------------------- dataset
+
+@pytest.fixture
+def with_bad(tmp_path):
+    """Samples of two classes where the 3rd file is corrupt."""
+    make_image_folder(tmp_path, classes=("a", "b"), per_class=4, size=(16, 16))
+    lay = find_layout(tmp_path, val_split=0.0)
+    samples = list(lay.train)
+    Path(samples[2][0]).write_bytes(b"\xff\xd8\xff garbage")
+    return samples
+
+
+def test_dataset_skip_substitutes_next_sample_and_warns_once(with_bad, caplog):
+    ds = ImageDataset(with_bad, build_transforms(16, False), "skip")
+    caplog.set_level(logging.WARNING, "dlenv.data")
+    x, y = ds[2]
+    x3, y3 = ds[3]
+    assert torch.equal(x, x3) and y == y3
+    ds[2]
+    msgs = [r.getMessage() for r in caplog.records if with_bad[2][0] in r.getMessage()]
+    assert len(msgs) == 1
+
+
+def test_dataset_error_names_the_file_in_one_line(with_bad):
+    ds = ImageDataset(with_bad, build_transforms(16, False), "error")
+    with pytest.raises(BadImageError) as e:
+        ds[2]
+    assert isinstance(e.value, UserError)
+    assert with_bad[2][0] in str(e.value) and "\n" not in str(e.value)
+    assert ds[1][1] == with_bad[1][1]
+
+
+def test_dataset_rejects_unknown_mode(with_bad):
+    with pytest.raises(UserError):
+        ImageDataset(with_bad, None, "ignore")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_skip_reports_once_per_path_across_workers_and_epochs(with_bad, workers, caplog, capfd):
+    caplog.set_level(logging.WARNING, "dlenv.data")
+    loader = build_eval_loader(with_bad, 16, batch_size=2, workers=workers)
+    for _ in range(2):
+        labels = torch.cat([y for _, y in loader]).tolist()
+        assert len(labels) == len(with_bad)
+    bad = with_bad[2][0]
+    assert list(loader.bad_paths) == [bad]
+    assert labels[2] == labels[3]  # the bad slot holds the next sample
+    assert sum(bad in r.getMessage() for r in caplog.records) == 1
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_bad_file_seen_by_two_workers_is_logged_once(with_bad, caplog):
+    caplog.set_level(logging.WARNING, "dlenv.data")
+    ds = ImageDataset(with_bad, build_transforms(16, False), "skip")
+    # batch_size 1 and this order hand index 2 to both workers in turn
+    loader = loaders.SafeLoader(ds, batch_size=1, num_workers=2, sampler=[2, 0, 2, 1, 2, 3])
+    assert len(list(loader)) == 6
+    assert sum(with_bad[2][0] in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_error_raises_clean_bad_image_error(with_bad, workers, capfd):
+    loader = build_eval_loader(with_bad, 16, batch_size=2, workers=workers, bad_images="error")
+    with pytest.raises(BadImageError) as e:
+        for _ in loader:
+            pass
+    msg = str(e.value)
+    assert with_bad[2][0] in msg and "\n" not in msg and "worker" not in msg
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_all_images_bad_is_a_user_error(tmp_path):
+    for i in range(3):
+        (tmp_path / f"{i}.png").write_bytes(b"")
+    ds = ImageDataset([(str(tmp_path / f"{i}.png"), 0) for i in range(3)], None, "skip")
+    with pytest.raises(BadImageError, match="no other image"):
+        ds[0]
+
+
+# --------------------------------------------------------------------------------------------- workers
+
+Usage = namedtuple("Usage", "total used free")
+
+
+def test_resolve_workers_numbers_and_errors():
+    assert resolve_workers(0) == 0 and resolve_workers(3) == 3
+    with pytest.raises(UserError):
+        resolve_workers(-1)
+    with pytest.raises(UserError):
+        resolve_workers("many")
+
+
+def test_resolve_workers_auto_caps_cpu_count(monkeypatch):
+    monkeypatch.setattr(loaders, "usable_cpus", lambda: 96)
+    monkeypatch.setattr(loaders.shutil, "disk_usage", lambda p: Usage(64 << 30, 0, 64 << 30))
+    assert resolve_workers("auto", 32) == loaders.MAX_AUTO_WORKERS
+    monkeypatch.setattr(loaders, "usable_cpus", lambda: 3)
+    assert resolve_workers("auto", 32) == 3
+
+
+def test_resolve_workers_small_shm_reduces_and_says_so_once(monkeypatch, caplog):
+    monkeypatch.setattr(loaders, "usable_cpus", lambda: 16)
+    monkeypatch.setattr(loaders, "_said", set())
+    monkeypatch.setattr(loaders.shutil, "disk_usage", lambda p: Usage(64 << 20, 0, 64 << 20))
+    caplog.set_level(logging.WARNING, "dlenv.data")
+    n = resolve_workers("auto", batch_size=32, img_size=224)
+    assert n <= 1  # 4 batches of 32 x 3x224x224 float32 in flight per worker do not fit in 64 MiB
+    assert resolve_workers("auto", batch_size=32, img_size=224) == n
+    assert len([r for r in caplog.records if "shm-size" in r.getMessage()]) == 1
+    # tiny batches fit, but a small /dev/shm still keeps the count low
+    assert resolve_workers("auto", batch_size=2, img_size=32) == 2
+
+
+# --------------------------------------------------------------------------------------------- loaders
+
+@pytest.fixture
+def layout(tmp_path):
+    make_image_folder(tmp_path / "train", classes=("a", "b", "c"), per_class=6, size=(16, 16))
+    make_image_folder(tmp_path / "val", classes=("a", "b", "c"), per_class=2, size=(16, 16), seed=1)
+    return find_layout(tmp_path)
+
+
+def _labels(loader):
+    return torch.cat([y for _, y in loader]).tolist()
+
+
+def test_build_loaders_seeded_shuffle_and_ordered_val(layout):
+    train, val = build_loaders(layout, 16, batch_size=4, workers=0, seed=1)
+    assert train.pin_memory is torch.cuda.is_available()
+    first = _labels(train)
+    assert sorted(first) == sorted(y for _, y in layout.train)
+    assert first != [y for _, y in layout.train]  # shuffled
+    again, _ = build_loaders(layout, 16, batch_size=4, workers=0, seed=1)
+    other, _ = build_loaders(layout, 16, batch_size=4, workers=0, seed=2)
+    assert _labels(again) == first and _labels(other) != first
+    assert _labels(val) == [y for _, y in layout.val]
+    x, _ = next(iter(val))
+    assert x.shape == (4, 3, 16, 16) and x.dtype == torch.float32
+
+
+def test_build_loaders_uses_given_sampler_and_workers(layout):
+    order = list(range(len(layout.train)))[::-1]
+    train, val = build_loaders(layout, 16, batch_size=5, workers=2, train_sampler=order, drop_last=True)
+    assert train.persistent_workers and train.prefetch_factor == loaders.PREFETCH_FACTOR
+    assert _labels(train) == [layout.train[i][1] for i in order][:15]
+    assert len(train) == 3
+
+
+def test_build_loaders_without_val(tmp_path):
+    make_image_folder(tmp_path, per_class=3, size=(16, 16))
+    train, val = build_loaders(find_layout(tmp_path, val_split=0.0), 16, 2, 0)
+    assert val is None and len(train.dataset) == 6
+
+
+def test_eval_loader_keeps_sample_order(layout):
+    loader = build_eval_loader(layout.train, 16, batch_size=4, workers=0)
+    assert _labels(loader) == [y for _, y in layout.train]

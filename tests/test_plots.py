@@ -1,0 +1,161 @@
+"""dlenv.plots: results.png per run and compare.png from results.csv alone; no torch imported."""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dlenv import plots
+from dlenv.cli import main as cli_main
+from dlenv.errors import UserError
+from dlenv.results import COLUMNS, append_row, read_results
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _row(epoch: int, scale: float = 1.0) -> dict:
+    return {"epoch": epoch, "train_loss": 2.0 / epoch, "val_loss": 2.2 / epoch + 0.1,
+            "top1": min(99.0, 30.0 * epoch * scale), "top5": min(100.0, 60.0 + 10 * epoch),
+            "lr": 0.1 / epoch, "img_per_s": 1000.0 + 10 * epoch, "data_wait": 0.05 * epoch,
+            "epoch_s": 12.5, "mem_alloc_gib": 3.0 * scale + 0.01 * epoch, "mem_reserved_gib": 4.0 * scale,
+            "batch_size": 32, "accum_steps": 1, "oom_retries": 0}
+
+
+def _make_run(folder: Path, epochs: int, scale: float = 1.0) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for e in range(1, epochs + 1):
+        append_row(folder / "results.csv", _row(e, scale))
+    return folder
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def _axis(fig, title: str):
+    found = [ax for ax in fig.axes if ax.get_title() == title]
+    assert found, f"no panel titled {title!r}: {[a.get_title() for a in fig.axes]}"
+    return found[0]
+
+
+def _line(ax, label: str):
+    found = [ln for ln in ax.get_lines() if ln.get_label() == label]
+    assert found, f"no line {label!r} in {ax.get_title()!r}"
+    return found[0]
+
+
+def test_results_png_plots_the_csv_values(tmp_path):
+    run = _make_run(tmp_path / "runs" / "exp", epochs=4)
+    df = read_results(run / "results.csv")
+    fig = plots.plot_run(df, "exp")
+    expected = {("Loss", "train"): "train_loss", ("Loss", "val"): "val_loss",
+                ("Validation accuracy", "top-1"): "top1", ("Validation accuracy", "top-5"): "top5",
+                ("Training throughput", "images/s (all GPUs)"): "img_per_s",
+                ("Peak GPU memory", "allocated"): "mem_alloc_gib",
+                ("Peak GPU memory", "reserved"): "mem_reserved_gib"}
+    for (title, label), col in expected.items():
+        line = _line(_axis(fig, title), label)
+        assert list(line.get_xdata()) == [1, 2, 3, 4]
+        assert list(line.get_ydata()) == pytest.approx(df[col].tolist(), rel=1e-5)
+    # data wait is stored as a 0-1 share and shown in %
+    wait = _line(_axis(fig, "Waiting for data"), "data wait")
+    assert list(wait.get_ydata()) == pytest.approx([5.0, 10.0, 15.0, 20.0], rel=1e-5)
+    # every panel has labelled axes with units where there are units
+    for ax in fig.axes:
+        if ax.get_title():
+            assert ax.get_xlabel() == "epoch" and ax.get_ylabel()
+    assert _axis(fig, "Peak GPU memory").get_ylabel() == "memory (GiB)"
+    assert _axis(fig, "Validation accuracy").get_ylabel() == "accuracy (%)"
+
+
+def test_plot_writes_results_and_compare_png(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    _make_run(runs / "exp", epochs=5)
+    _make_run(runs / "exp2", epochs=3, scale=0.5)
+    assert cli_main(["plot", "--log-dir", str(runs)]) == 0
+    for png, min_w in ((runs / "exp" / "results.png", 800), (runs / "exp2" / "results.png", 800),
+                       (runs / "compare.png", 800)):
+        w, h = _png_size(png)
+        assert min_w <= w <= 4000 and 300 <= h <= 3000, (png, w, h)
+        assert png.stat().st_size > 10_000
+    # no temporary files left behind by the atomic writes
+    assert not [p for p in runs.rglob("*.tmp")]
+
+
+def test_compare_overlays_each_runs_top1_and_memory(tmp_path):
+    a = read_results(_make_run(tmp_path / "a", epochs=3) / "results.csv")
+    b = read_results(_make_run(tmp_path / "b", epochs=2, scale=0.5) / "results.csv")
+    fig = plots.plot_compare({"a": a, "b": b})
+    acc = _axis(fig, "Validation top-1")
+    assert list(_line(acc, "a").get_ydata()) == pytest.approx(a["top1"].tolist())
+    assert list(_line(acc, "b").get_ydata()) == pytest.approx(b["top1"].tolist())
+    mem = [ax for ax in fig.axes if ax.get_title().startswith("Peak GPU memory")][0]
+    assert list(_line(mem, "b").get_ydata()) == pytest.approx(b["mem_alloc_gib"].tolist())
+    assert list(_line(mem, "_b").get_ydata()) == pytest.approx(b["mem_reserved_gib"].tolist())
+
+
+def test_run_in_progress_one_row_and_partial_line(tmp_path):
+    run = _make_run(tmp_path / "exp", epochs=1)
+    with (run / "results.csv").open("a") as fh:
+        fh.write("2,1.1,1.2")  # the trainer is mid-write of epoch 2
+    assert cli_main(["plot", "--log-dir", str(run)]) == 0
+    assert _png_size(run / "results.png")[0] >= 800
+    assert not (run / "compare.png").exists()  # one run: nothing to compare
+    df = read_results(run / "results.csv")
+    line = _line(_axis(plots.plot_run(df, "exp"), "Loss"), "train")
+    assert list(line.get_ydata())[0] == pytest.approx(2.0)
+
+
+def test_header_only_run_is_skipped_and_alone_is_an_error(tmp_path):
+    run = tmp_path / "runs" / "new"
+    run.mkdir(parents=True)
+    (run / "results.csv").write_text(",".join(COLUMNS) + "\n")
+    with pytest.raises(UserError, match="no run has a complete epoch"):
+        plots.plot_log_dir(tmp_path / "runs")
+    _make_run(tmp_path / "runs" / "done", epochs=2)
+    written = plots.plot_log_dir(tmp_path / "runs")
+    assert written == [tmp_path / "runs" / "done" / "results.png"]
+
+
+def test_folder_without_runs_is_one_line_error(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert cli_main(["plot", "--log-dir", str(tmp_path / "empty")]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no results.csv" in err and "empty" in err
+    assert cli_main(["plot", "--log-dir", str(tmp_path / "missing")]) != 0
+    assert "no such folder" in capsys.readouterr().err
+
+
+def test_find_runs_nested_and_itself(tmp_path):
+    _make_run(tmp_path / "proj" / "exp", 1)
+    _make_run(tmp_path / "proj" / "group" / "exp3", 1)
+    _make_run(tmp_path / "proj" / ".hidden", 1)
+    runs = plots.find_runs(tmp_path / "proj")
+    assert runs == [tmp_path / "proj" / "exp", tmp_path / "proj" / "group" / "exp3"]
+    assert plots.run_label(runs[1], tmp_path / "proj") == "group/exp3"
+    assert plots.find_runs(tmp_path / "proj" / "exp") == [tmp_path / "proj" / "exp"]
+
+
+def test_plots_never_imports_torch(tmp_path):
+    _make_run(tmp_path / "exp", epochs=2)
+    code = ("import sys\nfrom dlenv import plots\nplots.plot_log_dir(sys.argv[1])\n"
+            "print('TORCH' if 'torch' in sys.modules else 'CLEAN')")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "exp")], capture_output=True, text=True,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("CLEAN")
+
+
+def test_workspace_script_runs_plot(tmp_path):
+    _make_run(tmp_path / "runs" / "exp", epochs=2)
+    r = subprocess.run([sys.executable, str(ROOT / "workspace" / "plot_results.py"), "--log-dir",
+                        str(tmp_path / "runs")], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "runs" / "exp" / "results.png").is_file()
