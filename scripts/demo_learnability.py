@@ -2,8 +2,9 @@
 
 Writes the demo dataset (or uses --data), decodes it once into memory, trains a 4-block CNN with
 AdamW and a warmup + cosine schedule timed to the budget, on random flips and shifts, and prints
-one row per epoch: seconds so far, training loss, validation top-1. Also prints the accuracy of a nearest-centroid classifier on
-each image's mean colour, which should sit at chance (the demo's colours carry no class).
+one row per epoch: seconds so far, training loss, validation top-1. Also prints the accuracy of a
+nearest-centroid classifier on each image's mean colour, which should sit at chance (the demo's
+colours carry no class).
 
     python3 scripts/demo_learnability.py --seconds 120 --threads 4
 """

@@ -129,7 +129,7 @@ def test_predict_keeps_order_and_returns_float32_cpu():
     assert logits.shape == (5, 3)
     assert logits.argmax(1).tolist() == [2, 0, 1, 1, 0]
     assert targets.tolist() == [2, 0, 1, 1, 2] and targets.dtype == torch.long
-    assert not torch.is_grad_enabled() or not logits.requires_grad
+    assert not logits.requires_grad
 
 
 def test_resolve_device():
@@ -264,6 +264,20 @@ def test_val_classes_differ_names_them(tmp_path, val_data, capsys):
     assert not (tmp_path / "val").exists()
 
 
+@pytest.mark.gpu
+def test_val_on_cuda_with_amp_matches_cpu(tmp_path, val_data):
+    weights = _dlenv_ckpt(tmp_path / "best_model.pth")
+    reports = {}
+    for device, amp in (("cpu", []), ("cuda", ["--amp"])):
+        out = tmp_path / device
+        assert cli_main(["val", "--weights", str(weights), "--data", str(val_data / "val"), "--workers", "2",
+                         "--device", device, "--out", str(out), *amp]) == 0
+        reports[device] = json.loads((out / "metrics.json").read_text())
+    assert reports["cuda"]["device"].startswith("cuda") and reports["cuda"]["amp"] is True
+    assert reports["cuda"]["confusion_matrix"] == reports["cpu"]["confusion_matrix"]
+    assert reports["cuda"]["loss"] == pytest.approx(reports["cpu"]["loss"], rel=2e-2)
+
+
 class _Payload:
     """Unpickling this creates a marker file: the stand-in for arbitrary code in a checkpoint."""
 
@@ -279,8 +293,7 @@ def test_malicious_checkpoint_is_refused_and_runs_nothing(tmp_path, val_data, ca
     control_marker = tmp_path / "control-ran"
     control = tmp_path / "control.pth"
     torch.save({"model": _Payload(control_marker)}, control)
-    subprocess.run([sys.executable, "-c", "import sys, torch; torch.load(sys.argv[1], weights_only=False)",
-                    str(control)], capture_output=True, cwd=tmp_path)
+    torch.load(control, weights_only=False)["model"].close()
     assert control_marker.exists(), "the test payload does not work; the test below would prove nothing"
 
     marker = tmp_path / "payload-ran"
@@ -323,11 +336,10 @@ def test_val_without_weights_or_with_missing_data_is_one_line(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "nope" in err
 
 
-def test_workspace_val_script(tmp_path, val_data):
-    weights = _dlenv_ckpt(tmp_path / "best_model.pth")
-    r = subprocess.run([sys.executable, str(ROOT / "workspace" / "val.py"), "--weights", str(weights),
-                        "--data", str(val_data / "val"), "--workers", "0"],
-                       capture_output=True, text=True, cwd=tmp_path)
+def test_workspace_val_script_is_dlenv_val():
+    # the script is argv glue over `dlenv val` (exercised end to end above); --help proves the wiring
+    # without paying a second torch start-up
+    r = subprocess.run([sys.executable, str(ROOT / "workspace" / "val.py"), "--help"],
+                       capture_output=True, text=True, cwd=ROOT / "workspace")
     assert r.returncode == 0, r.stderr
-    assert "top-1 33.33%" in r.stdout
-    assert (tmp_path / "val" / "errors.csv").is_file()
+    assert "Validate a checkpoint" in r.stdout and "--weights" in r.stdout and "--model" in r.stdout

@@ -189,7 +189,7 @@ Usage = namedtuple("Usage", "total used free")
 
 
 def test_resolve_workers_numbers_and_errors():
-    assert resolve_workers(0) == 0 and resolve_workers(3) == 3
+    assert resolve_workers(0) == 0 and resolve_workers(3) == 3 and resolve_workers("2") == 2
     with pytest.raises(UserError):
         resolve_workers(-1)
     with pytest.raises(UserError):

@@ -524,9 +524,11 @@ def report(cfg: Any, rows: list[dict[str, Any]], alloc_rows: list[dict[str, Any]
 
 
 def _spec(cfg: Any, mode: str = "measure", **extra: Any) -> dict[str, Any]:
-    return dict(mode=mode, model=cfg.model, batch_size=cfg.batch_size, img_size=cfg.img_size,
+    spec = dict(mode=mode, model=cfg.model, batch_size=cfg.batch_size, img_size=cfg.img_size,
                 warmup=cfg.warmup, steps=cfg.steps, amp_dtype=cfg.amp_dtype, device=cfg.device,
-                seed=SEED, num_classes=NUM_CLASSES, gpu_memory_gib=cfg.gpu_memory_gib, **extra)
+                seed=SEED, num_classes=NUM_CLASSES, gpu_memory_gib=cfg.gpu_memory_gib)
+    spec.update(extra)
+    return spec
 
 
 def run_bench(cfg: Any, progress=print) -> tuple[list[dict], list[dict], dict]:

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections import OrderedDict
 import tempfile
 import zipfile
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,7 @@ def _encode(obj: Any) -> Any:
         return out
     if isinstance(obj, (list, tuple)):
         items = [_encode(v) for v in obj]
-        if all(a is b for a, b in zip(items, obj)):
+        if all(a is b for a, b in zip(items, obj, strict=True)):
             return obj
         return type(obj)(items) if type(obj) in (list, tuple) else list(items)
     return obj
@@ -194,7 +194,10 @@ def environment() -> dict[str, Any]:
     from dlenv import __version__
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"dlenv": __version__, "torch": torch.__version__, "cuda": torch.version.cuda, "gpu": gpu}
+    # str(): torch.__version__ is a TorchVersion, a class weights_only refuses to rebuild
+    cuda = torch.version.cuda
+    return {"dlenv": str(__version__), "torch": str(torch.__version__), "cuda": str(cuda) if cuda else None,
+            "gpu": str(gpu) if gpu else None}
 
 
 def rng_state() -> dict[str, Any]:

@@ -314,6 +314,8 @@ def _resolve_data(cfg: Any, ckpt: Any) -> tuple[Path, list, list[str], str]:
         return (root, *_samples_of(root, val_split, seed, trained_on=False))
     if not train_cfg:
         raise UserError("this checkpoint does not say what data it was trained on; pass --data FOLDER")
+    if train_cfg.get("synthetic"):
+        raise UserError("this checkpoint was trained on synthetic data (--synthetic); pass --data FOLDER")
     if train_cfg.get("data"):
         root = Path(train_cfg["data"])
         if not root.is_dir():

@@ -315,7 +315,7 @@ def forward_backward(parts: Parts, images: torch.Tensor, targets: torch.Tensor, 
     """
     n = images.shape[0]
     total = torch.zeros((), device=images.device)
-    pieces = list(zip(images.chunk(chunks), targets.chunk(chunks)))
+    pieces = list(zip(images.chunk(chunks), targets.chunk(chunks), strict=True))
     for i, (x, y) in enumerate(pieces):
         last = sync and i == len(pieces) - 1
         no_sync = getattr(parts.model, "no_sync", None)
@@ -421,22 +421,25 @@ def train_one_epoch(parts: Parts, batches: Iterator, state: TrainState, total: i
     """Train on `batches` until `total` loader batches of this epoch are done, or a stop signal.
 
     Updates `state` in place. On a signal in the middle of an accumulation window the window's
-    gradients are dropped and `state` goes back to the last optimizer step (the returned `rng` is the
-    RNG state there), so a resume redoes exactly that window. Raises NonFiniteLoss for a run of
+    gradients are dropped and `state` and the model's buffers go back to the last optimizer step (the
+    returned `rng` is the RNG state there), so a resume redoes exactly that window. Raises NonFiniteLoss for a run of
     non-finite losses or skipped steps; CUDA out-of-memory errors propagate unless `retry_oom`
     (then the batch is split in more micro-batches and redone).
     """
     parts.model.train()
     meter = _LossMeter(parts.device)
     images_seen, waited, in_window, window = 0, 0.0, 0, 1
-    boundary: tuple[int, int, dict[str, Any] | None] = (state.batch_in_epoch, state.position, None)
+    boundary: tuple[int, int, dict[str, Any] | None, list[torch.Tensor]] = (
+        state.batch_in_epoch, state.position, None, [])
     last_check, last_images = time.perf_counter(), 0
     t0 = last_check
     interrupted = False
     while state.batch_in_epoch < total:
         if in_window == 0 and state.accum_steps > 1:
-            # where a stop in the coming window rolls back to (the RNG feeds the augmentations)
-            boundary = (state.batch_in_epoch, state.position, ckpt_io.rng_state())
+            # where a stop in the coming window rolls back to: the RNG feeds the augmentations and
+            # dropout, and the window's forwards move BatchNorm's running statistics
+            boundary = (state.batch_in_epoch, state.position, ckpt_io.rng_state(),
+                        [b.detach().clone() for b in parts.bare.buffers()])
         t = time.perf_counter()
         try:
             images, targets = next(batches)
@@ -491,7 +494,10 @@ def train_one_epoch(parts: Parts, batches: Iterator, state: TrainState, total: i
     rng = None
     if interrupted and in_window:
         parts.optimizer.zero_grad(set_to_none=True)
-        state.batch_in_epoch, state.position, rng = boundary
+        state.batch_in_epoch, state.position, rng, buffers = boundary
+        with torch.no_grad():
+            for b, saved in zip(parts.bare.buffers(), buffers, strict=True):
+                b.copy_(saved)
     if parts.device.type == "cuda":
         torch.cuda.synchronize(parts.device)
     seconds = time.perf_counter() - t0

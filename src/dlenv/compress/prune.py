@@ -116,7 +116,7 @@ def finetune(model: nn.Module, loader: Any, device: torch.device, epochs: int, l
             loss.backward()
             opt.step()
             sched.step()
-            total += float(loss) * len(labels)
+            total += loss.item() * len(labels)
             n += len(labels)
         losses.append(total / max(n, 1))
         print(f"fine-tune epoch {epoch + 1}/{epochs}: loss {losses[-1]:.4f}")

@@ -12,6 +12,7 @@ qnnpack on ARM). Both give CPU-only models; they are saved as TorchScript. Versi
 from __future__ import annotations
 
 import copy
+import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -95,36 +96,41 @@ def quantize_static(model: nn.Module, calibration: Iterable[torch.Tensor], examp
     if not seen:
         raise UserError("--quantize static needs calibration images; pass --data with class folders of images")
     q = compat.convert_fx(prepared)
-    try:
-        with torch.no_grad():
-            q(example)
-    except (RuntimeError, NotImplementedError) as e:
-        where = failing_op(q, example) or "an operator of this model"
+    failed = failing_op(q, example)
+    if failed:
+        where, e = failed
         raise UserError(f"--quantize static: {where} has no int8 CPU kernel for its input in PyTorch "
-                        f"{torch.__version__} ({_first_line(e)}); use --quantize dynamic, or export in float"
-                        ) from None
+                        f"{torch.__version__} ({_first_line(e)}); use --quantize dynamic, or export in float")
     return q
 
 
 def _describe(node: Any, gm: nn.Module) -> str:
     """A graph node as the user wrote it: the layer or call, and the source line it came from."""
+    import torch.fx
+
     if node.op == "call_module":
         what = f"layer {node.target} ({type(gm.get_submodule(node.target)).__name__})"
     elif node.op == "call_method":
         what = f"x.{node.target}(...)"
     else:
         what = f"{getattr(node.target, '__name__', node.target)}(...)"
-    frames = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', getattr(node, "stack_trace", None) or "")
-    torch_dir = str(Path(torch.__file__).parent)
-    user = [f for f in frames if not f[0].startswith(torch_dir)]
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', getattr(node, "stack_trace", None) or "")
+    # The innermost frame outside torch and dlenv is the model's own code. FX records the stack
+    # innermost-first on 1.13 and outermost-first (ending in torch.fx's own frames) on 2.x.
+    skip = tuple(str(Path(m.__file__).parent) + os.sep for m in (torch, compat))
+    user = [f for f in frames if not f[0].startswith(skip)]
+    if frames and frames[-1][0].startswith(str(Path(torch.fx.__file__).parent) + os.sep):
+        user.reverse()
     if user:
         file, line, func = user[0]
         what += f" at {Path(file).name}:{line} (in {func})"
     return what
 
 
-def failing_op(gm: nn.Module, example: torch.Tensor) -> str | None:
-    """Run an FX GraphModule node by node and describe the first node that raises; None if none does."""
+def failing_op(gm: nn.Module, example: torch.Tensor) -> tuple[str, BaseException] | None:
+    """Run an FX GraphModule on `example` node by node; (description, error) of the first node that
+    raises, or None when the whole graph runs. (The Interpreter also avoids the generated-code dump
+    that a failing GraphModule call prints to stderr.)"""
     import torch.fx
 
     class _Finder(torch.fx.Interpreter):
@@ -133,18 +139,19 @@ def failing_op(gm: nn.Module, example: torch.Tensor) -> str | None:
         def run_node(self, n: Any) -> Any:
             try:
                 return super().run_node(n)
-            except Exception:  # remember where, then let it propagate
+            except Exception as e:  # remember where, then let it propagate
                 if self.failed is None:
-                    self.failed = n
+                    self.failed = (n, e)
                 raise
 
     finder = _Finder(gm)
     try:
         with torch.no_grad():
             finder.run(example)
-    except Exception:  # the failure itself is reported by the caller
-        pass
-    return _describe(finder.failed, gm) if finder.failed is not None else None
+    except Exception as e:  # reported to the caller below
+        node, err = finder.failed or (None, e)
+        return (_describe(node, gm) if node is not None else "an operator of this model"), err
+    return None
 
 
 def int8_layers(model: nn.Module) -> tuple[int, int]:
@@ -152,7 +159,7 @@ def int8_layers(model: nn.Module) -> tuple[int, int]:
     int8 = flt = 0
     for m in model.modules():
         name = type(m).__name__
-        if "quantized" in type(m).__module__ and ("Conv" in name or "Linear" in name):
+        if "quantized" in type(m).__module__ and ("Conv" in name or "Linear" in name) and "Packed" not in name:
             int8 += 1
         elif isinstance(m, (nn.modules.conv._ConvNd, nn.Linear)):
             flt += 1

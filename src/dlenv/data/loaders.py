@@ -275,6 +275,8 @@ def resolve_workers(workers: int | str, batch_size: int | None = None, img_size:
     through shared memory; Docker's default is only 64 MiB). A reduction is logged once.
     Raises UserError for anything else.
     """
+    if isinstance(workers, str) and workers.strip().isdigit():
+        workers = int(workers)
     if isinstance(workers, int) and not isinstance(workers, bool):
         if workers < 0:
             raise UserError(f"workers {workers} must be 0 or more (or auto)")

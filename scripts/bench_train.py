@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""The trainer against a plain PyTorch loop, in one run: images/s and peak memory.
+
+The yardstick is the loop anyone would write for speed: the same torchvision model and batch,
+bf16 autocast, channels_last for CNNs, SGD with momentum, the batch already in GPU memory, no
+checkpoints, logging or validation. Our trainer runs `dlenv.train.train()` on `--synthetic` data
+(also already on the GPU) with the options of each configuration. Each side runs warm-up steps
+first; the trainer's second epoch is the timed one (its first is the warm-up), and peak memory is
+measured over the timed steps only.
+
+    python3 scripts/bench_train.py                      # ResNet-50 b256 and ViT-B/16 b128, 224 px
+    python3 scripts/bench_train.py --steps 20 --only resnet50
+
+Writes bench_train.csv and bench_train.md to --out, and checks the targets of docs/training.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+#: (model, batch, [(label, trainer options)])
+CONFIGS = [
+    ("resnet50", 256, [("fp32", {}), ("--amp", {"amp": True}),
+                       ("--amp --checkpoint", {"amp": True, "checkpoint": True})]),
+    ("vit_b_16", 128, [("fp32", {}), ("--amp", {"amp": True}),
+                       ("--amp --checkpoint", {"amp": True, "checkpoint": True})]),
+]
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def yardstick(name: str, batch: int, img: int, steps: int, warmup: int) -> tuple[float, float]:
+    """A plain bf16 + channels_last loop on GPU-resident data: (images/s, peak allocated GiB)."""
+    import torchvision
+
+    torch.backends.cudnn.benchmark = True
+    dev = torch.device("cuda")
+    model = torchvision.models.get_model(name, weights=None, num_classes=1000)
+    conv = not name.startswith(("vit", "swin"))
+    fmt = torch.channels_last if conv else torch.contiguous_format
+    model = model.to(dev, memory_format=fmt).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    crit = nn.CrossEntropyLoss(label_smoothing=0.1)
+    x = torch.randn(batch, 3, img, img, device=dev).contiguous(memory_format=fmt)
+    y = torch.randint(0, 1000, (batch,), device=dev)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = crit(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    secs = time.perf_counter() - t
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    return batch * steps / secs, peak
+
+
+def ours(name: str, batch: int, img: int, steps: int, options: dict) -> tuple[float, float]:
+    """dlenv's trainer on --synthetic data: (images/s, peak allocated GiB) of its second epoch."""
+    from dlenv import config, results
+    from dlenv.config import TrainConfig
+    from dlenv.train import train
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = config.build(TrainConfig, synthetic=True, model=name, batch_size=batch, img_size=img, epochs=2,
+                           max_steps=steps, device="cuda", project=tmp, workers=0, **options)
+        out = train(cfg)
+        row = results.read_results(Path(out["run_dir"]) / "results.csv").iloc[-1]
+        return float(row["img_per_s"]), float(row["mem_alloc_gib"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per configuration (and as many warm-up)")
+    ap.add_argument("--img-size", type=int, default=224)
+    ap.add_argument("--only", default=None, help="one model of the table (resnet50 or vit_b_16)")
+    ap.add_argument("--out", default="runs/bench-train", help="folder for bench_train.csv / .md")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_train: needs a CUDA GPU")
+        return 2
+    rows = []
+    for name, batch, variants in CONFIGS:
+        if args.only and name != args.only:
+            continue
+        _free()
+        ips, peak = yardstick(name, batch, args.img_size, args.steps, warmup=max(5, args.steps // 3))
+        rows.append({"model": name, "batch": batch, "config": "yardstick (plain loop, bf16)",
+                     "img_per_s": ips, "peak_gib": peak})
+        base = ips
+        fp32_ips = fp32_peak = None
+        for label, options in variants:
+            _free()
+            ips, peak = ours(name, batch, args.img_size, args.steps, options)
+            if label == "fp32":
+                fp32_ips, fp32_peak = ips, peak
+            rows.append({"model": name, "batch": batch, "config": f"dlenv {label}", "img_per_s": ips,
+                         "peak_gib": peak})
+        for r in rows:
+            if r["model"] == name:
+                r["x_yardstick"] = r["img_per_s"] / base
+                r["x_fp32_speed"] = r["img_per_s"] / fp32_ips if fp32_ips else None
+                r["x_fp32_peak"] = r["peak_gib"] / fp32_peak if fp32_peak else None
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    gpu = torch.cuda.get_device_name(0)
+    head = (f"{gpu}, PyTorch {torch.__version__}, CUDA {torch.version.cuda}, {args.img_size} px, "
+            f"{args.steps} timed steps")
+    checks = _checks(df)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out / "bench_train.csv", index=False)
+    md = _markdown(df, head, checks)
+    (out / "bench_train.md").write_text(md, encoding="utf-8")
+    print(md)
+    return 0 if all(ok for _, ok in checks) else 1
+
+
+def _get(df, model: str, config: str, col: str):
+    sel = df[(df["model"] == model) & (df["config"] == config)]
+    return float(sel[col].iloc[0]) if len(sel) else None
+
+
+def _checks(df) -> list[tuple[str, bool]]:
+    """The targets: --amp >= 0.95x the yardstick; --amp --checkpoint <= 25% of FP32's peak at >= 1.4x its
+    speed (ResNet-50); ViT-B/16 --amp --checkpoint <= 20% of FP32's peak."""
+    out = []
+    r = _get(df, "resnet50", "dlenv --amp", "x_yardstick")
+    if r is not None:
+        out.append((f"ResNet-50 --amp at {r:.2f}x the yardstick (>= 0.95)", r >= 0.95))
+    p = _get(df, "resnet50", "dlenv --amp --checkpoint", "x_fp32_peak")
+    s = _get(df, "resnet50", "dlenv --amp --checkpoint", "x_fp32_speed")
+    if p is not None:
+        out.append((f"ResNet-50 --amp --checkpoint peak {p:.0%} of FP32's (<= 25%)", p <= 0.25))
+        out.append((f"ResNet-50 --amp --checkpoint at {s:.2f}x FP32's speed (>= 1.4)", s >= 1.4))
+    v = _get(df, "vit_b_16", "dlenv --amp --checkpoint", "x_fp32_peak")
+    if v is not None:
+        out.append((f"ViT-B/16 --amp --checkpoint peak {v:.0%} of FP32's (<= 20%)", v <= 0.20))
+    return out
+
+
+def _markdown(df, head: str, checks: list[tuple[str, bool]]) -> str:
+    lines = [f"Measured on {head}.", "",
+             "| model | batch | configuration | img/s | peak allocated GiB | x yardstick | peak / FP32 |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+    for r in df.to_dict("records"):
+        fp = r.get("x_fp32_peak")
+        lines.append(f"| {r['model']} | {r['batch']} | {r['config']} | {r['img_per_s']:,.0f} | "
+                     f"{r['peak_gib']:.2f} | {r['x_yardstick']:.2f} | "
+                     f"{'' if fp is None or fp != fp else f'{fp:.0%}'} |")
+    lines.append("")
+    lines += [f"- {'PASS' if ok else 'FAIL'}: {text}" for text, ok in checks]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,404 @@
+"""dlenv.compress: pruning (exact sparsity, permanence, fine-tune), int8 quantization, ONNX/TorchScript
+export with its output check, and each bad input as one UserError line. Tiny models at 32 px."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from dlenv import compat, config
+from dlenv.checkpoint import FORMAT, load_checkpoint, model_from_checkpoint, save_checkpoint
+from dlenv.cli import main as cli_main
+from dlenv.compress import common, export, prune, quantize
+from dlenv.errors import UserError
+
+CLASSES = ["cat", "dog"]
+IMG = 32
+NO_QUANT = compat.quantization_unavailable()
+NO_ONNX = compat.onnx_export_unavailable()
+
+
+def _calibrated(model: nn.Module) -> nn.Module:
+    """Give BatchNorm realistic running statistics (a fresh model's are 0/1), then eval mode."""
+    torch.manual_seed(0)
+    model.train()
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(8, 3, IMG, IMG))
+    return model.eval()
+
+
+def save_ckpt(path: Path, data: Path | str | None, model_name: str = "mobilenet_v3_small", **override) -> Path:
+    """A dlenv checkpoint of an untrained torchvision model, in the format `dlenv train` writes."""
+    from dlenv.checkpoint import environment
+    from dlenv.models import build_model
+
+    torch.manual_seed(0)
+    model = _calibrated(build_model(model_name, len(CLASSES)))
+    train_cfg = config.to_dict(config.build(config.TrainConfig, data=str(data) if data else None,
+                                            img_size=IMG, model=model_name, val_split=0.25))
+    state = {"format": FORMAT, "model": model.state_dict(), "model_name": model_name,
+             "num_classes": len(CLASSES), "class_names": list(CLASSES), "img_size": IMG, "config": train_cfg,
+             "epoch": 1, "step": 3, "batch_in_epoch": 0, "best_metric": 50.0,
+             "optimizer": {"state": {}, "param_groups": []}, "scaler": None, "scheduler": None, "ema": None,
+             "rng": None, "env": environment()}
+    state.update(override)
+    return save_checkpoint(state, path)
+
+
+@pytest.fixture
+def ckpt(tmp_path, image_folder):
+    return save_ckpt(tmp_path / "run" / "best_model.pth", image_folder)
+
+
+def prune_cfg(**kw):
+    return config.build(config.PruneConfig, **{"workers": 0, "device": "cpu", "batch_size": 8, **kw})
+
+
+def export_cfg(**kw):
+    return config.build(config.ExportConfig, **{"workers": 0, "batch_size": 8, **kw})
+
+
+def prunable_zeros(model: nn.Module, conv_only: bool = False) -> tuple[int, int]:
+    layers = prune.prunable_layers(model, conv_only)
+    return (sum(int((m.weight == 0).sum()) for _, m in layers), sum(m.weight.numel() for _, m in layers))
+
+
+class TinyNet(nn.Module):
+    """conv-bn-relu x2, pool, two linear layers: quantizable both ways, small and fast."""
+
+    def __init__(self, classes: int = 3):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                                      nn.Conv2d(16, 32, 3, padding=1, stride=2), nn.BatchNorm2d(32), nn.ReLU(),
+                                      nn.AdaptiveAvgPool2d(4), nn.Flatten())
+        self.head = nn.Sequential(nn.Linear(32 * 16, 256), nn.ReLU(), nn.Linear(256, classes))
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pruning.
+
+
+@pytest.mark.parametrize("amount", [0.0, 1.0, -0.2, 1.5])
+def test_amount_outside_open_interval_is_one_user_error_line(amount, tmp_path, capsys):
+    with pytest.raises(UserError, match=r"--amount .* outside \(0, 1\)"):
+        prune.apply_pruning(TinyNet(), amount)
+    # the CLI checks it before even looking for the checkpoint
+    code = cli_main(["prune", "--weights", str(tmp_path / "missing.pth"), "--amount", str(amount)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and "--amount" in err and "outside (0, 1)" in err
+
+
+@pytest.mark.parametrize("amount", [0.3, 0.75])
+def test_global_unstructured_sparsity_is_exact_and_permanent(amount):
+    torch.manual_seed(0)
+    model = TinyNet()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    layers = prune.apply_pruning(model, amount)
+    prune.make_permanent(layers)
+    zeros, total = prunable_zeros(model)
+    assert zeros == round(amount * total)  # global: exactly this many over all conv + linear weights
+    g, rows = prune.sparsity(model)
+    assert g == pytest.approx(amount, abs=1 / total)
+    assert sum(r["zeros"] for r in rows) == zeros
+    assert len({round(r["sparsity"], 3) for r in rows}) > 1  # global ranking: layers lose different shares
+    sd = model.state_dict()
+    assert not any(k.endswith(("weight_orig", "weight_mask")) for k in sd)
+    assert set(sd) == set(before)
+    # the kept weights are untouched, and the removed ones were the smallest in magnitude
+    w_all = torch.cat([before[f"{n}.weight"].abs().flatten() for n, _ in layers])
+    threshold = w_all.kthvalue(zeros).values
+    for n, m in layers:
+        kept = m.weight != 0
+        assert torch.equal(m.weight[kept], before[f"{n}.weight"][kept])
+        assert (before[f"{n}.weight"][~kept].abs() <= threshold).all()
+    assert torch.equal(sd["head.0.bias"], before["head.0.bias"])  # biases are not pruned
+
+
+def test_structured_zeroes_whole_output_channels_of_each_conv_only():
+    torch.manual_seed(0)
+    model = TinyNet()
+    layers = prune.apply_pruning(model, 0.3, structured=True)
+    prune.make_permanent(layers)
+    convs = prune.prunable_layers(model, conv_only=True)
+    assert [n for n, _ in layers] == [n for n, _ in convs]
+    for _, m in convs:
+        rows = m.weight.reshape(m.weight.shape[0], -1)
+        dead = (rows == 0).all(dim=1)
+        assert int(dead.sum()) == round(0.3 * m.weight.shape[0])
+        assert int((rows[~dead] == 0).sum()) == 0  # zeros come only as whole channels
+    assert all(int((m.weight == 0).sum()) == 0 for m in (model.head[0], model.head[2]))  # classifier intact
+    _, rows = prune.sparsity(model, conv_only=True)
+    assert [r["channels_zeroed"] for r in rows] == [round(0.3 * 16), round(0.3 * 32)]
+
+
+def test_prune_main_writes_a_checkpoint_like_any_other(ckpt, image_folder, capsys):
+    digest = hashlib.sha256(ckpt.read_bytes()).hexdigest()
+    assert prune.main(prune_cfg(weights=str(ckpt), amount=0.3, data=str(image_folder / "val"))) == 0
+    out = ckpt.with_name("best_model_pruned.pth")
+    assert hashlib.sha256(ckpt.read_bytes()).hexdigest() == digest  # the input is untouched
+    state = load_checkpoint(out)  # weights_only=True
+    src = load_checkpoint(ckpt)
+    assert state["format"] == FORMAT and state["class_names"] == CLASSES and state["config"] == src["config"]
+    assert state["model_name"] == src["model_name"] and state["img_size"] == IMG
+    assert state["optimizer"] is None  # dense-weight optimizer state does not belong to pruned weights
+    assert not any(k.endswith(("_orig", "_mask")) for k in state["model"])
+    assert set(state["model"]) == set(src["model"])
+    model, names, size = model_from_checkpoint(state)  # strict: loads into a plain model
+    zeros, total = prunable_zeros(model)
+    assert zeros == round(0.3 * total)
+    assert state["pruning"]["sparsity"] == pytest.approx(zeros / total)
+    assert state["best_metric"] == state["pruning"]["top1_after"]
+    text = capsys.readouterr().out
+    assert f"global sparsity: {100 * zeros / total:.2f}%" in text
+    for needle in ("top-1 (%)", "weights zipped", "CPU latency", "features.0.0", "classifier.3", str(out)):
+        assert needle in text
+    # unstructured zeros show in the zipped size, not in the raw size
+    dense_raw, dense_zip = common.saved_sizes(src["model"])
+    sparse_raw, sparse_zip = common.saved_sizes(state["model"])
+    assert sparse_zip < 0.9 * dense_zip
+    assert abs(sparse_raw - dense_raw) < 0.01 * dense_raw
+
+
+def test_prune_finetune_keeps_the_pruned_weights_at_zero(ckpt, image_folder, capsys):
+    out = ckpt.with_name("ft.pth")
+    cfg = prune_cfg(weights=str(ckpt), amount=0.5, out=str(out), finetune_epochs=1, finetune_lr=0.05)
+    assert prune.main(cfg) == 0
+    assert "fine-tune epoch 1/1" in capsys.readouterr().out
+    tuned, _, _ = model_from_checkpoint(load_checkpoint(out))
+    zeros, total = prunable_zeros(tuned)
+    assert zeros == round(0.5 * total)  # sparsity held through training
+    # ...and training did happen: the surviving weights moved away from plain pruning's values
+    plain, _, _ = model_from_checkpoint(load_checkpoint(ckpt))
+    prune.make_permanent(prune.apply_pruning(plain, 0.5))
+    for (_, a), (_, b) in zip(prune.prunable_layers(tuned), prune.prunable_layers(plain), strict=True):
+        assert torch.equal(a.weight == 0, b.weight == 0)
+    assert not torch.equal(tuned.classifier[3].weight, plain.classifier[3].weight)
+
+
+def test_prune_structured_main_reports_channels(ckpt, capsys):
+    assert prune.main(prune_cfg(weights=str(ckpt), amount=0.25, structured=True)) == 0
+    text = capsys.readouterr().out
+    assert "channels zeroed" in text and "removed from the architecture" in text
+    state = load_checkpoint(ckpt.with_name("best_model_pruned.pth"))
+    model, _, _ = model_from_checkpoint(state)
+    for _, m in prune.prunable_layers(model, conv_only=True):
+        dead = (m.weight.reshape(m.weight.shape[0], -1) == 0).all(dim=1)
+        assert int(dead.sum()) == round(0.25 * m.weight.shape[0])
+
+
+def test_prune_refuses_to_overwrite_its_input(ckpt):
+    with pytest.raises(UserError, match="is the input checkpoint"):
+        prune.main(prune_cfg(weights=str(ckpt), out=str(ckpt)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad checkpoints.
+
+
+def test_checkpoint_without_class_names_is_user_error(tmp_path, image_folder, capsys):
+    path = save_ckpt(tmp_path / "noclass.pth", image_folder, class_names=[])
+    with pytest.raises(UserError, match="has no class names"):
+        prune.main(prune_cfg(weights=str(path)))
+    code = cli_main(["export", "--weights", str(path), "--format", "torchscript"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "no class names" in err
+
+
+def test_bare_state_dict_is_user_error(tmp_path):
+    path = tmp_path / "bare.pth"
+    torch.save(TinyNet().state_dict(), path)
+    with pytest.raises(UserError, match="bare state dict"):
+        export.main(export_cfg(weights=str(path), format="torchscript"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Quantization.
+
+
+@pytest.mark.skipif(NO_QUANT is not None, reason=str(NO_QUANT))
+def test_dynamic_quantization_makes_linear_int8_close_and_smaller():
+    torch.manual_seed(0)
+    model = _calibrated(TinyNet())
+    q = quantize.quantize_dynamic(model)
+    assert quantize.int8_layers(q) == (2, 2)  # the two Linear layers; the convs stay float
+    x = torch.randn(16, 3, IMG, IMG)
+    with torch.no_grad():
+        ref, out = model(x), q(x)
+    assert (out - ref).abs().max() < 0.05 * ref.abs().max()
+    f_raw, _ = common.saved_sizes(compat.jit_trace(model, x[:1]))
+    q_raw, _ = common.saved_sizes(compat.jit_trace(q, x[:1]))
+    assert q_raw < 0.5 * f_raw  # the linear weights dominate this model
+
+
+@pytest.mark.skipif(NO_QUANT is not None, reason=str(NO_QUANT))
+def test_static_quantization_converts_convs_and_stays_close():
+    torch.manual_seed(0)
+    model = _calibrated(TinyNet())
+    calib = [torch.randn(8, 3, IMG, IMG) for _ in range(4)]
+    q = quantize.quantize_static(model, calib, calib[0][:1])
+    int8, flt = quantize.int8_layers(q)
+    assert int8 == 4 and flt == 0
+    x = torch.randn(16, 3, IMG, IMG)
+    with torch.no_grad():
+        ref, out = model(x), q(x)
+    assert (out - ref).abs().max() < 0.1 * ref.abs().max()
+    assert (out.argmax(1) == ref.argmax(1)).float().mean() >= 0.8
+    f_raw, _ = common.saved_sizes(compat.jit_trace(model, x[:1]))
+    q_raw, _ = common.saved_sizes(compat.jit_trace(q, x[:1]))
+    assert q_raw < 0.5 * f_raw
+    assert torch.equal(model(x), ref)  # the float model was not modified in place
+
+
+class _Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow: torch.fx cannot trace this
+            return self.conv(x)
+        return x
+
+
+@pytest.mark.skipif(NO_QUANT is not None, reason=str(NO_QUANT))
+def test_static_quantization_names_an_untraceable_layer():
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), nn.Sequential(nn.ReLU(), _Gate()), nn.Flatten(),
+                          nn.Linear(3 * 8 * 8, 2)).eval()
+    x = torch.randn(2, 3, 8, 8)
+    with pytest.raises(UserError, match=r"layer 1\.1 \(_Gate\) is not supported for static quantization"):
+        quantize.quantize_static(model, [x], x[:1])
+
+
+@pytest.mark.skipif(NO_QUANT is not None, reason=str(NO_QUANT))
+def test_static_quantization_names_an_op_without_int8_kernel(tmp_path, image_folder, capsys):
+    # torchvision's ShuffleNetV2 ends in x.mean([2, 3]), which the int8 CPU kernels refuse
+    path = save_ckpt(tmp_path / "shuffle.pth", image_folder, model_name="shufflenet_v2_x0_5")
+    code = cli_main(["export", "--weights", str(path), "--format", "torchscript", "--quantize", "static",
+                     "--workers", "0"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "x.mean(...) at shufflenetv2.py" in err and "no int8 CPU kernel" in err
+    assert not list(tmp_path.glob("shuffle_int8*"))  # nothing half-written
+
+
+@pytest.mark.skipif(NO_QUANT is not None, reason=str(NO_QUANT))
+def test_dynamic_quantization_without_linear_layers_is_user_error():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval()
+    with pytest.raises(UserError, match="no Linear layer"):
+        quantize.quantize_dynamic(model)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Export.
+
+
+def _loaded_outputs(path: Path, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.jit.load(str(path)).eval()(x)
+
+
+def test_export_torchscript_matches_pytorch_with_dynamic_batch(ckpt, capsys):
+    assert export.main(export_cfg(weights=str(ckpt), format="torchscript")) == 0
+    out = ckpt.with_name("best_model.torchscript.pt")
+    model, _, _ = model_from_checkpoint(load_checkpoint(ckpt))
+    model.eval()
+    for batch in (1, 5):  # traced with one image; other batch sizes must work too
+        x = torch.randn(batch, 3, IMG, IMG)
+        with torch.no_grad():
+            assert torch.allclose(_loaded_outputs(out, x), model(x), atol=1e-5)
+    text = capsys.readouterr().out
+    assert "6 real images from" in text and "largest |difference| from PyTorch" in text
+
+
+@pytest.mark.skipif(NO_ONNX is not None, reason=str(NO_ONNX))
+def test_export_onnx_checked_with_dynamic_batch(ckpt, capsys):
+    import onnx
+
+    assert export.main(export_cfg(weights=str(ckpt), format="onnx")) == 0
+    out = ckpt.with_name("best_model.onnx")
+    proto = onnx.load(str(out))
+    onnx.checker.check_model(proto)
+    assert proto.graph.input[0].type.tensor_type.shape.dim[0].dim_param  # a named, dynamic batch axis
+    text = capsys.readouterr().out
+    assert ("onnxruntime" in text) or ("ONNX checker passed + TorchScript trace comparison" in text)
+    diff = float(text.split("largest |difference| from PyTorch ")[1].split()[0])
+    assert diff < 1e-3
+
+
+@pytest.mark.skipif(NO_ONNX is not None, reason=str(NO_ONNX))
+def test_onnx_agrees_with_pytorch_under_onnxruntime(tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    model = _calibrated(TinyNet())
+    path = tmp_path / "tiny.onnx"
+    compat.onnx_export(model, torch.randn(1, 3, IMG, IMG), path, opset=17)
+    x = torch.randn(6, 3, IMG, IMG)
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = sess.run(None, {"input": x.numpy()})[0]
+    with torch.no_grad():
+        assert torch.allclose(torch.from_numpy(got), model(x), atol=1e-4)
+
+
+def test_export_without_data_falls_back_to_random_input_and_says_so(tmp_path, capsys):
+    path = save_ckpt(tmp_path / "m.pth", tmp_path / "gone")  # trained on data that is not here
+    assert export.main(export_cfg(weights=str(path), format="torchscript")) == 0
+    text = capsys.readouterr().out
+    assert "checking on random input instead" in text and "random inputs (no data found)" in text
+    # an explicit --data that is missing stays an error
+    with pytest.raises(UserError, match="--data"):
+        export.main(export_cfg(weights=str(path), format="torchscript", data=str(tmp_path / "nope")))
+
+
+@pytest.mark.skipif(NO_QUANT is not None, reason=str(NO_QUANT))
+@pytest.mark.parametrize("mode", ["dynamic", "static"])
+def test_export_quantized_torchscript_reports_before_after(mode, ckpt, capsys):
+    assert export.main(export_cfg(weights=str(ckpt), format="torchscript", quantize=mode, calib_batches=2)) == 0
+    out = ckpt.with_name(f"best_model_int8_{mode}.torchscript.pt")
+    text = capsys.readouterr().out
+    for needle in ("float32", f"int8 {mode}", "top-1 (%)", "TorchScript size", "CPU latency", str(out)):
+        assert needle in text
+    x = torch.randn(3, 3, IMG, IMG)
+    model, _, _ = model_from_checkpoint(load_checkpoint(ckpt))
+    with torch.no_grad():
+        ref = model.eval()(x)
+        got = _loaded_outputs(out, x)
+    assert got.shape == ref.shape
+    assert (got - ref).abs().max() < 0.25 * ref.abs().max() + 1e-3
+    buf = io.BytesIO()
+    torch.jit.save(compat.jit_trace(model, x[:1]), buf)
+    assert out.stat().st_size < buf.tell()  # int8 weights make the file smaller
+
+
+def test_export_option_combinations_are_user_errors(ckpt):
+    with pytest.raises(UserError, match="--half and --quantize"):
+        export.main(export_cfg(weights=str(ckpt), half=True, quantize="dynamic"))
+    with pytest.raises(UserError, match="with --format onnx is not supported"):
+        export.main(export_cfg(weights=str(ckpt), format="onnx", quantize="static"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_half_without_cuda_is_user_error(ckpt):
+    with pytest.raises(UserError, match="--half needs a CUDA GPU"):
+        export.main(export_cfg(weights=str(ckpt), half=True, format="torchscript"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["torchscript", "onnx"])
+def test_half_export_on_gpu_matches(fmt, ckpt, capsys):
+    if fmt == "onnx" and NO_ONNX:
+        pytest.skip(NO_ONNX)
+    assert export.main(export_cfg(weights=str(ckpt), format=fmt, half=True)) == 0
+    suffix = ".onnx" if fmt == "onnx" else ".torchscript.pt"
+    assert ckpt.with_name(f"best_model_fp16{suffix}").is_file()
+    text = capsys.readouterr().out
+    assert "fp16" in text and "largest |difference| from PyTorch" in text

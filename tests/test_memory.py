@@ -1,0 +1,59 @@
+"""MemoryMonitor statistics, the OOM message and the allocator diagnosis (GPU parts in test_train_gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dlenv import memory
+
+
+def test_cpu_readings_are_zero_and_still_reported():
+    mon = memory.MemoryMonitor("cpu")
+    assert mon.record_memory("forward") == (0.0, 0.0)
+    assert mon.peak() == (0.0, 0.0)
+    report = mon.generate_report()
+    assert list(report.index) == ["forward"] and report.loc["forward", "samples"] == 1
+
+
+def test_report_statistics_per_phase(monkeypatch):
+    readings = iter([(1, 4), (3, 4), (2, 8), (5, 8)])  # (allocated, reserved) in GiB
+    current = {}
+
+    def nxt(kind):
+        def f(device=None):
+            if kind == "a":
+                current["r"] = next(readings)
+                return current["r"][0] * memory.GIB
+            return current["r"][1] * memory.GIB
+        return f
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", nxt("a"))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", nxt("r"))
+    mon = memory.MemoryMonitor("cpu")
+    mon.enabled = True  # pretend to be on a GPU; the counters above stand in for the allocator's
+    for phase in ("forward", "backward", "forward", "backward"):
+        mon.record_memory(phase)
+    df = mon.generate_report()
+    assert df.loc["forward", "alloc_mean_gib"] == pytest.approx(1.5)
+    assert df.loc["forward", "alloc_max_gib"] == 2 and df.loc["forward", "alloc_min_gib"] == 1
+    assert df.loc["backward", "reserved_mean_gib"] == pytest.approx(6)
+    assert df.loc["backward", "samples"] == 2
+    assert list(df.columns) == ["samples", "alloc_mean_gib", "alloc_max_gib", "alloc_min_gib",
+                                "reserved_mean_gib", "reserved_max_gib", "reserved_min_gib"]
+
+
+def test_oom_message_lists_next_steps_in_order():
+    msg = memory.oom_message(batch_size=64, accum_steps=2, peak_gib=23.5, total_gib=24.0, amp=False,
+                             checkpoint=False)
+    assert "micro-batch 64" in msg and "23.50 GiB" in msg and "24.0 GiB" in msg
+    assert msg.index("--amp") < msg.index("--checkpoint") < msg.index("--batch-size 32 --accum-steps 4")
+    assert "\n" not in msg
+    done = memory.oom_message(64, 1, 10, 12, amp=True, checkpoint=True)
+    assert "1) --batch-size 32 --accum-steps 2" in done and "--amp (" not in done
+    assert "--img-size" in memory.oom_message(1, 1, 10, 12, amp=True, checkpoint=True)
+
+
+def test_diagnose_without_gpu_says_so(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "no CUDA GPU" in memory.diagnose()

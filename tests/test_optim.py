@@ -1,0 +1,106 @@
+"""Optimizer groups, the warmup-cosine schedule, default learning rates and the weight EMA."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from dlenv import optim
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 2)
+        self.pos_embedding = nn.Parameter(torch.zeros(1, 3, 4))
+
+
+def test_no_weight_decay_on_norms_biases_and_embeddings():
+    net = Net()
+    groups = optim.param_groups(net, 0.05)
+    names = {id(p): n for n, p in net.named_parameters()}
+    decayed = {names[id(p)] for g in groups if g["weight_decay"] for p in g["params"]}
+    plain = {names[id(p)] for g in groups if not g["weight_decay"] for p in g["params"]}
+    assert decayed == {"conv.weight", "fc.weight"}
+    assert plain == {"conv.bias", "bn.weight", "bn.bias", "fc.bias", "pos_embedding"}
+
+
+def test_build_optimizer_kinds():
+    sgd = optim.build_optimizer(Net(), "sgd", 0.1, 1e-4, momentum=0.9, nesterov=True)
+    assert isinstance(sgd, torch.optim.SGD) and sgd.param_groups[0]["nesterov"]
+    assert isinstance(optim.build_optimizer(Net(), "adamw", 1e-3, 0.05), torch.optim.AdamW)
+    with pytest.raises(ValueError, match="lion"):
+        optim.build_optimizer(Net(), "lion", 1e-3, 0.0)
+
+
+def test_default_lr_follows_the_linear_scaling_rule():
+    assert optim.default_lr("sgd", 256) == pytest.approx(0.1)
+    assert optim.default_lr("sgd", 64) == pytest.approx(0.025)
+    assert optim.default_lr("adamw", 1024) == pytest.approx(2e-3)
+    assert optim.default_weight_decay("adamw") == 0.05
+
+
+def _lrs(sched, opt, n):
+    out = []
+    for _ in range(n):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
+
+def test_warmup_then_cosine_by_optimizer_step():
+    p = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1.0)
+    sched = optim.warmup_cosine(opt, warmup_steps=4, total_steps=14)
+    lrs = _lrs(sched, opt, 15)
+    assert lrs[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert lrs[4] == pytest.approx(1.0)
+    assert all(a > b for a, b in zip(lrs[4:13], lrs[5:14], strict=True))  # strictly decreasing after warmup
+    assert lrs[9] == pytest.approx(0.5 * (1 + math.cos(math.pi * 5 / 10)))
+    assert lrs[14] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_schedule_state_dict_resumes_the_same_sequence():
+    def make():
+        p = nn.Parameter(torch.zeros(1))
+        opt = torch.optim.SGD([p], lr=0.4)
+        return opt, optim.warmup_cosine(opt, 3, 20)
+
+    opt, sched = make()
+    first = _lrs(sched, opt, 7)
+    rest = _lrs(sched, opt, 5)
+    opt2, sched2 = make()
+    _lrs(sched2, opt2, 7)
+    state = sched2.state_dict()
+    opt3, sched3 = make()
+    sched3.load_state_dict(state)
+    opt3.param_groups[0]["lr"] = opt2.param_groups[0]["lr"]
+    assert _lrs(sched3, opt3, 5) == pytest.approx(rest)
+    assert len(first) == 7
+
+
+def test_ema_averages_floats_copies_ints_and_round_trips():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    ema = optim.ModelEma(net, decay=0.5)
+    assert not any(p.requires_grad for p in ema.module.parameters())
+    w0 = net[0].weight.detach().clone()
+    with torch.no_grad():
+        net[0].weight.add_(1.0)
+    net[1].num_batches_tracked.fill_(7)
+    ema.update(net)  # decay min(0.5, 2/11)
+    d = 2 / 11
+    torch.testing.assert_close(ema.module[0].weight, d * w0 + (1 - d) * (w0 + 1))
+    assert int(ema.module[1].num_batches_tracked) == 7
+    other = optim.ModelEma(net, decay=0.5)
+    other.load_state_dict(ema.state_dict())
+    assert other.updates == 1 and torch.equal(other.module[0].weight, ema.module[0].weight)
+    for _ in range(50):
+        ema.update(net)
+    torch.testing.assert_close(ema.module[0].weight, net[0].weight, atol=1e-6, rtol=0)

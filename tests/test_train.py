@@ -1,0 +1,315 @@
+"""The training loop on a CPU: outputs, accumulation, exact resume, signals, stops and bad input.
+
+A tiny model (conv, BatchNorm, dropout, linear) stands in for torchvision's through a patched
+`dlenv.models.build_model`, so each run takes a fraction of a second; one test uses a real model.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_image_folder
+from torch import nn
+
+from dlenv import checkpoint, config, results
+from dlenv import train as train_mod
+from dlenv.config import TrainConfig
+from dlenv.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Tiny(nn.Module):
+    def __init__(self, num_classes: int, norm: bool = True, dropout: float = 0.2):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.bn = nn.BatchNorm2d(6) if norm else nn.Identity()
+        self.drop = nn.Dropout(dropout)
+        self.fc = nn.Linear(6, num_classes)
+        self.poison = False  # set to make every output NaN
+
+    def forward(self, x):
+        x = torch.relu(self.bn(self.conv(x))).mean((2, 3))
+        out = self.fc(self.drop(x))
+        return out * float("nan") if self.poison else out
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    """Patch build_model to the tiny model; returns the list of models built."""
+    built = []
+
+    def build(name, num_classes, weights=None, **kw):
+        if name == "tiny-nonorm":
+            m = Tiny(num_classes, norm=False, dropout=0.0)
+        else:
+            m = Tiny(num_classes)
+        built.append(m)
+        return m
+
+    import dlenv.models
+
+    monkeypatch.setattr(dlenv.models, "build_model", build)
+    return built
+
+
+@pytest.fixture
+def data(tmp_path):
+    make_image_folder(tmp_path / "ds" / "train", per_class=8, size=(16, 16))
+    make_image_folder(tmp_path / "ds" / "val", per_class=2, size=(16, 16), seed=1)
+    return tmp_path / "ds"
+
+
+def cfg(tmp_path, ds, **kw):
+    base = dict(data=str(ds), project=str(tmp_path / "runs"), img_size=16, batch_size=4, workers=0,
+                epochs=2, device="cpu", deterministic=True, model="tiny")
+    base.update(kw)
+    return config.build(TrainConfig, **base)
+
+
+def state_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_run_writes_config_first_then_rows_and_checkpoints(tmp_path, data, tiny):
+    seen = []
+
+    def on_step(state):
+        run = tmp_path / "runs" / "exp"
+        seen.append(((run / "config.yaml").is_file(), (run / "results.csv").exists()))
+
+    summary = train_mod.train(cfg(tmp_path, data, accum_steps=2), on_step=on_step)
+    run = Path(summary["run_dir"])
+    assert run == tmp_path / "runs" / "exp"
+    assert seen[0] == (True, False)  # config.yaml exists before any result
+    df = results.read_results(run / "results.csv")
+    assert list(df.columns) == list(results.COLUMNS)
+    assert list(df["epoch"]) == [1, 2]
+    assert (df["accum_steps"] == 2).all() and (df["batch_size"] == 4).all()
+    assert df["data_wait"].between(0, 1).all() and (df["img_per_s"] > 0).all()
+    # 16 images / batch 4 = 4 batches per epoch, accumulation 2 -> 2 optimizer steps per epoch
+    assert summary["step"] == 4 and summary["exit_code"] == 0
+    # config.yaml holds resolved values and reloads as --cfg
+    again = config.build(TrainConfig, run / "config.yaml")
+    assert again.batch_size == 4 and again.lr == pytest.approx(0.1 * 8 / 256) and again.weight_decay == 1e-4
+    for name in ("last.pth", "best_model.pth"):
+        ck = checkpoint.load_checkpoint(run / name)  # weights_only=True inside
+        assert ck["format"] == checkpoint.FORMAT and ck["class_names"] == ["cat", "dog"]
+        assert ck["img_size"] == 16 and ck["config"]["batch_size"] == 4
+        assert isinstance(ck["config"]["lr"], float) and isinstance(ck["best_metric"], float)
+    last = checkpoint.load_checkpoint(run / "last.pth")
+    assert last["epoch"] == 2 and last["step"] == 4 and last["batch_in_epoch"] == 0
+    # a second run gets the next name
+    assert Path(train_mod.train(cfg(tmp_path, data, epochs=1))["run_dir"]).name == "exp2"
+
+
+def _final(run_dir: Path) -> dict:
+    return checkpoint.load_checkpoint(run_dir / "last.pth")
+
+
+@pytest.mark.parametrize("stop_at,signum", [(3, signal.SIGTERM), (4, signal.SIGINT), (5, signal.SIGTERM)])
+def test_resume_is_bit_exact(tmp_path, data, tiny, stop_at, signum):
+    """Interrupted after `stop_at` optimizer steps (mid-epoch, epoch end, next epoch), then resumed:
+    the same weights, optimizer state, EMA and BatchNorm statistics as an uninterrupted run."""
+    opts = dict(epochs=3, batch_size=2, accum_steps=2, ema=True, label_smoothing=0.1)  # 4 steps per epoch
+    full = train_mod.train(cfg(tmp_path / "a", data, **opts))
+
+    def on_step(state):
+        if state.step == stop_at:
+            signal.raise_signal(signum)
+
+    part = train_mod.train(cfg(tmp_path / "b", data, **opts), on_step=on_step)
+    assert part["status"] == "interrupted"
+    assert part["exit_code"] == {signal.SIGTERM: 143, signal.SIGINT: 130}[signum]
+    saved = _final(Path(part["run_dir"]))
+    assert saved["step"] == stop_at
+    assert (saved["batch_in_epoch"] > 0) == (stop_at % 4 != 0)
+    resumed = train_mod.train(cfg(tmp_path / "c", data, resume=str(Path(part["run_dir"]) / "last.pth")))
+    assert resumed["run_dir"] == part["run_dir"] and resumed["exit_code"] == 0
+    a, b = _final(Path(full["run_dir"])), _final(Path(resumed["run_dir"]))
+    assert a["step"] == b["step"] == 12
+    assert state_equal(a["model"], b["model"])
+    assert state_equal(a["ema"]["module"], b["ema"]["module"])
+    ma, mb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert all(torch.equal(ma[k]["momentum_buffer"], mb[k]["momentum_buffer"]) for k in ma)
+    rows = results.read_results(Path(resumed["run_dir"]) / "results.csv")
+    assert list(rows["epoch"]) == [1, 2, 3]
+
+
+def test_signal_mid_accumulation_rolls_back_to_the_last_step(tmp_path, data, tiny, monkeypatch):
+    opts = dict(epochs=1, batch_size=2, accum_steps=4)  # 8 batches: 2 windows of 4
+    full = train_mod.train(cfg(tmp_path / "a", data, **opts))
+    calls = {"n": 0}
+    real = train_mod.forward_backward
+
+    def fb(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 6:  # second micro-batch of the second window
+            signal.raise_signal(signal.SIGTERM)
+        return real(*a, **k)
+
+    monkeypatch.setattr(train_mod, "forward_backward", fb)
+    part = train_mod.train(cfg(tmp_path / "b", data, **opts))
+    saved = _final(Path(part["run_dir"]))
+    assert part["exit_code"] == 143 and saved["step"] == 1 and saved["batch_in_epoch"] == 4
+    monkeypatch.setattr(train_mod, "forward_backward", real)
+    resumed = train_mod.train(cfg(tmp_path / "c", data, resume=str(Path(part["run_dir"]) / "last.pth")))
+    assert state_equal(_final(Path(full["run_dir"]))["model"], _final(Path(resumed["run_dir"]))["model"])
+
+
+def test_accumulation_equals_one_big_batch_including_the_short_last_window(tmp_path, data, tiny):
+    # 16 images: batches of 4 with accumulation 3 make windows of 3 and 1 batches, which must equal
+    # batches of 12 and 4 (the sampler's order does not depend on the batch size)
+    opts = dict(model="tiny-nonorm", epochs=1, label_smoothing=0.0, warmup_epochs=0.0)
+    acc = train_mod.train(cfg(tmp_path / "a", data, batch_size=4, accum_steps=3, **opts))
+    big = train_mod.train(cfg(tmp_path / "b", data, batch_size=12, accum_steps=1, **opts))
+    wa, wb = _final(Path(acc["run_dir"]))["model"], _final(Path(big["run_dir"]))["model"]
+    assert acc["step"] == big["step"] == 2
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
+    changed = _final(Path(acc["run_dir"]))
+    assert not torch.equal(changed["model"]["fc.weight"], Tiny(2, norm=False).fc.weight)
+
+
+def test_effective_batch_sets_accumulation_or_refuses(tmp_path, data, tiny):
+    out = train_mod.train(cfg(tmp_path, data, epochs=1, batch_size=2, effective_batch=8))
+    assert out["accum_steps"] == 4 and out["step"] == 2
+    with pytest.raises(UserError, match="--effective-batch 10 is not a multiple"):
+        train_mod.train(cfg(tmp_path, data, batch_size=4, effective_batch=10))
+
+
+def test_nonfinite_losses_stop_with_exit_4_and_keep_the_last_good_checkpoint(tmp_path, data, tiny,
+                                                                            monkeypatch):
+    monkeypatch.setattr(train_mod, "NONFINITE_LIMIT", 2)
+    monkeypatch.setattr(train_mod, "CHECK_EVERY", 1)
+
+    def on_step(state):
+        if state.epoch == 1:
+            tiny[-1].poison = True
+
+    with pytest.raises(UserError, match="not finite|non-finite") as err:
+        train_mod.train(cfg(tmp_path, data, epochs=3), on_step=on_step)
+    assert err.value.exit_code == train_mod.EXIT_NONFINITE
+    assert "last good checkpoint" in str(err.value)
+    last = checkpoint.load_checkpoint(tmp_path / "runs" / "exp" / "last.pth")
+    assert last["epoch"] == 1 and all(torch.isfinite(v).all() for v in last["model"].values())
+
+
+def test_cuda_oom_stops_with_advice_and_exit_3(tmp_path, data, tiny, monkeypatch):
+    real = train_mod.forward_backward
+
+    def fb(parts, *a, **k):
+        if parts.scheduler.last_epoch >= 4:  # after the first epoch's checkpoint
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(parts, *a, **k)
+
+    monkeypatch.setattr(train_mod, "forward_backward", fb)
+    with pytest.raises(UserError) as err:
+        train_mod.train(cfg(tmp_path, data, epochs=2))
+    msg = str(err.value)
+    assert err.value.exit_code == train_mod.EXIT_OOM
+    assert msg.index("--amp") < msg.index("--checkpoint") < msg.index("--batch-size 2 --accum-steps 2")
+    assert checkpoint.load_checkpoint(tmp_path / "runs" / "exp" / "last.pth")["epoch"] == 1
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(model="no_such_net"), "no_such_net"),
+    (dict(data="/nonexistent/folder"), "/nonexistent/folder"),
+    (dict(resume="/nonexistent/last.pth"), "/nonexistent/last.pth"),
+    (dict(device="cuda:7") if not torch.cuda.is_available() else dict(device="tpu"), "--device"),
+])
+def test_bad_input_is_one_user_error_and_leaves_no_run(tmp_path, data, bad, match):
+    with pytest.raises(UserError, match=match):
+        train_mod.train(cfg(tmp_path, data, **bad))
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_corrupt_or_foreign_resume_file_is_refused(tmp_path, data):
+    bad = tmp_path / "last.pth"
+    bad.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(UserError, match="corrupt"):
+        train_mod.train(cfg(tmp_path, data, resume=str(bad)))
+    torch.save({"fc.weight": torch.zeros(2, 2)}, bad)
+    with pytest.raises(UserError, match="not a dlenv training checkpoint"):
+        train_mod.train(cfg(tmp_path, data, resume=str(bad)))
+
+
+def test_tensorboard_and_resume_auto(tmp_path, data, tiny):
+    first = train_mod.train(cfg(tmp_path, data, epochs=1, tensorboard=True))
+    assert list(Path(first["run_dir"]).glob("events.out.tfevents.*"))
+    # auto picks the newest run's last.pth; a finished run has nothing left to do
+    again = train_mod.train(cfg(tmp_path, data, resume="auto"))
+    assert again["run_dir"] == first["run_dir"] and again["step"] == first["step"]
+
+
+def test_real_model_with_checkpointing_and_bf16_autocast(tmp_path, data):
+    out = train_mod.train(cfg(tmp_path, data, model="resnet18", epochs=1, max_steps=1, amp=True,
+                              checkpoint=True, deterministic=False))
+    ck = checkpoint.load_checkpoint(Path(out["run_dir"]) / "last.pth")
+    assert out["precision"] == "bf16" and "layer1.0.conv1.weight" in ck["model"]
+
+
+def test_synthetic_data_needs_no_folder(tmp_path, tiny):
+    out = train_mod.train(config.build(TrainConfig, synthetic=True, img_size=16, batch_size=2, epochs=1,
+                                       max_steps=2, device="cpu", project=str(tmp_path / "runs"),
+                                       model="tiny"))
+    assert out["step"] == 2 and len(checkpoint.load_checkpoint(Path(out["last"]))["class_names"]) == 1000
+
+
+_SCRIPT = """
+import sys, torch
+from torch import nn
+sys.path.insert(0, {tests!r})
+import dlenv.models
+from test_train import Tiny
+dlenv.models.build_model = lambda name, n, weights=None, **k: Tiny(n)
+from dlenv.cli import main
+raise SystemExit(main(["train", *sys.argv[1:]]))
+"""
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    t = time.time()
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() - t < timeout, "no checkpoint appeared"
+        time.sleep(0.05)
+
+
+def test_sigterm_and_kill_9_leave_a_loadable_checkpoint(tmp_path, data):
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(_SCRIPT.format(tests=str(REPO / "tests"))))
+    args = [sys.executable, str(script), "--data", str(data), "--project", str(tmp_path / "runs"),
+            "--img-size", "16", "--batch-size", "2", "--workers", "0", "--epochs", "100000",
+            "--max-steps", "1", "--device", "cpu"]
+    last = tmp_path / "runs" / "exp" / "last.pth"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    _wait_for(last, proc)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, out
+    assert f"invoke train --resume {last}" in out
+    epoch = checkpoint.load_checkpoint(last)["epoch"]
+    # resume, then kill -9 while it saves a checkpoint every few milliseconds
+    proc = subprocess.Popen(args + ["--resume", str(last)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    before = last.stat().st_mtime_ns
+    t = time.time()
+    while last.stat().st_mtime_ns == before and time.time() - t < 120:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    time.sleep(0.37)
+    proc.kill()
+    proc.communicate()
+    ck = checkpoint.load_checkpoint(last)
+    assert ck["epoch"] > epoch

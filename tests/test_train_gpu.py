@@ -1,0 +1,91 @@
+"""The trainer on a CUDA GPU: AMP, channels_last, memory, real OOM, --batch-size auto, OOM retry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dlenv import checkpoint, config, memory, results
+from dlenv import train as train_mod
+from dlenv.config import TrainConfig
+from dlenv.errors import UserError
+
+pytestmark = pytest.mark.gpu
+
+
+def run(tmp_path, **kw):
+    base = dict(synthetic=True, device="cuda", project=str(tmp_path / "runs"), workers=0, epochs=1,
+                max_steps=3, img_size=64, batch_size=16, model="resnet18")
+    base.update(kw)
+    return train_mod.train(config.build(TrainConfig, **base))
+
+
+def rows(out):
+    return results.read_results(Path(out["run_dir"]) / "results.csv")
+
+
+def test_amp_auto_is_bf16_with_channels_last_and_memory_columns(tmp_path):
+    out = run(tmp_path, amp=True)
+    assert out["precision"] == ("bf16" if torch.cuda.is_bf16_supported() else "fp16")
+    r = rows(out).iloc[-1]
+    assert r["mem_alloc_gib"] > 0 and r["mem_reserved_gib"] >= r["mem_alloc_gib"]
+    ck = checkpoint.load_checkpoint(Path(out["last"]))
+    assert ck["env"]["gpu"] == torch.cuda.get_device_name(0)
+    assert ck["model"]["conv1.weight"].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_fp16_saves_the_scaler_and_resumes(tmp_path):
+    out = run(tmp_path, amp=True, amp_dtype="fp16", epochs=2)
+    ck = checkpoint.load_checkpoint(Path(out["last"]))
+    assert isinstance(ck["scaler"]["scale"], float) and ck["scaler"]["scale"] > 0
+    assert len(ck["rng"]["cuda"]) == torch.cuda.device_count()
+
+
+def test_amp_and_checkpointing_cut_the_peak(tmp_path):
+    fp32 = rows(run(tmp_path / "a", model="resnet50", img_size=160, batch_size=64)).iloc[-1]
+    both = rows(run(tmp_path / "b", model="resnet50", img_size=160, batch_size=64, amp=True,
+                    checkpoint=True)).iloc[-1]
+    assert both["mem_alloc_gib"] < 0.5 * fp32["mem_alloc_gib"]
+
+
+def test_real_out_of_memory_exits_3_with_advice(tmp_path):
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    batch = int(total / 21 * 256 * 2)  # ResNet-50 fp32 needs ~21 GiB at 256 x 224 px: twice the card
+    with pytest.raises(UserError) as err:
+        run(tmp_path, model="resnet50", img_size=224, batch_size=batch, max_steps=1)
+    assert err.value.exit_code == train_mod.EXIT_OOM
+    assert "--amp" in str(err.value) and f"micro-batch {batch}" in str(err.value)
+    torch.cuda.empty_cache()
+
+
+def test_batch_size_auto_fits_and_trains(tmp_path):
+    out = run(tmp_path, batch_size="auto", amp=True, max_steps=2)
+    assert out["batch_size"] >= 16 and rows(out).iloc[-1]["oom_retries"] == 0
+
+
+def test_oom_during_training_is_retried_with_auto(tmp_path, monkeypatch):
+    real = train_mod.forward_backward
+    calls = {"n": 0}
+
+    def fb(parts, images, targets, weight, chunks, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
+        return real(parts, images, targets, weight, chunks, **k)
+
+    monkeypatch.setattr(train_mod, "forward_backward", fb)
+    out = run(tmp_path, batch_size="auto", max_steps=4)
+    r = rows(out).iloc[-1]
+    assert r["oom_retries"] == 1 and r["accum_steps"] == 2 and out["step"] == 3
+
+
+def test_monitor_and_diagnose_on_the_gpu():
+    mon = memory.MemoryMonitor("cuda")
+    x = torch.empty(2**28, dtype=torch.float32, device="cuda")  # 1 GiB
+    alloc, reserved = mon.record_memory("held")
+    assert alloc >= 1.0 and reserved >= alloc
+    text = memory.diagnose()
+    assert "GiB allocated" in text and "Fragmentation" in text and "What to try" in text
+    del x
