@@ -153,7 +153,7 @@ def test_gpu_probe_fits_then_ooms_and_frees_its_memory():
     from dlenv.compat import is_oom
     from dlenv.models import build_model
 
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(dev).total_memory
     torch.cuda.set_per_process_memory_fraction(2 * 1024 ** 3 / total, dev)
     try:

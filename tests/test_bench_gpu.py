@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 def gpu_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_gpu")
     cfg = config.build(config.BenchMemoryConfig, model="resnet18", batch_size=64, img_size=96, steps=3,
-                       warmup=2, channels_last=True, allocator=True, alloc_steps=8, device="cuda",
+                       warmup=2, channels_last=False, allocator=True, alloc_steps=8, device="cuda",
                        out=str(out))
     assert bench.main(cfg) == 0
     with (out / "memory.csv").open() as fh:
@@ -29,7 +29,7 @@ def gpu_run(tmp_path_factory):
 
 def test_gpu_table_has_memory_and_the_expected_order(gpu_run):
     out, rows, _ = gpu_run
-    assert set(rows) == {"fp32", "amp", "ckpt", "amp_ckpt", "fp32_cl", "amp_cl", "ckpt_cl", "amp_ckpt_cl"}
+    assert set(rows) == {"fp32", "amp", "ckpt", "amp_ckpt"}
     mem = {k: float(r["peak_alloc_gib"]) for k, r in rows.items()}
     assert all(r["status"] == "ok" for r in rows.values())
     assert all(float(r["peak_reserved_gib"]) >= float(r["peak_alloc_gib"]) > 0 for r in rows.values())
@@ -44,8 +44,13 @@ def test_gpu_checkpointing_keeps_the_loss(gpu_run):
     _, rows, _ = gpu_run
     fp32, ckpt = float(rows["fp32"]["loss_last"]), float(rows["ckpt"]["loss_last"])
     assert float(rows["fp32"]["loss_first"]) != fp32
-    assert ckpt == pytest.approx(fp32, rel=1e-3)  # cuDNN kernels may differ in the last bits
-    assert float(rows["amp_ckpt"]["loss_last"]) == pytest.approx(float(rows["amp"]["loss_last"]), rel=1e-2)
+    # TF32 convolutions and autotuned kernels differ in the last bits, and SGD carries that over the
+    # steps; a wrong gradient would be off by a large part of the loss's drop, not a few percent of it
+    drop = float(rows["fp32"]["loss_first"]) - fp32
+    assert drop > 0.5
+    assert abs(ckpt - fp32) < 0.03 * drop
+    assert abs(float(rows["amp_ckpt"]["loss_last"]) - float(rows["amp"]["loss_last"])) < 0.03 * drop
+    assert abs(float(rows["amp"]["loss_last"]) - fp32) < 0.03 * drop
 
 
 def test_gpu_allocator_rows_measure_fragmentation(gpu_run):

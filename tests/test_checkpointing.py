@@ -44,7 +44,7 @@ FAMILIES = {
     "googlenet": ({"dropout": 0.5}, 32),
     "inception_v3": ({"dropout": 0.5}, 75),
 }
-SLOW = {"wide_resnet50_2", "vit_b_16", "maxvit_t"}
+SLOW = {"wide_resnet50_2", "vit_b_16", "maxvit_t", "densenet121", "efficientnet_v2_s"}
 
 
 def _train_step(model, batches, precision=None):
@@ -78,7 +78,7 @@ def _compare_plain_and_checkpointed(model, batches, ratio=1.0, precision=None):
 def _assert_same(plain, ckpt, exact_grads=True):
     p_out, p_grads, p_bufs, p_rng = plain
     c_out, c_grads, c_bufs, c_rng = ckpt
-    for a, b in zip(p_out, c_out):
+    for a, b in zip(p_out, c_out, strict=False):
         assert torch.equal(a, b), "outputs differ"
     assert p_grads.keys() == c_grads.keys()
     for k in p_grads:
@@ -148,7 +148,7 @@ def test_cpu_bf16_autocast_recomputes_in_bf16():
     from dlenv.precision import Precision
 
     torch.manual_seed(0)
-    model = build_model("convnext_tiny", num_classes=5, stochastic_depth_prob=0.3)
+    model = build_model("efficientnet_b0", num_classes=5, stochastic_depth_prob=0.5)
     plain, ckpt, _ = _compare_plain_and_checkpointed(model, [_data(32)], precision=Precision("bf16", "cpu"))
     assert plain[0][0].dtype == torch.bfloat16
     _assert_same(plain, ckpt, exact_grads=False)
@@ -222,7 +222,7 @@ def test_eval_mode_with_gradients_is_exact():
         apply_checkpointing(model, ratio)
         F.cross_entropy(model(x), y).backward()
         results.append([p.grad.clone() for p in model.parameters()])
-    for a, b in zip(*results):
+    for a, b in zip(*results, strict=False):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 

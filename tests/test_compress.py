@@ -3,12 +3,15 @@ export with its output check, and each bad input as one UserError line. Tiny mod
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_image_folder
 from torch import nn
 
 from dlenv import compat, config
@@ -51,9 +54,34 @@ def save_ckpt(path: Path, data: Path | str | None, model_name: str = "mobilenet_
     return save_checkpoint(state, path)
 
 
+@pytest.fixture(scope="module")
+def _reference(tmp_path_factory):
+    """A tiny dataset (2 classes, train/ and val/) and one checkpoint trained 'on' it, built once."""
+    root = tmp_path_factory.mktemp("compress")
+    make_image_folder(root / "ds" / "train", classes=CLASSES, per_class=6)
+    make_image_folder(root / "ds" / "val", classes=CLASSES, per_class=3, seed=1)
+    return root / "ds", save_ckpt(root / "reference.pth", root / "ds")
+
+
 @pytest.fixture
-def ckpt(tmp_path, image_folder):
-    return save_ckpt(tmp_path / "run" / "best_model.pth", image_folder)
+def data_dir(_reference):
+    return _reference[0]
+
+
+@pytest.fixture
+def ckpt(tmp_path, _reference):
+    """A fresh copy of the reference checkpoint at <tmp>/run/best_model.pth."""
+    path = tmp_path / "run" / "best_model.pth"
+    path.parent.mkdir()
+    shutil.copyfile(_reference[1], path)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _quick_latency(monkeypatch):
+    """Latency is measured, not asserted, here: two runs instead of two seconds per model."""
+    monkeypatch.setattr(common, "cpu_latency_ms", functools.partial(common.cpu_latency_ms, min_runs=2,
+                                                                      budget_s=0.0))
 
 
 def prune_cfg(**kw):
@@ -141,9 +169,9 @@ def test_structured_zeroes_whole_output_channels_of_each_conv_only():
     assert [r["channels_zeroed"] for r in rows] == [round(0.3 * 16), round(0.3 * 32)]
 
 
-def test_prune_main_writes_a_checkpoint_like_any_other(ckpt, image_folder, capsys):
+def test_prune_main_writes_a_checkpoint_like_any_other(ckpt, data_dir, capsys):
     digest = hashlib.sha256(ckpt.read_bytes()).hexdigest()
-    assert prune.main(prune_cfg(weights=str(ckpt), amount=0.3, data=str(image_folder / "val"))) == 0
+    assert prune.main(prune_cfg(weights=str(ckpt), amount=0.3, data=str(data_dir / "val"))) == 0
     out = ckpt.with_name("best_model_pruned.pth")
     assert hashlib.sha256(ckpt.read_bytes()).hexdigest() == digest  # the input is untouched
     state = load_checkpoint(out)  # weights_only=True
@@ -169,7 +197,7 @@ def test_prune_main_writes_a_checkpoint_like_any_other(ckpt, image_folder, capsy
     assert abs(sparse_raw - dense_raw) < 0.01 * dense_raw
 
 
-def test_prune_finetune_keeps_the_pruned_weights_at_zero(ckpt, image_folder, capsys):
+def test_prune_finetune_keeps_the_pruned_weights_at_zero(ckpt, capsys):
     out = ckpt.with_name("ft.pth")
     cfg = prune_cfg(weights=str(ckpt), amount=0.5, out=str(out), finetune_epochs=1, finetune_lr=0.05)
     assert prune.main(cfg) == 0
@@ -205,8 +233,8 @@ def test_prune_refuses_to_overwrite_its_input(ckpt):
 # Bad checkpoints.
 
 
-def test_checkpoint_without_class_names_is_user_error(tmp_path, image_folder, capsys):
-    path = save_ckpt(tmp_path / "noclass.pth", image_folder, class_names=[])
+def test_checkpoint_without_class_names_is_user_error(tmp_path, data_dir, capsys):
+    path = save_ckpt(tmp_path / "noclass.pth", data_dir, class_names=[])
     with pytest.raises(UserError, match="has no class names"):
         prune.main(prune_cfg(weights=str(path)))
     code = cli_main(["export", "--weights", str(path), "--format", "torchscript"])
@@ -280,9 +308,9 @@ def test_static_quantization_names_an_untraceable_layer():
 
 
 @pytest.mark.skipif(NO_QUANT is not None, reason=str(NO_QUANT))
-def test_static_quantization_names_an_op_without_int8_kernel(tmp_path, image_folder, capsys):
+def test_static_quantization_names_an_op_without_int8_kernel(tmp_path, data_dir, capsys):
     # torchvision's ShuffleNetV2 ends in x.mean([2, 3]), which the int8 CPU kernels refuse
-    path = save_ckpt(tmp_path / "shuffle.pth", image_folder, model_name="shufflenet_v2_x0_5")
+    path = save_ckpt(tmp_path / "shuffle.pth", data_dir, model_name="shufflenet_v2_x0_5")
     code = cli_main(["export", "--weights", str(path), "--format", "torchscript", "--quantize", "static",
                      "--workers", "0"])
     err = capsys.readouterr().err.strip()
@@ -304,7 +332,7 @@ def test_dynamic_quantization_without_linear_layers_is_user_error():
 
 def _loaded_outputs(path: Path, x: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        return torch.jit.load(str(path)).eval()(x)
+        return compat.jit_load(path).eval()(x)
 
 
 def test_export_torchscript_matches_pytorch_with_dynamic_batch(ckpt, capsys):
@@ -375,7 +403,7 @@ def test_export_quantized_torchscript_reports_before_after(mode, ckpt, capsys):
     assert got.shape == ref.shape
     assert (got - ref).abs().max() < 0.25 * ref.abs().max() + 1e-3
     buf = io.BytesIO()
-    torch.jit.save(compat.jit_trace(model, x[:1]), buf)
+    compat.jit_save(compat.jit_trace(model, x[:1]), buf)
     assert out.stat().st_size < buf.tell()  # int8 weights make the file smaller
 
 

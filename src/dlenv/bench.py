@@ -158,7 +158,8 @@ def _setup(spec: dict[str, Any]):
     dev = _device(spec["device"])
     if spec.get("gpu_memory_gib") and dev.type == "cuda":
         total = torch.cuda.get_device_properties(dev).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, spec["gpu_memory_gib"] * GIB / total), dev)
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        torch.cuda.set_per_process_memory_fraction(min(1.0, spec["gpu_memory_gib"] * GIB / total), index)
     torch.manual_seed(spec.get("seed", SEED))  # the same initial weights in every configuration
     model = build_model(spec["model"], spec.get("num_classes", NUM_CLASSES))
     conv = bool(is_convolutional(model))

@@ -35,11 +35,14 @@ HAS_EXPANDABLE_SEGMENTS = TORCH_VERSION >= (2, 1)
 _HAS_AMP_GRADSCALER = hasattr(torch, "amp") and hasattr(torch.amp, "GradScaler")
 
 
-def grad_scaler(enabled: bool) -> Any:
-    """A CUDA GradScaler; a disabled one is a no-op (scale() returns the loss, step() just steps)."""
+def grad_scaler(enabled: bool, **kwargs: Any) -> Any:
+    """A CUDA GradScaler; a disabled one is a no-op (scale() returns the loss, step() just steps).
+
+    kwargs (init_scale, growth_interval, ...) go to the GradScaler.
+    """
     if _HAS_AMP_GRADSCALER:
-        return torch.amp.GradScaler("cuda", enabled=enabled)
-    return torch.cuda.amp.GradScaler(enabled=enabled)
+        return torch.amp.GradScaler("cuda", enabled=enabled, **kwargs)
+    return torch.cuda.amp.GradScaler(enabled=enabled, **kwargs)
 
 
 def autocast(device_type: str, dtype: torch.dtype | None, enabled: bool):
@@ -218,9 +221,25 @@ def convert_fx(prepared: torch.nn.Module) -> torch.nn.Module:
 
 
 def jit_trace(model: torch.nn.Module, example: Any) -> Any:
-    """torch.jit.trace without the per-call deprecation notice of 2.9+ (TorchScript still works)."""
-    with _quiet_deprecations(), torch.no_grad():
+    """torch.jit.trace without the per-call deprecation notice of 2.9+ (TorchScript still works).
+
+    The tracer's warnings about constants are silenced too: callers check the traced outputs.
+    """
+    with _quiet_deprecations(), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
         return torch.jit.trace(model, example, check_trace=False)
+
+
+def jit_save(module: Any, f: Any) -> None:
+    """torch.jit.save (a path or a file object), without 2.9+'s deprecation notice."""
+    with _quiet_deprecations():
+        torch.jit.save(module, f)
+
+
+def jit_load(path: Any, map_location: Any = None) -> Any:
+    """torch.jit.load, without 2.9+'s deprecation notice."""
+    with _quiet_deprecations():
+        return torch.jit.load(str(path), map_location=map_location)
 
 
 def _onnx_export_params() -> set:

@@ -317,7 +317,7 @@ class _CheckpointedForward:
             if calls == 1:  # the real forward
                 out = self.forward(*a, **kw)
                 if self.writes_inputs is None:
-                    self.writes_inputs = any(v._version != n for v, n in zip(values, versions))
+                    self.writes_inputs = any(v._version != n for v, n in zip(values, versions, strict=False))
                 return out
             # The recompute in backward: the forward's autocast, and BatchNorm buffers swapped for
             # copies so running statistics are not updated a second time. `finally` also runs when

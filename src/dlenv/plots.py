@@ -119,10 +119,11 @@ def plot_run(df: Any, title: str):
             _note(ax, "0 GiB: a CPU run records no GPU memory")
         if panel == "Learning rate":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
-        if all_epochs and (panel in ("Waiting for data", "Peak GPU memory")
-                           or (len(set(all_epochs)) == 1 and min(all_values) >= 0)):
-            # shares, GiB and a lone epoch's values read against zero, not against a zoomed-in band
-            ax.set_ylim(bottom=0)
+        lone = len(set(all_epochs)) == 1
+        if all_epochs and (panel in ("Waiting for data", "Peak GPU memory") or (lone and min(all_values) >= 0)):
+            # shares, GiB and a lone epoch's values read against zero, not against a zoomed-in band;
+            # headroom above the highest value keeps a flat line off the frame and out of the legend
+            ax.set_ylim(bottom=0, top=max(all_values) * 1.2 or None)
         if all_epochs:
             ax.legend(loc="best", fontsize=9)
     return fig

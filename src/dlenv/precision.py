@@ -17,7 +17,8 @@ no loss scaling; fp16 does, and its scaler skips a step whose gradients overflow
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 

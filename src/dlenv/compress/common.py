@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from dlenv import compat
 from dlenv.errors import UserError
 
 
@@ -148,7 +149,7 @@ def saved_sizes(obj: Any) -> tuple[int, int]:
     """(raw, zipped) bytes of torch.save(obj) (a state dict, a checkpoint) or torch.jit.save(obj)."""
     buf = io.BytesIO()
     if isinstance(obj, torch.jit.ScriptModule):
-        torch.jit.save(obj, buf)
+        compat.jit_save(obj, buf)
     else:
         torch.save(obj, buf)
     raw = buf.getvalue()

@@ -84,7 +84,7 @@ def run_exported(path: Path, fmt: str, inputs: torch.Tensor, device: torch.devic
     run instead.
     """
     if fmt == "torchscript":
-        loaded = torch.jit.load(str(path), map_location=device)
+        loaded = compat.jit_load(path, map_location=device)
         with torch.no_grad():
             return loaded(inputs).float().cpu(), "TorchScript (torch.jit.load of the file)"
     note = "onnxruntime not installed"
@@ -166,7 +166,7 @@ def main(cfg: Any) -> int:
 
     if cfg.format == "torchscript":
         traced = compat.jit_trace(model, example)
-        common.write_atomic(out, lambda p: torch.jit.save(traced, str(p)))
+        common.write_atomic(out, lambda p: compat.jit_save(traced, str(p)))
     else:
         common.write_atomic(out, lambda p: compat.onnx_export(model, example, p, cfg.opset))
 

@@ -1,0 +1,177 @@
+"""dlenv.models: models by name, heads sized to the data, local weights only, convolutional or not."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from dlenv import models
+from dlenv.errors import UserError
+from dlenv.models import build_model, is_convolutional, list_model_names
+
+
+@pytest.fixture(autouse=True)
+def _no_downloads(monkeypatch):
+    """Any attempt to fetch weights fails the test."""
+
+    def refuse(*a, **k):
+        raise AssertionError("tried to download")
+
+    monkeypatch.setattr(torch.hub, "load_state_dict_from_url", refuse)
+    monkeypatch.setattr(torch.hub, "download_url_to_file", refuse)
+
+
+def test_list_holds_classification_models_only():
+    names = list_model_names()
+    for want in ("resnet50", "mobilenet_v3_large", "efficientnet_v2_s", "convnext_tiny", "regnet_y_400mf",
+                 "densenet121", "vit_b_16", "swin_t", "googlenet", "inception_v3", "squeezenet1_1"):
+        assert want in names
+    for other in ("fasterrcnn_resnet50_fpn", "deeplabv3_resnet50", "r3d_18", "raft_large", "quantized_resnet50"):
+        assert other not in names
+    assert names == sorted(names)
+
+
+@pytest.mark.parametrize("name, size", [("resnet18", 32), ("squeezenet1_1", 32), ("mobilenet_v3_small", 32),
+                                        ("efficientnet_b0", 32), ("googlenet", 32), ("inception_v3", 75),
+                                        ("shufflenet_v2_x0_5", 32), ("regnet_x_400mf", 32)])
+def test_head_is_sized_to_the_classes_in_train_and_eval(name, size):
+    model = build_model(name, num_classes=7)
+    x = torch.randn(2, 3, size, size)
+    out = model.train()(x)
+    assert isinstance(out, torch.Tensor) and out.shape == (2, 7)  # no auxiliary-logit tuples
+    with torch.no_grad():
+        assert model.eval()(x).shape == (2, 7)
+
+
+def test_builder_kwargs_pass_through():
+    model = build_model("vit_b_16", num_classes=3, image_size=32)
+    assert model(torch.randn(1, 3, 32, 32)).shape == (1, 3)
+
+
+@pytest.mark.parametrize("bad, suggestion", [("resnt18", "resnet18"), ("ResNet50", "resnet50"),
+                                             ("efficientnet_b9", "efficientnet_b")])
+def test_unknown_name_lists_close_matches(bad, suggestion):
+    with pytest.raises(UserError, match=f"{bad!r}.*did you mean.*{suggestion}"):
+        build_model(bad, num_classes=2)
+
+
+def test_unknown_name_without_neighbours_says_where_to_look():
+    with pytest.raises(UserError, match="'zzzz' is not a torchvision classification model"):
+        build_model("zzzz", num_classes=2)
+
+
+@pytest.mark.parametrize("name", ["ResNet50_Weights.DEFAULT", "resnet50_pretrained", "resnet50.pretrained"])
+def test_model_names_that_ask_for_downloads_explain_the_local_file(name):
+    with pytest.raises(UserError, match=r"nothing is downloaded.*--model resnet50 --weights FILE.*state_dict"):
+        build_model(name, num_classes=2)
+
+
+@pytest.mark.parametrize("weights", ["ResNet18_Weights.IMAGENET1K_V1", "DEFAULT", "IMAGENET1K_V1",
+                                     "pretrained", True])
+def test_weights_that_need_a_download_explain_how_to_supply_the_file(weights):
+    with pytest.raises(UserError, match=r"never downloads.*torchvision.models.resnet18.*--weights resnet18.pth"):
+        build_model("resnet18", num_classes=2, weights=weights)
+
+
+def test_missing_weights_file(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        build_model("resnet18", num_classes=2, weights=tmp_path / "nope.pth")
+
+
+def test_bad_num_classes():
+    with pytest.raises(UserError, match="num_classes 0"):
+        build_model("resnet18", num_classes=0)
+
+
+def _same_params(a: nn.Module, b: nn.Module, skip=()) -> bool:
+    sb = b.state_dict()
+    return all(torch.equal(v, sb[k]) for k, v in a.state_dict().items() if not k.startswith(skip))
+
+
+def test_bare_state_dict_loads_exactly(tmp_path):
+    src = build_model("resnet18", num_classes=4)
+    path = tmp_path / "w.pth"
+    # as DDP or torch.compile would save it
+    torch.save({f"module.{k}": v for k, v in src.state_dict().items()}, path)
+    assert _same_params(build_model("resnet18", num_classes=4, weights=path), src)
+
+
+def test_dlenv_checkpoint_and_nested_state_dicts_load(tmp_path):
+    src = build_model("squeezenet1_1", num_classes=4)
+    for i, obj in enumerate([{"format": "dlenv/1", "model": src.state_dict(), "epoch": 3},
+                             {"state_dict": src.state_dict(), "epoch": 1}]):
+        path = tmp_path / f"c{i}.pth"
+        torch.save(obj, path)
+        assert _same_params(build_model("squeezenet1_1", num_classes=4, weights=str(path)), src)
+
+
+@pytest.mark.parametrize("name, head", [("resnet18", "fc."), ("squeezenet1_1", "classifier.1."),
+                                        ("mobilenet_v3_small", "classifier.3.")])
+def test_fine_tuning_skips_a_head_of_another_class_count(tmp_path, caplog, name, head):
+    src = build_model(name, num_classes=1000)  # as torchvision's ImageNet weights
+    path = tmp_path / "imagenet.pth"
+    torch.save(src.state_dict(), path)
+    with caplog.at_level(logging.WARNING, logger="dlenv.models"):
+        model = build_model(name, num_classes=3, weights=path)
+    assert _same_params(model, src, skip=(head,))
+    assert next(v for k, v in model.state_dict().items() if k.startswith(head)).shape[0] == 3
+    assert len(caplog.records) == 1 and "1000 classes, the data has 3" in caplog.records[0].getMessage()
+
+
+def test_torchvision_weights_with_aux_heads_load_into_the_aux_free_model(tmp_path):
+    from torchvision import models as tvm
+
+    src = tvm.googlenet(weights=None, aux_logits=True, init_weights=True, num_classes=1000)
+    path = tmp_path / "googlenet.pth"
+    torch.save(src.state_dict(), path)
+    model = build_model("googlenet", num_classes=1000, weights=path)
+    assert not any(k.startswith("aux") for k in model.state_dict())
+    assert _same_params(model, src)
+
+
+def test_weights_of_another_architecture_are_refused(tmp_path):
+    path = tmp_path / "r34.pth"
+    torch.save(build_model("resnet34", num_classes=2).state_dict(), path)
+    with pytest.raises(UserError, match=r"does not fit resnet18 \(0 missing, \d+ unexpected.*--model"):
+        build_model("resnet18", num_classes=2, weights=path)
+
+
+def test_a_non_classes_shape_mismatch_is_refused(tmp_path):
+    sd = build_model("resnet18", num_classes=2).state_dict()
+    sd["conv1.weight"] = torch.zeros(64, 3, 3, 3)
+    path = tmp_path / "bad.pth"
+    torch.save(sd, path)
+    with pytest.raises(UserError, match=r"1 of another shape, e.g. conv1.weight"):
+        build_model("resnet18", num_classes=2, weights=path)
+
+
+def test_a_file_without_weights_is_refused(tmp_path):
+    path = tmp_path / "list.pth"
+    torch.save([1, 2, 3], path)
+    with pytest.raises(UserError, match="holds no state dict"):
+        build_model("resnet18", num_classes=2, weights=path)
+
+
+def test_is_convolutional():
+    from torchvision.models.swin_transformer import SwinTransformer
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    vit = VisionTransformer(image_size=32, patch_size=16, num_layers=1, num_heads=2, hidden_dim=8, mlp_dim=16)
+    swin = SwinTransformer(patch_size=[4, 4], embed_dim=8, depths=[1, 1], num_heads=[1, 1], window_size=[2, 2])
+    assert not is_convolutional(vit)
+    assert not is_convolutional(swin)
+    assert not is_convolutional(nn.Sequential(nn.Flatten(), nn.Linear(4, 2)))
+    for name in ("resnet18", "mobilenet_v3_small", "convnext_tiny", "squeezenet1_1"):
+        assert is_convolutional(build_model(name, num_classes=2)), name
+    # one 1x1 stride-1 conv is a real (pointwise) convolution, not a patch embedding
+    assert is_convolutional(nn.Conv2d(3, 8, 1))
+
+
+def test_public_names_resolve_lazily():
+    import dlenv
+
+    assert dlenv.build_model is models.build_model
+    assert dlenv.apply_checkpointing is models.apply_checkpointing
