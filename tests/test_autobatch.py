@@ -158,10 +158,11 @@ def test_gpu_probe_fits_then_ooms_and_frees_its_memory():
     torch.cuda.set_per_process_memory_fraction(2 * 1024 ** 3 / total, dev)
     try:
         probe = make_train_step_probe(lambda: build_model("resnet18", 10), "fp32", False, 64, 10, dev)
-        base = torch.cuda.memory_allocated(dev)
         assert probe(4) is True
+        base = torch.cuda.memory_allocated(dev)  # weights, momentum, cuBLAS workspaces
         assert probe(100_000) is False  # far beyond 2 GiB: an OOM, caught
         assert torch.cuda.memory_allocated(dev) == base  # nothing of the failed try is left
+        assert probe(4) is True
         res = search_max_batch(probe, start=8, tolerance=0.0)
         assert probe(res.largest_fit) and not probe(res.largest_fit + 1)
         probe.close()

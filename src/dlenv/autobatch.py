@@ -167,57 +167,73 @@ def halve_on_oom(micro_batch: int, accum_steps: int) -> tuple[int, int]:
 class TrainStepProbe:
     """A `try_step` for `find_max_batch`: real training steps on random data at a given batch size.
 
-    Call it with a batch size: it runs `steps` training steps (forward, backward, optimizer step;
-    two by default, so optimizer state is allocated as in training) and returns True, or False on
-    CUDA out of memory; other errors propagate. After each call gradients, optimizer state and
-    cached blocks are freed and the peak statistics reset, so one try does not weigh on the next.
+    Call it with a batch size: it runs `steps` training steps (forward, backward, optimizer step)
+    and returns True, or False on CUDA out of memory; other errors propagate. The optimizer's state
+    (momentum; AdamW's two moments) is made by the first step that succeeds and then kept, as in
+    training, so one step per try meets the same peak as a training step. After each call the
+    gradients and the cached blocks are freed and the peak statistics reset, so a failed try does
+    not weigh on the next.
+
+    cuDNN autotuning is off during tries (`autotune=False`): it would benchmark every new batch
+    shape, seconds per try, and where memory is short it only picks kernels with smaller workspaces.
     The probe trains its own model (from `model_factory`); call `close()` before building the real
     one so its memory is returned.
     """
 
     def __init__(self, model_factory: Callable[[], Any], precision_mode: str, checkpoint: bool | float,
                  img_size: int, num_classes: int, device: Any, channels_last: bool = False,
-                 steps: int = 2):
+                 steps: int = 1, optimizer: str = "sgd", autotune: bool = False):
         import torch
 
         from dlenv.models import apply_checkpointing
         from dlenv.precision import Precision
 
+        if optimizer not in ("sgd", "adamw"):
+            raise ValueError(f"optimizer {optimizer!r} is not sgd or adamw")
         self.device = torch.device(device)
-        self.img_size, self.num_classes, self.steps = img_size, num_classes, steps
+        self.img_size, self.num_classes, self.steps, self.autotune = img_size, num_classes, steps, autotune
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         model = model_factory()
         if checkpoint:
             apply_checkpointing(model, ratio=1.0 if checkpoint is True else float(checkpoint))
         self.model = model.to(self.device, memory_format=self.memory_format).train()
         self.precision = Precision(precision_mode, self.device)
+        params = self.model.parameters()
+        self.opt = (torch.optim.SGD(params, lr=1e-4, momentum=0.9) if optimizer == "sgd"
+                    else torch.optim.AdamW(params, lr=1e-5))
 
     def _train(self, batch: int) -> None:
         import torch
         import torch.nn.functional as F
 
-        # every tensor of a try is local to this frame, so an OOM's traceback frees them with it
-        opt = torch.optim.SGD(self.model.parameters(), lr=1e-4, momentum=0.9)
-        for _ in range(self.steps):
+        # every tensor of a try is local to this frame, so an OOM's traceback frees them with it;
+        # until the optimizer has state, one more step makes it (its memory is part of every later peak)
+        for _ in range(self.steps + (0 if self.opt.state else 1)):
             x = torch.randn(batch, 3, self.img_size, self.img_size, device=self.device)
             x = x.contiguous(memory_format=self.memory_format)
             y = torch.randint(0, self.num_classes, (batch,), device=self.device)
             with self.precision.autocast():
                 loss = F.cross_entropy(self.model(x), y)
             self.precision.backward(loss)
-            self.precision.step(opt)
-            opt.zero_grad(set_to_none=True)
+            self.precision.step(self.opt)
+            self.opt.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def __call__(self, batch: int) -> bool:
+        import torch
+
         ok = True
+        autotune = torch.backends.cudnn.benchmark
+        torch.backends.cudnn.benchmark = self.autotune
         try:
             self._train(batch)
         except Exception as e:
             if not _is_oom(e):
                 raise
             ok = False
+        finally:
+            torch.backends.cudnn.benchmark = autotune
         # outside the except block: the exception and its frames (activations, grads) are gone now
         self.free()
         return ok
@@ -226,14 +242,14 @@ class TrainStepProbe:
         """Drop gradients and cached blocks; reset peak statistics."""
         import torch
 
-        self.model.zero_grad(set_to_none=True)
+        self.opt.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def close(self) -> None:
-        """Release the probe's model and its GPU memory."""
-        self.model = None
+        """Release the probe's model, optimizer state and their GPU memory."""
+        self.model = self.opt = None
         if self.device.type == "cuda":
             import torch
 
@@ -242,11 +258,11 @@ class TrainStepProbe:
 
 def make_train_step_probe(model_factory: Callable[[], Any], precision_mode: str, checkpoint: bool | float,
                           img_size: int, num_classes: int, device: Any, channels_last: bool = False,
-                          steps: int = 2) -> TrainStepProbe:
+                          steps: int = 1, optimizer: str = "sgd") -> TrainStepProbe:
     """A callable(batch) -> bool that runs real training steps and returns False on out of memory.
 
     `checkpoint` is False, True or a ratio of blocks to checkpoint; `precision_mode` is "fp32",
     "fp16" or "bf16" (see dlenv.precision). See `TrainStepProbe`.
     """
     return TrainStepProbe(model_factory, precision_mode, checkpoint, img_size, num_classes, device,
-                          channels_last=channels_last, steps=steps)
+                          channels_last=channels_last, steps=steps, optimizer=optimizer)

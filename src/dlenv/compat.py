@@ -124,6 +124,18 @@ def arch_list_supports(archs: list[str], capability: tuple[int, int]) -> bool:
     return any(a <= want for a in ptx)
 
 
+def nccl_timeout_env() -> dict[str, str]:
+    """Environment that makes NCCL collectives honour the process-group timeout (set before init).
+
+    1.13 checks a stuck collective against the timeout only with NCCL_ASYNC_ERROR_HANDLING=1 (off by
+    default: a dead rank hangs the others for ever). 2.2 renamed it TORCH_NCCL_ASYNC_ERROR_HANDLING
+    (the old name only warns there) and defaults to 3, tearing the process down; nothing to set.
+    """
+    if TORCH_VERSION >= (2, 2):
+        return {}
+    return {"NCCL_ASYNC_ERROR_HANDLING": "1"}
+
+
 def set_allocator_conf(conf: str) -> None:
     """Set PYTORCH_CUDA_ALLOC_CONF; only takes effect before CUDA is first initialised."""
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
@@ -290,3 +302,73 @@ def onnx_export(model: torch.nn.Module, example: torch.Tensor, path: Any, opset:
                               dynamic_shapes=({0: batch},), **kwargs)
             return
         torch.onnx.export(model, (example,), str(path), dynamic_axes=dynamic_axes, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# JPEG decoding with torchvision.io (dlenv.data.decode, dlenv.data.fastpath).
+
+
+def _decode_jpeg_params() -> set:
+    import torchvision.io
+
+    return set(inspect.signature(torchvision.io.decode_jpeg).parameters)
+
+
+def decode_jpeg(data: Any, device: Any = "cpu") -> Any:
+    """torchvision.io.decode_jpeg to 3-channel RGB uint8 (C, H, W), EXIF orientation applied where this
+    torchvision can (0.17+). `data` is a uint8 tensor of file bytes, or a list of them (a batch: on
+    CUDA only with torchvision 0.19+, see `cuda_jpeg_batch_decode`). Raises RuntimeError for a file
+    it cannot decode."""
+    import torchvision.io
+
+    kwargs: dict[str, Any] = {"mode": torchvision.io.ImageReadMode.RGB}
+    if str(device) != "cpu":
+        kwargs["device"] = device
+    elif "apply_exif_orientation" in _decode_jpeg_params():
+        kwargs["apply_exif_orientation"] = True
+    return torchvision.io.decode_jpeg(data, **kwargs)
+
+
+_CUDA_JPEG: dict[str, str | None] = {}
+
+
+def cuda_jpeg_unavailable(device: Any = "cuda") -> str | None:
+    """Why torchvision.io.decode_jpeg cannot decode JPEGs on this CUDA device (one line), or None.
+
+    Tried once per device on a tiny JPEG made in memory: a torchvision built without nvJPEG, or one
+    whose kernels do not run on this GPU, fails here rather than in the middle of a run.
+    """
+    key = str(device)
+    if key in _CUDA_JPEG:
+        return _CUDA_JPEG[key]
+    reason = None
+    if not torch.cuda.is_available():
+        reason = "no CUDA GPU is visible"
+    elif "device" not in _decode_jpeg_params():
+        import torchvision
+
+        reason = f"torchvision {torchvision.__version__} cannot decode JPEGs on the GPU"
+    else:
+        try:
+            import io
+
+            from PIL import Image
+
+            buf = io.BytesIO()
+            Image.new("RGB", (16, 16), (200, 30, 30)).save(buf, format="JPEG")
+            data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+            out = decode_jpeg(data, device=device)
+            torch.cuda.synchronize(device)
+            if tuple(out.shape) != (3, 16, 16):
+                reason = f"torchvision.io.decode_jpeg on {device} returned shape {tuple(out.shape)}"
+        except Exception as e:  # any failure of the library means: do not use it
+            reason = f"torchvision.io.decode_jpeg on {device} failed ({' '.join(str(e).split())[:120]})"
+    _CUDA_JPEG[key] = reason
+    return reason
+
+
+def cuda_jpeg_batch_decode() -> bool:
+    """Whether decode_jpeg takes a list of images and decodes them as one batch on CUDA (torchvision 0.19+)."""
+    import torchvision
+
+    return _version(torchvision.__version__) >= (0, 19)

@@ -110,6 +110,7 @@ def opt(default: Any, help: str, *, parse: Callable[[Any], Any] | None = None,
 # The commands' options.
 
 _DEVICE_HELP = "cuda, cuda:N, cpu or auto (the first GPU if there is one)"
+_DECODERS = ("auto", "pil", "cv2", "tvio", "nvjpeg")
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,13 @@ class TrainConfig:
     cache: bool = opt(False, "decode the dataset once to uint8 at a fixed size and augment on the GPU")
     cache_mode: str = opt("auto", "where --cache keeps the decoded images: ram, disk (memory-mapped) "
                                   "or auto", choices=("auto", "ram", "disk"))
+    cache_dir: str = opt(".dlenv-cache", "folder of --cache-mode disk files (reused while the data and "
+                                         "--img-size are unchanged)")
+    decoder: str = opt("auto", "JPEG decoder: auto (the fastest here, timed on a few files), pil, cv2, "
+                               "tvio (torchvision.io), or nvjpeg (on the GPU)", choices=_DECODERS)
+    gpu_augment: str = opt("auto", "crop, flip and normalize uint8 batches on the GPU: auto (on when "
+                                   "training on a GPU), on, or off (torchvision transforms in the workers)",
+                           choices=("auto", "on", "off"))
     synthetic: bool = opt(False, "random tensors already on the device instead of a dataset "
                                  "(for speed and memory measurements)")
     # model
@@ -177,6 +185,8 @@ class TrainConfig:
     node_rank: int = opt(0, "this node's rank (torchrun --node-rank)", min=0)
     master_addr: str = opt("127.0.0.1", "address of node 0 (torchrun --master-addr)")
     master_port: int = opt(29500, "port on node 0 (torchrun --master-port)", min=1, max=65535)
+    dist_timeout: int = opt(600, "seconds a GPU process waits for the others; a stuck or dead one then "
+                                 "stops the run instead of hanging it", min=1)
     # outputs
     project: str = opt("runs", "folder that holds the runs")
     name: str = opt("exp", "run name; exp, exp2, exp3, ... if it exists")
@@ -294,6 +304,12 @@ class BenchDataConfig:
     workers: tuple = opt((0, 2, 4, 8, 16), "worker counts to try, comma-separated", parse=int_list)
     batches: int = opt(30, "batches timed per measurement", min=2)
     device: str = opt("auto", _DEVICE_HELP)
+    decoder: str = opt("auto", "JPEG decoder, as for train", choices=_DECODERS)
+    gpu_augment: str = opt("auto", "measure the GPU-augmentation path (auto: on a GPU), or the classic "
+                                   "one (off)", choices=("auto", "on", "off"))
+    cache: bool = opt(False, "also measure --cache (decodes the dataset once)")
+    cache_mode: str = opt("auto", "where --cache keeps the decoded images", choices=("auto", "ram", "disk"))
+    cache_dir: str = opt(".dlenv-cache", "folder of --cache-mode disk files")
 
 
 @dataclass(frozen=True)

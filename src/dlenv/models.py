@@ -312,12 +312,12 @@ class _CheckpointedForward:
             calls += 1
             if self.writes_inputs is not False:
                 values = tuple(v.clone() for v in values)
-                versions = [v._version for v in values]
+            versions = [v._version for v in values]
             a, kw = rebuild(values)
             if calls == 1:  # the real forward
                 out = self.forward(*a, **kw)
                 if self.writes_inputs is None:
-                    self.writes_inputs = any(v._version != n for v, n in zip(values, versions, strict=False))
+                    self.writes_inputs = any(v._version != n for v, n in zip(values, versions, strict=True))
                 return out
             # The recompute in backward: the forward's autocast, and BatchNorm buffers swapped for
             # copies so running statistics are not updated a second time. `finally` also runs when

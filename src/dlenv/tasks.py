@@ -62,7 +62,8 @@ def test(c, gpu=False, args=""):
     tests = root / "tests"
     if not tests.is_dir():  # installed copy: the image ships the tests beside the package
         tests = Path(os.environ.get("DLENV_TESTS", "/opt/dlenv/tests"))
-    cmd = [sys.executable, "-m", "pytest", str(tests), "-q"]
+    # no cache: the shipped tests sit in a read-only folder for a --user run
+    cmd = [sys.executable, "-m", "pytest", str(tests), "-q", "-p", "no:cacheprovider"]
     if gpu:
         cmd += ["-m", "gpu"]
     cmd += args.split()

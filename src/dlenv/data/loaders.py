@@ -64,8 +64,12 @@ def _to_8bit(im: Any) -> Any:
     return Image.fromarray(np.clip(np.rint(scaled), 0, 255).astype(np.uint8))  # 2-D uint8: mode L
 
 
-def load_rgb(path: str | os.PathLike) -> Any:
+def load_rgb(path: str | os.PathLike, min_size: int | None = None) -> Any:
     """Decode an image file to a PIL Image in 8-bit RGB, fully loaded and closed.
+
+    `min_size`: a JPEG at least twice that size on both sides is decoded at 1/2, 1/4 or 1/8 scale
+    (Pillow's draft mode, done inside the decoder and several times faster), never below min_size on
+    its shorter side; use it when the image will be downscaled anyway.
 
     EXIF orientation is applied. Grayscale and CMYK are converted; 16-bit images are scaled to 8
     bits; transparency (RGBA, LA, palette with a transparent colour) is composited on WHITE, the
@@ -77,6 +81,8 @@ def load_rgb(path: str | os.PathLike) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # EXIF and palette warnings are noise for training
         with Image.open(path) as im:
+            if min_size and im.format == "JPEG":
+                im.draft(im.mode, (min_size, min_size))
             im.load()
             # A malformed EXIF block is not a broken image: keep it unrotated.
             with contextlib.suppress(Exception):
@@ -102,7 +108,7 @@ def build_transforms(img_size: int, train: bool, scale: tuple[float, float] = (0
     if train:
         head = [T.RandomResizedCrop(img_size, scale=scale), T.RandomHorizontalFlip()]
     else:
-        head = [T.Resize(int(img_size * 256 / 224)), T.CenterCrop(img_size)]
+        head = [T.Resize(_eval_resize(img_size)), T.CenterCrop(img_size)]
     return T.Compose([*head, T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
 
 
@@ -139,7 +145,7 @@ def _reason(e: BaseException) -> str:
 
 
 class ImageDataset(Dataset):
-    """(path, label) samples -> (transform(load_rgb(path)), label).
+    """(path, label) samples -> (transform(load(path)), label); `load` is `load_rgb` unless given.
 
     bad_images="skip": a file that fails to decode is logged once per process with its path and the
     next readable sample (in sample order, wrapping) is returned instead, so a run is deterministic.
@@ -148,11 +154,12 @@ class ImageDataset(Dataset):
     """
 
     def __init__(self, samples: Sequence[tuple[str, int]], transform: Callable | None = None,
-                 bad_images: str = "skip"):
+                 bad_images: str = "skip", load: Callable[[str], Any] = load_rgb):
         if bad_images not in ("skip", "error"):
             raise UserError(f"bad_images {bad_images!r} is not one of: skip, error")
         self.samples = list(samples)
         self.transform = transform
+        self.load = load  # path -> decoded image; picklable (a module function or a partial of one)
         self.bad_images = bad_images
         #: set by this module's loaders: hand bad files to the main process instead of raising/logging
         self.report_in_main = False
@@ -164,7 +171,7 @@ class ImageDataset(Dataset):
 
     def _load(self, index: int) -> Any:
         path, label = self.samples[index]
-        img = load_rgb(path)
+        img = self.load(path)
         return (self.transform(img) if self.transform is not None else img), label
 
     def __getitem__(self, index: int) -> Any:
@@ -315,31 +322,52 @@ def _loader(dataset: ImageDataset, batch_size: int, workers: int, pin_memory: bo
 def build_loaders(layout: Any, img_size: int, batch_size: int, workers: int | str, seed: int = 0,
                   bad_images: str = "skip", train_sampler: Any = None, pin_memory: bool | None = None,
                   drop_last: bool = False, train_scale: tuple[float, float] = (0.08, 1.0),
-                  ) -> tuple[SafeLoader, SafeLoader | None]:
+                  decoder: str = "pil") -> tuple[SafeLoader, SafeLoader | None]:
     """(train_loader, val_loader) for a folder.Layout; val_loader is None when the layout has no val.
 
     Train shuffles with a generator seeded by `seed` unless `train_sampler` is given (then the
     sampler decides the order); val keeps sample order. Memory is pinned when CUDA is available
     (pin_memory=None); workers persist across epochs. Each loader's `bad_paths` collects skipped files.
+    `decoder`: 'pil', 'cv2' or 'tvio' (dlenv.data.decode) for JPEGs.
     """
     n = resolve_workers(workers, batch_size, img_size)
     gen = torch.Generator()
     gen.manual_seed(seed)  # also seeds each worker's RNG, so augmentations repeat run to run
-    train_ds = ImageDataset(layout.train, build_transforms(img_size, True, train_scale), bad_images)
+    train_ds = ImageDataset(layout.train, build_transforms(img_size, True, train_scale), bad_images,
+                            _decode_fn(decoder, None))
     train = _loader(train_ds, batch_size, n, pin_memory, True, shuffle=train_sampler is None,
                     sampler=train_sampler, generator=gen, drop_last=drop_last)
     if not layout.val:
         return train, None
-    val_ds = ImageDataset(layout.val, build_transforms(img_size, False), bad_images)
+    val_ds = ImageDataset(layout.val, build_transforms(img_size, False), bad_images,
+                          _decode_fn(decoder, _eval_resize(img_size)))
     val = _loader(val_ds, batch_size, n, pin_memory, True, shuffle=False)
     return train, val
 
 
 def build_eval_loader(samples: Sequence[tuple[str, int]], img_size: int, batch_size: int,
-                      workers: int | str, bad_images: str = "skip") -> SafeLoader:
+                      workers: int | str, bad_images: str = "skip", decoder: str = "pil") -> SafeLoader:
     """A loader over eval transforms in sample order, for one pass (the i-th prediction is the i-th
     sample's). A skipped bad file's slot holds its substitute; `loader.bad_paths` lists those files
     after the pass, so their predictions can be dropped."""
     n = resolve_workers(workers, batch_size, img_size)
-    ds = ImageDataset(samples, build_transforms(img_size, False), bad_images)
+    ds = ImageDataset(samples, build_transforms(img_size, False), bad_images,
+                      _decode_fn(decoder, _eval_resize(img_size)))
     return _loader(ds, batch_size, n, None, False, shuffle=False)
+
+
+def _eval_resize(img_size: int) -> int:
+    """The shorter side eval resizes to before its centre crop (build_transforms)."""
+    return int(img_size * 256 / 224)
+
+
+def _decode_fn(decoder: str, min_side: int | None) -> Callable[[str], Any]:
+    """A picklable path -> RGB image function for ImageDataset. `min_side`: the image is only ever
+    downscaled to at least this shorter side, so JPEGs may be decoded at reduced scale."""
+    if decoder == "pil" and min_side is None:
+        return load_rgb
+    from functools import partial
+
+    from dlenv.data.decode import decode_rgb
+
+    return partial(decode_rgb, decoder=decoder, min_side=min_side)

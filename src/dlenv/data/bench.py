@@ -1,0 +1,197 @@
+"""`invoke bench-data`: is the input pipeline or the GPU the bottleneck, and what to do about it.
+
+Two numbers decide it. The loader's images/s alone (decode, augment, copy to the device, no model),
+at several worker counts; and the model's training images/s on synthetic data already on the device
+(no loader at all). Training can only go as fast as the slower of the two; a loader that is not
+comfortably faster than the model (HEADROOM) leaves the GPU waiting. The trainer says the same thing
+during a run when the data-wait share of an epoch passes WAIT_LIMIT (`data_wait_advice`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+#: the loader must deliver this many times the model's speed: batches arrive unevenly
+HEADROOM = 1.1
+#: data-wait share of an epoch above which the trainer explains the bottleneck
+WAIT_LIMIT = 0.2
+
+
+def measure_loader(loader: Iterable, batches: int, device: Any = None, warmup: int = 2) -> float:
+    """Images/s of iterating `loader` for `batches` batches after `warmup` untimed ones (worker start-up),
+    batches moved to `device` if given. Passes over the loader again if it is shorter."""
+    import torch
+
+    def stream():
+        while True:
+            n = 0
+            for batch in loader:
+                n += 1
+                yield batch
+            if n == 0:
+                raise ValueError("the loader gave no batches")
+
+    def sync(x: Any) -> None:
+        if isinstance(x, torch.Tensor) and x.device.type == "cuda":
+            torch.cuda.synchronize(x.device)
+
+    it = stream()
+    last = None
+    for _ in range(warmup):
+        last = next(it)[0]
+    if last is not None:
+        sync(last)
+    images = 0
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        x = next(it)[0]
+        if device is not None:
+            x = x.to(device, non_blocking=True)
+        images += x.shape[0]
+        last = x
+    sync(last)
+    return images / (time.perf_counter() - t0)
+
+
+def measure_model(model_name: str, num_classes: int, batch_size: int, img_size: int, device: Any,
+                  precision_mode: str, batches: int, warmup: int = 3) -> float:
+    """Training images/s of a torchvision model on one random batch kept on `device` (no loader)."""
+    import torch
+    from torch import nn
+
+    from dlenv.models import build_model, is_convolutional
+    from dlenv.precision import Precision
+
+    device = torch.device(device)
+    torch.backends.cudnn.benchmark = device.type == "cuda"
+    model = build_model(model_name, num_classes)
+    fmt = torch.channels_last if device.type == "cuda" and is_convolutional(model) else torch.contiguous_format
+    model = model.to(device, memory_format=fmt).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    precision = Precision(precision_mode, device)
+    crit = nn.CrossEntropyLoss()
+    x = torch.randn(batch_size, 3, img_size, img_size, device=device).contiguous(memory_format=fmt)
+    y = torch.randint(0, num_classes, (batch_size,), device=device)
+
+    def step() -> None:
+        with precision.autocast():
+            loss = crit(model(x), y)
+        precision.backward(loss)
+        precision.step(opt)
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return batch_size * batches / (time.perf_counter() - t0)
+
+
+def verdict(loader_rates: dict[str, float], model_rate: float, cache_measured: bool = False,
+            on_gpu: bool = True) -> tuple[str, str]:
+    """('input' or 'model', a few sentences naming the bottleneck and what to do) from the measurements.
+
+    `loader_rates`: label -> images/s of each loader variant measured.
+    """
+    best_label = max(loader_rates, key=loader_rates.get)
+    best = loader_rates[best_label]
+    if best < HEADROOM * model_rate:
+        busy = min(best / model_rate, 1.0)
+        tips = []
+        if not cache_measured:
+            tips.append("--cache (decode once, then crop on the GPU: no decoding per epoch)")
+        if on_gpu:
+            tips.append("--gpu-augment on and --decoder nvjpeg (decode on the GPU)")
+        tips += ["more CPU cores or --workers", "a smaller --img-size, or JPEGs stored at a smaller size"]
+        return "input", (f"The input pipeline is the bottleneck: the best loader ({best_label}) gives "
+                         f"{best:,.0f} img/s but the model could train at {model_rate:,.0f} img/s, so the "
+                         f"GPU would be busy about {busy:.0%} of the time. Try: " + "; ".join(tips) + ".")
+    enough = [k for k, v in loader_rates.items() if v >= HEADROOM * model_rate]
+    return "model", (f"The model (GPU) is the bottleneck, as it should be: the loader gives up to {best:,.0f} "
+                     f"img/s, more than the {model_rate:,.0f} img/s the model trains at. Fast enough: "
+                     + ", ".join(enough) + ".")
+
+
+def data_wait_advice(share: float, cache: bool, gpu_augment: bool, workers: int) -> str | None:
+    """The trainer's one-time explanation when `share` of an epoch was spent waiting for data, or None
+    below WAIT_LIMIT."""
+    if share <= WAIT_LIMIT:
+        return None
+    tips = []
+    if not cache:
+        tips.append("--cache (decode the dataset once; crops and flips then run on the GPU)")
+    if not gpu_augment:
+        tips.append("--gpu-augment on (uint8 batches, augmented on the GPU)")
+    tips.append(f"more --workers than {workers} if CPU cores are idle")
+    tips.append("`invoke bench-data` to measure loader and model speed apart")
+    return (f"the GPU waited for data {share:.0%} of this epoch: the input pipeline, not the model, sets the "
+            "pace. Try: " + "; ".join(tips) + ".")
+
+
+def _table(rows: list[tuple[str, str, str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}" for a, b, c in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def main(cfg: Any) -> int:
+    """`dlenv bench-data`: print the loader (per worker count) and model speeds and the verdict; 0."""
+    import torch
+
+    from dlenv.data import decode
+    from dlenv.data.fastpath import build_fast_loaders
+    from dlenv.data.loaders import build_loaders, usable_cpus
+    from dlenv.precision import resolve_precision
+    from dlenv.train import Dist, locate_data, resolve_device
+
+    device = resolve_device(cfg.device, Dist())
+    layout, classes, source = locate_data(cfg.data, False, 0.2, 0)
+    mode = resolve_precision(cfg.amp, "auto", device)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[mode]
+    fmt = torch.channels_last if device.type == "cuda" else torch.contiguous_format
+    gpu_aug = cfg.gpu_augment == "on" or (cfg.gpu_augment == "auto" and device.type == "cuda")
+    decoder = decode.resolve_decoder(cfg.decoder, [p for p, _ in layout.train],
+                                     decode.stored_size(cfg.img_size))
+    train_only = type(layout)(layout.root, layout.classes, layout.train, [])
+    cpus = usable_cpus()
+    counts = [w for w in cfg.workers if w <= cpus] or [min(cfg.workers)]
+    print(f"bench-data: {source} ({len(layout.train):,} training images, {len(classes)} classes), batch "
+          f"{cfg.batch_size}, {cfg.img_size} px, {device}, {mode}, decoder {decoder}, {cpus} CPUs"
+          + (f" (skipping worker counts above {cpus})" if len(counts) < len(cfg.workers) else ""))
+
+    def fast(workers: int, **kw: Any) -> Any:
+        return build_fast_loaders(train_only, cfg.img_size, cfg.batch_size, workers, device=device,
+                                  dtype=dtype, memory_format=fmt, decoder=decoder, **kw)[0]
+
+    def classic(workers: int) -> Any:
+        return build_loaders(train_only, cfg.img_size, cfg.batch_size, workers,
+                             pin_memory=device.type == "cuda", decoder=decoder)[0]
+
+    path = "gpu-augment" if gpu_aug else "classic"
+    rates: dict[str, float] = {}
+    for w in counts:
+        loader = fast(w) if gpu_aug else classic(w)
+        rates[f"{path}, {w} workers"] = measure_loader(loader, cfg.batches, device)
+        print(f"  loader {path:<12} {w:>3} workers: {rates[f'{path}, {w} workers']:>9,.0f} img/s", flush=True)
+    other = "classic" if gpu_aug else "gpu-augment"
+    w = max(counts)
+    rates[f"{other}, {w} workers"] = measure_loader(classic(w) if gpu_aug else fast(w), cfg.batches, device)
+    if cfg.cache:
+        rates["cache"] = measure_loader(fast(w, cache=True, cache_mode=cfg.cache_mode, cache_dir=cfg.cache_dir),
+                                        cfg.batches, device)
+    model_rate = measure_model(cfg.model, len(classes), cfg.batch_size, cfg.img_size, device, mode, cfg.batches)
+    rows = [("what", "img/s", "x model")]
+    rows += [(f"loader: {k}", f"{v:,.0f}", f"{v / model_rate:.2f}") for k, v in rates.items()]
+    rows.append((f"model: {cfg.model} on synthetic data", f"{model_rate:,.0f}", "1.00"))
+    print(_table(rows))
+    _, message = verdict(rates, model_rate, cfg.cache, device.type == "cuda")
+    print(message)
+    return 0

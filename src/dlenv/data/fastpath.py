@@ -1,0 +1,372 @@
+"""The fast input path: uint8 batches to the GPU, cropped, flipped and normalized there.
+
+The classic path (`loaders.build_loaders`) decodes, crops, resizes, converts to float and normalizes
+every image in DataLoader workers, and ships float32 batches through shared memory. Here the CPU
+only produces the stored form of `decode` (uint8, 4x smaller), from one of three sources:
+
+- `workers`: DataLoader worker processes decode JPEGs (Pillow, OpenCV or torchvision.io);
+- `cache`: rows copied out of a dataset decoded once (`cache`), no decoding at all;
+- `nvjpeg`: worker threads only read file bytes; torchvision.io.decode_jpeg decodes the batch on the GPU.
+
+A background thread takes each host batch, copies it to the GPU on a side CUDA stream and augments
+it there (`gpu_aug`), keeping a few batches ready; the training loop receives (images, targets)
+already on the device, in its memory format and AMP dtype, and only waits when that thread falls
+behind. Crops depend on (seed, epoch, position in the epoch) only, so runs and resumes repeat.
+On a CPU device the same code runs on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dlenv.data.cache import DecodedCache, build_cache
+from dlenv.data.decode import decode_stored, is_jpeg, stored_size
+from dlenv.data.gpu_aug import GpuAugment
+from dlenv.data.loaders import (
+    BadImageError,
+    ImageDataset,
+    SafeLoader,
+    _loader,
+    _reason,
+    load_rgb,
+    resolve_workers,
+    usable_cpus,
+)
+from dlenv.data.sampler import ResumableSampler
+from dlenv.errors import UserError
+
+log = logging.getLogger("dlenv.data")
+
+#: augmented batches kept ready on the device
+DEPTH = 3
+
+
+def _stored_tensors(item: tuple[np.ndarray, tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """decode_stored's (array, (w, h)) -> (uint8 tensor, int32 tensor), for DataLoader collation."""
+    arr, wh = item
+    return torch.from_numpy(arr), torch.tensor(wh, dtype=torch.int32)
+
+
+def _chunks(indices: list[int], size: int) -> Iterator[list[int]]:
+    for k in range(0, len(indices), size):
+        yield indices[k:k + size]
+
+
+class _Sampled:
+    """Batches of indices from a sampler (a ResumableSampler's epoch and start are honoured)."""
+
+    def __init__(self, n: int, sampler: Any, batch_size: int):
+        self.n, self.sampler, self.batch_size = n, sampler, batch_size
+
+    def indices(self) -> list[int]:
+        return list(self.sampler) if self.sampler is not None else list(range(self.n))
+
+    def __len__(self) -> int:
+        total = len(self.sampler) if self.sampler is not None else self.n
+        return -(-total // self.batch_size)
+
+
+class CacheSource(_Sampled):
+    """Host batches gathered from a DecodedCache into pinned memory (on CUDA)."""
+
+    def __init__(self, cache: DecodedCache, sampler: Any, batch_size: int, pin: bool):
+        super().__init__(len(cache), sampler, batch_size)
+        self.cache, self.pin = cache, pin
+        self.images = torch.from_numpy(cache.images)
+        self.sizes = torch.from_numpy(np.ascontiguousarray(cache.sizes))
+        self.labels = torch.from_numpy(cache.labels)
+        self.source = torch.from_numpy(cache.source)
+        self.bad_paths = dict(cache.bad)
+
+    def __iter__(self) -> Iterator[tuple]:
+        for chunk in _chunks(self.indices(), self.batch_size):
+            idx = torch.tensor(chunk, dtype=torch.long)
+            rows = self.source[idx]
+            out = torch.empty((len(chunk), *self.images.shape[1:]), dtype=torch.uint8, pin_memory=self.pin)
+            torch.index_select(self.images, 0, rows, out=out)  # threaded copy, without the GIL
+            yield out, self.sizes[rows], self.labels[idx]
+
+    def upload(self, batch: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        images, sizes, labels = batch
+        return images.to(device, non_blocking=True), sizes, labels.to(device, non_blocking=True)
+
+
+class WorkerSource:
+    """Host batches of stored-form images decoded by DataLoader workers."""
+
+    def __init__(self, loader: SafeLoader):
+        self.loader = loader
+
+    @property
+    def bad_paths(self) -> dict[str, str]:
+        return self.loader.bad_paths
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[tuple]:
+        for (images, sizes), labels in self.loader:
+            yield images, sizes, labels
+
+    def upload(self, batch: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        images, sizes, labels = batch
+        return images.to(device, non_blocking=True), sizes, labels.to(device, non_blocking=True)
+
+
+def _read(path: str) -> torch.Tensor:
+    with open(path, "rb") as f:
+        return torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+
+
+class NvjpegSource(_Sampled):
+    """Host batches of file bytes (read by threads, one batch ahead); decoded on the GPU in `upload`.
+
+    A file nvJPEG cannot decode (or that is not a JPEG) is decoded by Pillow instead; one Pillow
+    cannot decode either is replaced by another image of the batch (logged once) or stops the run,
+    as bad_images says.
+    """
+
+    def __init__(self, samples: Sequence[tuple[str, int]], sampler: Any, batch_size: int, size: int,
+                 bad_images: str, threads: int = 8):
+        super().__init__(len(samples), sampler, batch_size)
+        self.samples, self.size, self.bad_images = list(samples), size, bad_images
+        self.threads = threads
+        self.bad_paths: dict[str, str] = {}
+
+    def __iter__(self) -> Iterator[tuple]:
+        with ThreadPoolExecutor(self.threads) as pool:
+            pending = None
+            for chunk in _chunks(self.indices(), self.batch_size):
+                reads = [pool.submit(_read, self.samples[i][0]) for i in chunk]
+                if pending is not None:
+                    yield self._collect(*pending)
+                pending = (chunk, reads)
+            if pending is not None:
+                yield self._collect(*pending)
+
+    def _collect(self, chunk: list[int], reads: list) -> tuple:
+        data = []
+        for f in reads:
+            try:
+                data.append(f.result())
+            except OSError as e:
+                data.append(e)
+        return chunk, data
+
+    def upload(self, batch: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from dlenv import compat
+
+        chunk, data = batch
+        paths = [self.samples[i][0] for i in chunk]
+        images: list[torch.Tensor | None] = [None] * len(chunk)
+        gpu = [k for k, (p, d) in enumerate(zip(paths, data, strict=True))
+               if is_jpeg(p) and isinstance(d, torch.Tensor)]
+        try:
+            if compat.cuda_jpeg_batch_decode():
+                decoded = compat.decode_jpeg([data[k] for k in gpu], device=device)
+            else:
+                decoded = [compat.decode_jpeg(data[k], device=device) for k in gpu]
+            for k, img in zip(gpu, decoded, strict=True):
+                images[k] = img
+        except RuntimeError:
+            pass  # one bad file fails the whole batch call: the loop below decodes one by one
+        bad: list[tuple[int, str]] = []
+        for k, img in enumerate(images):
+            if img is None:
+                try:
+                    images[k] = self._one(paths[k], data[k], device)
+                except Exception as e:  # the file is what's wrong
+                    bad.append((k, _reason(e)))
+        good = [k for k in range(len(chunk)) if images[k] is not None]
+        for k, reason in bad:
+            if self.bad_images == "error" or not good:
+                raise BadImageError(paths[k], reason)
+            if paths[k] not in self.bad_paths:
+                self.bad_paths[paths[k]] = reason
+                log.warning("skipping unreadable image %s (%s)", paths[k], reason)
+            images[k] = images[good[(k + 1) % len(good)]]
+        sizes = torch.tensor([[img.shape[2], img.shape[1]] for img in images], dtype=torch.int32)
+        labels = torch.tensor([self.samples[i][1] for i in chunk], dtype=torch.long)
+        return _squash(images, self.size), sizes, labels.to(device, non_blocking=True)
+
+    @staticmethod
+    def _one(path: str, data: Any, device: torch.device) -> torch.Tensor:
+        from dlenv import compat
+
+        if isinstance(data, torch.Tensor) and is_jpeg(path):
+            with contextlib.suppress(RuntimeError):
+                return compat.decode_jpeg(data, device=device)
+        if isinstance(data, BaseException):
+            raise data
+        arr = np.asarray(load_rgb(path))
+        return torch.from_numpy(arr).permute(2, 0, 1).to(device)
+
+
+def _squash(images: list[torch.Tensor], size: int) -> torch.Tensor:
+    """(3, H, W) uint8 images of any sizes -> (B, size, size, 3) uint8, antialiased; one resize per
+    distinct input size (datasets of one camera resize in a single call)."""
+    out = torch.empty((len(images), size, size, 3), dtype=torch.uint8, device=images[0].device)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for k, img in enumerate(images):
+        groups.setdefault(tuple(img.shape[1:]), []).append(k)
+    for ks in groups.values():
+        x = torch.stack([images[k] for k in ks]).float()
+        y = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
+        out[ks] = y.round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# The device-side loader.
+
+
+class _End:
+    pass
+
+
+class _Failed:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+class DeviceLoader:
+    """An iterable of (images, targets) already on `device`, augmented; `len()` batches per epoch.
+
+    `sampler`: read at the start of each pass for its `epoch` and `start` (a ResumableSampler), which
+    with `seed` and the batch's position fix the random crops. `bad_paths` lists skipped files.
+    """
+
+    def __init__(self, source: Any, augment: GpuAugment, device: torch.device, batch_size: int,
+                 sampler: Any = None, seed: int = 0, depth: int = DEPTH):
+        self.source, self.augment, self.device = source, augment, torch.device(device)
+        self.batch_size, self.sampler, self.seed, self.depth = batch_size, sampler, seed, depth
+
+    @property
+    def bad_paths(self) -> dict[str, str]:
+        return self.source.bad_paths
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def batch_seed(self, epoch: int, position: int) -> int:
+        """The augmentation seed of the batch that starts at `position` of `epoch`."""
+        return ((self.seed * 1_000_003 + epoch) * 1_000_000_007 + position) % 2**63
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        epoch = int(getattr(self.sampler, "epoch", 0))
+        start = int(getattr(self.sampler, "start", 0))
+        q: queue.Queue = queue.Queue(maxsize=self.depth)
+        stop = threading.Event()
+        worker = threading.Thread(target=self._produce, args=(q, stop, epoch, start), daemon=True,
+                                  name="dlenv-device-loader")
+        worker.start()
+        cuda = self.device.type == "cuda"
+        try:
+            while True:
+                item = q.get()
+                if isinstance(item, _End):
+                    return
+                if isinstance(item, _Failed):
+                    raise item.exc
+                images, targets, ready = item
+                if cuda:
+                    current = torch.cuda.current_stream(self.device)
+                    current.wait_event(ready)  # the GPU waits for the side stream; the CPU does not
+                    images.record_stream(current)
+                    targets.record_stream(current)
+                yield images, targets
+        finally:
+            stop.set()
+            while worker.is_alive():  # unblock a producer waiting to put, then let it finish
+                with contextlib.suppress(queue.Empty):
+                    q.get_nowait()
+                worker.join(0.05)
+
+    def _produce(self, q: queue.Queue, stop: threading.Event, epoch: int, start: int) -> None:
+        def put(item: Any) -> bool:
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        cuda = self.device.type == "cuda"
+        stream = torch.cuda.Stream(self.device) if cuda else None
+        position = start
+        try:
+            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext(), torch.no_grad():
+                for batch in self.source:
+                    images, sizes, labels = self.source.upload(batch, self.device)
+                    out = self.augment(images, sizes, self.batch_seed(epoch, position))
+                    position += out.shape[0]
+                    ready = None
+                    if cuda:
+                        ready = torch.cuda.Event()
+                        ready.record(stream)
+                    if not put((out, labels, ready)):
+                        return
+            put(_End())
+        except BaseException as e:  # handed to the training loop's thread, raised there
+            put(_Failed(e))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Building.
+
+
+def build_fast_loaders(layout: Any, img_size: int, batch_size: int, workers: int | str, *, device: Any,
+                       seed: int = 0, bad_images: str = "skip", train_sampler: Any = None,
+                       dtype: torch.dtype = torch.float32,
+                       memory_format: torch.memory_format = torch.contiguous_format,
+                       decoder: str = "pil", cache: bool = False, cache_mode: str = "auto",
+                       cache_dir: str = ".dlenv-cache", train_scale: tuple[float, float] = (0.08, 1.0),
+                       say: Any = print) -> tuple[DeviceLoader, DeviceLoader | None]:
+    """(train, val) DeviceLoaders for a folder.Layout; val is None when the layout has no val.
+
+    `decoder` is a resolved name ('pil', 'cv2', 'tvio' or 'nvjpeg', see decode.resolve_decoder);
+    `cache` decodes each split once (`cache.build_cache`, `cache_mode` ram/disk/auto) and ignores the
+    decoder's GPU option. Raises UserError for a GPU decoder the env lacks and a cache that does not fit.
+    """
+    device = torch.device(device)
+    size = stored_size(img_size)
+    pin = device.type == "cuda"
+    splits = [(layout.train, train_sampler, True)] + ([(layout.val, None, False)] if layout.val else [])
+    out: list[DeviceLoader] = []
+    if decoder == "nvjpeg" and not cache:
+        from dlenv import compat
+
+        why = compat.cuda_jpeg_unavailable(device) if device.type == "cuda" else "the device is not a GPU"
+        if why:
+            raise UserError(f"--decoder nvjpeg: {why}; use --decoder auto")
+    n_workers = resolve_workers(workers, batch_size, img_size)
+    for samples, sampler, train in splits:
+        augment = GpuAugment(img_size, train, dtype, memory_format, scale=train_scale)
+        if train and sampler is None:
+            sampler = ResumableSampler(len(samples), seed=seed)
+        if cache:
+            # decoding threads of this process: every core helps, /dev/shm plays no part
+            decoded = build_cache(samples, size, "pil" if decoder == "nvjpeg" else decoder, cache_mode,
+                                  cache_dir, usable_cpus(), bad_images, say)
+            source: Any = CacheSource(decoded, sampler, batch_size, pin)
+        elif decoder == "nvjpeg":
+            source = NvjpegSource(samples, sampler, batch_size, size, bad_images)
+        else:
+            ds = ImageDataset(samples, _stored_tensors, bad_images,
+                              load=partial(decode_stored, size=size, decoder=decoder))
+            loader = _loader(ds, batch_size, n_workers, pin, True, shuffle=False, sampler=sampler)
+            source = WorkerSource(loader)
+        out.append(DeviceLoader(source, augment, device, batch_size, sampler, seed))
+    return out[0], (out[1] if len(out) > 1 else None)

@@ -1,0 +1,132 @@
+"""Random-resized-crop, flip and normalization of whole uint8 batches on the GPU (or CPU, same code).
+
+Input is the stored form of `decode`: a batch of size x size uint8 RGB squares (each the whole frame
+squashed), and each image's decoded width and height. Crop boxes are drawn the way torchvision's
+RandomResizedCrop draws them (area fraction in `scale`, log-uniform aspect ratio in `ratio`, ten tries
+then a centre crop), in the image's own proportions, and expressed as fractions of the frame. Since
+the square holds the whole frame, the same fractions address it, and one `affine_grid` +
+`grid_sample` cuts, resizes and mirrors the whole batch in a single kernel. Evaluation takes the
+region torchvision's Resize(img_size * 256/224) + CenterCrop(img_size) would.
+
+Boxes are drawn on the CPU from a generator seeded per batch, so a given (seed, batch) gives the same
+crops on any device and after a resume.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from dlenv.data.loaders import IMAGENET_MEAN, IMAGENET_STD
+
+#: eval crops this fraction of the shorter side (torchvision: Resize(256) then CenterCrop(224))
+EVAL_CROP = 224 / 256
+
+
+def random_boxes(sizes: torch.Tensor, generator: torch.Generator, scale: tuple[float, float] = (0.08, 1.0),
+                 ratio: tuple[float, float] = (3 / 4, 4 / 3), flip_p: float = 0.5,
+                 tries: int = 10) -> torch.Tensor:
+    """RandomResizedCrop boxes for images of `sizes` ((B, 2) width, height), vectorised.
+
+    Returns (B, 5) float64: x0, y0, w, h as fractions of the frame, and 1.0 where mirrored.
+    """
+    sizes = sizes.to(torch.float64)
+    b = sizes.shape[0]
+    w_img, h_img = sizes[:, :1], sizes[:, 1:]
+    area = w_img * h_img
+    u = torch.rand(b, tries, 4, generator=generator, dtype=torch.float64)
+    target = area * (scale[0] + (scale[1] - scale[0]) * u[..., 0])
+    log_r = math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * u[..., 1]
+    r = torch.exp(log_r)
+    w = torch.sqrt(target * r)
+    h = torch.sqrt(target / r)
+    ok = (w <= w_img) & (h <= h_img) & (w > 0) & (h > 0)
+    first = torch.where(ok.any(1), ok.to(torch.int8).argmax(1), torch.full((b,), -1, dtype=torch.long))
+    pick = first.clamp(min=0)[:, None]
+    w, h = w.gather(1, pick)[:, 0], h.gather(1, pick)[:, 0]
+    x0 = (w_img[:, 0] - w) * u[..., 2].gather(1, pick)[:, 0]
+    y0 = (h_img[:, 0] - h) * u[..., 3].gather(1, pick)[:, 0]
+    # no try fitted (extreme aspect ratios): the largest centred crop with the ratio clamped into range
+    fb = first < 0
+    if fb.any():
+        wi, hi = w_img[fb, 0], h_img[fb, 0]
+        in_ratio = wi / hi
+        fw = torch.where(in_ratio < ratio[0], wi, torch.where(in_ratio > ratio[1], hi * ratio[1], wi))
+        fh = torch.where(in_ratio < ratio[0], wi / ratio[0], torch.where(in_ratio > ratio[1], hi, hi))
+        w[fb], h[fb] = fw, fh
+        x0[fb], y0[fb] = (wi - fw) / 2, (hi - fh) / 2
+    flip = (torch.rand(b, generator=generator, dtype=torch.float64) < flip_p).to(torch.float64)
+    return torch.stack([x0 / w_img[:, 0], y0 / h_img[:, 0], w / w_img[:, 0], h / h_img[:, 0], flip], 1)
+
+
+def center_boxes(sizes: torch.Tensor, crop: float = EVAL_CROP) -> torch.Tensor:
+    """Eval boxes: a centred square of `crop` x the shorter side. (B, 5) like `random_boxes`."""
+    sizes = sizes.to(torch.float64)
+    side = sizes.min(1).values * crop
+    fw, fh = side / sizes[:, 0], side / sizes[:, 1]
+    zero = torch.zeros_like(fw)
+    return torch.stack([(1 - fw) / 2, (1 - fh) / 2, fw, fh, zero], 1)
+
+
+def boxes_to_theta(boxes: torch.Tensor) -> torch.Tensor:
+    """(B, 5) boxes -> (B, 2, 3) affine_grid matrices (align_corners=False), mirroring folded in."""
+    x0, y0, w, h, flip = boxes.unbind(1)
+    theta = torch.zeros(boxes.shape[0], 2, 3, dtype=boxes.dtype)
+    theta[:, 0, 0] = w * (1 - 2 * flip)
+    theta[:, 0, 2] = 2 * x0 + w - 1  # the box centre, in [-1, 1] coordinates
+    theta[:, 1, 1] = h
+    theta[:, 1, 2] = 2 * y0 + h - 1
+    return theta
+
+
+class GpuAugment:
+    """Stored-form uint8 batches -> normalized float batches, on the batch's own device.
+
+    train=True: RandomResizedCrop(img_size, scale, ratio) + horizontal flip, drawn by `random_boxes`
+    from `seed`; train=False: the eval centre crop. Output: (B, 3, img_size, img_size) in `dtype`
+    (float32, or bf16/fp16 under AMP), `memory_format` (channels_last for CNNs), ImageNet-normalized.
+    """
+
+    def __init__(self, img_size: int, train: bool, dtype: torch.dtype = torch.float32,
+                 memory_format: torch.memory_format = torch.contiguous_format,
+                 scale: tuple[float, float] = (0.08, 1.0), ratio: tuple[float, float] = (3 / 4, 4 / 3)):
+        self.img_size, self.train = img_size, train
+        self.dtype, self.memory_format = dtype, memory_format
+        self.scale, self.ratio = scale, ratio
+        self._stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def boxes(self, sizes: torch.Tensor, seed: int) -> torch.Tensor:
+        """The (B, 5) crop boxes for a batch with this seed (CPU, float64)."""
+        if not self.train:
+            return center_boxes(sizes.cpu())
+        g = torch.Generator().manual_seed(int(seed) % 2**63)
+        return random_boxes(sizes.cpu(), g, self.scale, self.ratio)
+
+    def _normalize_stats(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._stats:
+            mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255.0
+            inv_std = 1.0 / (torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255.0)
+            self._stats[device] = (mean, inv_std)
+        return self._stats[device]
+
+    def __call__(self, images: torch.Tensor, sizes: torch.Tensor, seed: int = 0) -> torch.Tensor:
+        """Augment (B, S, S, 3) uint8 images (any device) with (B, 2) width, height `sizes`."""
+        theta = boxes_to_theta(self.boxes(sizes, seed)).to(torch.float32)
+        return self.apply(images, theta)
+
+    def apply(self, images: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+        """Cut, resize and mirror by `theta` ((B, 2, 3), CPU), then normalize; see the class docstring."""
+        device = images.device
+        if device.type == "cuda":
+            theta = theta.pin_memory().to(device, non_blocking=True)  # no wait for the GPU's queue
+        else:
+            theta = theta.to(device)
+        x = images.permute(0, 3, 1, 2).float()  # NHWC uint8 -> NCHW view in channels_last layout
+        b = x.shape[0]
+        grid = F.affine_grid(theta, [b, 3, self.img_size, self.img_size], align_corners=False)
+        out = F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
+        mean, inv_std = self._normalize_stats(device)
+        out = (out - mean) * inv_std
+        return out.contiguous(memory_format=self.memory_format).to(self.dtype)

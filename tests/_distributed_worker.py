@@ -1,0 +1,116 @@
+"""One process of a tests/test_distributed.py scenario: `python _distributed_worker.py SCENARIO [JSON]`.
+
+The test starts WORLD_SIZE of these with RANK/LOCAL_RANK/MASTER_ADDR/MASTER_PORT set (as torchrun
+would), on the CPU with gloo. Each prints one line `RESULT <json>` for the test to check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+
+from dlenv import distributed
+from dlenv.errors import UserError
+
+
+def result(**kw) -> None:
+    print("RESULT " + json.dumps(kw), flush=True)
+
+
+def reduce_scenario(args: dict) -> None:
+    """Per-rank sums over an uneven EvalShardSampler shard, reduced: must be the whole set's."""
+    info = distributed.init_from_env(timeout_s=30, device="cpu")
+    n = args["n"]
+    shard = list(distributed.EvalShardSampler(n, info.rank, info.world_size))
+    correct = sum(1 for i in shard if i % 3 == 0)  # sample i is "predicted right" when i % 3 == 0
+    sums = distributed.reduce_metrics({"loss": float(sum(shard)), "correct": correct, "count": len(shard)})
+    result(rank=info.rank, shard=shard, sums=sums, main=distributed.is_main())
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).mean((2, 3)))
+
+
+def nosync_scenario(args: dict) -> None:
+    """Accumulation over 2 micro-batches per rank with no_sync: gradients must equal one process's
+    gradients of the whole batch, and must not be averaged after the non-final micro-batch."""
+    info = distributed.init_from_env(timeout_s=30, device="cpu")
+    world, micro, accum = info.world_size, args["micro"], args["accum"]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(micro * accum * world, 3, 8, 8, generator=g)
+    y = torch.randint(0, 3, (x.shape[0],), generator=g)
+    torch.manual_seed(1234 + info.rank)  # different initial weights per rank: DDP must broadcast rank 0's
+    model = Net()
+    ddp = distributed.wrap_ddp(model, info.device)
+    torch.manual_seed(1234)
+    reference = Net()  # rank 0's initial weights, trained as one process on the whole batch
+    nn.functional.cross_entropy(reference(x), y).backward()
+
+    # like the sampler: rank r takes every world-th sample, micro-batch after micro-batch
+    mine = torch.arange(info.rank, x.shape[0], world)
+    after_first = None
+    for k in range(accum):
+        idx = mine[k * micro:(k + 1) * micro]
+        last = k == accum - 1
+        with distributed.no_sync_context(ddp, last):
+            loss = nn.functional.cross_entropy(ddp(x[idx]), y[idx]) / accum
+            loss.backward()
+        if k == 0:
+            after_first = model.fc.weight.grad.clone()
+    # what this rank alone contributes after its first micro-batch (nothing averaged yet)
+    local = Net()
+    local.load_state_dict(reference.state_dict())
+    (nn.functional.cross_entropy(local(x[mine[:micro]]), y[mine[:micro]]) / accum).backward()
+    diffs = {name: (p.grad - dict(reference.named_parameters())[name].grad).abs().max().item()
+             for name, p in model.named_parameters()}
+    result(rank=info.rank, max_grad_diff=max(diffs.values()),
+           first_is_local=torch.allclose(after_first, local.fc.weight.grad, atol=1e-6),
+           weights_from_rank0=all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters(),
+                                                                    strict=True)))
+
+
+def dies_scenario(args: dict) -> None:
+    """Rank 1 dies (or hangs) after joining; rank 0's next collective must fail with a clear message."""
+    info = distributed.init_from_env(timeout_s=args["timeout"], device="cpu")
+    distributed.barrier()
+    if info.rank == 1:
+        if args["how"] == "exit":
+            os._exit(3)
+        time.sleep(120)  # stuck: alive but never reaching the collective
+        return
+    t0 = time.perf_counter()
+    try:
+        distributed.all_reduce_sum(torch.ones(4))
+    finally:
+        result(rank=0, seconds=time.perf_counter() - t0)
+
+
+def torchrun_fail_scenario(args: dict) -> None:
+    """Under torchrun: rank 1 exits with status 3, rank 0 waits in a collective."""
+    info = distributed.init_from_env(timeout_s=60, device="cpu")
+    if info.rank == 1:
+        sys.exit(3)
+    distributed.all_reduce_sum(torch.ones(1))
+
+
+SCENARIOS = {"reduce": reduce_scenario, "nosync": nosync_scenario, "dies": dies_scenario,
+             "torchrun_fail": torchrun_fail_scenario}
+
+if __name__ == "__main__":
+    try:
+        SCENARIOS[sys.argv[1]](json.loads(sys.argv[2]) if len(sys.argv) > 2 else {})
+    except UserError as e:  # as dlenv.cli reports it
+        print(f"dlenv train: error: {e}", file=sys.stderr, flush=True)
+        os._exit(e.exit_code)  # no process-group teardown: it would wait for the dead peer
+    distributed.cleanup()

@@ -1,0 +1,292 @@
+"""dlenv.distributed on a CPU: real 2-process gloo runs, the torchrun launch, and the batch arithmetic.
+
+Multi-process scenarios run tests/_distributed_worker.py once per rank with the environment torchrun
+would set, so each check is a real process group (a few seconds each on a small machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dlenv import cli, config, distributed
+from dlenv.config import TrainConfig
+from dlenv.errors import UserError
+
+TESTS = Path(__file__).resolve().parent
+WORKER = TESTS / "_distributed_worker.py"
+
+
+def _env(rank: int, world: int, port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    return env
+
+
+def start_ranks(scenario: str, args: dict, world: int = 2) -> list[subprocess.Popen]:
+    port = distributed.free_port()
+    return [subprocess.Popen([sys.executable, str(WORKER), scenario, json.dumps(args)], env=_env(r, world, port),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for r in range(world)]
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 60) -> list[tuple[int, dict | None, str]]:
+    """(exit status, RESULT json or None, stderr) of each rank; kills what is still running at the end."""
+    out = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+            out.append((p.returncode, json.loads(lines[-1][7:]) if lines else None, stderr))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Real process groups.
+
+
+def test_metrics_reduced_over_uneven_shards_count_each_sample_once():
+    n = 7  # 4 + 3: a padding sampler would count 8
+    runs = finish(start_ranks("reduce", {"n": n}))
+    assert [rc for rc, _, _ in runs] == [0, 0], runs
+    shards = [r["shard"] for _, r, _ in runs]
+    assert sorted(shards[0] + shards[1]) == list(range(n))
+    for _, r, _ in runs:
+        assert r["sums"] == {"loss": float(sum(range(n))), "correct": 3.0, "count": 7.0}
+    assert [r["main"] for _, r, _ in runs] == [True, False]
+
+
+def test_no_sync_accumulation_gives_full_batch_gradients():
+    runs = finish(start_ranks("nosync", {"micro": 2, "accum": 2}))
+    assert [rc for rc, _, _ in runs] == [0, 0], runs
+    for _, r, _ in runs:
+        assert r["weights_from_rank0"], "DDP must start every rank from rank 0's weights"
+        assert r["first_is_local"], "the non-final micro-batch must not all-reduce"
+        assert r["max_grad_diff"] < 1e-6, r
+
+
+@pytest.mark.parametrize("how", ["exit", "hang"])
+def test_a_dead_or_stuck_rank_stops_the_others_with_a_message(how):
+    timeout = 4
+    t0 = time.perf_counter()
+    procs = start_ranks("dies", {"how": how, "timeout": timeout})
+    rc0, r0, err0 = finish(procs[:1], timeout=60)[0]
+    elapsed = time.perf_counter() - t0
+    finish(procs[1:], timeout=1) if how == "exit" else None
+    for p in procs[1:]:  # the stuck rank is ours to end
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert rc0 == distributed.EXIT_PEER, err0
+    assert "rank 0: all_reduce failed: another process of this run stopped" in err0
+    assert r0["seconds"] < timeout + 10, "rank 0 must not wait much past the timeout"
+    assert elapsed < 60
+
+
+def test_torchrun_wrapper_names_the_failed_rank_and_its_status(tmp_path):
+    port = distributed.free_port()
+    cmd = [sys.executable, "-m", "dlenv.distributed", "--nproc_per_node", "2", "--nnodes", "1",
+           "--node_rank", "0", "--master_addr", "127.0.0.1", "--master_port", str(port), "--max_restarts", "0",
+           "--monitor_interval", "1", str(WORKER), "torchrun_fail"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**env, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 3, p.stderr[-2000:]
+    assert "dlenv train: rank 1 (local rank 1" in p.stderr and "exited with status 3" in p.stderr
+    assert "Traceback" not in p.stderr.split("dlenv train: rank 1")[-1]
+    assert time.perf_counter() - t0 < 60
+
+
+# ---------------------------------------------------------------------------------------------------
+# One process: everything is a no-op.
+
+
+def test_single_process_helpers_are_no_ops():
+    assert distributed.is_main() and distributed.world_size() == 1 and distributed.rank() == 0
+    t = torch.tensor([1.0, 2.0])
+    assert distributed.all_reduce_sum(t) is t and t.tolist() == [1.0, 2.0]
+    assert distributed.reduce_metrics({"a": 2, "b": torch.tensor(3.5)}) == {"a": 2.0, "b": 3.5}
+    assert distributed.agree(7, "min") == 7
+    distributed.barrier()
+    model = torch.nn.Linear(2, 2)
+    assert distributed.wrap_ddp(model, torch.device("cpu"), sync_bn=True) is model
+    with distributed.no_sync_context(model, False):
+        pass
+
+
+def test_init_from_env_without_torchrun_environment_is_a_user_error(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(UserError, match="RANK is not set"):
+        distributed.init_from_env(device="cpu")
+
+
+def test_init_from_env_refuses_one_fixed_gpu(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UserError, match="--device cuda:1.*use --device cuda"):
+        distributed.init_from_env(device="cuda:1")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Samplers.
+
+
+@pytest.mark.parametrize("n,world", [(7, 2), (10, 3), (2, 4), (0, 2)])
+def test_eval_shards_cover_every_sample_exactly_once(n, world):
+    shards = [list(distributed.EvalShardSampler(n, r, world)) for r in range(world)]
+    assert sorted(i for s in shards for i in s) == list(range(n))
+    assert [len(distributed.EvalShardSampler(n, r, world)) for r in range(world)] == [len(s) for s in shards]
+
+
+def test_eval_shard_sampler_rejects_a_bad_rank():
+    with pytest.raises(ValueError, match="rank 2"):
+        distributed.EvalShardSampler(5, rank=2, world_size=2)
+
+
+def test_shard_eval_loader_keeps_the_loader_settings_and_reads_one_shard():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    ds = TensorDataset(torch.arange(9.0))
+    loader = DataLoader(ds, batch_size=2, shuffle=False)
+    assert distributed.shard_eval_loader(loader, 0, 1) is loader
+    shard = distributed.shard_eval_loader(loader, 1, 2)
+    assert shard.batch_size == 2 and shard.dataset is ds
+    assert [x.tolist() for (x,) in shard] == [[1.0, 3.0], [5.0, 7.0]]
+
+
+def test_shard_eval_loader_keeps_bad_image_handling(tmp_path):
+    from conftest import make_image_folder
+
+    from dlenv.data.loaders import SafeLoader, build_eval_loader
+
+    make_image_folder(tmp_path / "v", per_class=3, size=(16, 16))
+    samples = sorted((str(p), 0) for p in (tmp_path / "v").rglob("*.png"))
+    (tmp_path / "v" / "cat" / "cat_1.png").write_bytes(b"not a png")
+    loader = build_eval_loader(samples, 16, 2, workers=0)
+    shard = distributed.shard_eval_loader(loader, 1, 2)  # indices 1, 3, 5: cat_1 is index 1
+    assert isinstance(shard, SafeLoader)
+    assert sum(len(y) for _, y in shard) == 3
+    assert any("cat_1.png" in p for p in shard.bad_paths)
+
+
+def test_workers_are_shared_between_the_processes_of_a_node():
+    assert distributed.workers_per_process(12, 4) == 3
+    assert distributed.workers_per_process(2, 8) == 1
+    assert distributed.workers_per_process(0, 8) == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Batch arithmetic.
+
+
+def test_plan_for_world_keeps_the_effective_batch_where_it_divides():
+    assert distributed.plan_for_world(256, 64, 2) == (64, 2, None)
+    assert distributed.plan_for_world(256, 64, 4) == (64, 1, None)
+    micro, accum, note = distributed.plan_for_world(96, 64, 8)  # 12 per GPU: 12 x 1
+    assert (micro, accum, note) == (12, 1, None)
+
+
+def test_plan_for_world_says_when_the_effective_batch_cannot_be_kept():
+    micro, accum, note = distributed.plan_for_world(10, 5, 4)
+    assert micro * accum * 4 != 10
+    assert note is not None and "effective batch 10 cannot be split" in note
+    assert f"= {micro * accum * 4} images per step" in note
+
+
+def test_plan_for_world_refuses_fewer_images_than_gpus():
+    with pytest.raises(UserError, match="smaller than the 8 GPUs"):
+        distributed.plan_for_world(4, 4, 8)
+
+
+def test_resume_split_on_another_gpu_count():
+    assert distributed.resume_split(32, 2, 4, 4) == (32, 2, None)
+    micro, accum, note = distributed.resume_split(32, 1, 4, 2)  # 128 images per step on 2 GPUs
+    assert (micro, accum) == (32, 2) and "keeps the effective batch 128" in note
+    micro, accum, note = distributed.resume_split(32, 2, 2, 8)
+    assert micro * accum * 8 == 128 and "keeps" in note
+    micro, accum, note = distributed.resume_split(5, 1, 2, 4)
+    assert "cannot be split" in note and note.startswith("resuming a run of 2 GPU(s) on 4")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The launch command.
+
+
+def test_train_flags_rebuild_the_same_config():
+    cfg = config.build(TrainConfig, data="d s", amp=True, channels_last=False, batch_size="auto", gpus=2,
+                       lr=0.05, clip_grad=1.0, epochs=3, max_steps=5, name="a b")
+    flags = distributed.train_flags(cfg)
+    assert "--no-channels-last" in flags and "--amp" in flags and "--model" not in flags
+    args = vars(cli.build_parser().parse_args(["train", *flags]))
+    args.pop("command")
+    args.pop("cfg")
+    assert config.build(TrainConfig, **args) == cfg
+
+
+def test_launch_command_single_node_uses_a_private_port():
+    cfg = config.build(TrainConfig, gpus=4, amp=True, master_port=1234)
+    cmd = distributed.launch_command(cfg, port=4321)
+    assert cmd[:3] == [sys.executable, "-m", "dlenv.distributed"]
+    opts = dict(zip(cmd[3:-5:2], cmd[4:-4:2], strict=False))
+    assert opts["--nproc_per_node"] == "4" and opts["--master_port"] == "4321"
+    assert opts["--master_addr"] == "127.0.0.1" and opts["--max_restarts"] == "0"
+    assert cmd[cmd.index("-m", 3):] == ["-m", "dlenv.cli", "train", "--amp", "--gpus", "4", "--master-port", "1234"]
+
+
+def test_launch_command_several_nodes_goes_to_the_rendezvous():
+    cfg = config.build(TrainConfig, gpus=8, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29600)
+    args = distributed.torchrun_args(cfg)
+    assert args[:10] == ["--nproc_per_node", "8", "--nnodes", "2", "--node_rank", "1",
+                         "--master_addr", "10.0.0.1", "--master_port", "29600"]
+
+
+@pytest.mark.parametrize("opts,match", [
+    (dict(gpus=2, nnodes=2, node_rank=2), "--node-rank 2 must be below --nnodes 2"),
+    (dict(gpus=2, device="cuda:1"), "--device cuda:1 picks one GPU"),
+    (dict(gpus=2, device="mps"), "not a device"),
+])
+def test_check_launch_refuses_what_cannot_work(opts, match):
+    with pytest.raises(UserError, match=match):
+        distributed.check_launch(config.build(TrainConfig, **opts))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_check_launch_without_gpus_names_the_cpu_option():
+    with pytest.raises(UserError, match="no CUDA GPU is visible.*--device cpu"):
+        distributed.check_launch(config.build(TrainConfig, gpus=2))
+    distributed.check_launch(config.build(TrainConfig, gpus=2, device="cpu"))
+
+
+def test_needs_launch_only_outside_torchrun(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert distributed.needs_launch(config.build(TrainConfig, gpus=2))
+    assert distributed.needs_launch(config.build(TrainConfig, nnodes=2))
+    assert not distributed.needs_launch(config.build(TrainConfig))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert not distributed.needs_launch(config.build(TrainConfig, gpus=2))
+
+
+# ---------------------------------------------------------------------------------------------------
+# On GPUs (the lead's H200 box).
+
+
+@pytest.mark.gpu
+def test_gpu_check_launch_counts_the_visible_gpus():
+    n = torch.cuda.device_count()
+    distributed.check_launch(config.build(TrainConfig, gpus=n))
+    with pytest.raises(UserError, match=f"only {n} GPU"):
+        distributed.check_launch(config.build(TrainConfig, gpus=n + 1))
