@@ -44,15 +44,18 @@ def train_demo(args: argparse.Namespace) -> Path:
     import torch
 
     from dlenv import config
-    from dlenv.data.demo import ensure_demo_data
+    from dlenv.data.demo import DEMO_IMG_SIZE, ensure_demo_data
     from dlenv.train import train
 
     out = Path(args.out)
     data = ensure_demo_data(out / "demo-data")
     cfg = config.build(config.TrainConfig, data=str(Path(data).resolve()), model=args.model, epochs=args.epochs,
+                       img_size=DEMO_IMG_SIZE, workers=args.workers,
                        project=str(out), name=f"{args.model}-demo", exist_ok=True,
                        amp=torch.cuda.is_available())
     summary = train(cfg)
+    if summary.get("status") != "done":
+        raise SystemExit(summary.get("exit_code") or 1)
     return Path(summary["best"])
 
 

@@ -14,6 +14,8 @@ A dlenv checkpoint is a dict of tensors and plain types only, so it loads with
                   the current epoch (a mid-epoch save resumes there)
     best_metric   best val top-1 so far (float or None)
     optimizer, scaler, scheduler, ema    state dicts (or None)
+    sampler       {"seed", "epoch", "position", "world_size"} of the training sampler (or None)
+    train_state   {"micro_batch", "accum_steps", "chunks", "oom_retries"}
     rng           RNG states (torch CPU/CUDA as uint8 tensors, python/numpy as plain types)
     env           {"dlenv", "torch", "cuda", "gpu"} versions and GPU name
 
