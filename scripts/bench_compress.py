@@ -90,9 +90,9 @@ def main(argv=None) -> int:
     from dlenv.compress import common, prune, quantize
     from dlenv.data.loaders import build_loaders
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = args.threads or torch.get_num_threads()
     weights = Path(args.weights) if args.weights else train_demo(args)
+    torch.set_num_threads(threads)  # as asked, or as before training (which may change it)
     src = common.load_source(str(weights), "benchmark")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     root, loader = common.eval_loader(args.data, src, args.batch_size, args.workers)

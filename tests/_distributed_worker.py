@@ -22,14 +22,19 @@ def result(**kw) -> None:
     print("RESULT " + json.dumps(kw), flush=True)
 
 
-def reduce_scenario(args: dict) -> None:
-    """Per-rank sums over an uneven EvalShardSampler shard, reduced: must be the whole set's."""
+def collectives_scenario(args: dict) -> None:
+    """The metric reduction and the no_sync accumulation, in one process group."""
     info = distributed.init_from_env(timeout_s=30, device="cpu")
-    n = args["n"]
+    result(rank=info.rank, reduce=reduce_check(info, args["n"]), nosync=nosync_check(info, args["micro"],
+                                                                                        args["accum"]))
+
+
+def reduce_check(info: distributed.DistInfo, n: int) -> dict:
+    """Per-rank sums over an uneven EvalShardSampler shard, reduced: must be the whole set's."""
     shard = list(distributed.EvalShardSampler(n, info.rank, info.world_size))
     correct = sum(1 for i in shard if i % 3 == 0)  # sample i is "predicted right" when i % 3 == 0
     sums = distributed.reduce_metrics({"loss": float(sum(shard)), "correct": correct, "count": len(shard)})
-    result(rank=info.rank, shard=shard, sums=sums, main=distributed.is_main())
+    return {"shard": shard, "sums": sums, "main": distributed.is_main()}
 
 
 class Net(nn.Module):
@@ -42,11 +47,10 @@ class Net(nn.Module):
         return self.fc(torch.relu(self.conv(x)).mean((2, 3)))
 
 
-def nosync_scenario(args: dict) -> None:
-    """Accumulation over 2 micro-batches per rank with no_sync: gradients must equal one process's
+def nosync_check(info: distributed.DistInfo, micro: int, accum: int) -> dict:
+    """Accumulation over micro-batches per rank with no_sync: gradients must equal one process's
     gradients of the whole batch, and must not be averaged after the non-final micro-batch."""
-    info = distributed.init_from_env(timeout_s=30, device="cpu")
-    world, micro, accum = info.world_size, args["micro"], args["accum"]
+    world = info.world_size
     g = torch.Generator().manual_seed(0)
     x = torch.randn(micro * accum * world, 3, 8, 8, generator=g)
     y = torch.randint(0, 3, (x.shape[0],), generator=g)
@@ -74,10 +78,10 @@ def nosync_scenario(args: dict) -> None:
     (nn.functional.cross_entropy(local(x[mine[:micro]]), y[mine[:micro]]) / accum).backward()
     diffs = {name: (p.grad - dict(reference.named_parameters())[name].grad).abs().max().item()
              for name, p in model.named_parameters()}
-    result(rank=info.rank, max_grad_diff=max(diffs.values()),
-           first_is_local=torch.allclose(after_first, local.fc.weight.grad, atol=1e-6),
-           weights_from_rank0=all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters(),
-                                                                    strict=True)))
+    return {"max_grad_diff": max(diffs.values()),
+            "first_is_local": torch.allclose(after_first, local.fc.weight.grad, atol=1e-6),
+            "weights_from_rank0": all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters(),
+                                                                        strict=True))}
 
 
 def dies_scenario(args: dict) -> None:
@@ -104,8 +108,34 @@ def torchrun_fail_scenario(args: dict) -> None:
     distributed.all_reduce_sum(torch.ones(1))
 
 
-SCENARIOS = {"reduce": reduce_scenario, "nosync": nosync_scenario, "dies": dies_scenario,
-             "torchrun_fail": torchrun_fail_scenario}
+class TinyNet(nn.Module):
+    """No BatchNorm, no dropout: a run's result depends only on the data order and the gradients."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.fc = nn.Linear(6, num_classes)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).mean((2, 3)))
+
+
+def train_scenario(args: dict) -> None:
+    """The real trainer with a tiny model and no random augmentation (deterministic per sample)."""
+    import dlenv.data.loaders as loaders
+    import dlenv.models
+    from dlenv import config, train
+    from dlenv.config import TrainConfig
+
+    eval_transforms = loaders.build_transforms
+    loaders.build_transforms = lambda img_size, train, scale=None: eval_transforms(img_size, False)
+    dlenv.models.build_model = lambda name, num_classes, weights=None, **kw: TinyNet(num_classes)
+    out = train.train(config.build(TrainConfig, **args))
+    result(rank=distributed.rank(), summary=out)
+
+
+SCENARIOS = {"collectives": collectives_scenario, "dies": dies_scenario,
+             "torchrun_fail": torchrun_fail_scenario, "train": train_scenario}
 
 if __name__ == "__main__":
     try:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from pathlib import Path
 
 import pytest
+from imagedata import make_image_folder
 
 
 def pytest_addoption(parser):
@@ -36,23 +36,6 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "image" in item.keywords and not in_image:
             item.add_marker(pytest.mark.skip(reason="needs the built dlenv image"))
-
-
-def make_image_folder(root: Path, classes=("cat", "dog"), per_class: int = 4, size=(24, 20),
-                      ext: str = ".png", seed: int = 0) -> Path:
-    """Write `per_class` small random RGB images per class under root/<class>/; return root."""
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    for ci, name in enumerate(classes):
-        d = Path(root) / name
-        d.mkdir(parents=True, exist_ok=True)
-        for i in range(per_class):
-            arr = rng.integers(0, 255, size=(size[1], size[0], 3), dtype=np.uint8)
-            arr[..., ci % 3] = 255  # a class-dependent channel so tiny models can learn something
-            Image.fromarray(arr).save(d / f"{name}_{i}{ext}")
-    return Path(root)
 
 
 @pytest.fixture

@@ -537,7 +537,7 @@ def test_killed_process_leaves_destination(work, sig):
 
 
 def test_main_prints_destination_and_report(tmp_path, capsys, monkeypatch):
-    from conftest import make_image_folder
+    from imagedata import make_image_folder
 
     monkeypatch.chdir(tmp_path)
     make_image_folder(tmp_path / "src" / "shapes" / "train", per_class=3)

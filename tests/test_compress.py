@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_image_folder
+from imagedata import make_image_folder
 from torch import nn
 
 from dlenv import compat, config

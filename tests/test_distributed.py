@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -58,21 +60,25 @@ def finish(procs: list[subprocess.Popen], timeout: float = 60) -> list[tuple[int
 # Real process groups.
 
 
-def test_metrics_reduced_over_uneven_shards_count_each_sample_once():
+@pytest.fixture(scope="module")
+def collectives() -> list[dict]:
+    """Both ranks' results of the reduction and no_sync checks (one 2-process gloo group)."""
+    runs = finish(start_ranks("collectives", {"n": 7, "micro": 2, "accum": 2}))
+    assert [rc for rc, _, _ in runs] == [0, 0], [e[-2000:] for _, _, e in runs]
+    return [r for _, r, _ in runs]
+
+
+def test_metrics_reduced_over_uneven_shards_count_each_sample_once(collectives):
     n = 7  # 4 + 3: a padding sampler would count 8
-    runs = finish(start_ranks("reduce", {"n": n}))
-    assert [rc for rc, _, _ in runs] == [0, 0], runs
-    shards = [r["shard"] for _, r, _ in runs]
+    shards = [r["reduce"]["shard"] for r in collectives]
     assert sorted(shards[0] + shards[1]) == list(range(n))
-    for _, r, _ in runs:
-        assert r["sums"] == {"loss": float(sum(range(n))), "correct": 3.0, "count": 7.0}
-    assert [r["main"] for _, r, _ in runs] == [True, False]
+    for r in collectives:
+        assert r["reduce"]["sums"] == {"loss": float(sum(range(n))), "correct": 3.0, "count": 7.0}
+    assert [r["reduce"]["main"] for r in collectives] == [True, False]
 
 
-def test_no_sync_accumulation_gives_full_batch_gradients():
-    runs = finish(start_ranks("nosync", {"micro": 2, "accum": 2}))
-    assert [rc for rc, _, _ in runs] == [0, 0], runs
-    for _, r, _ in runs:
+def test_no_sync_accumulation_gives_full_batch_gradients(collectives):
+    for r in (c["nosync"] for c in collectives):
         assert r["weights_from_rank0"], "DDP must start every rank from rank 0's weights"
         assert r["first_is_local"], "the non-final micro-batch must not all-reduce"
         assert r["max_grad_diff"] < 1e-6, r
@@ -108,6 +114,110 @@ def test_torchrun_wrapper_names_the_failed_rank_and_its_status(tmp_path):
     assert "dlenv train: rank 1 (local rank 1" in p.stderr and "exited with status 3" in p.stderr
     assert "Traceback" not in p.stderr.split("dlenv train: rank 1")[-1]
     assert time.perf_counter() - t0 < 60
+
+
+# ---------------------------------------------------------------------------------------------------
+# The real trainer on 2 CPU processes.
+
+
+def _tree(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one_with_the_same_effective_batch(tmp_path):
+    """2 ranks x micro-batch 2 x accumulation 2 against 1 process x batch 8: the ranks' shards of each
+    step are the single process's batch, gradients are averaged, so weights and metrics match."""
+    from conftest import make_image_folder
+
+    from dlenv import results
+
+    make_image_folder(tmp_path / "ds" / "train", per_class=8, size=(16, 16))
+    make_image_folder(tmp_path / "ds" / "val", per_class=4, size=(16, 16), seed=1)
+    (tmp_path / "ds" / "val" / "dog" / "dog_3.png").unlink()  # 7 val images: shards of 4 and 3
+    base = dict(data=str(tmp_path / "ds"), img_size=16, workers=0, epochs=2, device="cpu", deterministic=True,
+                model="tiny", label_smoothing=0.0, warmup_epochs=0.0, lr=0.5, seed=3)
+    one = dict(base, project=str(tmp_path / "one"), batch_size=8)
+    two = dict(base, project=str(tmp_path / "two"), batch_size=2, accum_steps=2, gpus=2)
+    single = subprocess.Popen([sys.executable, str(WORKER), "train", json.dumps(one)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**_env(0, 1, 0), "WORLD_SIZE": "1"})
+    runs = finish(start_ranks("train", two), timeout=120)  # side by side with the single process
+    (rc1, r1, err1), = finish([single], timeout=120)
+    assert rc1 == 0, err1
+    assert [rc for rc, _, _ in runs] == [0, 0], [e[-1500:] for _, _, e in runs]
+
+    # only rank 0 wrote, and the same files as one process
+    assert _tree(tmp_path / "two") == _tree(tmp_path / "one")
+    assert runs[1][1]["summary"]["run_dir"] is None and runs[1][1]["summary"]["last"] is None
+    a = results.read_results(Path(r1["summary"]["run_dir"]) / "results.csv")
+    b = results.read_results(Path(runs[0][1]["summary"]["run_dir"]) / "results.csv")
+    for col in ("train_loss", "val_loss", "top1", "top5"):
+        assert b[col].tolist() == pytest.approx(a[col].tolist(), abs=1e-4), col
+    assert a["train_loss"].iloc[-1] < a["train_loss"].iloc[0], "the run must learn something"
+
+    ck1 = torch.load(Path(r1["summary"]["last"]), map_location="cpu", weights_only=True)
+    ck2 = torch.load(Path(runs[0][1]["summary"]["last"]), map_location="cpu", weights_only=True)
+    for k, v in ck1["model"].items():
+        assert torch.allclose(ck2["model"][k], v, atol=1e-5), k
+    assert ck2["world_size"] == 2 and ck2["config"]["batch_size"] == 2 and ck2["config"]["accum_steps"] == 2
+
+
+def _read_until(proc: subprocess.Popen, marker: str, timeout: float) -> list[str]:
+    """Lines of proc's stdout up to the first that starts with `marker` (kills proc after `timeout`)."""
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith(marker):
+                return lines
+    finally:
+        timer.cancel()
+    raise AssertionError(f"no line starting with {marker!r}:\n{''.join(lines)}{proc.stderr.read()[-3000:]}")
+
+
+@pytest.mark.slow
+def test_launch_sigterm_saves_once_then_resumes_on_one_process(tmp_path):
+    """`dlenv train --gpus 2` through torchrun: SIGTERM to the launcher -> rank 0 saves last.pth once and
+    the run exits 143; --resume on one process keeps the effective batch through accumulation."""
+    from conftest import make_image_folder
+
+    from dlenv import results
+
+    make_image_folder(tmp_path / "ds" / "train", per_class=8, size=(16, 16))
+    make_image_folder(tmp_path / "ds" / "val", per_class=2, size=(16, 16), seed=1)
+    project = tmp_path / "runs"
+    common = ["--workers", "0", "--device", "cpu"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "dlenv", "train", "--data", str(tmp_path / "ds"), "--model", "squeezenet1_1",
+         "--img-size", "32", "--batch-size", "2", "--accum-steps", "2", "--epochs", "30", "--gpus", "2",
+         "--project", str(project), *common], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        head = _read_until(launcher, "epoch 1/30:", timeout=120)
+        launcher.send_signal(signal.SIGTERM)
+        out, err = launcher.communicate(timeout=90)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    out = "".join(head) + out
+    assert launcher.returncode == 143, out + err[-3000:]
+    assert "batch 2 x 2 accum x 2 GPU = 8" in out
+    assert out.count("stopped by SIGTERM; saved") == 1, out
+    assert [p.name for p in project.iterdir()] == ["exp"], "only rank 0 creates a run folder"
+    ck = torch.load(project / "exp" / "last.pth", map_location="cpu", weights_only=True)
+    assert ck["world_size"] == 2 and 1 <= ck["epoch"] < 30
+
+    resumed = subprocess.run([sys.executable, "-m", "dlenv", "train", "--resume", str(project / "exp" / "last.pth"),
+                              *common], capture_output=True, text=True, env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert ("resuming a run of 2 GPU(s) on 1: micro-batch 2 x 4 accumulation x 1 keeps the effective batch 8"
+            in resumed.stdout)
+    df = results.read_results(project / "exp" / "results.csv")
+    assert df["epoch"].tolist() == list(range(1, 31))
+    assert df["accum_steps"].iloc[-1] == 4 and df["batch_size"].iloc[-1] == 2
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -169,7 +279,7 @@ def test_shard_eval_loader_keeps_the_loader_settings_and_reads_one_shard():
 
 
 def test_shard_eval_loader_keeps_bad_image_handling(tmp_path):
-    from conftest import make_image_folder
+    from imagedata import make_image_folder
 
     from dlenv.data.loaders import SafeLoader, build_eval_loader
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_image_folder
+from imagedata import make_image_folder
 
 from dlenv import evaluate
 from dlenv.checkpoint import FORMAT, save_checkpoint

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import make_image_folder
+from imagedata import make_image_folder
 from PIL import Image
 
 from dlenv.data import loaders

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dlenv import compat
 from dlenv.models import apply_checkpointing, build_model, is_convolutional
 from dlenv.precision import Precision
 
@@ -36,6 +37,13 @@ def _step(model, batches, precision):
     scale = precision.scaler.get_scale() if precision.scaler.is_enabled() else 1.0
     grads = {n: p.grad.float() / scale for n, p in model.named_parameters() if p.grad is not None}
     return outs, grads, {n: b.clone() for n, b in model.named_buffers()}
+
+
+def _precision(mode):
+    # fp16: a small loss scale, so that no gradient of these random models overflows (an overflowed
+    # step would be skipped by the scaler in training; here it would only compare inf with inf).
+    scaler = compat.grad_scaler(True, init_scale=2.0**4) if mode == "fp16" else None
+    return Precision(mode, "cuda", scaler=scaler)
 
 
 CASES = {
@@ -70,11 +78,11 @@ def test_exact_on_cuda_under_autocast_and_channels_last(name, mode):
             x = x.contiguous(memory_format=torch.channels_last)
         batches.append((x, torch.randint(0, 10, (4,), device="cuda", generator=g)))
     start = copy.deepcopy(model.state_dict())
-    plain = _step(model, batches, Precision(mode, "cuda"))
+    plain = _step(model, batches, _precision(mode))
     model.load_state_dict(start)
     model.zero_grad(set_to_none=True)
     assert apply_checkpointing(model) > 0
-    ckpt = _step(model, batches, Precision(mode, "cuda"))
+    ckpt = _step(model, batches, _precision(mode))
 
     for a, b in zip(plain[0], ckpt[0], strict=False):
         assert torch.equal(a, b), "outputs differ"
@@ -82,6 +90,7 @@ def test_exact_on_cuda_under_autocast_and_channels_last(name, mode):
     # the precision of the compute dtype, measured as the error norm relative to the gradient's norm.
     tol = 1e-5 if mode == "fp32" else 1e-2
     for k in plain[1]:
+        assert torch.isfinite(plain[1][k]).all(), f"grad {k} overflowed"
         err = (ckpt[1][k] - plain[1][k]).norm() / plain[1][k].norm().clamp_min(1e-12)
         assert err < tol, f"grad {k}: relative error {err:.2e}"
     for k in plain[2]:
@@ -99,8 +108,8 @@ def _peak_step_gib(model, x, y, precision):
     return torch.cuda.max_memory_allocated() / 2**30
 
 
-@pytest.mark.parametrize("mode", ["fp32", "bf16"])
-def test_checkpointing_lowers_peak_memory_of_resnet50(mode):
+@pytest.mark.parametrize("mode, most", [("fp32", 0.55), ("bf16", 0.65)])
+def test_checkpointing_lowers_peak_memory_of_resnet50(mode, most):
     if mode == "bf16" and not torch.cuda.is_bf16_supported():
         pytest.skip("this GPU has no bf16")
     torch.manual_seed(0)
@@ -116,7 +125,9 @@ def test_checkpointing_lowers_peak_memory_of_resnet50(mode):
     half = apply_checkpointing(model, 0.5)
     assert half == 8
     partial = _peak_step_gib(model, x, y, p)
-    # weights + grads of ResNet-50 are ~0.2 GiB; activations at batch 32 are several GiB
-    assert ckpt < 0.5 * plain, f"peak {ckpt:.2f} GiB with checkpointing vs {plain:.2f} GiB without"
+    print(f"resnet50 b32 {mode}: peak {plain:.2f} GiB plain, {partial:.2f} half, {ckpt:.2f} all blocks")
+    # measured on an H200 (torch 2.11): fp32 2.93 -> 1.41 GiB, bf16 1.74 -> 0.96 GiB (weights, grads
+    # and bf16 weight copies don't shrink); the ratio falls further as the batch grows
+    assert ckpt < most * plain, f"peak {ckpt:.2f} GiB with checkpointing vs {plain:.2f} GiB without"
     # the first blocks hold the largest activations: half the blocks save most of the memory
     assert ckpt < partial < plain

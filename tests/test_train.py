@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_image_folder
+from imagedata import make_image_folder
 from torch import nn
 
 from dlenv import checkpoint, config, results

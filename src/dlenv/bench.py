@@ -457,7 +457,8 @@ def bar_chart(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
         ax_mem.bar([x - w / 2 for x in xs], alloc, w, label="peak allocated")
         ax_mem.bar([x + w / 2 for x in xs], reserved, w, label="peak reserved")
         for x, a in zip(xs, alloc, strict=True):
-            ax_mem.annotate(f"{a:.1f}", (x - w / 2, a), ha="center", va="bottom", fontsize=8)
+            ax_mem.annotate(f"{a:.2f}" if a < 10 else f"{a:.1f}", (x - w / 2, a), ha="center", va="bottom",
+                            fontsize=8)
         ax_mem.set_ylabel("GiB")
         ax_mem.legend()
     else:

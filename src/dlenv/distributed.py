@@ -389,7 +389,8 @@ def reduce_metrics(sums: Mapping[str, float | torch.Tensor]) -> dict[str, float]
     keys = list(sums)
     if not keys:
         return {}
-    device = _comm_device() if _active() else torch.device("cpu")
+    tensors = [v for v in sums.values() if isinstance(v, torch.Tensor)]
+    device = _comm_device() if _active() else (tensors[0].device if tensors else torch.device("cpu"))
     values = torch.stack([torch.as_tensor(sums[k]).detach().to(device, torch.float64).reshape(())
                           for k in keys])
     all_reduce_sum(values)

@@ -14,7 +14,9 @@ on a CPU with --deterministic and --workers 0. CUDA out of memory stops with adv
 fp16 steps stops with exit 4. Neither overwrites the last good checkpoint.
 
 The loop reads the GPU's numbers (loss, finiteness) only every few steps, so the CPU stays ahead of
-the GPU as in a plain loop. Rank-0-only writes go through one `is_main` flag, ready for torchrun.
+the GPU as in a plain loop. With --gpus N, `main` launches N processes through torchrun
+(dlenv.distributed): each trains its share under DDP, validation sums are reduced over all of them,
+and only rank 0 writes (one `is_main` flag).
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlenv import checkpoint as ckpt_io
-from dlenv import compat, config, results, runs
+from dlenv import compat, config, distributed, results, runs
 from dlenv.config import TrainConfig
 from dlenv.errors import UserError
 from dlenv.memory import MemoryMonitor, oom_message
@@ -96,19 +97,6 @@ class Parts:
     clip: float | None
 
 
-@dataclass
-class Dist:
-    """Where this process sits in a (possibly) distributed run; only `is_main` writes files."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
 class NonFiniteLoss(Exception):
     """A run of non-finite losses or skipped steps; the trainer turns it into exit 4."""
 
@@ -117,7 +105,7 @@ class NonFiniteLoss(Exception):
 # Resolving the run.
 
 
-def resolve_device(name: str, dist: Dist) -> torch.device:
+def resolve_device(name: str, dist: distributed.DistInfo) -> torch.device:
     """'auto' | 'cpu' | 'cuda' | 'cuda:N' -> a torch.device. Raises UserError for what is not there."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -137,16 +125,17 @@ def resolve_device(name: str, dist: Dist) -> torch.device:
     return torch.device("cuda", index)
 
 
-def setup_distributed(gpus: int) -> Dist:
-    """This process's place in the run. Several GPUs go through torchrun (dlenv.distributed)."""
-    if gpus > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        try:
-            from dlenv import distributed
-        except ImportError:
-            raise UserError(f"--gpus {gpus}: multi-GPU training is not available in this build yet; "
-                            "train with --gpus 1") from None
-        return distributed.setup(gpus)
-    return Dist()
+def setup_distributed(cfg: TrainConfig) -> distributed.DistInfo:
+    """This process's place in the run: the only one, or a torchrun worker joining its process group.
+
+    Raises UserError for --gpus N outside torchrun (`main` launches it; `train()` alone cannot).
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return distributed.init_from_env(timeout_s=cfg.dist_timeout, device=cfg.device)
+    if distributed.needs_launch(cfg):
+        raise UserError(f"--gpus {cfg.gpus} --nnodes {cfg.nnodes} needs one process per GPU: run `dlenv train` "
+                        "(it launches them through torchrun), or call dlenv.distributed.launch(cfg)")
+    return distributed.DistInfo()
 
 
 def resolve_batch(batch_size: int | str, accum_steps: int, effective_batch: int | None, world_size: int,
@@ -262,9 +251,14 @@ def locate_data(data: str | None, synthetic: bool, val_split: float, seed: int) 
 
 
 def build_data(layout: Any, classes: list[str], source: str, img_size: int, micro_batch: int, workers: Any,
-               seed: int, bad_images: str, device: torch.device, dist: Dist,
-               memory_format: torch.memory_format, max_steps: int | None) -> Data:
-    """The training and validation batches for a located dataset (or synthetic ones if layout is None)."""
+               seed: int, bad_images: str, device: torch.device, dist: distributed.DistInfo,
+               memory_format: torch.memory_format, max_steps: int | None, pipeline: Any = None,
+               dtype: torch.dtype = torch.float32, say: Callable[[str], None] = print) -> Data:
+    """The training and validation batches for a located dataset (or synthetic ones if layout is None).
+
+    `pipeline` (a fastpath.InputOptions) picks the decoder, the cache and where augmentation runs; on
+    the GPU path batches arrive on `device` already, in `memory_format` and `dtype`.
+    """
     if layout is None:
         from dlenv.data.synthetic import SyntheticLoader
 
@@ -273,13 +267,34 @@ def build_data(layout: Any, classes: list[str], source: str, img_size: int, micr
         val = SyntheticLoader(micro_batch, img_size, len(classes), device, 2, memory_format, seed + 1)
         return Data(train, val, None, classes, img_size, 0, source)
 
+    from dlenv.data.decode import resolve_decoder, stored_size
+    from dlenv.data.fastpath import InputOptions, build_fast_loaders
     from dlenv.data.loaders import build_loaders, resolve_workers
     from dlenv.data.sampler import ResumableSampler
 
     n_workers = resolve_workers(workers, micro_batch, img_size)
+    if workers == "auto":  # the processes of a node share its CPUs
+        n_workers = distributed.workers_per_process(n_workers, dist.local_world_size)
     sampler = ResumableSampler(len(layout.train), seed=seed, rank=dist.rank, world_size=dist.world_size)
-    train, val = build_loaders(layout, img_size, micro_batch, n_workers, seed=seed, bad_images=bad_images,
-                               train_sampler=sampler, pin_memory=device.type == "cuda")
+    opts = pipeline or InputOptions()
+    decoder = resolve_decoder(opts.decoder, [p for p, _ in layout.train], stored_size(img_size))
+    if opts.gpu_path(device):
+        # each rank validates its own shard, without padding; validate() sums them
+        val_sampler = (distributed.EvalShardSampler(len(layout.val), dist.rank, dist.world_size)
+                       if layout.val and dist.world_size > 1 else None)
+        # several processes on a node share one disk cache rather than each decoding into its own RAM
+        cache_mode = "disk" if opts.cache_mode == "auto" and dist.local_world_size > 1 else opts.cache_mode
+        train, val = build_fast_loaders(
+            layout, img_size, micro_batch, n_workers, device=device, seed=seed, bad_images=bad_images,
+            train_sampler=sampler, val_sampler=val_sampler, dtype=dtype, memory_format=memory_format,
+            decoder=decoder, cache=opts.cache, cache_mode=cache_mode, cache_dir=opts.cache_dir, say=say)
+        say(f"input: {'--cache' if opts.cache else f'decoder {decoder}'}, augmentation on {device.type}")
+    else:
+        train, val = build_loaders(layout, img_size, micro_batch, n_workers, seed=seed, bad_images=bad_images,
+                                   train_sampler=sampler, pin_memory=device.type == "cuda",
+                                   decoder="pil" if decoder == "nvjpeg" else decoder)
+        if val is not None:  # each rank validates its own shard, without padding; validate() sums them
+            val = distributed.shard_eval_loader(val, dist.rank, dist.world_size)
     return Data(train, val, sampler, classes, img_size, n_workers, source)
 
 
@@ -318,8 +333,7 @@ def forward_backward(parts: Parts, images: torch.Tensor, targets: torch.Tensor, 
     pieces = list(zip(images.chunk(chunks), targets.chunk(chunks), strict=True))
     for i, (x, y) in enumerate(pieces):
         last = sync and i == len(pieces) - 1
-        no_sync = getattr(parts.model, "no_sync", None)
-        with (nullcontext() if last or no_sync is None else no_sync()):
+        with distributed.no_sync_context(parts.model, last):
             with parts.precision.autocast():
                 loss = parts.criterion(parts.model(x), y)
             if monitor is not None:
@@ -363,6 +377,13 @@ class _Stop:
         self.signum = signum
         self.say(f"\n{signal.Signals(signum).name}: saving last.pth at the last finished step "
                  "(send it again to stop at once)")
+
+    def requested(self, check_peers: bool = True) -> bool:
+        """Whether to stop here. In a distributed run a signal may reach some ranks only (or at
+        another step), so the ranks agree, at points every rank passes (`check_peers`)."""
+        if distributed.world_size() == 1:
+            return self.signum is not None
+        return check_peers and distributed.agree(self.signum is not None, "max") > 0
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -488,7 +509,7 @@ def train_one_epoch(parts: Parts, batches: Iterator, state: TrainState, total: i
             if bad_run >= NONFINITE_LIMIT or state.skipped_run >= NONFINITE_LIMIT:
                 raise NonFiniteLoss(f"{max(bad_run, state.skipped_run)} non-finite losses or skipped "
                                     f"steps in a row (epoch {state.epoch + 1}, step {state.step})")
-        if stop.signum is not None:
+        if stop.requested(check_peers=done % CHECK_EVERY == 0 or done == total):
             interrupted = True
             break
     rng = None
@@ -526,7 +547,8 @@ def _after_oom(parts: Parts, state: TrainState, in_window: int, progress: _Progr
 @torch.no_grad()
 def validate(model: nn.Module, batches: Any, precision: Any, device: torch.device,
              memory_format: torch.memory_format) -> tuple[float, float, float] | None:
-    """(loss, top-1 %, top-5 %) over `batches` (top-5 is top-k for k = min(5, classes)); None if empty."""
+    """(loss, top-1 %, top-5 %) over `batches` of every rank (top-5 is top-k for k = min(5, classes));
+    None if empty."""
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
@@ -545,10 +567,11 @@ def validate(model: nn.Module, batches: Any, precision: Any, device: torch.devic
         correct += torch.stack([hit[:, 0].sum(), hit.any(dim=1).sum()])
         n += targets.shape[0]
     model.train(was_training)
-    if n == 0:
+    # sums, not means, over the ranks' shards (uneven ones too): every val image counts once
+    t = distributed.reduce_metrics({"loss": loss_sum, "top1": correct[0], "top5": correct[1], "n": n})
+    if t["n"] == 0:
         return None
-    loss, (c1, c5) = loss_sum.item(), correct.tolist()
-    return loss / n, 100.0 * c1 / n, 100.0 * c5 / n
+    return t["loss"] / t["n"], 100.0 * t["top1"] / t["n"], 100.0 * t["top5"] / t["n"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -597,7 +620,10 @@ def _resume_config(ckpt: dict[str, Any], given: TrainConfig, path: Path) -> Trai
         raise UserError(f"--resume {path}: not a dlenv training checkpoint (no optimizer state); "
                         "pass a last.pth from runs/<name>/, or start from its weights with --weights")
     saved = config.from_dict(TrainConfig, ckpt["config"])
-    return dataclasses.replace(saved, resume=str(path), device=given.device, workers=given.workers)
+    return dataclasses.replace(saved, resume=str(path), device=given.device, workers=given.workers,
+                               gpus=given.gpus, nnodes=given.nnodes, node_rank=given.node_rank,
+                               master_addr=given.master_addr, master_port=given.master_port,
+                               dist_timeout=given.dist_timeout)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -614,7 +640,9 @@ def train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None = None)
     (exit_code 4); the last good checkpoint is intact in each case.
     """
     with _GlobalSettings():
-        return _train(cfg, on_step)
+        summary = _train(cfg, on_step)
+    distributed.cleanup()  # after a normal end only: with a dead peer, teardown could wait for it
+    return summary
 
 
 def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> dict[str, Any]:
@@ -626,7 +654,7 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
         cfg = _resume_config(resume_ckpt, cfg, resume_path)
         run_dir = resume_path.parent
 
-    dist = setup_distributed(cfg.gpus)
+    dist = setup_distributed(cfg)
     is_main = dist.is_main
 
     def say(msg: str) -> None:
@@ -657,11 +685,19 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
 
     micro, accum = resolve_batch(
         cfg.batch_size, cfg.accum_steps, cfg.effective_batch, dist.world_size,
-        lambda: _auto_batch(cfg.model, len(classes), precision.mode,
-                            cfg.checkpoint_ratio if cfg.checkpoint else False, img_size, device,
-                            channels_last, upper=len(layout.train) if layout else 4096, say=say))
+        lambda: int(distributed.agree(_auto_batch(  # every GPU measures; all use the smallest
+            cfg.model, len(classes), precision.mode, cfg.checkpoint_ratio if cfg.checkpoint else False,
+            img_size, device, channels_last, upper=len(layout.train) if layout else 4096, say=say), "min")))
+    if resume_ckpt is not None:  # on another number of GPUs: keep the effective batch if it divides
+        micro, accum, note = distributed.resume_split(micro, accum, int(resume_ckpt.get("world_size", 1)),
+                                                      dist.world_size)
+        if note:
+            say(note)
+    from dlenv.data.fastpath import InputOptions
+
+    pipeline = InputOptions(cfg.decoder, cfg.gpu_augment, cfg.cache, cfg.cache_mode, cfg.cache_dir)
     data = build_data(layout, classes, source, img_size, micro, cfg.workers, cfg.seed, cfg.bad_images,
-                      device, dist, memory_format, cfg.max_steps)
+                      device, dist, memory_format, cfg.max_steps, pipeline, precision.dtype, say)
     full_epoch = len(data.train) if data.sampler is None else math.ceil(data.sampler.per_rank / micro)
     batches_per_epoch = min(full_epoch, cfg.max_steps or full_epoch)
     steps_per_epoch = math.ceil(batches_per_epoch / accum)
@@ -673,18 +709,15 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
     optimizer = build_optimizer(model, cfg.optimizer, lr, wd, cfg.momentum, cfg.nesterov)
     scheduler = warmup_cosine(optimizer, round(cfg.warmup_epochs * steps_per_epoch),
                               cfg.epochs * steps_per_epoch)
+    # DDP first (it broadcasts rank 0's weights), then compile the wrapped model, as PyTorch advises
+    run_model = distributed.wrap_ddp(model, device, sync_bn=cfg.sync_bn)
     ema = ModelEma(model, cfg.ema_decay) if cfg.ema else None
-    run_model = model
     if cfg.compile:
         if compat.HAS_COMPILE:
-            run_model = compat.compile_model(model)
+            run_model = compat.compile_model(run_model)
         else:
             say(f"--compile: PyTorch {torch.__version__} has no torch.compile (it arrived in 2.0); "
                 "training without it")
-    if dist.world_size > 1:
-        from dlenv import distributed
-
-        run_model = distributed.wrap(run_model, device, sync_bn=cfg.sync_bn)
     parts = Parts(run_model, model, optimizer, scheduler, precision,
                   nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing), ema, device, memory_format,
                   cfg.clip_grad)
@@ -726,7 +759,7 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
         if state.epoch or state.batch_in_epoch:
             results.truncate_after(run_dir / "results.csv", state.epoch)
     meta = {"model_name": cfg.model, "num_classes": len(data.classes), "class_names": data.classes,
-            "img_size": data.img_size, "config": options}
+            "img_size": data.img_size, "config": options, "world_size": dist.world_size}
     last_path, best_path = (run_dir / "last.pth", run_dir / "best_model.pth") if run_dir else (None, None)
     tb = _tensorboard(run_dir) if cfg.tensorboard and is_main else None
 
@@ -737,6 +770,9 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
         f"{dist.world_size} GPU = {effective}, lr {lr:g} | {run_dir}")
 
     monitor = MemoryMonitor(device)
+    from dlenv.data.bench import data_wait_advice
+
+    advised = False  # the data-wait explanation is given once per run
     summary: dict[str, Any] = {"run_dir": str(run_dir) if run_dir else None, "status": "done", "exit_code": 0,
                                "precision": precision.mode, "batch_size": micro, "accum_steps": accum,
                                "last": str(last_path) if last_path else None,
@@ -775,6 +811,8 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
                                memory_format) if data.val is not None else None
                 state.epoch += 1
                 state.batch_in_epoch, state.position = 0, 0
+                if dist.world_size > 1:  # the mean over all ranks' batches, as one process would report
+                    stats.loss = distributed.reduce_metrics({"loss": stats.loss})["loss"] / dist.world_size
                 metric = val[1] if val is not None else -stats.loss
                 improved = state.best_metric is None or metric > state.best_metric
                 if improved:
@@ -804,12 +842,20 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
                             best["model"] = ema.module.state_dict()  # the weights that were validated
                         ckpt_io.save_checkpoint(best, best_path)
                 say(_epoch_line(row, cfg.epochs, improved and val is not None))
-                if stop.signum is not None:
+                # the first epoch's wait includes starting the workers: judge from the second on
+                if data.sampler is not None and not advised and (state.epoch > 1 or cfg.epochs == 1):
+                    advice = data_wait_advice(row["data_wait"], cfg.cache, pipeline.gpu_path(device), data.workers)
+                    if advice:
+                        say(advice)
+                        advised = True
+                if stop.requested():
                     return _stopped(summary, stop.signum, last_path, say)
     except NonFiniteLoss as e:
         raise UserError(f"training stopped: {e}. {_last_good(last_path)} Try a lower --lr, --clip-grad 1.0, "
                         "or --amp-dtype bf16 instead of fp16", exit_code=EXIT_NONFINITE) from None
     except RuntimeError as e:
+        if dist.world_size > 1 and distributed.is_peer_error(e):  # e.g. in DDP's gradient all-reduce
+            raise distributed.peer_failure(e, "a training step") from None
         if not compat.is_oom(e):
             raise
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
@@ -864,5 +910,8 @@ def _tensorboard(run_dir: Path):
 
 
 def main(cfg: TrainConfig) -> int:
-    """`dlenv train`: run `train(cfg)` and return its exit code (UserError propagates to the CLI)."""
+    """`dlenv train`: run `train(cfg)`, or with --gpus N launch N of them through torchrun; return the
+    exit code (UserError propagates to the CLI)."""
+    if distributed.needs_launch(cfg):
+        return distributed.launch(cfg)
     return int(train(cfg)["exit_code"])

@@ -23,6 +23,7 @@ import queue
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -116,8 +117,9 @@ class WorkerSource:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[tuple]:
-        for (images, sizes), labels in self.loader:
-            yield images, sizes, labels
+        # iter() here, in the caller's thread: worker processes are forked from there, not from the
+        # producer thread (forking a thread other than the main one can copy a held lock)
+        return ((images, sizes, labels) for (images, sizes), labels in iter(self.loader))
 
     def upload(self, batch: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         images, sizes, labels = batch
@@ -268,7 +270,8 @@ class DeviceLoader:
         start = int(getattr(self.sampler, "start", 0))
         q: queue.Queue = queue.Queue(maxsize=self.depth)
         stop = threading.Event()
-        worker = threading.Thread(target=self._produce, args=(q, stop, epoch, start), daemon=True,
+        batches = iter(self.source)
+        worker = threading.Thread(target=self._produce, args=(batches, q, stop, epoch, start), daemon=True,
                                   name="dlenv-device-loader")
         worker.start()
         cuda = self.device.type == "cuda"
@@ -293,7 +296,7 @@ class DeviceLoader:
                     q.get_nowait()
                 worker.join(0.05)
 
-    def _produce(self, q: queue.Queue, stop: threading.Event, epoch: int, start: int) -> None:
+    def _produce(self, batches: Iterator, q: queue.Queue, stop: threading.Event, epoch: int, start: int) -> None:
         def put(item: Any) -> bool:
             while not stop.is_set():
                 try:
@@ -308,7 +311,7 @@ class DeviceLoader:
         position = start
         try:
             with torch.cuda.stream(stream) if cuda else contextlib.nullcontext(), torch.no_grad():
-                for batch in self.source:
+                for batch in batches:
                     images, sizes, labels = self.source.upload(batch, self.device)
                     out = self.augment(images, sizes, self.batch_seed(epoch, position))
                     position += out.shape[0]
@@ -327,14 +330,35 @@ class DeviceLoader:
 # Building.
 
 
+@dataclass(frozen=True)
+class InputOptions:
+    """How batches are made: the train options --decoder, --gpu-augment, --cache, --cache-mode, --cache-dir."""
+
+    decoder: str = "auto"
+    gpu_augment: str = "auto"
+    cache: bool = False
+    cache_mode: str = "auto"
+    cache_dir: str = ".dlenv-cache"
+
+    def gpu_path(self, device: Any) -> bool:
+        """Whether batches are augmented on the device (this module) rather than by torchvision
+        transforms in the workers (`loaders`). --cache and --decoder nvjpeg imply it."""
+        if self.cache or self.decoder == "nvjpeg" or self.gpu_augment == "on":
+            return True
+        return self.gpu_augment == "auto" and torch.device(device).type == "cuda"
+
+
 def build_fast_loaders(layout: Any, img_size: int, batch_size: int, workers: int | str, *, device: Any,
                        seed: int = 0, bad_images: str = "skip", train_sampler: Any = None,
-                       dtype: torch.dtype = torch.float32,
+                       val_sampler: Any = None, dtype: torch.dtype = torch.float32,
                        memory_format: torch.memory_format = torch.contiguous_format,
                        decoder: str = "pil", cache: bool = False, cache_mode: str = "auto",
                        cache_dir: str = ".dlenv-cache", train_scale: tuple[float, float] = (0.08, 1.0),
                        say: Any = print) -> tuple[DeviceLoader, DeviceLoader | None]:
     """(train, val) DeviceLoaders for a folder.Layout; val is None when the layout has no val.
+
+    Train goes in `train_sampler` order (default: a ResumableSampler seeded by `seed`), val in
+    `val_sampler` order (default: sample order; a shard sampler for distributed validation).
 
     `decoder` is a resolved name ('pil', 'cv2', 'tvio' or 'nvjpeg', see decode.resolve_decoder);
     `cache` decodes each split once (`cache.build_cache`, `cache_mode` ram/disk/auto) and ignores the
@@ -343,7 +367,7 @@ def build_fast_loaders(layout: Any, img_size: int, batch_size: int, workers: int
     device = torch.device(device)
     size = stored_size(img_size)
     pin = device.type == "cuda"
-    splits = [(layout.train, train_sampler, True)] + ([(layout.val, None, False)] if layout.val else [])
+    splits = [(layout.train, train_sampler, True)] + ([(layout.val, val_sampler, False)] if layout.val else [])
     out: list[DeviceLoader] = []
     if decoder == "nvjpeg" and not cache:
         from dlenv import compat
