@@ -116,6 +116,23 @@ def test_torchrun_wrapper_names_the_failed_rank_and_its_status(tmp_path):
     assert time.perf_counter() - t0 < 60
 
 
+def _failures(**codes):
+    from types import SimpleNamespace
+
+    fs = {int(r[1:]): SimpleNamespace(exitcode=c, local_rank=int(r[1:]), pid=100 + int(r[1:]), timestamp=0,
+                                      signal_name=lambda c=c: signal.Signals(-c).name) for r, c in codes.items()}
+    return SimpleNamespace(failures=fs)
+
+
+def test_failure_line_blames_the_cause_not_the_ranks_that_lost_it():
+    line = distributed._failure_line(_failures(r0=distributed.EXIT_PEER, r1=3, r2=-signal.SIGTERM))
+    assert line.startswith("dlenv train: rank 1 (local rank 1, pid 101) exited with status 3")
+    line = distributed._failure_line(_failures(r0=distributed.EXIT_PEER, r3=-signal.SIGKILL))
+    assert "rank 3" in line and "killed by SIGKILL (out of host memory" in line
+    line = distributed._failure_line(_failures(r0=distributed.EXIT_PEER))
+    assert "rank 0" in line and "stopped because another process of the run failed" in line
+
+
 # ---------------------------------------------------------------------------------------------------
 # The real trainer on 2 CPU processes.
 
@@ -192,10 +209,10 @@ def test_launch_sigterm_saves_once_then_resumes_on_one_process(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     launcher = subprocess.Popen(
         [sys.executable, "-m", "dlenv", "train", "--data", str(tmp_path / "ds"), "--model", "squeezenet1_1",
-         "--img-size", "32", "--batch-size", "2", "--accum-steps", "2", "--epochs", "30", "--gpus", "2",
+         "--img-size", "32", "--batch-size", "2", "--accum-steps", "2", "--epochs", "10", "--gpus", "2",
          "--project", str(project), *common], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        head = _read_until(launcher, "epoch 1/30:", timeout=120)
+        head = _read_until(launcher, "epoch 1/10:", timeout=120)
         launcher.send_signal(signal.SIGTERM)
         out, err = launcher.communicate(timeout=90)
     finally:
@@ -208,7 +225,7 @@ def test_launch_sigterm_saves_once_then_resumes_on_one_process(tmp_path):
     assert out.count("stopped by SIGTERM; saved") == 1, out
     assert [p.name for p in project.iterdir()] == ["exp"], "only rank 0 creates a run folder"
     ck = torch.load(project / "exp" / "last.pth", map_location="cpu", weights_only=True)
-    assert ck["world_size"] == 2 and 1 <= ck["epoch"] < 30
+    assert ck["world_size"] == 2 and 1 <= ck["epoch"] < 10
 
     resumed = subprocess.run([sys.executable, "-m", "dlenv", "train", "--resume", str(project / "exp" / "last.pth"),
                               *common], capture_output=True, text=True, env=env, timeout=300)
@@ -216,7 +233,7 @@ def test_launch_sigterm_saves_once_then_resumes_on_one_process(tmp_path):
     assert ("resuming a run of 2 GPU(s) on 1: micro-batch 2 x 4 accumulation x 1 keeps the effective batch 8"
             in resumed.stdout)
     df = results.read_results(project / "exp" / "results.csv")
-    assert df["epoch"].tolist() == list(range(1, 31))
+    assert df["epoch"].tolist() == list(range(1, 11))
     assert df["accum_steps"].iloc[-1] == 4 and df["batch_size"].iloc[-1] == 2
 
 
@@ -400,3 +417,24 @@ def test_gpu_check_launch_counts_the_visible_gpus():
     distributed.check_launch(config.build(TrainConfig, gpus=n))
     with pytest.raises(UserError, match=f"only {n} GPU"):
         distributed.check_launch(config.build(TrainConfig, gpus=n + 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_two_gpus_nccl_sync_bn_and_auto_batch(tmp_path):
+    """NCCL, SyncBatchNorm, AMP and --batch-size auto agreed over 2 GPUs, through the real launcher."""
+    from dlenv import results
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS.parent / "src"), env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "dlenv", "train", "--synthetic", "--model", "resnet18", "--img-size", "64",
+           "--batch-size", "auto", "--amp", "--sync-bn", "--epochs", "2", "--max-steps", "6", "--gpus", "2",
+           "--project", str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "--batch-size auto:" in p.stdout and "x 2 GPU =" in p.stdout
+    df = results.read_results(tmp_path / "exp" / "results.csv")
+    assert df["epoch"].tolist() == [1, 2] and (df["img_per_s"] > 0).all()
+    ck = torch.load(tmp_path / "exp" / "last.pth", map_location="cpu", weights_only=True)
+    assert ck["world_size"] == 2
+    assert not any("module." in k for k in ck["model"]), "checkpoints hold the bare model's keys"

@@ -329,6 +329,11 @@ def decode_jpeg(data: Any, device: Any = "cpu") -> Any:
     return torchvision.io.decode_jpeg(data, **kwargs)
 
 
+def decode_jpeg_applies_exif() -> bool:
+    """Whether `decode_jpeg` on the CPU applies EXIF orientation (torchvision 0.17+)."""
+    return "apply_exif_orientation" in _decode_jpeg_params()
+
+
 _CUDA_JPEG: dict[str, str | None] = {}
 
 

@@ -174,11 +174,14 @@ def _root_failure(err: Any) -> tuple[int, Any]:
 def _failure_line(err: Any) -> str:
     """One line for torchrun's ChildFailedError: which rank failed, and how."""
     rank, failure = _root_failure(err)
+    who = f"dlenv train: rank {rank} (local rank {failure.local_rank}, pid {failure.pid})"
+    if failure.exitcode == EXIT_PEER:  # torchrun saw only a rank that lost its peer, not the peer itself
+        return (f"{who} stopped because another process of the run failed; the first 'dlenv train: error' "
+                "line above names the cause")
     how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
            else f"exited with status {failure.exitcode}")
     hint = " (out of host memory? see dmesg)" if failure.exitcode == -signal.SIGKILL else ""
-    return (f"dlenv train: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}{hint}; "
-            "the other processes were stopped. Its own error is printed above")
+    return f"{who} {how}{hint}; the other processes were stopped. Its own error is printed above"
 
 
 def _torchrun(argv: list[str]) -> int:

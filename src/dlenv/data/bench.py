@@ -114,9 +114,9 @@ def verdict(loader_rates: dict[str, float], model_rate: float, cache_measured: b
                          f"{best:,.0f} img/s but the model could train at {model_rate:,.0f} img/s, so the "
                          f"GPU would be busy about {busy:.0%} of the time. Try: " + "; ".join(tips) + ".")
     enough = [k for k, v in loader_rates.items() if v >= HEADROOM * model_rate]
-    return "model", (f"The model (GPU) is the bottleneck, as it should be: the loader gives up to {best:,.0f} "
-                     f"img/s, more than the {model_rate:,.0f} img/s the model trains at. Fast enough: "
-                     + ", ".join(enough) + ".")
+    return "model", (f"The model ({'GPU' if on_gpu else 'CPU'}) is the bottleneck, as it should be: the loader "
+                     f"gives up to {best:,.0f} img/s, more than the {model_rate:,.0f} img/s the model trains "
+                     "at. Fast enough: " + ", ".join(enough) + ".")
 
 
 def data_wait_advice(share: float, cache: bool, gpu_augment: bool, workers: int) -> str | None:

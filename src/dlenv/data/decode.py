@@ -124,11 +124,18 @@ def _cv2_rgb(path: str, min_side: int | None) -> np.ndarray | None:
 
 
 def _tvio_rgb(path: str) -> Any:
-    """torchvision.io decode to a (3, H, W) uint8 tensor; None on failure."""
+    """torchvision.io decode to a (3, H, W) uint8 tensor; None on failure, or for a rotated photo
+    when this torchvision cannot apply EXIF orientation (Pillow then decodes it)."""
     import torchvision.io
 
     from dlenv import compat
 
+    if not compat.decode_jpeg_applies_exif():
+        from PIL import Image
+
+        with Image.open(path) as im:
+            if im.getexif().get(0x0112, 1) != 1:
+                return None
     try:
         return compat.decode_jpeg(torchvision.io.read_file(path))
     except RuntimeError:

@@ -309,8 +309,9 @@ class DeviceLoader:
         cuda = self.device.type == "cuda"
         stream = torch.cuda.Stream(self.device) if cuda else None
         position = start
+        on_device = torch.cuda.device(self.device) if cuda else contextlib.nullcontext()
         try:
-            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext(), torch.no_grad():
+            with on_device, torch.cuda.stream(stream) if cuda else contextlib.nullcontext(), torch.no_grad():
                 for batch in batches:
                     images, sizes, labels = self.source.upload(batch, self.device)
                     out = self.augment(images, sizes, self.batch_seed(epoch, position))

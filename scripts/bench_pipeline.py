@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Input-pipeline variants against the model's own speed, on a generated photo-like JPEG dataset.
+
+For each variant: the loader's images/s alone (decode, augment, to the GPU; no model), then ResNet-50
+--amp trained through the real trainer (`dlenv.train.train`) for two full epochs, reporting the
+second epoch's training images/s and data-wait share (the first one starts workers, fills caches and
+tunes cuDNN). The yardstick is the same training on synthetic data already in GPU memory.
+
+Variants: classic (torchvision transforms in DataLoader workers, float batches) with Pillow, OpenCV
+and torchvision.io decoding; gpu-augment (uint8 stored-form batches from workers, crop/flip/normalize
+on the GPU); nvjpeg (torchvision.io.decode_jpeg on the GPU, where this torchvision has it); cache-ram
+and cache-disk (decoded once, then only copied). Worker counts are the trainer's defaults (auto).
+
+    python3 scripts/bench_pipeline.py --out /tmp/out             # about 5-6 minutes on an H200, 16 CPUs
+    python3 scripts/bench_pipeline.py --only synthetic,cache-ram --train-images 5000
+
+Writes bench_pipeline.csv and bench_pipeline.md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import torch  # noqa: E402
+
+from dlenv import compat, config  # noqa: E402
+from dlenv.data.bench import measure_loader  # noqa: E402
+from dlenv.data.decode import resolve_decoder, stored_size  # noqa: E402
+from dlenv.data.fastpath import build_fast_loaders  # noqa: E402
+from dlenv.data.folder import find_layout  # noqa: E402
+from dlenv.data.loaders import build_loaders, resolve_workers, usable_cpus  # noqa: E402
+
+#: name -> (train options, how the loader is built for the loader-alone measurement)
+VARIANTS = {
+    "synthetic": ({"synthetic": True}, None),
+    "classic-pil": ({"gpu_augment": "off", "decoder": "pil"}, ("classic", "pil")),
+    "classic-cv2": ({"gpu_augment": "off", "decoder": "cv2"}, ("classic", "cv2")),
+    "classic-tvio": ({"gpu_augment": "off", "decoder": "tvio"}, ("classic", "tvio")),
+    "gpu-augment": ({"gpu_augment": "on"}, ("fast", "auto")),
+    "nvjpeg": ({"decoder": "nvjpeg"}, ("fast", "nvjpeg")),
+    "cache-ram": ({"cache": True, "cache_mode": "ram"}, ("cache", "ram")),
+    "cache-disk": ({"cache": True, "cache_mode": "disk"}, ("cache", "disk")),
+}
+COLUMNS = ["variant", "decoder", "loader_img_s", "train_img_s", "data_wait", "ratio_to_synthetic",
+           "epoch1_img_s", "seconds"]
+
+
+def loader_rate(kind: str, arg: str, layout, batch: int, img: int, batches: int, cache_dir: str,
+                dev: torch.device) -> tuple[float, str]:
+    """(images/s of the training loader alone, decoder used), as the trainer would build it."""
+    train_only = type(layout)(layout.root, layout.classes, layout.train, [])
+    workers = resolve_workers("auto", batch, img)
+    if kind == "classic":
+        loader = build_loaders(train_only, img, batch, workers, pin_memory=dev.type == "cuda", decoder=arg)[0]
+        decoder = arg
+    else:
+        decoder = "pil" if kind == "cache" else resolve_decoder(arg, [p for p, _ in layout.train], stored_size(img))
+        loader = build_fast_loaders(train_only, img, batch, workers, device=dev, dtype=torch.bfloat16,
+                                    memory_format=torch.channels_last if dev.type == "cuda" else
+                                    torch.contiguous_format, decoder=decoder, cache=kind == "cache",
+                                    cache_mode=arg if kind == "cache" else "auto", cache_dir=cache_dir,
+                                    say=lambda m: None)[0]
+    rate = measure_loader(loader, batches, dev, warmup=3)
+    del loader
+    gc.collect()
+    return rate, decoder
+
+
+def train_rate(opts: dict, data: str, model: str, batch: int, img: int, steps: int | None, project: str,
+               cache_dir: str, device: str) -> dict:
+    """Train `model` --amp for 2 epochs; the second epoch's row of results.csv (and the first's img/s)."""
+    from dlenv.train import train
+
+    cfg = config.build(config.TrainConfig, data=None if opts.get("synthetic") else data, model=model,
+                       amp=True, batch_size=batch, img_size=img, epochs=2, max_steps=steps, project=project,
+                       name="run", cache_dir=cache_dir, device=device, **opts)
+    summary = train(cfg)
+    with open(Path(summary["run_dir"]) / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"epoch1": float(rows[0]["img_per_s"]), "img_s": float(rows[1]["img_per_s"]),
+            "data_wait": float(rows[1]["data_wait"])}
+
+
+def table(rows: list[dict], info: str) -> str:
+    out = [info, "", "| variant | decoder | loader img/s | train img/s | data wait | x synthetic |",
+           "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        loader = f"{r['loader_img_s']:,.0f}" if r["loader_img_s"] else "-"
+        wait = f"{r['data_wait']:.1%}" if r["data_wait"] is not None else "-"
+        out.append(f"| {r['variant']} | {r['decoder']} | {loader} | {r['train_img_s']:,.0f} | {wait} | "
+                   f"{r['ratio_to_synthetic']:.2f} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("."), help="folder for bench_pipeline.csv/.md")
+    p.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "dlenv-jpegs",
+                   help="where the JPEG dataset is generated (kept and reused)")
+    p.add_argument("--train-images", type=int, default=20_000)
+    p.add_argument("--val-images", type=int, default=1_000)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--img-size", type=int, default=224)
+    p.add_argument("--steps", type=int, default=None, help="batches per epoch (default: whole epochs)")
+    p.add_argument("--loader-batches", type=int, default=20, help="batches timed per loader measurement")
+    p.add_argument("--only", default=",".join(VARIANTS), help="comma-separated variants")
+    p.add_argument("--model", default="resnet50")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for a quick check of the script itself")
+    a = p.parse_args(argv)
+    dev = torch.device(a.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("bench_pipeline needs a CUDA GPU (or --device cpu to check the script)", file=sys.stderr)
+        return 2
+    import make_jpeg_dataset
+
+    t_start = time.perf_counter()
+    make_jpeg_dataset.generate(a.data, a.train_images, a.val_images, 10, 500, 375, 0, usable_cpus())
+    layout = find_layout(a.data)
+    a.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
+    cache_dir = str(work / "cache")
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    info = (f"{gpu}, PyTorch {torch.__version__}, {usable_cpus()} CPUs, "
+            f"workers auto = {resolve_workers('auto', a.batch_size, a.img_size)}; {a.model} --amp, batch "
+            f"{a.batch_size}, {a.img_size} px; {len(layout.train):,} JPEGs 500x375; second epoch of two")
+    print(info, flush=True)
+    names = [n.strip() for n in a.only.split(",") if n.strip()]
+    if "synthetic" not in names:
+        names.insert(0, "synthetic")
+    rows, synthetic = [], None
+    for name in names:
+        opts, how = VARIANTS[name]
+        if name == "nvjpeg" and compat.cuda_jpeg_unavailable(dev):
+            print(f"{name}: skipped ({compat.cuda_jpeg_unavailable(dev)})", flush=True)
+            continue
+        t0 = time.perf_counter()
+        loader, decoder = (None, "-") if how is None else loader_rate(
+            how[0], how[1], layout, a.batch_size, a.img_size, a.loader_batches, cache_dir, dev)
+        run = train_rate(opts, str(a.data), a.model, a.batch_size, a.img_size, a.steps, str(work / name),
+                         cache_dir, a.device)
+        if name == "synthetic":
+            synthetic = run["img_s"]
+        rows.append({"variant": name, "decoder": decoder, "loader_img_s": loader, "train_img_s": run["img_s"],
+                     "data_wait": None if name == "synthetic" else run["data_wait"],
+                     "ratio_to_synthetic": run["img_s"] / synthetic, "epoch1_img_s": run["epoch1"],
+                     "seconds": time.perf_counter() - t0})
+        print(f"{name}: loader {f'{loader:,.0f} img/s' if loader else '-'}, train {run['img_s']:,.0f} img/s, data wait "
+              f"{run['data_wait']:.1%}, x{run['img_s'] / synthetic:.2f} ({time.perf_counter() - t0:.0f} s)",
+              flush=True)
+    md = table(rows, info)
+    print("\n" + md)
+    with open(a.out / "bench_pipeline.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    (a.out / "bench_pipeline.md").write_text(md + "\n")
+    target = [r for r in rows if r["ratio_to_synthetic"] >= 0.9 and (r["data_wait"] or 0) <= 0.10
+              and r["variant"] != "synthetic"]
+    print(f"\nmeets the target (>= 0.9x synthetic, data wait <= 10%): "
+          f"{', '.join(r['variant'] for r in target) or 'none'}; total {time.perf_counter() - t_start:.0f} s")
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""dlenv.data.bench: loader speed, the verdict on a fake fast/slow case, the trainer's advice."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dlenv import config
+from dlenv.data import bench
+from dlenv.data.bench import data_wait_advice, measure_loader, verdict
+
+
+class SlowLoader:
+    """Batches of 10 images, each taking `delay` seconds to make."""
+
+    def __init__(self, delay: float, n: int = 3):
+        self.delay, self.n = delay, n
+
+    def __iter__(self):
+        for _ in range(self.n):
+            time.sleep(self.delay)
+            yield torch.zeros(10, 3, 2, 2), torch.zeros(10, dtype=torch.long)
+
+
+def test_measure_loader_counts_images_per_second_across_passes():
+    rate = measure_loader(SlowLoader(0.02, n=3), batches=6, device=torch.device("cpu"), warmup=1)
+    assert 200 < rate <= 10 / 0.02 * 1.05  # 6 timed batches span two passes of the 3-batch loader
+
+
+def test_verdict_names_the_input_pipeline_when_the_loader_is_slower():
+    kind, msg = verdict({"classic, 4 workers": 900.0, "classic, 8 workers": 1500.0}, model_rate=3000.0)
+    assert kind == "input"
+    assert "input pipeline is the bottleneck" in msg and "classic, 8 workers" in msg and "--cache" in msg
+    assert "50%" in msg  # the GPU would be busy half the time
+    kind, msg = verdict({"cache": 2000.0}, model_rate=3000.0, cache_measured=True, on_gpu=False)
+    assert kind == "input" and "--cache" not in msg and "nvjpeg" not in msg
+
+
+def test_verdict_names_the_model_when_the_loader_keeps_up():
+    kind, msg = verdict({"2 workers": 1000.0, "8 workers": 5000.0}, model_rate=3000.0)
+    assert kind == "model" and "8 workers" in msg and "2 workers" not in msg
+    # a loader only just as fast as the model is not enough: batches arrive unevenly
+    assert verdict({"8 workers": 3050.0}, model_rate=3000.0)[0] == "input"
+
+
+def test_data_wait_advice():
+    assert data_wait_advice(0.15, cache=False, gpu_augment=False, workers=4) is None
+    msg = data_wait_advice(0.4, cache=False, gpu_augment=False, workers=4)
+    assert "40%" in msg and "--cache" in msg and "--gpu-augment on" in msg and "bench-data" in msg
+    msg = data_wait_advice(0.4, cache=True, gpu_augment=True, workers=4)
+    assert "--cache (" not in msg and "--gpu-augment" not in msg and "4" in msg
+
+
+def test_main_names_the_bottleneck_on_a_fake_fast_model(image_folder, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "measure_model", lambda *a, **k: 1e9)  # a model no loader can feed
+    cfg = config.build(config.BenchDataConfig, data=str(image_folder), model="resnet18", batch_size=4,
+                       img_size=16, workers="0", batches=2, device="cpu", amp=False)
+    assert bench.main(cfg) == 0
+    out = capsys.readouterr().out
+    assert "input pipeline is the bottleneck" in out and "classic, 0 workers" in out
+    assert "gpu-augment, 0 workers" in out  # the other path, measured for comparison
+
+
+def test_main_names_the_model_on_a_fake_slow_model(image_folder, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "measure_model", lambda *a, **k: 1e-3)
+    cfg = config.build(config.BenchDataConfig, data=str(image_folder), model="resnet18", batch_size=4,
+                       img_size=16, workers="0", batches=2, device="cpu", amp=False, gpu_augment="on")
+    assert bench.main(cfg) == 0
+    assert "model (CPU) is the bottleneck" in capsys.readouterr().out

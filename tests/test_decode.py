@@ -1,0 +1,97 @@
+"""dlenv.data.decode: the three CPU decoders agree, reduced decoding, the stored form, auto choice."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from dlenv.data import decode
+from dlenv.data.decode import decode_rgb, decode_stored, pick_decoder, resolve_decoder, stored_size, to_square
+from dlenv.data.loaders import load_rgb
+from dlenv.errors import UserError
+
+
+def photo(path, w=120, h=90, seed=0, quality=95, **save):
+    """A smooth photo-like JPEG: colour ramps and a soft disc (decoders differ only by rounding)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    cx, cy = rng.uniform(0.3, 0.7) * w, rng.uniform(0.3, 0.7) * h
+    disc = np.clip(1.5 - np.hypot(x - cx, y - cy) / (0.25 * min(w, h)), 0, 1)
+    arr = np.stack([40 + 180 * x / w, 60 + 150 * y / h, 200 - 120 * disc], -1)
+    Image.fromarray(arr.clip(0, 255).astype(np.uint8)).save(path, quality=quality, **save)
+    return path
+
+
+@pytest.mark.parametrize("decoder", ["cv2", "tvio"])
+def test_decoders_give_pillows_image_within_jpeg_rounding(tmp_path, decoder):
+    p = str(photo(tmp_path / "a.jpg"))
+    ref = np.asarray(load_rgb(p), np.int16)
+    got = np.asarray(decode_rgb(p, decoder), np.int16)
+    assert got.shape == ref.shape == (90, 120, 3)
+    assert np.abs(got - ref).mean() < 1.5 and np.abs(got - ref).max() <= 12
+    s_ref, wh_ref = decode_stored(p, 48, "pil")
+    s_got, wh_got = decode_stored(p, 48, decoder)
+    assert s_got.shape == (48, 48, 3) and s_got.dtype == np.uint8 and wh_got == wh_ref == (120, 90)
+    assert np.abs(s_got.astype(int) - s_ref).mean() < 1.5
+
+
+def test_reduced_decoding_keeps_the_short_side(tmp_path):
+    p = str(photo(tmp_path / "big.jpg", 400, 300))
+    full = load_rgb(p)
+    small = load_rgb(p, min_size=70)  # 300 // 70 = 4: decoded at 1/4 scale
+    assert full.size == (400, 300) and small.size == (100, 75)
+    assert load_rgb(p, min_size=160).size == (400, 300)  # half would be 150 < 160: full size
+    rgb = decode._cv2_rgb(p, 70)
+    assert rgb.shape == (75, 100, 3)
+    # the reduced decode is the same picture
+    ref = np.asarray(full.resize((100, 75), Image.BOX), np.int16)
+    assert np.abs(np.asarray(small, np.int16) - ref).mean() < 3
+    stored, wh = decode_stored(p, 64, "pil")
+    assert stored.shape == (64, 64, 3) and wh[0] / wh[1] == pytest.approx(4 / 3)
+
+
+@pytest.mark.parametrize("decoder", ["pil", "cv2", "tvio"])
+def test_non_jpeg_and_exif_go_through_the_same_rules(tmp_path, decoder):
+    rgba = np.zeros((8, 8, 4), np.uint8)
+    rgba[..., 0] = 200  # fully transparent red: shown as white, whichever decoder is chosen
+    Image.fromarray(rgba).save(tmp_path / "t.png")
+    assert (np.asarray(decode_rgb(tmp_path / "t.png", decoder)) == 255).all()
+    arr = np.zeros((20, 40, 3), np.uint8)
+    arr[:, :8] = 255  # white band on the left, rotated to the top by EXIF orientation 6
+    im = Image.fromarray(arr)
+    exif = im.getexif()
+    exif[0x0112] = 6
+    im.save(tmp_path / "r.jpg", exif=exif, quality=95)
+    out = np.asarray(decode_rgb(tmp_path / "r.jpg", decoder))
+    assert out.shape == (40, 20, 3) and out[:6].mean() > 200 and out[-6:].mean() < 50
+    stored, wh = decode_stored(tmp_path / "r.jpg", 16, decoder)
+    assert wh == (20, 40) and stored[:3].mean() > 200
+
+
+def test_broken_file_raises_for_every_decoder(tmp_path):
+    (tmp_path / "x.jpg").write_bytes(b"\xff\xd8\xff not really")
+    for name in ("pil", "cv2", "tvio"):
+        with pytest.raises(Exception):  # noqa: B017 - Pillow's own error, whichever decoder tried first
+            decode_stored(tmp_path / "x.jpg", 16, name)
+
+
+def test_to_square_keeps_the_whole_frame():
+    arr = np.zeros((30, 90, 3), np.uint8)
+    arr[:, 60:] = 255  # the right third white
+    sq = to_square(arr, 30)
+    assert sq.shape == (30, 30, 3)
+    assert sq[:, :18].max() < 10 and sq[:, 22:].min() > 245
+
+
+def test_resolve_and_pick(tmp_path):
+    assert stored_size(224) == 258
+    assert resolve_decoder("cv2") == "cv2" and resolve_decoder("nvjpeg") == "nvjpeg"
+    assert resolve_decoder("auto") == decode.AUTO_DECODER
+    with pytest.raises(UserError, match="--decoder 'jpeg'"):
+        resolve_decoder("jpeg")
+    files = [str(photo(tmp_path / f"{i}.jpg", seed=i)) for i in range(4)]
+    assert pick_decoder(files, 32) in decode.CPU_DECODERS
+    assert resolve_decoder("auto", files, 32) in decode.CPU_DECODERS
+    Image.new("RGB", (8, 8)).save(tmp_path / "p.png")
+    assert pick_decoder([str(tmp_path / "p.png")] * 4, 32) == decode.AUTO_DECODER

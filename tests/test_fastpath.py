@@ -1,0 +1,102 @@
+"""dlenv.data.fastpath on the CPU: the same batches from workers and cache, seeding, resume, errors."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from test_decode import photo
+
+from dlenv.data.fastpath import DeviceLoader, InputOptions, build_fast_loaders
+from dlenv.data.folder import find_layout
+from dlenv.data.loaders import BadImageError
+from dlenv.data.sampler import ResumableSampler
+from dlenv.errors import UserError
+
+IMG = 16
+
+
+@pytest.fixture
+def layout(tmp_path):
+    for split, n in (("train", 10), ("val", 4)):
+        for i in range(n):
+            d = tmp_path / "ds" / split / f"c{i % 2}"
+            d.mkdir(parents=True, exist_ok=True)
+            photo(d / f"{i}.jpg", 30 + 2 * i, 24, seed=i + (100 if split == "val" else 0))
+    return find_layout(tmp_path / "ds")
+
+
+def _build(layout, tmp_path, **kw):
+    sampler = ResumableSampler(len(layout.train), seed=3)
+    train, val = build_fast_loaders(layout, IMG, 4, kw.pop("workers", 0), device="cpu", seed=5,
+                                    train_sampler=sampler, cache_dir=str(tmp_path / "cache"),
+                                    say=lambda m: None, **kw)
+    return sampler, train, val
+
+
+def _epoch(loader):
+    xs, ys = zip(*list(loader), strict=True)
+    return torch.cat(xs), torch.cat(ys)
+
+
+def test_workers_and_cache_give_the_same_batches(layout, tmp_path):
+    _, by_workers, val_w = _build(layout, tmp_path, workers=2)
+    _, by_cache, val_c = _build(layout, tmp_path, cache=True, cache_mode="ram")
+    x1, y1 = _epoch(by_workers)
+    x2, y2 = _epoch(by_cache)
+    assert x1.shape == (10, 3, IMG, IMG) and len(by_workers) == len(by_cache) == 3
+    assert torch.equal(y1, y2) and torch.equal(x1, x2)
+    xv, yv = _epoch(val_c)
+    assert yv.tolist() == [y for _, y in layout.val]  # val in sample order
+    assert torch.equal(xv, _epoch(val_w)[0])
+
+
+def test_epochs_differ_and_repeat_and_resume_mid_epoch(layout, tmp_path):
+    sampler, train, _ = _build(layout, tmp_path, cache=True, cache_mode="ram")
+    sampler.set_epoch(0)
+    e0, y0 = _epoch(train)
+    assert torch.equal(_epoch(train)[0], e0)  # the same epoch again: the same crops
+    sampler.set_epoch(1)
+    assert not torch.equal(_epoch(train)[0], e0)
+    sampler.set_epoch(0, start=4)  # a resume after the first batch of 4 samples
+    x, y = _epoch(train)
+    assert torch.equal(x, e0[4:]) and torch.equal(y, y0[4:])
+
+
+def test_leaving_early_stops_the_producer_thread(layout, tmp_path):
+    _, train, _ = _build(layout, tmp_path, cache=True, cache_mode="ram")
+    before = threading.active_count()
+    for _ in range(3):
+        for _ in train:
+            break
+    assert threading.active_count() == before
+
+
+def test_bad_file_error_is_raised_in_the_training_thread(layout, tmp_path):
+    Path(layout.train[3][0]).write_bytes(b"\xff\xd8\xff broken")
+    _, train, _ = _build(layout, tmp_path, bad_images="error", workers=0)
+    with pytest.raises(BadImageError, match=layout.train[3][0]):
+        _epoch(train)
+    _, train, _ = _build(layout, tmp_path, bad_images="skip", workers=0)
+    assert len(_epoch(train)[0]) == 10 and list(train.bad_paths) == [layout.train[3][0]]
+
+
+def test_nvjpeg_needs_a_gpu(layout, tmp_path):
+    with pytest.raises(UserError, match="--decoder nvjpeg"):
+        _build(layout, tmp_path, decoder="nvjpeg")
+
+
+def test_input_options_pick_the_path():
+    assert InputOptions().gpu_path("cuda") and not InputOptions().gpu_path("cpu")
+    assert InputOptions(cache=True).gpu_path("cpu") and InputOptions(gpu_augment="on").gpu_path("cpu")
+    assert InputOptions(decoder="nvjpeg").gpu_path("cpu")
+    assert not InputOptions(gpu_augment="off").gpu_path("cuda")
+
+
+def test_batch_seed_depends_on_seed_epoch_and_position():
+    a = DeviceLoader(None, None, "cpu", 4, seed=0)
+    b = DeviceLoader(None, None, "cpu", 4, seed=1)
+    seeds = {a.batch_seed(0, 0), a.batch_seed(0, 4), a.batch_seed(1, 0), b.batch_seed(0, 0)}
+    assert len(seeds) == 4

@@ -1,0 +1,129 @@
+"""The fast input path on a real GPU: same crops as on the CPU, device batches, nvJPEG, training."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_decode import photo
+
+from dlenv import compat, config
+from dlenv.data.decode import decode_stored
+from dlenv.data.fastpath import NvjpegSource, build_fast_loaders
+from dlenv.data.folder import find_layout
+from dlenv.data.gpu_aug import GpuAugment
+from dlenv.data.loaders import BadImageError
+from dlenv.data.sampler import ResumableSampler
+
+pytestmark = pytest.mark.gpu
+IMG = 32
+
+
+@pytest.fixture
+def layout(tmp_path):
+    for split, n in (("train", 24), ("val", 8)):
+        for i in range(n):
+            d = tmp_path / "ds" / split / f"c{i % 3}"
+            d.mkdir(parents=True, exist_ok=True)
+            photo(d / f"{i}.jpg", 60 + 4 * (i % 5), 48, seed=i + (100 if split == "val" else 0))
+    return find_layout(tmp_path / "ds")
+
+
+def test_gpu_augment_matches_cpu():
+    rng = np.random.default_rng(0)
+    images = torch.from_numpy(rng.integers(0, 255, (8, 40, 40, 3), dtype=np.uint8))
+    sizes = torch.tensor([[80, 60]] * 8, dtype=torch.int32)
+    aug = GpuAugment(IMG, True)
+    cpu = aug(images, sizes, seed=11)
+    gpu = aug(images.cuda(), sizes, seed=11)
+    assert gpu.device.type == "cuda" and torch.allclose(gpu.cpu(), cpu, atol=1e-3)
+    half = GpuAugment(IMG, True, torch.bfloat16, torch.channels_last)(images.cuda(), sizes, seed=11)
+    assert half.dtype == torch.bfloat16 and half.is_contiguous(memory_format=torch.channels_last)
+    assert torch.allclose(half.float().cpu(), cpu, atol=0.05)
+
+
+@pytest.mark.parametrize("kw", [dict(cache=True, cache_mode="ram"), dict(cache=True, cache_mode="disk"),
+                                dict(decoder="pil", workers=2)])
+def test_device_loader_on_cuda_matches_cpu(layout, tmp_path, kw):
+    kw = dict(kw)
+    workers = kw.pop("workers", 0)
+
+    def epoch(device, dtype):
+        sampler = ResumableSampler(len(layout.train), seed=1)
+        train, val = build_fast_loaders(layout, IMG, 8, workers, device=device, dtype=dtype,
+                                        memory_format=torch.channels_last if device == "cuda" else
+                                        torch.contiguous_format, train_sampler=sampler,
+                                        cache_dir=str(tmp_path / "c"), say=lambda m: None, **kw)
+        xs, ys = zip(*train, strict=True)
+        return torch.cat(xs), torch.cat(ys), next(iter(val))[0]
+
+    x, y, v = epoch("cuda", torch.bfloat16)
+    assert x.device.type == "cuda" and x.dtype == torch.bfloat16 and y.device.type == "cuda"
+    assert x.is_contiguous(memory_format=torch.channels_last) and x.shape == (24, 3, IMG, IMG)
+    x2, y2, _ = epoch("cuda", torch.bfloat16)
+    assert torch.equal(x, x2) and torch.equal(y, y2)  # seeded: the same run twice
+    xc, yc, vc = epoch("cpu", torch.float32)
+    assert torch.equal(y.cpu(), yc) and torch.allclose(x.float().cpu(), xc, atol=0.05)
+    assert torch.allclose(v.float().cpu(), vc, atol=0.05)
+
+
+def test_leaving_early_on_cuda_releases_the_thread(layout, tmp_path):
+    train, _ = build_fast_loaders(layout, IMG, 8, 0, device="cuda", cache=True, cache_mode="ram",
+                                  say=lambda m: None)
+    before = threading.active_count()
+    for _ in range(3):
+        for x, _ in train:
+            x.sum().item()
+            break
+    assert threading.active_count() == before
+
+
+nvjpeg = pytest.mark.skipif(compat.cuda_jpeg_unavailable("cuda") is not None,
+                            reason=f"nvJPEG: {compat.cuda_jpeg_unavailable('cuda')}")
+
+
+@nvjpeg
+def test_nvjpeg_decodes_like_pillow(layout):
+    samples = layout.train[:6]
+    src = NvjpegSource(samples, None, 6, 40, "skip")
+    images, sizes, labels = src.upload(next(iter(src)), torch.device("cuda"))
+    assert images.shape == (6, 40, 40, 3) and images.device.type == "cuda"
+    for k, (path, label) in enumerate(samples):
+        ref, wh = decode_stored(path, 40, "pil")
+        assert tuple(sizes[k].tolist()) == wh and labels[k].item() == label
+        assert np.abs(images[k].cpu().numpy().astype(int) - ref).mean() < 4
+
+
+@nvjpeg
+def test_nvjpeg_bad_file_skip_and_error(layout):
+    samples = layout.train[:4]
+    Path(samples[1][0]).write_bytes(b"\xff\xd8\xff broken")
+    src = NvjpegSource(samples, None, 4, 40, "skip")
+    images, _, _ = src.upload(next(iter(src)), torch.device("cuda"))
+    assert torch.equal(images[1], images[2]) and list(src.bad_paths) == [samples[1][0]]
+    src = NvjpegSource(samples, None, 4, 40, "error")
+    with pytest.raises(BadImageError, match=samples[1][0]):
+        src.upload(next(iter(src)), torch.device("cuda"))
+
+
+@nvjpeg
+def test_nvjpeg_loader_trains(layout, tmp_path):
+    from dlenv.train import train
+
+    cfg = config.build(config.TrainConfig, data=str(layout.root), model="resnet18", img_size=IMG,
+                       batch_size=8, epochs=1, decoder="nvjpeg", amp=True, project=str(tmp_path / "runs"))
+    assert train(cfg)["status"] == "done"
+
+
+@pytest.mark.parametrize("opts", [dict(cache=True), dict(gpu_augment="on"), dict(gpu_augment="off")])
+def test_train_on_each_path(layout, tmp_path, opts):
+    from dlenv.train import train
+
+    cfg = config.build(config.TrainConfig, data=str(layout.root), model="resnet18", img_size=IMG,
+                       batch_size=8, epochs=2, amp=True, workers=2, project=str(tmp_path / "runs"),
+                       cache_dir=str(tmp_path / "c"), **opts)
+    out = train(cfg)
+    assert out["status"] == "done" and out["img_per_s"] > 0
