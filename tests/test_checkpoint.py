@@ -96,3 +96,16 @@ def test_rng_state_restores_every_generator(tmp_path):
 def test_environment_is_plain_strings():
     env = checkpoint.environment()
     assert type(env["torch"]) is str and type(env["dlenv"]) is str
+
+
+def test_bare_googlenet_state_dict_with_aux_heads_loads(tmp_path):
+    # torchvision saves googlenet with its auxiliary heads; dlenv builds it without them
+    import torchvision
+
+    from dlenv.checkpoint import model_from_checkpoint
+
+    theirs = torchvision.models.googlenet(weights=None, num_classes=3, aux_logits=True, init_weights=False)
+    sd = {f"module.{k}": v for k, v in theirs.state_dict().items()}  # as saved from DDP
+    model, classes, _ = model_from_checkpoint(sd, "googlenet")
+    assert classes == ["0", "1", "2"]
+    assert torch.equal(model.state_dict()["fc.weight"], theirs.state_dict()["fc.weight"])

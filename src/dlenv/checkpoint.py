@@ -136,7 +136,7 @@ def is_bare_state_dict(obj: Any) -> bool:
             and all(isinstance(k, str) and torch.is_tensor(v) for k, v in obj.items()))
 
 
-def _strip_prefixes(sd: dict[str, Any]) -> dict[str, Any]:
+def strip_prefixes(sd: dict[str, Any]) -> dict[str, Any]:
     """Remove DDP's 'module.' and torch.compile's '_orig_mod.' prefixes from another tool's keys."""
     out = {}
     for k, v in sd.items():
@@ -162,7 +162,7 @@ def model_from_checkpoint(ckpt: Any, model_name: str | None = None, source: str 
     image size; a bare state dict from another tool needs `model_name` (class names are then
     "0".."N-1" and img_size None). Raises UserError when the weights don't fit the architecture.
     """
-    from dlenv.models import build_model
+    from dlenv.models import AUX_HEADS, build_model
 
     if is_dlenv_checkpoint(ckpt):
         name = model_name or ckpt["model_name"]
@@ -175,7 +175,9 @@ def model_from_checkpoint(ckpt: Any, model_name: str | None = None, source: str 
             raise UserError(f"{source} is a bare state dict with no architecture; name it with --model "
                             "(e.g. --model resnet18)")
         name = model_name
-        sd = _strip_prefixes(ckpt)
+        # dlenv builds googlenet / inception_v3 without their auxiliary heads (training-only outputs)
+        aux = AUX_HEADS.get(name, ())
+        sd = {k: v for k, v in strip_prefixes(ckpt).items() if not (aux and k.startswith(aux))}
         num_classes = _num_classes_from(sd)
         class_names = [str(i) for i in range(num_classes)]
         img_size = None

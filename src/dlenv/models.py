@@ -55,7 +55,7 @@ _TORCHVISION_BLOCKS = {
 }
 
 # Families whose auxiliary classifiers are switched off: the trainer expects one logits tensor.
-_AUX_HEADS = {"googlenet": ("aux1.", "aux2."), "inception_v3": ("AuxLogits.",)}
+AUX_HEADS = {"googlenet": ("aux1.", "aux2."), "inception_v3": ("AuxLogits.",)}
 
 _ENUM_WEIGHTS = re.compile(r"^(\w+_weights(\.\w+)?|default|imagenet1k\w*|pretrained|imagenet|true)$", re.I)
 
@@ -106,7 +106,7 @@ def build_model(name: str, num_classes: int, weights: str | Path | None = None, 
     _check_name(name)
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise UserError(f"num_classes {num_classes!r} for {name}: need an integer >= 1")
-    if name in _AUX_HEADS:
+    if name in AUX_HEADS:
         kwargs.setdefault("aux_logits", False)
         kwargs.setdefault("init_weights", True)  # the explicit choice silences torchvision's FutureWarning
     # weights=None always: a weights enum would download; the builder's num_classes sizes every head
@@ -157,7 +157,7 @@ def load_weights(model: nn.Module, weights: str | Path, name: str, num_classes: 
     path = _weights_file(weights, name)
     sd = _state_dict_of(ckpt.load_checkpoint(path), path)
     own = model.state_dict()
-    aux = _AUX_HEADS.get(name, ())
+    aux = AUX_HEADS.get(name, ())
     head, wrong = [], []
     for k, v in sd.items():
         if k in own and own[k].shape != v.shape:

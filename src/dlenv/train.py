@@ -277,6 +277,10 @@ def build_data(layout: Any, classes: list[str], source: str, img_size: int, micr
         n_workers = distributed.workers_per_process(n_workers, dist.local_world_size)
     sampler = ResumableSampler(len(layout.train), seed=seed, rank=dist.rank, world_size=dist.world_size)
     opts = pipeline or InputOptions()
+    # RandomResizedCrop's default (0.08, 1) can crop a demo shape out of its 64 px image entirely
+    from dlenv.data.demo import DEMO_TRAIN_SCALE
+
+    scale = DEMO_TRAIN_SCALE if source == "demo" else (0.08, 1.0)
     decoder = resolve_decoder(opts.decoder, [p for p, _ in layout.train], stored_size(img_size))
     if opts.gpu_path(device):
         # each rank validates its own shard, without padding; validate() sums them
@@ -287,11 +291,12 @@ def build_data(layout: Any, classes: list[str], source: str, img_size: int, micr
         train, val = build_fast_loaders(
             layout, img_size, micro_batch, n_workers, device=device, seed=seed, bad_images=bad_images,
             train_sampler=sampler, val_sampler=val_sampler, dtype=dtype, memory_format=memory_format,
-            decoder=decoder, cache=opts.cache, cache_mode=cache_mode, cache_dir=opts.cache_dir, say=say)
+            decoder=decoder, cache=opts.cache, cache_mode=cache_mode, cache_dir=opts.cache_dir, say=say,
+            train_scale=scale)
         say(f"input: {'--cache' if opts.cache else f'decoder {decoder}'}, augmentation on {device.type}")
     else:
         train, val = build_loaders(layout, img_size, micro_batch, n_workers, seed=seed, bad_images=bad_images,
-                                   train_sampler=sampler, pin_memory=device.type == "cuda",
+                                   train_sampler=sampler, pin_memory=device.type == "cuda", train_scale=scale,
                                    decoder="pil" if decoder == "nvjpeg" else decoder)
         if val is not None:  # each rank validates its own shard, without padding; validate() sums them
             val = distributed.shard_eval_loader(val, dist.rank, dist.world_size)
