@@ -17,7 +17,6 @@ from imagedata import make_image_folder
 from dlenv import evaluate
 from dlenv.checkpoint import FORMAT, save_checkpoint
 from dlenv.cli import main as cli_main
-from dlenv.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 CLASSES = ["cat", "dog", "fox"]
@@ -132,18 +131,6 @@ def test_predict_keeps_order_and_returns_float32_cpu():
     assert not logits.requires_grad
 
 
-def test_resolve_device():
-    assert evaluate.resolve_device("cpu") == torch.device("cpu")
-    assert evaluate.resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
-    with pytest.raises(UserError, match="'banana'"):
-        evaluate.resolve_device("banana")
-    with pytest.raises(UserError, match="cuda:99"):
-        evaluate.resolve_device("cuda:99")
-    if not torch.cuda.is_available():
-        with pytest.raises(UserError, match="CUDA is not available"):
-            evaluate.resolve_device("cuda")
-
-
 @pytest.mark.gpu
 def test_predict_on_cuda_with_amp_matches_fp32_cpu():
     from dlenv.models import build_model
@@ -154,7 +141,7 @@ def test_predict_on_cuda_with_amp_matches_fp32_cpu():
     loader = [(images[:4], torch.arange(4)), (images[4:], torch.tensor([0, 1]))]
     ref, _ = evaluate.predict(model, loader, "cpu")
     for amp in (False, True):
-        out, targets = evaluate.predict(model, loader, evaluate.resolve_device("cuda:0"), amp=amp)
+        out, targets = evaluate.predict(model, loader, torch.device("cuda", 0), amp=amp)
         assert out.device.type == "cpu" and out.dtype == torch.float32
         assert torch.allclose(out, ref, atol=5e-2 if amp else 1e-3, rtol=5e-2 if amp else 1e-3)
         assert targets.tolist() == [0, 1, 2, 3, 0, 1]

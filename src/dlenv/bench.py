@@ -133,29 +133,15 @@ def run_worker(spec: dict[str, Any], alloc_conf: str | None = None, timeout: flo
 # Inside a worker process.
 
 
-def _device(name: str):
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"--device {name!r} is not a device; use cuda, cuda:N, cpu or auto") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {name} asked for a GPU but PyTorch sees none; use --device cpu "
-                        "(speed and loss only) or run on a GPU machine")
-    return dev
-
-
 def _setup(spec: dict[str, Any]):
     """Device, model (seeded, checkpointed, channels_last as asked) and precision mode for a spec."""
     import torch
 
+    from dlenv.devices import resolve_device
     from dlenv.models import apply_checkpointing, build_model, is_convolutional
     from dlenv.precision import resolve_precision
 
-    dev = _device(spec["device"])
+    dev = resolve_device(spec["device"])
     if spec.get("gpu_memory_gib") and dev.type == "cuda":
         total = torch.cuda.get_device_properties(dev).total_memory
         index = dev.index if dev.index is not None else torch.cuda.current_device()

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from dlenv.devices import resolve_device
 from dlenv.errors import UserError
 
 #: the report files `main` writes, in the order it writes them
@@ -36,31 +37,6 @@ REPORT_FILES = ("metrics.json", "per_class.csv", "confusion_matrix.csv", "confus
 
 # ---------------------------------------------------------------------------------------------------
 # Building blocks (also used by dlenv.compress).
-
-
-def resolve_device(name: str) -> torch.device:
-    """'auto' -> the first GPU if CUDA is available, else the CPU; 'cpu', 'cuda', 'cuda:N' as given.
-
-    Raises UserError for a name that is no device, or a GPU that this machine does not have.
-    """
-    name = str(name).strip().lower()
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise UserError(f"--device {name!r} is not a device; use cuda, cuda:N, cpu or auto") from None
-    if device.type == "cpu":
-        return device
-    if device.type != "cuda":
-        raise UserError(f"--device {name!r}: only cuda, cuda:N, cpu or auto are supported")
-    if not torch.cuda.is_available():
-        raise UserError(f"--device {name}: CUDA is not available here (torch {torch.__version__}); "
-                        "use --device cpu, or run verify-env to see why")
-    count = torch.cuda.device_count()
-    if device.index is not None and device.index >= count:
-        raise UserError(f"--device {name}: this machine has {count} GPU(s) (cuda:0 to cuda:{count - 1})")
-    return device
 
 
 def predict(model: torch.nn.Module, loader: Any, device: torch.device | str, amp: bool = False):

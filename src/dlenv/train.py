@@ -40,6 +40,7 @@ from torch import nn
 from dlenv import checkpoint as ckpt_io
 from dlenv import compat, config, distributed, results, runs
 from dlenv.config import TrainConfig
+from dlenv.devices import resolve_device
 from dlenv.errors import UserError
 from dlenv.memory import MemoryMonitor, oom_message
 
@@ -103,26 +104,6 @@ class NonFiniteLoss(Exception):
 
 # ---------------------------------------------------------------------------------------------------
 # Resolving the run.
-
-
-def resolve_device(name: str, dist: distributed.DistInfo) -> torch.device:
-    """'auto' | 'cpu' | 'cuda' | 'cuda:N' -> a torch.device. Raises UserError for what is not there."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"--device {name!r} is not a device; use cuda, cuda:N, cpu or auto") from None
-    if dev.type == "cpu":
-        return dev
-    if dev.type != "cuda":
-        raise UserError(f"--device {name!r}: dlenv trains on cuda or cpu")
-    if not torch.cuda.is_available():
-        raise UserError(f"--device {name}: no CUDA GPU is visible (run verify-env); use --device cpu")
-    index = dev.index if dev.index is not None else dist.local_rank
-    if index >= torch.cuda.device_count():
-        raise UserError(f"--device {name}: only {torch.cuda.device_count()} GPU(s) visible")
-    return torch.device("cuda", index)
 
 
 def setup_distributed(cfg: TrainConfig) -> distributed.DistInfo:
@@ -666,7 +647,7 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
         if is_main:
             print(msg, flush=True)
 
-    device = resolve_device(cfg.device, dist)
+    device = resolve_device(cfg.device, dist.local_rank)
     _seed_everything(cfg.seed + dist.rank, cfg.deterministic, device)
 
     from dlenv.data.demo import DEMO_IMG_SIZE

@@ -157,7 +157,7 @@ def main(cfg: Any) -> int:
     Returns 0. Raises UserError for an amount outside (0, 1), a checkpoint that is missing or has no
     class names, data that is missing or has other classes, or a bad --device.
     """
-    from dlenv.evaluate import resolve_device
+    from dlenv.devices import resolve_device
 
     amount = check_amount(cfg.amount)
     src = common.load_source(cfg.weights, "prune")

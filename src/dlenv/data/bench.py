@@ -142,25 +142,6 @@ def _table(rows: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
-def _device(name: str) -> Any:
-    """--device as a torch.device; raises UserError for one that is not there."""
-    import torch
-
-    from dlenv.errors import UserError
-
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"--device {name!r} is not a device; use cuda, cuda:N, cpu or auto") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {name}: no CUDA GPU is visible (run verify-env); use --device cpu")
-    if device.type not in ("cuda", "cpu"):
-        raise UserError(f"--device {name!r}: bench-data measures on cuda or cpu")
-    return device
-
-
 def main(cfg: Any) -> int:
     """`dlenv bench-data`: print the loader (per worker count) and model speeds and the verdict; 0."""
     import torch
@@ -168,10 +149,11 @@ def main(cfg: Any) -> int:
     from dlenv.data import decode
     from dlenv.data.fastpath import build_fast_loaders
     from dlenv.data.loaders import build_loaders, usable_cpus
+    from dlenv.devices import resolve_device
     from dlenv.precision import resolve_precision
     from dlenv.train import locate_data
 
-    device = _device(cfg.device)
+    device = resolve_device(cfg.device)
     layout, classes, source = locate_data(cfg.data, False, 0.2, 0)
     mode = resolve_precision(cfg.amp, "auto", device)
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[mode]
