@@ -28,8 +28,8 @@ from dlenv.errors import UserError
 
 #: The demo's image size, and the default --img-size when training on it.
 DEMO_IMG_SIZE = 64
-#: RandomResizedCrop scale range the trainer uses on the demo data: each image holds one shape, and
-#: crops below about a third of the image often cut it away (the default (0.08, 1) made runs stall at chance).
+#: RandomResizedCrop scale range the trainer uses on the demo data: each image holds one shape, and a
+#: crop of under about a third of the image (the default range starts at 8%) can cut the shape away.
 DEMO_TRAIN_SCALE = (0.35, 1.0)
 CLASSES = ("arrow", "circle", "crescent", "cross", "frame", "hexagon", "ring", "square", "star",
            "triangle")
