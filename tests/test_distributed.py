@@ -145,7 +145,7 @@ def _tree(root: Path) -> set[str]:
 def test_two_processes_train_like_one_with_the_same_effective_batch(tmp_path):
     """2 ranks x micro-batch 2 x accumulation 2 against 1 process x batch 8: the ranks' shards of each
     step are the single process's batch, gradients are averaged, so weights and metrics match."""
-    from conftest import make_image_folder
+    from imagedata import make_image_folder
 
     from dlenv import results
 
@@ -198,7 +198,7 @@ def _read_until(proc: subprocess.Popen, marker: str, timeout: float) -> list[str
 def test_launch_sigterm_saves_once_then_resumes_on_one_process(tmp_path):
     """`dlenv train --gpus 2` through torchrun: SIGTERM to the launcher -> rank 0 saves last.pth once and
     the run exits 143; --resume on one process keeps the effective batch through accumulation."""
-    from conftest import make_image_folder
+    from imagedata import make_image_folder
 
     from dlenv import results
 

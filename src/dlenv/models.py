@@ -142,7 +142,7 @@ def _state_dict_of(obj: Any, path: Path) -> dict[str, torch.Tensor]:
     if not ckpt.is_bare_state_dict(obj):
         raise UserError(f"--weights {path} holds no state dict; save one with "
                         "torch.save(model.state_dict(), path)")
-    return ckpt._strip_prefixes(obj)
+    return ckpt.strip_prefixes(obj)
 
 
 def load_weights(model: nn.Module, weights: str | Path, name: str, num_classes: int) -> None:
