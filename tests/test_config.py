@@ -48,7 +48,7 @@ def test_unknown_key_lists_valid_ones(tmp_path):
 @pytest.mark.parametrize("kwargs, message", [
     ({"batch_size": "0"}, "--batch-size '0'"),
     ({"batch_size": "many"}, "--batch-size 'many'"),
-    ({"optimizer": "adam"}, "--optimizer 'adam' is not one of: sgd, adamw"),
+    ({"optimizer": "adam"}, "--optimizer 'adam' is not one of: auto, sgd, adamw"),
     ({"val_split": "1.5"}, "--val-split '1.5' is above its maximum"),
     ({"epochs": "2.5"}, "--epochs '2.5': expected an integer"),
     ({"amp": "maybe"}, "--amp 'maybe': expected true or false"),

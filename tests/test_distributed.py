@@ -40,7 +40,7 @@ def start_ranks(scenario: str, args: dict, world: int = 2) -> list[subprocess.Po
             for r in range(world)]
 
 
-def finish(procs: list[subprocess.Popen], timeout: float = 60) -> list[tuple[int, dict | None, str]]:
+def finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[tuple[int, dict | None, str]]:
     """(exit status, RESULT json or None, stderr) of each rank; kills what is still running at the end."""
     out = []
     try:
@@ -89,7 +89,7 @@ def test_a_dead_or_stuck_rank_stops_the_others_with_a_message(how):
     timeout = 4
     t0 = time.perf_counter()
     procs = start_ranks("dies", {"how": how, "timeout": timeout})
-    rc0, r0, err0 = finish(procs[:1], timeout=60)[0]
+    rc0, r0, err0 = finish(procs[:1], timeout=240)[0]
     elapsed = time.perf_counter() - t0
     finish(procs[1:], timeout=1) if how == "exit" else None
     for p in procs[1:]:  # the stuck rank is ours to end
@@ -99,7 +99,7 @@ def test_a_dead_or_stuck_rank_stops_the_others_with_a_message(how):
     assert rc0 == distributed.EXIT_PEER, err0
     assert "rank 0: all_reduce failed: another process of this run stopped" in err0
     assert r0["seconds"] < timeout + 10, "rank 0 must not wait much past the timeout"
-    assert elapsed < 60
+    assert elapsed < 240  # generous: two torch imports on a loaded 2-core CI box
 
 
 def test_torchrun_wrapper_names_the_failed_rank_and_its_status(tmp_path):

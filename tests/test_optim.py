@@ -38,10 +38,10 @@ def test_build_optimizer_kinds():
         optim.build_optimizer(Net(), "lion", 1e-3, 0.0)
 
 
-def test_default_lr_follows_the_linear_scaling_rule():
+def test_default_lr_sgd_linear_scaling_adamw_fixed():
     assert optim.default_lr("sgd", 256) == pytest.approx(0.1)
     assert optim.default_lr("sgd", 64) == pytest.approx(0.025)
-    assert optim.default_lr("adamw", 1024) == pytest.approx(2e-3)
+    assert optim.default_lr("adamw", 1024) == optim.default_lr("adamw", 32) == pytest.approx(1e-3)
     assert optim.default_weight_decay("adamw") == 0.05
 
 
@@ -52,6 +52,13 @@ def _lrs(sched, opt, n):
         opt.step()
         sched.step()
     return out
+
+
+def test_auto_optimizer_is_adamw_for_short_runs_sgd_for_long():
+    assert optim.resolve_optimizer("auto", optim.AUTO_SGD_FROM_STEPS - 1) == "adamw"
+    assert optim.resolve_optimizer("auto", optim.AUTO_SGD_FROM_STEPS) == "sgd"
+    assert optim.resolve_optimizer("sgd", 10) == "sgd"
+    assert optim.resolve_optimizer("adamw", 10**6) == "adamw"
 
 
 def test_warmup_then_cosine_by_optimizer_step():

@@ -70,7 +70,7 @@ def data(tmp_path):
 
 def cfg(tmp_path, ds, **kw):
     base = dict(data=str(ds), project=str(tmp_path / "runs"), img_size=16, batch_size=4, workers=0,
-                epochs=2, device="cpu", deterministic=True, model="tiny")
+                epochs=2, device="cpu", deterministic=True, model="tiny", optimizer="sgd")
     base.update(kw)
     return config.build(TrainConfig, **base)
 
@@ -113,6 +113,14 @@ def test_run_writes_config_first_then_rows_and_checkpoints(tmp_path, data, tiny)
 
 def _final(run_dir: Path) -> dict:
     return checkpoint.load_checkpoint(run_dir / "last.pth")
+
+
+def test_auto_optimizer_is_resolved_into_config_yaml(tmp_path, data, tiny):
+    run = Path(train_mod.train(cfg(tmp_path, data, epochs=1, optimizer="auto"))["run_dir"])
+    again = config.build(TrainConfig, run / "config.yaml")
+    # a run of a few steps: AdamW with its default lr and weight decay, recorded as such
+    assert again.optimizer == "adamw" and again.lr == pytest.approx(1e-3) and again.weight_decay == 0.05
+    assert checkpoint.load_checkpoint(run / "last.pth")["config"]["optimizer"] == "adamw"
 
 
 @pytest.mark.parametrize("stop_at,signum", [(3, signal.SIGTERM), (4, signal.SIGINT), (5, signal.SIGTERM)])

@@ -161,9 +161,11 @@ class TrainConfig:
                                       parse=_int, min=1)
     # optimization
     epochs: int = opt(10, "epochs to train", min=1)
-    optimizer: str = opt("sgd", "optimizer", choices=("sgd", "adamw"))
-    lr: float | None = opt(None, "peak learning rate; default 0.1 x batch/256 for SGD, "
-                                 "1e-3 x batch/512 for AdamW (batch = effective batch)", parse=_float, min=0.0)
+    optimizer: str = opt("auto", "sgd, adamw, or auto: AdamW for runs under 10,000 optimizer steps (it "
+                                 "converges faster from scratch), SGD for longer ones",
+                         choices=("auto", "sgd", "adamw"))
+    lr: float | None = opt(None, "peak learning rate; default 0.1 x batch/256 for SGD (batch = images per "
+                                 "optimizer step), 1e-3 for AdamW", parse=_float, min=0.0)
     momentum: float = opt(0.9, "SGD momentum", min=0.0, max=1.0)
     nesterov: bool = opt(False, "Nesterov momentum for SGD")
     weight_decay: float | None = opt(None, "weight decay (not on norms and biases); default 1e-4 for SGD, "

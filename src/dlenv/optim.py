@@ -23,12 +23,27 @@ _NO_DECAY_NAMES = ("pos_embedding", "class_token", "cls_token", "pos_embed",
                    "relative_position_bias_table", "absolute_pos_embed")
 
 
+#: `--optimizer auto` takes AdamW below this many optimizer steps and SGD from there on. From scratch,
+#: AdamW converges in far fewer steps (ResNet-18 on the demo data, batch 32, CPU: 99% val top-1 after
+#: 12 epochs, where SGD at the linear-scaling lr had 29% after 8); SGD's edge in final accuracy needs
+#: long schedules.
+AUTO_SGD_FROM_STEPS = 10_000
+
+
+def resolve_optimizer(name: str, total_steps: int) -> str:
+    """'sgd' | 'adamw' as given; 'auto' -> AdamW for runs under AUTO_SGD_FROM_STEPS steps, else SGD."""
+    if name != "auto":
+        return name
+    return "adamw" if total_steps < AUTO_SGD_FROM_STEPS else "sgd"
+
+
 def default_lr(optimizer: str, effective_batch: int) -> float:
-    """Peak learning rate by the linear scaling rule for `effective_batch` images per step."""
+    """Peak learning rate: SGD by the linear scaling rule (0.1 per 256 images per step); AdamW 1e-3,
+    which adaptive steps make far less sensitive to the batch size."""
     if optimizer == "sgd":
         return 0.1 * effective_batch / 256
     if optimizer == "adamw":
-        return 1e-3 * effective_batch / 512
+        return 1e-3
     raise ValueError(f"unknown optimizer {optimizer!r}")
 
 

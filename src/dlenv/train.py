@@ -652,7 +652,14 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
 
     from dlenv.data.demo import DEMO_IMG_SIZE
     from dlenv.models import apply_checkpointing, build_model, is_convolutional
-    from dlenv.optim import ModelEma, build_optimizer, default_lr, default_weight_decay, warmup_cosine
+    from dlenv.optim import (
+        ModelEma,
+        build_optimizer,
+        default_lr,
+        default_weight_decay,
+        resolve_optimizer,
+        warmup_cosine,
+    )
     from dlenv.precision import Precision, resolve_precision
 
     precision = Precision(resolve_precision(cfg.amp, cfg.amp_dtype, device), device)
@@ -690,9 +697,10 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
 
     # -- optimizer, schedule, EMA, compile -------------------------------------------------------
     effective = micro * accum * dist.world_size
-    lr = cfg.lr if cfg.lr is not None else default_lr(cfg.optimizer, effective)
-    wd = cfg.weight_decay if cfg.weight_decay is not None else default_weight_decay(cfg.optimizer)
-    optimizer = build_optimizer(model, cfg.optimizer, lr, wd, cfg.momentum, cfg.nesterov)
+    opt_name = resolve_optimizer(cfg.optimizer, cfg.epochs * steps_per_epoch)
+    lr = cfg.lr if cfg.lr is not None else default_lr(opt_name, effective)
+    wd = cfg.weight_decay if cfg.weight_decay is not None else default_weight_decay(opt_name)
+    optimizer = build_optimizer(model, opt_name, lr, wd, cfg.momentum, cfg.nesterov)
     scheduler = warmup_cosine(optimizer, round(cfg.warmup_epochs * steps_per_epoch),
                               cfg.epochs * steps_per_epoch)
     # DDP first (it broadcasts rank 0's weights), then compile the wrapped model, as PyTorch advises
@@ -731,8 +739,8 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
 
     # -- outputs: config.yaml first --------------------------------------------------------------
     options = config.to_dict(dataclasses.replace(
-        cfg, batch_size=micro, accum_steps=accum, effective_batch=None, lr=lr, weight_decay=wd, img_size=data.img_size,
-        workers=data.workers, resume=None,
+        cfg, batch_size=micro, accum_steps=accum, effective_batch=None, optimizer=opt_name, lr=lr,
+        weight_decay=wd, img_size=data.img_size, workers=data.workers, resume=None,
         amp_dtype=precision.mode if precision.mode != "fp32" else cfg.amp_dtype))
     if is_main:
         if run_dir is None:
@@ -753,7 +761,7 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
     say(f"{what} {cfg.model} on {data.source} ({len(data.classes)} classes, {data.img_size} px) | {device} "
         f"{precision.mode}{' channels_last' if channels_last else ''}"
         f"{' checkpointing' if cfg.checkpoint else ''} | batch {micro} x {accum} accum x "
-        f"{dist.world_size} GPU = {effective}, lr {lr:g} | {run_dir}")
+        f"{dist.world_size} GPU = {effective}, {opt_name} lr {lr:g} | {run_dir}")
 
     monitor = MemoryMonitor(device)
     from dlenv.data.bench import data_wait_advice
