@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from dlenv.data.folder import _usable_cpus, dataset_report  # noqa: E402
+from dlenv.cpus import usable_cpus  # noqa: E402
+from dlenv.data.folder import dataset_report  # noqa: E402
 
 
 def write_jpegs(root: Path, n: int, size: int) -> None:
@@ -46,7 +47,7 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=96, help="image side in pixels")
     ap.add_argument("--workers", type=int, default=None, help="processes (default: usable CPUs)")
     args = ap.parse_args()
-    workers = args.workers or _usable_cpus()
+    workers = args.workers or usable_cpus()
     root = Path(tempfile.mkdtemp(prefix="bench-check-images-"))
     try:
         t0 = time.perf_counter()
@@ -54,7 +55,7 @@ def main() -> None:
         mib = sum(f.stat().st_size for f in root.rglob("*.jpg")) / 2**20
         print(f"{args.n} JPEGs of {args.size}x{args.size} ({mib:.0f} MiB) written in "
               f"{time.perf_counter() - t0:.1f} s; {platform.processor() or platform.machine()}, "
-              f"{os.cpu_count()} CPUs, {_usable_cpus()} usable")
+              f"{os.cpu_count()} CPUs, {usable_cpus()} usable")
         print(f"{'mode':<30} {'workers':>7} {'seconds':>8} {'images/s':>9} {'unreadable':>10}")
         for name, check, w in (("quick (default)", False, None), ("--check-images, serial", True, 1),
                                ("--check-images, parallel", True, workers)):

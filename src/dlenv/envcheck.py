@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dlenv import __version__
+from dlenv.cpus import usable_cpus
 
 #: The source checkout (or /opt/dlenv in the image): where the profiles' env files live.
 ROOT = Path(__file__).resolve().parents[2]
@@ -276,17 +277,6 @@ def _import_version(name: str) -> tuple[Any, str | None, str | None]:
     return module, str(getattr(module, "__version__", "?")), None
 
 
-def usable_cpus() -> tuple[int, int]:
-    """(usable, on the host): the affinity mask and a cgroup CPU quota (docker --cpus), and os.cpu_count()."""
-    host = os.cpu_count() or 1
-    try:
-        from dlenv.data.loaders import usable_cpus as loaders_cpus
-
-        return loaders_cpus(), host
-    except Exception:  # loaders needs torch; without it, the affinity mask alone
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else host, host
-
-
 def _loader_params() -> tuple[int, int]:
     """(batches each DataLoader worker prefetches, the most workers 'auto' picks), as the trainer uses."""
     try:
@@ -428,7 +418,7 @@ def collect(workers: int | str = "auto", workspace: str | Path | None = None) ->
     facts.driver, facts.driver_cuda, facts.smi_gpus = _driver()
     if torch is not None:
         _collect_gpus(torch, facts)
-    facts.cpus, facts.host_cpus = usable_cpus()
+    facts.cpus, facts.host_cpus = usable_cpus(), os.cpu_count() or 1
     prefetch, max_auto = _loader_params()
     facts.workers_auto = workers == "auto"
     facts.workers = min(facts.cpus, max_auto) if facts.workers_auto else int(workers)

@@ -275,7 +275,7 @@ def _samples_of(root: Path, val_split: float, seed: int, trained_on: bool) -> tu
     return list(layout.val), list(layout.classes), f"the {val_split:g} held out for validation (seed {seed})"
 
 
-def _resolve_data(cfg: Any, ckpt: Any) -> tuple[Path, list, list[str], str]:
+def resolve_data(cfg: Any, ckpt: Any) -> tuple[Path, list, list[str], str]:
     """(root, samples, classes, what) to validate on: --data, else the data the checkpoint was
     trained on (the part it held out), else the demo data when it was trained on that."""
     train_cfg = ckpt.get("config") if isinstance(ckpt, dict) else None
@@ -304,7 +304,7 @@ def _resolve_data(cfg: Any, ckpt: Any) -> tuple[Path, list, list[str], str]:
     return (root, *_samples_of(root, val_split, seed, trained_on=True))
 
 
-def _match_classes(data_classes: list[str], ckpt_classes: list[str], bare: bool, where: Path) -> list[int]:
+def match_classes(data_classes: list[str], ckpt_classes: list[str], bare: bool, where: Path) -> list[int]:
     """Map each data class index to the checkpoint's class index; UserError naming any difference.
 
     A bare state dict has no class names: the data's (sorted) classes are taken when the counts agree.
@@ -342,10 +342,10 @@ def main(cfg: Any) -> int:
     ckpt = load_checkpoint(weights)
     model, class_names, img_size = model_from_checkpoint(ckpt, cfg.model, source=str(weights))
     bare = not is_dlenv_checkpoint(ckpt)
-    root, samples, data_classes, what = _resolve_data(cfg, ckpt if not bare else {})
+    root, samples, data_classes, what = resolve_data(cfg, ckpt if not bare else {})
     if not samples:
         raise UserError(f"no images to validate on in {root}; pass --data with class folders of images")
-    remap = _match_classes(data_classes, class_names, bare, root)
+    remap = match_classes(data_classes, class_names, bare, root)
     if bare:
         class_names = list(data_classes)
     samples = [(path, remap[idx]) for path, idx in samples]

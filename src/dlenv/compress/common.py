@@ -72,12 +72,12 @@ def load_source(weights: str | None, verb: str) -> Source:
 
 def _val_data(data: str | None, src: Source) -> tuple[Path, list[tuple[str, int]]]:
     """(root, samples) to measure on, with labels in the checkpoint's class order (as `dlenv val`)."""
-    from dlenv.evaluate import _match_classes, _resolve_data
+    from dlenv.evaluate import match_classes, resolve_data
 
     # (root, samples, classes[, what]): the same choice of data as `dlenv val` makes
-    found = _resolve_data(SimpleNamespace(data=data), src.ckpt)
+    found = resolve_data(SimpleNamespace(data=data), src.ckpt)
     root, samples, classes = found[0], found[1], found[2]
-    remap = _match_classes(list(classes), src.class_names, False, root)
+    remap = match_classes(list(classes), src.class_names, False, root)
     samples = [(p, remap[i]) for p, i in samples]
     if not samples:
         raise UserError(f"no images in {root}; pass --data with class folders of images")
@@ -102,13 +102,13 @@ def train_layout(src: Source) -> Any:
     when that data is not on this machine.
     """
     from dlenv.data.folder import find_layout
-    from dlenv.evaluate import _match_classes, _resolve_data
+    from dlenv.evaluate import match_classes, resolve_data
 
     train_cfg = src.ckpt.get("config") if isinstance(src.ckpt.get("config"), dict) else {}
-    root = Path(_resolve_data(SimpleNamespace(data=None), src.ckpt)[0])
+    root = Path(resolve_data(SimpleNamespace(data=None), src.ckpt)[0])
     layout = find_layout(root, val_split=float(train_cfg.get("val_split", 0.2)),
                          seed=int(train_cfg.get("seed", 0)))
-    remap = _match_classes(list(layout.classes), src.class_names, False, root)
+    remap = match_classes(list(layout.classes), src.class_names, False, root)
     train = [(p, remap[i]) for p, i in layout.train]
     if not train:
         raise UserError(f"no training images in {root}; fine-tuning needs the data the checkpoint was "

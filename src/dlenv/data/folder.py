@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dlenv.cpus import usable_cpus
 from dlenv.errors import UserError
 
 #: Image file extensions we read, lowercase; matching is case-insensitive.
@@ -261,13 +262,6 @@ def _decode_all(paths: list[str], workers: int) -> dict[str, str]:
         return dict(pair for part in pool.map(_decode_chunk, chunks) for pair in part)
 
 
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 # ---------------------------------------------------------------------------------------------------
 # The report.
 
@@ -361,7 +355,7 @@ def dataset_report(root: str | Path, val_split: float = 0.2, seed: int = 0, chec
     if check_images:
         problems = {p: why for p, (_, why) in quick.items() if why and not why.startswith("suspect")}
         todo = [p for p in paths if p not in problems]
-        problems.update(_decode_all(todo, workers or _usable_cpus()))
+        problems.update(_decode_all(todo, workers or usable_cpus()))
     else:
         problems = {}
         for p, (_, why) in quick.items():

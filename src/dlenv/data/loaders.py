@@ -15,12 +15,12 @@ import os
 import shutil
 import warnings
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from dlenv.cpus import usable_cpus
 from dlenv.errors import UserError
 
 log = logging.getLogger("dlenv.data")
@@ -258,21 +258,6 @@ def _say_once(msg: str) -> None:
     if msg not in _said:
         _said.add(msg)
         log.warning(msg)
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on: affinity mask, and a cgroup CPU quota (docker --cpus) if set."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:
-        n = os.cpu_count() or 1
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-        if quota != "max":
-            n = min(n, max(1, int(int(quota) // int(period))))
-    except (OSError, ValueError):
-        pass
-    return n
 
 
 def resolve_workers(workers: int | str, batch_size: int | None = None, img_size: int = 224,
