@@ -187,6 +187,19 @@ def _peaks(dev) -> tuple[float | None, float | None]:
     return torch.cuda.max_memory_allocated(dev) / GIB, torch.cuda.max_memory_reserved(dev) / GIB
 
 
+def _oom_as_status(run: Any, out: dict[str, Any]) -> dict[str, Any]:
+    """Call run(); a CUDA out-of-memory becomes status "oom" in `out` (a result, not a crash)."""
+    from dlenv.compat import is_oom  # compat imports torch: only inside the worker process
+
+    try:
+        run()
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        out.update(status="oom", error=str(e).splitlines()[0][:200])
+    return out
+
+
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """One configuration's warmup + timed training steps on one seeded batch (run inside a worker).
 
@@ -196,7 +209,6 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from dlenv.compat import is_oom
     from dlenv.precision import Precision
 
     dev, model, conv, mode, fmt = _setup(spec)
@@ -232,13 +244,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         out.update(peak_alloc_gib=alloc, peak_reserved_gib=reserved, img_per_s=b * steps / seconds,
                    loss_first=float(first), loss_last=float(loss.detach()), skipped_steps=skipped)
 
-    try:
-        run()
-    except Exception as e:
-        if not is_oom(e):
-            raise
-        out.update(status="oom", error=str(e).splitlines()[0][:200])
-    return out
+    return _oom_as_status(run, out)
 
 
 def measure_max_batch(spec: dict[str, Any]) -> dict[str, Any]:
@@ -277,7 +283,6 @@ def measure_allocator(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from dlenv.compat import is_oom
     from dlenv.precision import Precision
 
     dev, model, conv, mode, fmt = _setup(spec)
@@ -306,13 +311,7 @@ def measure_allocator(spec: dict[str, Any]) -> dict[str, Any]:
                    fragmentation=(1 - alloc / reserved) if reserved else None,
                    img_per_s=images / (time.perf_counter() - t0))
 
-    try:
-        run()
-    except Exception as e:
-        if not is_oom(e):
-            raise
-        out.update(status="oom", error=str(e).splitlines()[0][:200])
-    return out
+    return _oom_as_status(run, out)
 
 
 _MODES = {"measure": measure, "max_batch": measure_max_batch, "allocator": measure_allocator}
