@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark the open issues name, in one unattended call on a CUDA box
+# (the project's H200 device machine, or any GPU host with the modern stack):
+#
+#   bash scripts/gpu_all.sh OUT [part ...]      parts: env tests train memory autobatch pipeline ddp
+#
+# Each part writes OUT/<part>.txt (its full log); SUMMARY.md gathers the scripts' markdown tables, and
+# memory.png is bench-memory's chart: at most 8 files, what the device tool brings back. Default: all
+# parts; `ddp` runs only with 2+ GPUs (on the project's device tool: a second call, kind nvidia-h200-x2).
+# Budget on one H200: env+tests ~4 min, train ~3, memory ~3, autobatch ~1-2, pipeline ~6, ddp ~4 (x2).
+set -u
+out=${1:?usage: bash scripts/gpu_all.sh OUT [part ...]}; shift
+parts=${*:-env tests train memory autobatch pipeline ddp}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+tmp=$(mktemp -d)
+: > "$tmp/tables.md"
+
+run() {  # run PART CMD...: log to OUT/PART.txt, keep going on failure
+    local part=$1; shift
+    echo "== $part: $*" | tee -a "$out/$part.txt"
+    "$@" 2>&1 | tee -a "$out/$part.txt" | tail -n 25
+    echo "== $part exit ${PIPESTATUS[0]}" | tee -a "$out/$part.txt"
+}
+
+for part in $parts; do
+    case $part in
+    env)   run env nvidia-smi
+           run env python3 -m dlenv verify-env ;;
+    tests) run tests python3 -m pytest -q -m gpu tests -p no:cacheprovider ;;
+    train) run train python3 scripts/bench_train.py --steps 20 --out "$tmp/train"
+           cat "$tmp"/train/*.md >> "$tmp/tables.md" 2>/dev/null ;;
+    memory)
+           run memory python3 -m dlenv bench-memory --model resnet50 --batch-size 256 --out "$tmp/bm-r50"
+           run memory python3 -m dlenv bench-memory --model vit_b_16 --batch-size 128 --no-allocator --out "$tmp/bm-vit"
+           run memory python3 scripts/bench_memory_yardstick.py --model resnet50 --batch-size 256
+           run memory python3 scripts/bench_memory_yardstick.py --model vit_b_16 --batch-size 128
+           cat "$tmp"/bm-r50/memory.md "$tmp"/bm-vit/memory.md >> "$tmp/tables.md" 2>/dev/null
+           cp "$tmp/bm-r50/memory.png" "$out/memory.png" 2>/dev/null ;;
+    autobatch) run autobatch python3 scripts/bench_autobatch.py --model resnet50 ;;
+    pipeline)
+           run pipeline python3 scripts/bench_pipeline.py --out "$tmp/pipeline"
+           cat "$tmp"/pipeline/*.md >> "$tmp/tables.md" 2>/dev/null ;;
+    ddp)   if [ "$gpus" -ge 2 ]; then
+               run ddp python3 scripts/bench_ddp.py --out "$tmp/ddp"
+               cat "$tmp"/ddp/*.md >> "$tmp/tables.md" 2>/dev/null
+           else
+               echo "== ddp skipped: $gpus GPU(s)" | tee -a "$out/ddp.txt"
+           fi ;;
+    *)     echo "unknown part $part (env tests train memory autobatch pipeline ddp)" >&2; exit 2 ;;
+    esac
+done
+cp "$tmp/tables.md" "$out/SUMMARY.md" 2>/dev/null
+grep -h "^== .* exit" "$out"/*.txt
