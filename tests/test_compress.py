@@ -430,3 +430,14 @@ def test_half_export_on_gpu_matches(fmt, ckpt, capsys):
     assert ckpt.with_name(f"best_model_fp16{suffix}").is_file()
     text = capsys.readouterr().out
     assert "fp16" in text and "largest |difference| from PyTorch" in text
+
+
+def test_int8_engine_is_fbgemm_on_1_13_and_x86_on_2x():
+    # 1.13's x86 (oneDNN) engine failed on real batches of a trained, calibrated ResNet-18
+    # ("could not create a primitive descriptor for a reorder primitive"); fbgemm does not.
+    from dlenv import compat
+
+    engines = torch.backends.quantized.supported_engines
+    if "fbgemm" not in engines or "x86" not in engines:
+        pytest.skip(f"this build's int8 engines: {engines}")
+    assert compat.quant_backend() == ("x86" if compat.TORCH_VERSION >= (2, 0) else "fbgemm")

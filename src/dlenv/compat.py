@@ -193,9 +193,15 @@ def quantization_unavailable() -> str | None:
 
 
 def quant_backend() -> str | None:
-    """The int8 CPU engine to use: 'x86' (1.13+ on x86), else 'fbgemm', else 'qnnpack' (ARM); or None."""
+    """The int8 CPU engine to use: 'x86' (2.x on x86), else 'fbgemm', else 'qnnpack' (ARM); or None.
+
+    1.13 introduced the 'x86' engine but its oneDNN path fails on some real batches of a calibrated
+    ResNet ("could not create a primitive descriptor for a reorder primitive"); fbgemm is 1.13's
+    well-trodden engine.
+    """
     engines = torch.backends.quantized.supported_engines
-    for name in ("x86", "fbgemm", "qnnpack"):
+    order = ("x86", "fbgemm", "qnnpack") if TORCH_VERSION >= (2, 0) else ("fbgemm", "x86", "qnnpack")
+    for name in order:
         if name in engines:
             return name
     return None
