@@ -321,3 +321,14 @@ def test_sigterm_and_kill_9_leave_a_loadable_checkpoint(tmp_path, data):
     proc.communicate()
     ck = checkpoint.load_checkpoint(last)
     assert ck["epoch"] > epoch
+
+
+def test_resume_says_which_given_options_it_cannot_change(tmp_path, data, tiny, capsys):
+    first = train_mod.train(cfg(tmp_path, data, epochs=1))
+    last = Path(first["run_dir"]) / "last.pth"
+    capsys.readouterr()
+    again = train_mod.train(cfg(tmp_path, data, resume=str(last), epochs=5, lr=0.5, device="cpu"))
+    out = capsys.readouterr().out
+    assert "ignoring --epochs, --lr" in out and f"--weights {last}" in out
+    # the saved run's options win: it was complete after its one epoch
+    assert again["exit_code"] == 0 and checkpoint.load_checkpoint(last)["epoch"] == 1

@@ -600,16 +600,24 @@ def _write_config_yaml(path: Path, options: dict[str, Any], notes: dict[str, Any
     os.replace(tmp, path)
 
 
-def _resume_config(ckpt: dict[str, Any], given: TrainConfig, path: Path) -> TrainConfig:
-    """The saved run's options; only where it runs (--device, --workers) comes from this command."""
+#: Options a resumed run takes from the new command: where it runs, not what it computes.
+_RESUME_FROM_COMMAND = ("device", "workers", "gpus", "nnodes", "node_rank", "master_addr", "master_port",
+                        "dist_timeout")
+
+
+def _resume_config(ckpt: dict[str, Any], given: TrainConfig, path: Path) -> tuple[TrainConfig, list[str]]:
+    """(the saved run's options with only where it runs taken from this command, the flags given that a
+    resume cannot change)."""
     if not ckpt_io.is_dlenv_checkpoint(ckpt) or "config" not in ckpt or "optimizer" not in ckpt:
         raise UserError(f"--resume {path}: not a dlenv training checkpoint (no optimizer state); "
                         "pass a last.pth from runs/<name>/, or start from its weights with --weights")
     saved = config.from_dict(TrainConfig, ckpt["config"])
-    return dataclasses.replace(saved, resume=str(path), device=given.device, workers=given.workers,
-                               gpus=given.gpus, nnodes=given.nnodes, node_rank=given.node_rank,
-                               master_addr=given.master_addr, master_port=given.master_port,
-                               dist_timeout=given.dist_timeout)
+    # a value given that differs from both the default and the saved run was asked for, and is ignored
+    ignored = [config.flag(f.name) for f in config.options(TrainConfig)
+               if f.name not in (*_RESUME_FROM_COMMAND, "resume")
+               and getattr(given, f.name) != f.default and getattr(given, f.name) != getattr(saved, f.name)]
+    kept = {name: getattr(given, name) for name in _RESUME_FROM_COMMAND}
+    return dataclasses.replace(saved, resume=str(path), **kept), ignored
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -633,11 +641,11 @@ def train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None = None)
 
 def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> dict[str, Any]:
     # -- what to continue, if anything ------------------------------------------------------------
-    resume_ckpt, run_dir = None, None
+    resume_ckpt, run_dir, ignored_on_resume = None, None, []
     if cfg.resume:
         resume_path = runs.find_resume(cfg.resume, cfg.project)
         resume_ckpt = ckpt_io.load_checkpoint(resume_path)
-        cfg = _resume_config(resume_ckpt, cfg, resume_path)
+        cfg, ignored_on_resume = _resume_config(resume_ckpt, cfg, resume_path)
         run_dir = resume_path.parent
 
     dist = setup_distributed(cfg)
@@ -646,6 +654,10 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
     def say(msg: str) -> None:
         if is_main:
             print(msg, flush=True)
+
+    if ignored_on_resume:
+        say(f"--resume continues {run_dir} with its saved options; ignoring {', '.join(ignored_on_resume)} "
+            f"(to change them, start a new run from its weights: --weights {cfg.resume})")
 
     device = resolve_device(cfg.device, dist.local_rank)
     _seed_everything(cfg.seed + dist.rank, cfg.deterministic, device)
