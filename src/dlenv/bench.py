@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dlenv.atomic import write_atomic
 from dlenv.errors import UserError
 
 GIB = 1024 ** 3
@@ -400,16 +401,6 @@ def allocator_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Write through a temporary file beside `path`, renamed into place when complete."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def write_csv(rows: list[dict[str, Any]], path: Path, columns: list[str]) -> Path:
     """`rows` as CSV with `columns` (missing values empty, floats to 6 significant digits)."""
     def write(tmp: Path) -> None:
@@ -420,7 +411,7 @@ def write_csv(rows: list[dict[str, Any]], path: Path, columns: list[str]) -> Pat
                 w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else ("" if v is None else v))
                             for k, v in ((k, r.get(k)) for k in columns)})
 
-    _atomic_write(Path(path), write)
+    write_atomic(Path(path), write)
     return Path(path)
 
 
@@ -459,7 +450,7 @@ def bar_chart(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
         ax.set_xticklabels(labels, fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    _atomic_write(Path(path), lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    write_atomic(Path(path), lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
     return Path(path)
 
@@ -570,7 +561,7 @@ def main(cfg: Any) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows, alloc_rows, info = run_bench(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
     text = report(cfg, rows, alloc_rows, info)
-    _atomic_write(out / "memory.md", lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    write_atomic(out / "memory.md", lambda tmp: tmp.write_text(text, encoding="utf-8"))
     write_csv(rows, out / "memory.csv", CSV_COLUMNS)
     if alloc_rows:
         write_csv(alloc_rows, out / "allocator.csv", ALLOC_COLUMNS)

@@ -21,13 +21,12 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dlenv.atomic import write_bytes
 from dlenv.devices import resolve_device
 from dlenv.errors import UserError
 
@@ -152,18 +151,6 @@ def format_report(m: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write bytes to `path` through a temporary file in the same folder and os.replace."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _csv_bytes(header: list[str], rows: list[list[Any]]) -> bytes:
     buf = io.StringIO(newline="")
     w = csv.writer(buf)
@@ -240,15 +227,15 @@ def write_reports(out: Path, metrics: dict[str, Any], errors: list[dict[str, Any
     per_class += [[label, *(round(metrics[key][k], 6) for k in fields)]
                   for label, key in (("macro avg", "macro_avg"), ("weighted avg", "weighted_avg"))]
     cm = metrics["confusion_matrix"]
-    _write_atomic(out / "metrics.json", (json.dumps(metrics, indent=2) + "\n").encode("utf-8"))
-    _write_atomic(out / "per_class.csv", _csv_bytes(["class", *fields], per_class))
-    _write_atomic(out / "confusion_matrix.csv",
+    write_bytes(out / "metrics.json", (json.dumps(metrics, indent=2) + "\n").encode("utf-8"))
+    write_bytes(out / "per_class.csv", _csv_bytes(["class", *fields], per_class))
+    write_bytes(out / "confusion_matrix.csv",
                   _csv_bytes(["true \\ predicted", *names], [[n, *row] for n, row in zip(names, cm, strict=True)]))
     title = (f"Confusion matrix: {metrics.get('weights', 'model')} on {metrics.get('data', 'data')} "
              f"(top-1 {metrics['top1']:.1f}%)")
     save_figure(plot_confusion(cm, names, title), out / "confusion_matrix.png")
     cols = ["path", "true_class", "predicted_class", "confidence"]
-    _write_atomic(out / "errors.csv", _csv_bytes(cols, [[e[k] for k in cols] for e in errors]))
+    write_bytes(out / "errors.csv", _csv_bytes(cols, [[e[k] for k in cols] for e in errors]))
     return [out / f for f in REPORT_FILES]
 
 

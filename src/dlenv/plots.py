@@ -12,11 +12,10 @@ This module never imports torch.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from dlenv.atomic import write_atomic
 from dlenv.errors import UserError
 from dlenv.results import COLUMNS, read_results
 
@@ -173,16 +172,7 @@ def plot_compare(runs: dict[str, Any]):
 
 def save_figure(fig: Any, path: str | Path, dpi: int = 100) -> Path:
     """Write `fig` as a PNG atomically (temp file in the same folder, then os.replace); returns the path."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fig.savefig(fh, format="png", dpi=dpi)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=dpi))
 
 
 def plot_log_dir(log_dir: str | Path) -> list[Path]:

@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dlenv.atomic import write_atomic
+
 #: column -> meaning (with unit). The order is the file's column order.
 COLUMNS: dict[str, str] = {
     "epoch": "epoch number, from 1",
@@ -55,9 +57,14 @@ def _fmt(v: Any) -> Any:
 
 def read_results(path: str | Path):
     """results.csv as a pandas DataFrame (numeric columns as floats). A partial last line is dropped."""
+    import io
+
     import pandas as pd
 
-    df = pd.read_csv(path, on_bad_lines="skip")
+    text = Path(path).read_text(encoding="utf-8")
+    if not text.endswith("\n"):  # a row the trainer is writing right now: not a row yet
+        text = text[: text.rfind("\n") + 1]
+    df = pd.read_csv(io.StringIO(text), on_bad_lines="skip")
     for c in df.columns:
         df[c] = pd.to_numeric(df[c], errors="coerce")
     return df.dropna(subset=["epoch"]) if "epoch" in df.columns else df
@@ -71,9 +78,11 @@ def truncate_after(path: str | Path, epoch: int) -> None:
     with path.open(newline="", encoding="utf-8") as fh:
         rows = list(csv.DictReader(fh))
     keep = [r for r in rows if r.get("epoch") and float(r["epoch"]) <= epoch]
-    tmp = path.with_suffix(".csv.tmp")
-    with tmp.open("w", newline="", encoding="utf-8") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(COLUMNS))
-        w.writeheader()
-        w.writerows({k: r.get(k, "") for k in COLUMNS} for r in keep)
-    os.replace(tmp, path)
+
+    def write(tmp: Path) -> None:
+        with tmp.open("w", newline="", encoding="utf-8") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(COLUMNS))
+            w.writeheader()
+            w.writerows({k: r.get(k, "") for k in COLUMNS} for r in keep)
+
+    write_atomic(path, write)

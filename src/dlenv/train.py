@@ -39,6 +39,7 @@ from torch import nn
 
 from dlenv import checkpoint as ckpt_io
 from dlenv import compat, config, distributed, results, runs
+from dlenv.atomic import write_text
 from dlenv.config import TrainConfig
 from dlenv.devices import resolve_device
 from dlenv.errors import UserError
@@ -595,9 +596,7 @@ def _write_config_yaml(path: Path, options: dict[str, Any], notes: dict[str, Any
 
     head = ["# dlenv train: the options of this run, resolved; rerun with: dlenv train --cfg <this file>"]
     head += [f"# {k}: {v}" for k, v in notes.items()]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("\n".join(head) + "\n" + yaml.safe_dump(options, sort_keys=False), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text(path, "\n".join(head) + "\n" + yaml.safe_dump(options, sort_keys=False))
 
 
 #: Options a resumed run takes from the new command: where it runs, not what it computes.

@@ -12,9 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import io
-import os
 import statistics
-import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -206,20 +204,3 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
-
-
-def write_atomic(path: Path, write: Any) -> Path:
-    """Call `write(tmp_path)` for a temporary file beside `path`, then os.replace it into place.
-
-    A failure removes the temporary file and leaves whatever was at `path` untouched.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path

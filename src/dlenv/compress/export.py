@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from dlenv import compat
+from dlenv.atomic import write_atomic
 from dlenv.compress import common, quantize
 from dlenv.errors import UserError
 
@@ -166,9 +167,9 @@ def main(cfg: Any) -> int:
 
     if cfg.format == "torchscript":
         traced = compat.jit_trace(model, example)
-        common.write_atomic(out, lambda p: compat.jit_save(traced, str(p)))
+        write_atomic(out, lambda p: compat.jit_save(traced, str(p)))
     else:
-        common.write_atomic(out, lambda p: compat.onnx_export(model, example, p, cfg.opset))
+        write_atomic(out, lambda p: compat.onnx_export(model, example, p, cfg.opset))
 
     with torch.no_grad():
         ref = model(inputs).float().cpu()
