@@ -281,8 +281,14 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
 
 
 def cleanup() -> None:
-    """Leave the process group (at the end of a run; harmless when there is none)."""
+    """Leave the process group (at the end of a run; harmless when there is none).
+
+    All ranks meet at a barrier first: a rank that tears gloo down while a peer is still talking to it
+    can abort the peer at exit ("terminate called without an active exception", seen with PyTorch 2.14).
+    """
     if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 
