@@ -135,10 +135,13 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=256, help="per-GPU batch of the speed part")
     ap.add_argument("--img-size", type=int, default=224)
     ap.add_argument("--steps", type=int, default=60, help="steps per epoch of the speed part (2 epochs)")
-    ap.add_argument("--epochs", type=int, default=6, help="epochs of each demo-data run")
-    ap.add_argument("--demo-batch", type=int, default=128, help="effective batch of the demo-data runs")
+    # the trainer's defaults (batch 32, 10 epochs): enough optimizer steps that the demo is learned
+    # (fewer, larger steps left both sides near chance, where "the same accuracy" says little)
+    ap.add_argument("--epochs", type=int, default=10, help="epochs of each demo-data run")
+    ap.add_argument("--demo-batch", type=int, default=32, help="effective batch of the demo-data runs")
     ap.add_argument("--seeds", type=int, default=2, help="demo-data runs per GPU count")
     ap.add_argument("--skip-accuracy", action="store_true", help="measure speed only")
+    ap.add_argument("--skip-speed", action="store_true", help="compare accuracy only")
     ap.add_argument("--timeout", type=int, default=600, help="seconds allowed per run")
     ap.add_argument("--out", default="runs/bench-ddp", help="folder for bench_ddp.csv / .md, logs and runs")
     args = ap.parse_args()
@@ -148,10 +151,12 @@ def main() -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
 
-    rows = speed(args, out)
-    sp = rows[1]["speedup"]
-    checks = [(f"{args.model} --amp, 2 GPUs: {sp:.2f}x one GPU's images/s (target >= {SPEEDUP_TARGET}x)",
-               sp >= SPEEDUP_TARGET)]
+    rows, checks = [], []
+    if not args.skip_speed:
+        rows = speed(args, out)
+        sp = rows[1]["speedup"]
+        checks.append((f"{args.model} --amp, 2 GPUs: {sp:.2f}x one GPU's images/s (target >= {SPEEDUP_TARGET}x)",
+                       sp >= SPEEDUP_TARGET))
     if not args.skip_accuracy:
         acc = accuracy(args, out)
         rows += acc

@@ -8,7 +8,7 @@ import torch
 
 from dlenv import config
 from dlenv.data import bench
-from dlenv.data.bench import data_wait_advice, measure_loader, verdict
+from dlenv.data.bench import data_wait_advice, measure_loader, prefetched, verdict
 
 
 class SlowLoader:
@@ -26,6 +26,28 @@ class SlowLoader:
 def test_measure_loader_counts_images_per_second_across_passes():
     rate = measure_loader(SlowLoader(0.02, n=3), batches=6, device=torch.device("cpu"), warmup=1)
     assert 200 < rate <= 10 / 0.02 * 1.05  # 6 timed batches span two passes of the 3-batch loader
+
+
+class Prefetching:
+    """A loader whose workers had filled their buffers (2 workers x 2) before the first request: those
+    batches come at once, every later one takes `delay`."""
+
+    num_workers, prefetch_factor = 2, 2
+
+    def __init__(self, delay: float):
+        self.delay = delay
+
+    def __iter__(self):
+        for k in range(100):
+            if k >= self.num_workers * self.prefetch_factor:
+                time.sleep(self.delay)
+            yield torch.zeros(10, 3, 2, 2), torch.zeros(10, dtype=torch.long)
+
+
+def test_measure_loader_times_the_steady_rate_not_the_prefetched_buffer():
+    assert prefetched(Prefetching(0.02)) == 4
+    rate = measure_loader(Prefetching(0.02), batches=4, device=torch.device("cpu"), warmup=0)
+    assert rate <= 10 / 0.02 * 1.05  # counting the 4 ready batches would give about twice that
 
 
 def test_verdict_names_the_input_pipeline_when_the_loader_is_slower():

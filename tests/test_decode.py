@@ -95,3 +95,32 @@ def test_resolve_and_pick(tmp_path):
     assert resolve_decoder("auto", files, 32) in decode.CPU_DECODERS
     Image.new("RGB", (8, 8)).save(tmp_path / "p.png")
     assert pick_decoder([str(tmp_path / "p.png")] * 4, 32) == decode.AUTO_DECODER
+
+
+def test_auto_decodes_on_the_gpu_only_for_jpegs_on_cuda(tmp_path, monkeypatch):
+    from dlenv import compat
+
+    files = [str(photo(tmp_path / f"{i}.jpg", seed=i)) for i in range(4)]
+    assert not decode.prefer_nvjpeg(files, "cpu")
+    assert resolve_decoder("auto", files, 32, gpu="cpu") in decode.CPU_DECODERS
+    # a CUDA device whose torchvision batch-decodes: JPEGs go to nvJPEG, a folder of PNGs does not
+    monkeypatch.setattr(compat, "cuda_jpeg_batch_decode", lambda: True)
+    monkeypatch.setattr(compat, "cuda_jpeg_unavailable", lambda device="cuda": None)
+    assert resolve_decoder("auto", files, 32, gpu="cuda") == "nvjpeg"
+    assert resolve_decoder("auto", files, 32) in decode.CPU_DECODERS  # augmentation on the CPU: no GPU
+    assert not decode.prefer_nvjpeg(files[:2] + [str(tmp_path / "p.png")] * 2, "cuda")
+    monkeypatch.setattr(compat, "cuda_jpeg_batch_decode", lambda: False)  # torchvision < 0.19 (1.13 image)
+    assert resolve_decoder("auto", files, 32, gpu="cuda") in decode.CPU_DECODERS
+
+
+@pytest.mark.gpu
+def test_auto_picks_nvjpeg_where_this_torchvision_batch_decodes_on_cuda(tmp_path):
+    import torch
+
+    from dlenv import compat
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    files = [str(photo(tmp_path / f"{i}.jpg", seed=i)) for i in range(4)]
+    expected = compat.cuda_jpeg_batch_decode() and compat.cuda_jpeg_unavailable("cuda") is None
+    assert (resolve_decoder("auto", files, 32, gpu="cuda") == "nvjpeg") == expected

@@ -109,9 +109,12 @@ def _peak_step_gib(model, x, y, precision):
 
 
 @pytest.mark.parametrize("mode, most", [("fp32", 0.55), ("bf16", 0.65)])
-def test_checkpointing_lowers_peak_memory_of_resnet50(mode, most):
+def test_checkpointing_lowers_peak_memory_of_resnet50(mode, most, monkeypatch):
     if mode == "bf16" and not torch.cuda.is_bf16_supported():
         pytest.skip("this GPU has no bf16")
+    # cuDNN autotuning (left on by an earlier test's trainer) tries algorithms with large workspaces,
+    # which count in the peak too: +0.8 GiB to both sides, hiding the activations this compares
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     torch.manual_seed(0)
     model = build_model("resnet50", num_classes=1000).cuda().to(memory_format=torch.channels_last).train()
     x = torch.randn(32, 3, 224, 224, device="cuda").contiguous(memory_format=torch.channels_last)

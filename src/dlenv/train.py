@@ -263,8 +263,10 @@ def build_data(layout: Any, classes: list[str], source: str, img_size: int, micr
     from dlenv.data.demo import DEMO_TRAIN_SCALE
 
     scale = DEMO_TRAIN_SCALE if source == "demo" else (0.08, 1.0)
-    decoder = resolve_decoder(opts.decoder, [p for p, _ in layout.train], stored_size(img_size))
-    if opts.gpu_path(device):
+    gpu_path = opts.gpu_path(device)
+    decoder = resolve_decoder(opts.decoder, [p for p, _ in layout.train], stored_size(img_size),
+                              gpu=device if gpu_path and not opts.cache else None)
+    if gpu_path:
         # each rank validates its own shard, without padding; validate() sums them
         val_sampler = (distributed.EvalShardSampler(len(layout.val), dist.rank, dist.world_size)
                        if layout.val and dist.world_size > 1 else None)

@@ -19,10 +19,29 @@ HEADROOM = 1.1
 WAIT_LIMIT = 0.2
 
 
+def prefetched(loader: Any) -> int:
+    """How many batches `loader` may hold ready before anyone asks: a DataLoader's workers x
+    prefetch_factor, a DeviceLoader's queue plus its source's. Batches made while nobody waited come
+    out instantly, so a timing must start after they are drained, or it measures the buffer."""
+    n = 0
+    workers = getattr(loader, "num_workers", 0) or 0
+    if workers:
+        n += workers * (getattr(loader, "prefetch_factor", None) or 2)
+    n += getattr(loader, "depth", 0) or 0
+    for name in ("source", "loader"):
+        inner = getattr(loader, name, None)
+        if inner is not None and not hasattr(inner, "shape"):  # CacheSource.source is a tensor
+            n += prefetched(inner)
+    return n
+
+
 def measure_loader(loader: Iterable, batches: int, device: Any = None, warmup: int = 2) -> float:
-    """Images/s of iterating `loader` for `batches` batches after `warmup` untimed ones (worker start-up),
-    batches moved to `device` if given. Passes over the loader again if it is shorter."""
+    """Images/s of iterating `loader` for `batches` batches after the untimed ones: `warmup` (worker
+    start-up) plus what the loader had prefetched meanwhile (`prefetched`), so the rate is the
+    steady one. Batches are moved to `device` if given. Passes over the loader again if it is shorter."""
     import torch
+
+    warmup += prefetched(loader)
 
     def stream():
         while True:
@@ -160,7 +179,7 @@ def main(cfg: Any) -> int:
     fmt = torch.channels_last if device.type == "cuda" else torch.contiguous_format
     gpu_aug = cfg.gpu_augment == "on" or (cfg.gpu_augment == "auto" and device.type == "cuda")
     decoder = decode.resolve_decoder(cfg.decoder, [p for p, _ in layout.train],
-                                     decode.stored_size(cfg.img_size))
+                                     decode.stored_size(cfg.img_size), gpu=device if gpu_aug else None)
     train_only = type(layout)(layout.root, layout.classes, layout.train, [])
     cpus = usable_cpus()
     counts = [w for w in cfg.workers if w <= cpus] or [min(cfg.workers)]

@@ -197,7 +197,7 @@ class NvjpegSource(_Sampled):
             if paths[k] not in self.bad_paths:
                 self.bad_paths[paths[k]] = reason
                 log.warning("skipping unreadable image %s (%s)", paths[k], reason)
-            images[k] = images[good[(k + 1) % len(good)]]
+            images[k] = images[next((g for g in good if g > k), good[0])]  # the next readable one
         sizes = torch.tensor([[img.shape[2], img.shape[1]] for img in images], dtype=torch.int32)
         labels = torch.tensor([self.samples[i][1] for i in chunk], dtype=torch.long)
         return _squash(images, self.size), sizes, labels.to(device, non_blocking=True)
