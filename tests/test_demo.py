@@ -208,3 +208,17 @@ def test_small_cnn_learns_the_demo_task():
     with torch.no_grad():
         acc = (model(xv).argmax(1) == yv).float().mean().item()
     assert acc > 0.3, f"val accuracy {acc:.2f} (chance {1 / len(CLASSES):.2f})"
+
+
+def test_a_demo_folder_given_as_data_trains_like_the_built_in_demo(tmp_path):
+    from dlenv.train import _is_demo, locate_data
+    from imagedata import make_image_folder
+
+    root = ensure_demo_data(tmp_path / "somewhere" / "demo", **SMALL)
+    assert demo.is_demo_folder(root)
+    layout, _, source = locate_data(str(root), False, 0.2, 0)
+    # `--data data/demo` used to train at 224 px with crops down to 8% of a 64 px image: near chance
+    assert source == str(root) and _is_demo(source, layout)
+    other = make_image_folder(tmp_path / "photos")
+    layout, _, source = locate_data(str(other), False, 0.2, 0)
+    assert not demo.is_demo_folder(other) and not _is_demo(source, layout)

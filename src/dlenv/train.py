@@ -210,6 +210,13 @@ class Data:
     source: str                 # what to print and store: folder path, "demo", "synthetic"
 
 
+def _is_demo(source: str, layout: Any) -> bool:
+    """The built-in demo data, or a folder of it given as --data: 64 px images, gentler crops."""
+    from dlenv.data.demo import is_demo_folder
+
+    return source == "demo" or (layout is not None and is_demo_folder(layout.root))
+
+
 def locate_data(data: str | None, synthetic: bool, val_split: float, seed: int) -> tuple[Any, list[str], str]:
     """(layout or None for synthetic data, class names, source) for --data. The demo data is written
     on first use. Raises UserError for a missing folder or one without images."""
@@ -262,7 +269,7 @@ def build_data(layout: Any, classes: list[str], source: str, img_size: int, micr
     # RandomResizedCrop's default (0.08, 1) can crop a demo shape out of its 64 px image entirely
     from dlenv.data.demo import DEMO_TRAIN_SCALE
 
-    scale = DEMO_TRAIN_SCALE if source == "demo" else (0.08, 1.0)
+    scale = DEMO_TRAIN_SCALE if _is_demo(source, layout) else (0.08, 1.0)
     gpu_path = opts.gpu_path(device)
     decoder = resolve_decoder(opts.decoder, [p for p, _ in layout.train], stored_size(img_size),
                               gpu=device if gpu_path and not opts.cache else None)
@@ -679,7 +686,7 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
 
     # -- data and model (the model first: --batch-size auto and channels_last need it) ---------------
     layout, classes, source = locate_data(cfg.data, cfg.synthetic, cfg.val_split, cfg.seed)
-    img_size = cfg.img_size or (DEMO_IMG_SIZE if source == "demo" else 224)
+    img_size = cfg.img_size or (DEMO_IMG_SIZE if _is_demo(source, layout) else 224)
     model = build_model(cfg.model, len(classes), weights=None if resume_ckpt else cfg.weights)
     channels_last = cfg.channels_last and device.type == "cuda" and is_convolutional(model)
     memory_format = torch.channels_last if channels_last else torch.contiguous_format

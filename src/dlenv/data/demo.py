@@ -150,6 +150,12 @@ def _read_marker(dest: Path) -> dict[str, Any] | None:
         return None
 
 
+def is_demo_folder(root: str | Path) -> bool:
+    """Whether `root` is a demo dataset written by `ensure_demo_data` (it has the marker), wherever it
+    lives: `--data data/demo` then trains with the demo's image size and crop scale, as no --data does."""
+    return _read_marker(Path(root)) is not None
+
+
 def is_complete(dest: str | Path, params: dict[str, Any]) -> bool:
     """Whether `dest` holds a whole demo dataset made with exactly these settings."""
     dest = Path(dest)
