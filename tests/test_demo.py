@@ -211,8 +211,9 @@ def test_small_cnn_learns_the_demo_task():
 
 
 def test_a_demo_folder_given_as_data_trains_like_the_built_in_demo(tmp_path):
-    from dlenv.train import _is_demo, locate_data
     from imagedata import make_image_folder
+
+    from dlenv.train import _is_demo, locate_data
 
     root = ensure_demo_data(tmp_path / "somewhere" / "demo", **SMALL)
     assert demo.is_demo_folder(root)
