@@ -104,11 +104,26 @@ def test_auto_decodes_on_the_gpu_only_for_jpegs_on_cuda(tmp_path, monkeypatch):
     assert not decode.prefer_nvjpeg(files, "cpu")
     assert resolve_decoder("auto", files, 32, gpu="cpu") in decode.CPU_DECODERS
     # a CUDA device whose torchvision batch-decodes: JPEGs go to nvJPEG, a folder of PNGs does not
+    import types
+
+    import torch
+
+    gib = 2**30
+    card = types.SimpleNamespace(total_memory=80 * gib)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: card)
     monkeypatch.setattr(compat, "cuda_jpeg_batch_decode", lambda: True)
     monkeypatch.setattr(compat, "cuda_jpeg_unavailable", lambda device="cuda": None)
     assert resolve_decoder("auto", files, 32, gpu="cuda") == "nvjpeg"
     assert resolve_decoder("auto", files, 32) in decode.CPU_DECODERS  # augmentation on the CPU: no GPU
+    Image.new("RGB", (8, 8)).save(tmp_path / "p.png")
     assert not decode.prefer_nvjpeg(files[:2] + [str(tmp_path / "p.png")] * 2, "cuda")
+    # a decoded batch must stay small beside training: 120x90 photos x 256 x 18 B = 50 MB
+    assert decode.mean_pixels(files) == 120 * 90
+    card.total_memory = 2 * gib  # 5% of it is 100 MB: fits
+    assert decode.prefer_nvjpeg(files, "cuda", batch=256)
+    card.total_memory = gib // 2  # 25 MB: the CPU decoders (reduced-size decoding) instead
+    assert not decode.prefer_nvjpeg(files, "cuda", batch=256)
+    assert resolve_decoder("auto", files, 32, gpu="cuda", batch=256) in decode.CPU_DECODERS
     monkeypatch.setattr(compat, "cuda_jpeg_batch_decode", lambda: False)  # torchvision < 0.19 (1.13 image)
     assert resolve_decoder("auto", files, 32, gpu="cuda") in decode.CPU_DECODERS
 
@@ -124,3 +139,85 @@ def test_auto_picks_nvjpeg_where_this_torchvision_batch_decodes_on_cuda(tmp_path
     files = [str(photo(tmp_path / f"{i}.jpg", seed=i)) for i in range(4)]
     expected = compat.cuda_jpeg_batch_decode() and compat.cuda_jpeg_unavailable("cuda") is None
     assert (resolve_decoder("auto", files, 32, gpu="cuda") == "nvjpeg") == expected
+
+
+def _rotated_jpeg(path, orientation, w=50, h=30):
+    """A JPEG stored w x h with EXIF `orientation` (random content, so every turn is distinguishable)."""
+    arr = np.random.default_rng(orientation).integers(0, 255, (h, w, 3), dtype=np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    Image.fromarray(arr).save(path, quality=95, exif=exif)
+    return path
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientation_and_upright_agree_with_pillow(tmp_path, orientation):
+    import torch
+    from PIL import ImageOps
+
+    from dlenv.data.decode import exif_orientation, upright
+
+    path = _rotated_jpeg(tmp_path / "r.jpg", orientation)
+    assert exif_orientation(path.read_bytes()) == orientation
+    with Image.open(path) as im:
+        stored = np.asarray(im.convert("RGB"))
+        ref = np.asarray(ImageOps.exif_transpose(im).convert("RGB"))
+    out = upright(torch.from_numpy(stored).permute(2, 0, 1), orientation).permute(1, 2, 0).numpy()
+    assert out.shape == ref.shape and np.array_equal(out, ref)
+
+
+def test_exif_orientation_reads_big_endian_and_survives_garbage(tmp_path):
+    import struct
+
+    from dlenv.data.decode import exif_orientation
+
+    # a big-endian ("MM") TIFF block with one IFD entry: orientation 8 as a SHORT
+    ifd = struct.pack(">H", 1) + struct.pack(">HHIHH", 0x0112, 3, 1, 8, 0) + struct.pack(">I", 0)
+    block = b"\xff\xd8\xff\xe1\x00\x00Exif\x00\x00" + b"MM\x00\x2a" + struct.pack(">I", 8) + ifd
+    assert exif_orientation(block) == 8
+    assert exif_orientation(block[:-14]) == 1  # cut inside the entry
+    assert exif_orientation(b"\xff\xd8\xff\xe0 JFIF, no EXIF at all") == 1
+    assert exif_orientation(b"Exif\x00\x00XX") == 1  # neither byte order
+    assert exif_orientation(photo(tmp_path / "plain.jpg").read_bytes()) == 1
+
+
+def test_nvjpeg_source_turns_rotated_photos_upright_on_the_cpu(tmp_path):
+    """On the CPU device decode_jpeg applies EXIF itself where it can (torchvision 0.17+) and the
+    source turns the image where it cannot (the 1.13 image's 0.14): upright either way."""
+    import torch
+    from PIL import ImageOps
+
+    from dlenv.data.fastpath import NvjpegSource
+
+    paths = [str(_rotated_jpeg(tmp_path / f"{o}.jpg", o)) for o in (1, 6, 3, 8)]
+    src = NvjpegSource([(p, 0) for p in paths], None, 4, 40, "error")
+    images, sizes, _ = src.upload(next(iter(src)), torch.device("cpu"))
+    for k, p in enumerate(paths):
+        with Image.open(p) as im:
+            ref = ImageOps.exif_transpose(im).convert("RGB")
+        assert tuple(sizes[k].tolist()) == ref.size  # (w, h): 30 x 50 for the quarter turns
+        got = images[k].numpy().astype(int)
+        want = np.asarray(ref.resize((40, 40), Image.BILINEAR)).astype(int)
+        assert np.abs(got - want).mean() < 5  # about 0.2 upright; about 40 turned the wrong way
+
+
+@pytest.mark.gpu
+def test_nvjpeg_on_cuda_turns_rotated_photos_upright(tmp_path):
+    import torch
+    from PIL import ImageOps
+
+    from dlenv import compat
+    from dlenv.data.fastpath import NvjpegSource
+
+    if compat.cuda_jpeg_unavailable("cuda"):
+        pytest.skip(compat.cuda_jpeg_unavailable("cuda"))
+    paths = [str(_rotated_jpeg(tmp_path / f"{o}.jpg", o)) for o in range(1, 9)]
+    src = NvjpegSource([(p, 0) for p in paths], None, 8, 40, "error")
+    images, sizes, _ = src.upload(next(iter(src)), torch.device("cuda"))
+    for k, p in enumerate(paths):
+        with Image.open(p) as im:
+            ref = ImageOps.exif_transpose(im).convert("RGB")
+        assert tuple(sizes[k].tolist()) == ref.size
+        got = images[k].cpu().numpy().astype(int)
+        want = np.asarray(ref.resize((40, 40), Image.BILINEAR)).astype(int)
+        assert np.abs(got - want).mean() < 10  # nvJPEG's IDCT is not Pillow's; the wrong turn is ~36

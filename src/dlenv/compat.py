@@ -322,9 +322,9 @@ def _decode_jpeg_params() -> set:
 
 def decode_jpeg(data: Any, device: Any = "cpu") -> Any:
     """torchvision.io.decode_jpeg to 3-channel RGB uint8 (C, H, W), EXIF orientation applied where this
-    torchvision can (0.17+). `data` is a uint8 tensor of file bytes, or a list of them (a batch: on
-    CUDA only with torchvision 0.19+, see `cuda_jpeg_batch_decode`). Raises RuntimeError for a file
-    it cannot decode."""
+    torchvision can (0.17+, on the CPU; nvJPEG on CUDA ignores it: see decode.upright). `data` is a
+    uint8 tensor of file bytes, or a list of them (a batch: on CUDA only with torchvision 0.19+, see
+    `cuda_jpeg_batch_decode`). Raises RuntimeError for a file it cannot decode."""
     import torchvision.io
 
     kwargs: dict[str, Any] = {"mode": torchvision.io.ImageReadMode.RGB}

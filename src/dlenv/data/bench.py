@@ -179,7 +179,8 @@ def main(cfg: Any) -> int:
     fmt = torch.channels_last if device.type == "cuda" else torch.contiguous_format
     gpu_aug = cfg.gpu_augment == "on" or (cfg.gpu_augment == "auto" and device.type == "cuda")
     decoder = decode.resolve_decoder(cfg.decoder, [p for p, _ in layout.train],
-                                     decode.stored_size(cfg.img_size), gpu=device if gpu_aug else None)
+                                     decode.stored_size(cfg.img_size), gpu=device if gpu_aug else None,
+                                     batch=cfg.batch_size)
     train_only = type(layout)(layout.root, layout.classes, layout.train, [])
     cpus = usable_cpus()
     counts = [w for w in cfg.workers if w <= cpus] or [min(cfg.workers)]

@@ -17,6 +17,7 @@ still sees the whole frame with its true aspect ratio.
 from __future__ import annotations
 
 import os
+import struct
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -43,16 +44,68 @@ def is_jpeg(path: str | os.PathLike) -> bool:
     return str(path).lower().endswith(_JPEG_EXT)
 
 
-def resolve_decoder(name: str, paths: Sequence[str] = (), size: int = 258, gpu: Any = None) -> str:
-    """'auto' -> 'nvjpeg' where `gpu` (a CUDA device whose batches are augmented there) can batch-decode
-    JPEGs and `paths` are JPEGs, else the fastest CPU decoder on a few of `paths` (`pick_decoder`;
+def exif_orientation(data: bytes | bytearray | memoryview) -> int:
+    """The EXIF orientation (1-8) in a JPEG's bytes; 1 when there is none or it cannot be read.
+
+    Read from the bytes already in memory (the APP1 segment's first IFD), so deciding whether a photo
+    needs turning costs no second open of the file and no decoder. Phones store portrait shots
+    sideways with orientation 6 or 8; decoders that ignore it (nvJPEG) train on them lying down.
+    """
+    view = memoryview(data)[:131072]  # APP1 comes right after the start-of-image marker
+    i = bytes(view).find(b"Exif\x00\x00")
+    if i < 0:
+        return 1
+    tiff = i + 6
+    order = bytes(view[tiff:tiff + 2])
+    endian = {b"II": "<", b"MM": ">"}.get(order)
+    if endian is None:
+        return 1
+    try:
+        (ifd,) = struct.unpack_from(endian + "I", view, tiff + 4)
+        (entries,) = struct.unpack_from(endian + "H", view, tiff + ifd)
+        for k in range(min(entries, 512)):
+            # tag, type, count, then a SHORT value left-aligned in the 4-byte value field
+            tag, _, _, value = struct.unpack_from(endian + "HHIH", view, tiff + ifd + 2 + 12 * k)
+            if tag == 0x0112:
+                return value if 1 <= value <= 8 else 1
+    except struct.error:  # a truncated or malformed block: keep the image as stored
+        return 1
+    return 1
+
+
+def upright(image: Any, orientation: int) -> Any:
+    """A (..., H, W) tensor turned the way EXIF `orientation` says, as Pillow's exif_transpose does."""
+    import torch
+
+    h, w = image.dim() - 2, image.dim() - 1
+    if orientation == 2:
+        return image.flip(w)
+    if orientation == 3:
+        return image.flip((h, w))
+    if orientation == 4:
+        return image.flip(h)
+    if orientation == 5:
+        return image.transpose(h, w)
+    if orientation == 6:
+        return torch.rot90(image, -1, (h, w))
+    if orientation == 7:
+        return image.transpose(h, w).flip((h, w))
+    if orientation == 8:
+        return torch.rot90(image, 1, (h, w))
+    return image
+
+
+def resolve_decoder(name: str, paths: Sequence[str] = (), size: int = 258, gpu: Any = None,
+                    batch: int = 256) -> str:
+    """'auto' -> 'nvjpeg' where `prefer_nvjpeg(paths, gpu, batch)` (gpu: the CUDA device whose batches
+    are augmented there), else the fastest CPU decoder on a few of `paths` (`pick_decoder`;
     AUTO_DECODER without paths); a named one is checked to be importable.
 
     'nvjpeg' is returned as is (`fastpath` checks the GPU). Raises UserError for an unknown name or a
     missing library.
     """
     if name == "auto":
-        if gpu is not None and prefer_nvjpeg(paths, gpu):
+        if gpu is not None and prefer_nvjpeg(paths, gpu, batch):
             return "nvjpeg"
         return pick_decoder(paths, size) if paths else AUTO_DECODER
     if name == "nvjpeg":
@@ -68,11 +121,20 @@ def resolve_decoder(name: str, paths: Sequence[str] = (), size: int = 258, gpu: 
     return name
 
 
-def prefer_nvjpeg(paths: Sequence[str], device: Any) -> bool:
-    """Whether 'auto' decodes on the GPU: the files are JPEGs, and torchvision decodes batches of them
-    on this CUDA device (0.19+; one image per call is slower than the CPU decoders). On an H200 with 16
-    CPUs it trained ResNet-50 --amp at 3,536 img/s against 3,203 with the best CPU decoder
-    (scripts/bench_pipeline.py, docs/data.md): fewer cores per GPU only widen the gap."""
+#: bytes of GPU memory per decoded pixel while nvJPEG's batch is squashed: the RGB image, its stacked
+#: copy and the float copy the antialiased resize works on (fastpath._squash)
+NVJPEG_BYTES_PER_PIXEL = 18
+#: the share of the GPU's memory a decoded batch may take for 'auto' to pick nvJPEG
+NVJPEG_MEMORY_SHARE = 0.05
+
+
+def prefer_nvjpeg(paths: Sequence[str], device: Any, batch: int = 256) -> bool:
+    """Whether 'auto' decodes on the GPU: the files are JPEGs, torchvision decodes batches of them on
+    this CUDA device (0.19+; one image per call is slower than the CPU decoders), and a batch of them
+    decoded at full size takes under NVJPEG_MEMORY_SHARE of the GPU (phone photos of 12 MP are ~0.6 GB
+    each in flight: the CPU decoders' reduced-size decoding then costs the GPU nothing). On an H200
+    with 16 CPUs nvJPEG trained ResNet-50 --amp at 3,536 img/s against 3,203 with the best CPU decoder
+    (scripts/bench_pipeline.py, docs/input-pipeline.md); fewer cores per GPU only widen the gap."""
     import torch
 
     from dlenv import compat
@@ -80,7 +142,24 @@ def prefer_nvjpeg(paths: Sequence[str], device: Any) -> bool:
     sample = list(paths)[:: max(1, len(paths) // 20)][:20]
     if torch.device(device).type != "cuda" or not sample or not all(is_jpeg(p) for p in sample):
         return False
-    return compat.cuda_jpeg_batch_decode() and compat.cuda_jpeg_unavailable(device) is None
+    if not (compat.cuda_jpeg_batch_decode() and compat.cuda_jpeg_unavailable(device) is None):
+        return False
+    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    return batch * mean_pixels(sample) * NVJPEG_BYTES_PER_PIXEL < NVJPEG_MEMORY_SHARE * total
+
+
+def mean_pixels(paths: Sequence[str]) -> float:
+    """Mean width x height of these images, from their headers (no decoding); unreadable ones skipped."""
+    from PIL import Image
+
+    sizes = []
+    for p in paths:
+        try:
+            with Image.open(p) as im:
+                sizes.append(im.size[0] * im.size[1])
+        except Exception:  # a broken file is the loaders' business, not this estimate's
+            continue
+    return sum(sizes) / len(sizes) if sizes else 0.0
 
 
 def pick_decoder(paths: Sequence[str], size: int, files: int = 6, margin: float = 0.1) -> str:
@@ -148,14 +227,11 @@ def _tvio_rgb(path: str) -> Any:
 
     from dlenv import compat
 
-    if not compat.decode_jpeg_applies_exif():
-        from PIL import Image
-
-        with Image.open(path) as im:
-            if im.getexif().get(0x0112, 1) != 1:
-                return None
+    data = torchvision.io.read_file(path)
+    if not compat.decode_jpeg_applies_exif() and exif_orientation(data.numpy().data) != 1:
+        return None
     try:
-        return compat.decode_jpeg(torchvision.io.read_file(path))
+        return compat.decode_jpeg(data)
     except RuntimeError:
         return None
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from dlenv.data.cache import DecodedCache, build_cache
-from dlenv.data.decode import decode_stored, is_jpeg, stored_size
+from dlenv.data.decode import decode_stored, exif_orientation, is_jpeg, stored_size, upright
 from dlenv.data.gpu_aug import GpuAugment
 from dlenv.data.loaders import (
     BadImageError,
@@ -126,9 +126,11 @@ class WorkerSource:
         return images.to(device, non_blocking=True), sizes, labels.to(device, non_blocking=True)
 
 
-def _read(path: str) -> torch.Tensor:
+def _read(path: str) -> tuple[torch.Tensor, int]:
+    """A file's bytes as a uint8 tensor, and its EXIF orientation (1 for not-JPEGs)."""
     with open(path, "rb") as f:
-        return torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+        raw = bytearray(f.read())
+    return torch.frombuffer(raw, dtype=torch.uint8), exif_orientation(raw) if is_jpeg(path) else 1
 
 
 class NvjpegSource(_Sampled):
@@ -136,7 +138,8 @@ class NvjpegSource(_Sampled):
 
     A file nvJPEG cannot decode (or that is not a JPEG) is decoded by Pillow instead; one Pillow
     cannot decode either is replaced by another image of the batch (logged once) or stops the run,
-    as bad_images says.
+    as bad_images says. nvJPEG ignores EXIF orientation: the orientation read with the bytes turns
+    its output upright on the GPU, as Pillow's decode on the other paths is.
     """
 
     def __init__(self, samples: Sequence[tuple[str, int]], sampler: Any, batch_size: int, size: int,
@@ -158,36 +161,39 @@ class NvjpegSource(_Sampled):
                 yield self._collect(*pending)
 
     def _collect(self, chunk: list[int], reads: list) -> tuple:
-        data = []
+        data, turns = [], []
         for f in reads:
             try:
-                data.append(f.result())
+                raw, orientation = f.result()
             except OSError as e:
-                data.append(e)
-        return chunk, data
+                raw, orientation = e, 1
+            data.append(raw)
+            turns.append(orientation)
+        return chunk, data, turns
 
     def upload(self, batch: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         from dlenv import compat
 
-        chunk, data = batch
+        chunk, data, turns = batch
         paths = [self.samples[i][0] for i in chunk]
         images: list[torch.Tensor | None] = [None] * len(chunk)
         gpu = [k for k, (p, d) in enumerate(zip(paths, data, strict=True))
                if is_jpeg(p) and isinstance(d, torch.Tensor)]
+        turn = self.turns_needed(device)
         try:
             if compat.cuda_jpeg_batch_decode():
                 decoded = compat.decode_jpeg([data[k] for k in gpu], device=device)
             else:
                 decoded = [compat.decode_jpeg(data[k], device=device) for k in gpu]
             for k, img in zip(gpu, decoded, strict=True):
-                images[k] = img
+                images[k] = upright(img, turns[k]) if turn else img
         except RuntimeError:
             pass  # one bad file fails the whole batch call: the loop below decodes one by one
         bad: list[tuple[int, str]] = []
         for k, img in enumerate(images):
             if img is None:
                 try:
-                    images[k] = self._one(paths[k], data[k], device)
+                    images[k] = self._one(paths[k], data[k], turns[k], device)
                 except Exception as e:  # the file is what's wrong
                     bad.append((k, _reason(e)))
         good = [k for k in range(len(chunk)) if images[k] is not None]
@@ -203,12 +209,21 @@ class NvjpegSource(_Sampled):
         return _squash(images, self.size), sizes, labels.to(device, non_blocking=True)
 
     @staticmethod
-    def _one(path: str, data: Any, device: torch.device) -> torch.Tensor:
+    def turns_needed(device: Any) -> bool:
+        """Whether decode_jpeg's output still needs EXIF orientation applied: always on CUDA (nvJPEG
+        ignores it), on the CPU where this torchvision cannot apply it (before 0.17)."""
+        from dlenv import compat
+
+        return torch.device(device).type == "cuda" or not compat.decode_jpeg_applies_exif()
+
+    @staticmethod
+    def _one(path: str, data: Any, orientation: int, device: torch.device) -> torch.Tensor:
         from dlenv import compat
 
         if isinstance(data, torch.Tensor) and is_jpeg(path):
             with contextlib.suppress(RuntimeError):
-                return compat.decode_jpeg(data, device=device)
+                img = compat.decode_jpeg(data, device=device)
+                return upright(img, orientation) if NvjpegSource.turns_needed(device) else img
         if isinstance(data, BaseException):
             raise data
         arr = np.asarray(load_rgb(path))
