@@ -3,11 +3,15 @@
 # (the project's H200 device machine, or any GPU host with the modern stack):
 #
 #   bash scripts/gpu_all.sh OUT [part ...]      parts: env tests train memory autobatch pipeline ddp
+#                                               (and the short re-runs: input ddp-accuracy)
 #
 # Each part writes OUT/<part>.txt (its full log); SUMMARY.md gathers the scripts' markdown tables, and
 # memory.png is bench-memory's chart: at most 8 files, what the device tool brings back. Default: all
 # parts; `ddp` runs only with 2+ GPUs (on the project's device tool: a second call, kind nvidia-h200-x2).
-# Budget on one H200: env+tests ~4 min, train ~3, memory ~3, autobatch ~1-2, pipeline ~6, ddp ~4 (x2).
+# Measured on H200s (2026-11-30): env+tests ~7.5 min, train ~3, memory ~9 (the allocator comparison
+# autotunes every shape), autobatch ~1, pipeline ~4.5, ddp ~4 (x2); input ~2.5, ddp-accuracy ~2.5 (x2).
+# On nvidia-h200-x2 two parts can run at once, one per GPU (CUDA_VISIBLE_DEVICES, taskset -c 0-15 /
+# 16-31), each into its own OUT; that is how the README's numbers were taken.
 set -u
 out=${1:?usage: bash scripts/gpu_all.sh OUT [part ...]}; shift
 parts=${*:-env tests train memory autobatch pipeline ddp}
@@ -40,6 +44,12 @@ for part in $parts; do
            cat "$tmp"/bm-r50/memory.md "$tmp"/bm-vit/memory.md >> "$tmp/tables.md" 2>/dev/null
            cp "$tmp/bm-r50/memory.png" "$out/memory.png" 2>/dev/null ;;
     autobatch) run autobatch python3 scripts/bench_autobatch.py --model resnet50 ;;
+    input) run input python3 -m pytest -q -m gpu tests/test_decode.py tests/test_fastpath_gpu.py -p no:cacheprovider
+           run input python3 scripts/bench_pipeline.py --only gpu-augment,nvjpeg,cache-disk --out "$tmp/input"
+           cat "$tmp"/input/*.md >> "$tmp/tables.md" 2>/dev/null ;;
+    ddp-accuracy)
+           run ddp-accuracy python3 scripts/bench_ddp.py --skip-speed --out "$tmp/ddpacc"
+           cat "$tmp"/ddpacc/*.md >> "$tmp/tables.md" 2>/dev/null ;;
     pipeline)
            run pipeline python3 scripts/bench_pipeline.py --out "$tmp/pipeline"
            cat "$tmp"/pipeline/*.md >> "$tmp/tables.md" 2>/dev/null ;;
@@ -49,7 +59,8 @@ for part in $parts; do
            else
                echo "== ddp skipped: $gpus GPU(s)" | tee -a "$out/ddp.txt"
            fi ;;
-    *)     echo "unknown part $part (env tests train memory autobatch pipeline ddp)" >&2; exit 2 ;;
+    *)     echo "unknown part $part (env tests train memory autobatch pipeline ddp input ddp-accuracy)" >&2
+           exit 2 ;;
     esac
 done
 cp "$tmp/tables.md" "$out/SUMMARY.md" 2>/dev/null

@@ -142,10 +142,12 @@ def prefer_nvjpeg(paths: Sequence[str], device: Any, batch: int = 256) -> bool:
     sample = list(paths)[:: max(1, len(paths) // 20)][:20]
     if torch.device(device).type != "cuda" or not sample or not all(is_jpeg(p) for p in sample):
         return False
-    if not (compat.cuda_jpeg_batch_decode() and compat.cuda_jpeg_unavailable(device) is None):
+    if not compat.cuda_jpeg_batch_decode():
         return False
     total = torch.cuda.get_device_properties(torch.device(device)).total_memory
-    return batch * mean_pixels(sample) * NVJPEG_BYTES_PER_PIXEL < NVJPEG_MEMORY_SHARE * total
+    if batch * mean_pixels(sample) * NVJPEG_BYTES_PER_PIXEL >= NVJPEG_MEMORY_SHARE * total:
+        return False
+    return compat.cuda_jpeg_unavailable(device) is None  # last: it decodes a tiny JPEG on the GPU
 
 
 def mean_pixels(paths: Sequence[str]) -> float:
