@@ -50,6 +50,19 @@ def test_measure_loader_times_the_steady_rate_not_the_prefetched_buffer():
     assert rate <= 10 / 0.02 * 1.05  # counting the 4 ready batches would give about twice that
 
 
+def test_measure_loader_times_at_least_a_few_waves_of_workers():
+    class Counting(Prefetching):
+        served = 0
+
+        def __iter__(self):
+            for batch in super().__iter__():
+                Counting.served += 1
+                yield batch
+
+    measure_loader(Counting(0.001), batches=1, device=torch.device("cpu"), warmup=0)
+    assert Counting.served == 4 + 4  # the prefetched ones drained, then 4 timed (not 1)
+
+
 def test_verdict_names_the_input_pipeline_when_the_loader_is_slower():
     kind, msg = verdict({"classic, 4 workers": 900.0, "classic, 8 workers": 1500.0}, model_rate=3000.0)
     assert kind == "input"

@@ -38,10 +38,17 @@ def prefetched(loader: Any) -> int:
 def measure_loader(loader: Iterable, batches: int, device: Any = None, warmup: int = 2) -> float:
     """Images/s of iterating `loader` for `batches` batches after the untimed ones: `warmup` (worker
     start-up) plus what the loader had prefetched meanwhile (`prefetched`), so the rate is the
-    steady one. Batches are moved to `device` if given. Passes over the loader again if it is shorter."""
+    steady one. Batches are moved to `device` if given. Passes over the loader again if it is shorter.
+
+    Workers hand over whole batches in waves (12 workers: 12 batches at once, then a wait), so a
+    window of few batches lands between waves by chance: at least `prefetched` batches (4 per worker)
+    are timed, which keeps that error within about a quarter of a wave per window.
+    """
     import torch
 
-    warmup += prefetched(loader)
+    ahead = prefetched(loader)
+    warmup += ahead
+    batches = max(batches, ahead)
 
     def stream():
         while True:
