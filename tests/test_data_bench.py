@@ -103,3 +103,25 @@ def test_main_names_the_model_on_a_fake_slow_model(image_folder, monkeypatch, ca
                        img_size=16, workers="0", batches=2, device="cpu", amp=False, gpu_augment="on")
     assert bench.main(cfg) == 0
     assert "model (CPU) is the bottleneck" in capsys.readouterr().out
+
+
+def test_main_sweeps_workers_with_a_cpu_decoder_when_auto_picks_nvjpeg(image_folder, monkeypatch, capsys):
+    """nvJPEG ignores the worker count: it is measured once, and the sweep and the classic path use the
+    best CPU decoder (the classic path cannot use nvJPEG at all)."""
+    from dlenv.data import decode, fastpath, loaders
+
+    built = []
+    monkeypatch.setattr(decode, "resolve_decoder", lambda *a, **k: "nvjpeg")
+    monkeypatch.setattr(fastpath, "build_fast_loaders",
+                        lambda *a, decoder, **k: (built.append(("fast", a[3], decoder)) or [["batch"]], None))
+    monkeypatch.setattr(loaders, "build_loaders",
+                        lambda *a, decoder, **k: (built.append(("classic", a[3], decoder)) or [["batch"]], None))
+    monkeypatch.setattr(bench, "measure_loader", lambda loader, *a, **k: 100.0)
+    monkeypatch.setattr(bench, "measure_model", lambda *a, **k: 1e9)
+    cfg = config.build(config.BenchDataConfig, data=str(image_folder), model="resnet18", batch_size=4,
+                       img_size=16, workers="1,2", batches=2, device="cpu", amp=False, gpu_augment="on")
+    assert bench.main(cfg) == 0
+    cpu = decode.AUTO_DECODER  # the fixture's PNGs: pick_decoder keeps the default
+    assert ("fast", 1, cpu) in built and ("fast", 2, cpu) in built and ("classic", 2, cpu) in built
+    assert [b for b in built if b[2] == "nvjpeg"] == [("fast", 2, "nvjpeg")]
+    assert "gpu-augment, nvjpeg" in capsys.readouterr().out

@@ -195,13 +195,18 @@ def main(cfg: Any) -> int:
           f"{cfg.batch_size}, {cfg.img_size} px, {device}, {mode}, decoder {decoder}, {cpus} CPUs"
           + (f" (skipping worker counts above {cpus})" if len(counts) < len(cfg.workers) else ""))
 
-    def fast(workers: int, **kw: Any) -> Any:
+    # nvJPEG decodes on the GPU whatever the worker count: the worker sweep uses the best CPU decoder,
+    # and nvJPEG is measured once beside it
+    cpu_decoder = decoder if decoder != "nvjpeg" else decode.pick_decoder(
+        [p for p, _ in layout.train], decode.stored_size(cfg.img_size))
+
+    def fast(workers: int, dec: str = cpu_decoder, **kw: Any) -> Any:
         return build_fast_loaders(train_only, cfg.img_size, cfg.batch_size, workers, device=device,
-                                  dtype=dtype, memory_format=fmt, decoder=decoder, **kw)[0]
+                                  dtype=dtype, memory_format=fmt, decoder=dec, **kw)[0]
 
     def classic(workers: int) -> Any:
         return build_loaders(train_only, cfg.img_size, cfg.batch_size, workers,
-                             pin_memory=device.type == "cuda", decoder=decoder)[0]
+                             pin_memory=device.type == "cuda", decoder=cpu_decoder)[0]
 
     path = "gpu-augment" if gpu_aug else "classic"
     rates: dict[str, float] = {}
@@ -212,6 +217,8 @@ def main(cfg: Any) -> int:
     other = "classic" if gpu_aug else "gpu-augment"
     w = max(counts)
     rates[f"{other}, {w} workers"] = measure_loader(classic(w) if gpu_aug else fast(w), cfg.batches, device)
+    if decoder == "nvjpeg":
+        rates["gpu-augment, nvjpeg"] = measure_loader(fast(w, dec="nvjpeg"), cfg.batches, device)
     if cfg.cache:
         rates["cache"] = measure_loader(fast(w, cache=True, cache_mode=cfg.cache_mode, cache_dir=cfg.cache_dir),
                                         cfg.batches, device)
