@@ -20,3 +20,28 @@ def make_image_folder(root: Path, classes=("cat", "dog"), per_class: int = 4, si
             arr[..., ci % 3] = 255  # a class-dependent channel so tiny models can learn something
             Image.fromarray(arr).save(d / f"{name}_{i}{ext}")
     return Path(root)
+
+
+def photo(path, w=120, h=90, seed=0, quality=95, **save):
+    """A smooth photo-like JPEG: colour ramps and a soft disc (decoders differ only by rounding)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    cx, cy = rng.uniform(0.3, 0.7) * w, rng.uniform(0.3, 0.7) * h
+    disc = np.clip(1.5 - np.hypot(x - cx, y - cy) / (0.25 * min(w, h)), 0, 1)
+    arr = np.stack([40 + 180 * x / w, 60 + 150 * y / h, 200 - 120 * disc], -1)
+    Image.fromarray(arr.clip(0, 255).astype(np.uint8)).save(path, quality=quality, **save)
+    return path
+
+
+def make_photo_layout(root: Path, train: int, val: int, classes: int, size) -> Path:
+    """root/train and root/val of `classes` class folders holding `photo` JPEGs, image i of a split
+    `size(i)` = (w, h) pixels (varied sizes exercise the per-size resize); return root."""
+    for split, n in (("train", train), ("val", val)):
+        for i in range(n):
+            d = Path(root) / split / f"c{i % classes}"
+            d.mkdir(parents=True, exist_ok=True)
+            photo(d / f"{i}.jpg", *size(i), seed=i + (100 if split == "val" else 0))
+    return Path(root)

@@ -8,7 +8,7 @@ from collections import namedtuple
 
 import numpy as np
 import pytest
-from test_decode import photo
+from imagedata import photo
 
 from dlenv.data import cache as cache_mod
 from dlenv.data.cache import build_cache, choose_mode, nbytes

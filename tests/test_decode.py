@@ -4,23 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from imagedata import photo
 from PIL import Image
 
 from dlenv.data import decode
 from dlenv.data.decode import decode_rgb, decode_stored, pick_decoder, resolve_decoder, stored_size, to_square
 from dlenv.data.loaders import load_rgb
 from dlenv.errors import UserError
-
-
-def photo(path, w=120, h=90, seed=0, quality=95, **save):
-    """A smooth photo-like JPEG: colour ramps and a soft disc (decoders differ only by rounding)."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
-    cx, cy = rng.uniform(0.3, 0.7) * w, rng.uniform(0.3, 0.7) * h
-    disc = np.clip(1.5 - np.hypot(x - cx, y - cy) / (0.25 * min(w, h)), 0, 1)
-    arr = np.stack([40 + 180 * x / w, 60 + 150 * y / h, 200 - 120 * disc], -1)
-    Image.fromarray(arr.clip(0, 255).astype(np.uint8)).save(path, quality=quality, **save)
-    return path
 
 
 @pytest.mark.parametrize("decoder", ["cv2", "tvio"])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_decode import photo
+from imagedata import make_photo_layout
 
 from dlenv.data.fastpath import DeviceLoader, InputOptions, build_fast_loaders
 from dlenv.data.folder import find_layout
@@ -20,12 +20,7 @@ IMG = 16
 
 @pytest.fixture
 def layout(tmp_path):
-    for split, n in (("train", 10), ("val", 4)):
-        for i in range(n):
-            d = tmp_path / "ds" / split / f"c{i % 2}"
-            d.mkdir(parents=True, exist_ok=True)
-            photo(d / f"{i}.jpg", 30 + 2 * i, 24, seed=i + (100 if split == "val" else 0))
-    return find_layout(tmp_path / "ds")
+    return find_layout(make_photo_layout(tmp_path / "ds", 10, 4, 2, lambda i: (30 + 2 * i, 24)))
 
 
 def _build(layout, tmp_path, **kw):

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_decode import photo
+from imagedata import make_photo_layout
 
 from dlenv import compat, config
 from dlenv.data.decode import decode_stored
@@ -24,12 +24,7 @@ IMG = 32
 
 @pytest.fixture
 def layout(tmp_path):
-    for split, n in (("train", 24), ("val", 8)):
-        for i in range(n):
-            d = tmp_path / "ds" / split / f"c{i % 3}"
-            d.mkdir(parents=True, exist_ok=True)
-            photo(d / f"{i}.jpg", 60 + 4 * (i % 5), 48, seed=i + (100 if split == "val" else 0))
-    return find_layout(tmp_path / "ds")
+    return find_layout(make_photo_layout(tmp_path / "ds", 24, 8, 3, lambda i: (60 + 4 * (i % 5), 48)))
 
 
 def test_gpu_augment_matches_cpu():
