@@ -3,7 +3,7 @@
 # (the project's H200 device machine, or any GPU host with the modern stack):
 #
 #   bash scripts/gpu_all.sh OUT [part ...]      parts: env tests train memory autobatch pipeline ddp
-#                                               (and the short re-runs: input ddp-accuracy)
+#                                               (and the short re-runs: input ckpt-sgd ddp-accuracy)
 #
 # Each part writes OUT/<part>.txt (its full log); SUMMARY.md gathers the scripts' markdown tables, and
 # memory.png is bench-memory's chart: at most 8 files, what the device tool brings back. Default: all
@@ -45,8 +45,11 @@ for part in $parts; do
            cp "$tmp/bm-r50/memory.png" "$out/memory.png" 2>/dev/null ;;
     autobatch) run autobatch python3 scripts/bench_autobatch.py --model resnet50 ;;
     input) run input python3 -m pytest -q -m gpu tests/test_decode.py tests/test_fastpath_gpu.py -p no:cacheprovider
-           run input python3 scripts/bench_pipeline.py --only gpu-augment,nvjpeg,cache-disk --out "$tmp/input"
+           run input python3 scripts/bench_pipeline.py --only gpu-augment,nvjpeg,cache-ram,cache-disk --out "$tmp/input"
            cat "$tmp"/input/*.md >> "$tmp/tables.md" 2>/dev/null ;;
+    ckpt-sgd)  # the trainer's --amp --checkpoint with the yardstick's optimizer: is the gap AdamW's CPU time?
+           run ckpt-sgd python3 scripts/bench_train.py --only resnet50 --optimizer sgd --steps 50 --out "$tmp/ckpt"
+           cat "$tmp"/ckpt/*.md >> "$tmp/tables.md" 2>/dev/null ;;
     ddp-accuracy)
            run ddp-accuracy python3 scripts/bench_ddp.py --skip-speed --out "$tmp/ddpacc"
            cat "$tmp"/ddpacc/*.md >> "$tmp/tables.md" 2>/dev/null ;;
@@ -59,7 +62,7 @@ for part in $parts; do
            else
                echo "== ddp skipped: $gpus GPU(s)" | tee -a "$out/ddp.txt"
            fi ;;
-    *)     echo "unknown part $part (env tests train memory autobatch pipeline ddp input ddp-accuracy)" >&2
+    *)     echo "unknown part $part (env tests train memory autobatch pipeline ddp input ckpt-sgd ddp-accuracy)" >&2
            exit 2 ;;
     esac
 done

@@ -98,21 +98,25 @@ def test_exact_on_cuda_under_autocast_and_channels_last(name, mode):
 
 
 def _peak_step_gib(model, x, y, precision):
+    """The step's own peak: what it allocates above what was already there (the weights, and whatever
+    earlier tests in the suite still hold, ~1.5 GiB on an H200, which would dilute the ratio)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
     with precision.autocast():
         loss = F.cross_entropy(model(x), y)
     precision.backward(loss)
     torch.cuda.synchronize()
     model.zero_grad(set_to_none=True)
-    return torch.cuda.max_memory_allocated() / 2**30
+    return (torch.cuda.max_memory_allocated() - before) / 2**30
 
 
-# b32 is small enough that what checkpointing cannot shrink (weights, gradients, the stem's activations,
-# cuDNN's workspace) is a third to a half of the peak; measured in the whole GPU suite on an H200:
-# fp32 3.55 -> 2.01 GiB (0.57), bf16 2.63 -> 1.75 GiB (0.66); alone: 2.93 -> 1.41, 1.74 -> 0.96.
+# b32 is small enough that what checkpointing cannot shrink (gradients, the stem's activations, cuDNN's
+# workspace) is a third to a half of the step's peak. Absolute peaks on an H200, alone: fp32 2.93 -> 1.41
+# GiB, bf16 1.74 -> 0.96; in the whole GPU suite 4.44 -> 2.91 and 3.25 -> 2.48, i.e. ~1.5 GiB held by
+# earlier tests on top; without that (and the 0.1 GiB of weights) both give ~0.46 and ~0.53.
 # At batch 256 the same blocks give 20.95 -> 8.31 GiB and 11.01 -> 4.66 (bench-memory, README).
-@pytest.mark.parametrize("mode, most", [("fp32", 0.65), ("bf16", 0.75)])
+@pytest.mark.parametrize("mode, most", [("fp32", 0.55), ("bf16", 0.65)])
 def test_checkpointing_lowers_peak_memory_of_resnet50(mode, most, monkeypatch):
     if mode == "bf16" and not torch.cuda.is_bf16_supported():
         pytest.skip("this GPU has no bf16")
