@@ -111,10 +111,13 @@ def accuracy_check(rows: list[dict]) -> tuple[float, float, float, float]:
 
 
 def markdown(rows: list[dict], head: str, checks: list[tuple[str, bool]]) -> str:
-    lines = [f"# dlenv train --gpus 2 vs --gpus 1\n\n{head}\n", "## Speed (synthetic data, same per-GPU batch)\n",
-             "| model | GPUs | batch/GPU | images/s | speed-up | efficiency | peak alloc GiB |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in (r for r in rows if r["part"] == "speed"):
+    lines = [f"# dlenv train --gpus 2 vs --gpus 1\n\n{head}\n"]
+    speed = [r for r in rows if r["part"] == "speed"]
+    if speed:  # none under --skip-speed
+        lines += ["## Speed (synthetic data, same per-GPU batch)\n",
+                  "| model | GPUs | batch/GPU | images/s | speed-up | efficiency | peak alloc GiB |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in speed:
         sp = f"{r['speedup']:.2f}x" if "speedup" in r else "1.00x"
         eff = f"{r['efficiency']:.0%}" if "efficiency" in r else "100%"
         lines.append(f"| {r['model']} | {r['gpus']} | {r['batch_per_gpu']} | {r['img_per_s']:,.0f} | {sp} | {eff} | "

@@ -125,3 +125,23 @@ def test_main_sweeps_workers_with_a_cpu_decoder_when_auto_picks_nvjpeg(image_fol
     assert ("fast", 1, cpu) in built and ("fast", 2, cpu) in built and ("classic", 2, cpu) in built
     assert [b for b in built if b[2] == "nvjpeg"] == [("fast", 2, "nvjpeg")]
     assert "gpu-augment, nvjpeg" in capsys.readouterr().out
+
+
+def test_main_measures_nvjpeg_where_it_could_run_though_auto_took_a_cpu_decoder(image_folder, monkeypatch,
+                                                                               capsys):
+    """With many workers auto keeps a CPU decoder, but users still see what nvJPEG would give."""
+    from dlenv.data import decode, fastpath
+
+    built = []
+    monkeypatch.setattr(decode, "resolve_decoder", lambda *a, **k: "pil")
+    monkeypatch.setattr(decode, "prefer_nvjpeg", lambda paths, device, batch, workers=None: workers is None)
+    monkeypatch.setattr(fastpath, "build_fast_loaders",
+                        lambda *a, decoder, **k: (built.append(decoder) or [["batch"]], None))
+    monkeypatch.setattr(bench, "measure_loader", lambda loader, *a, **k: 100.0)
+    monkeypatch.setattr(bench, "measure_model", lambda *a, **k: 1e9)
+    cfg = config.build(config.BenchDataConfig, data=str(image_folder), model="resnet18", batch_size=4,
+                       img_size=16, workers="1,2", batches=2, device="cpu", amp=False, gpu_augment="on")
+    assert bench.main(cfg) == 0
+    assert built.count("nvjpeg") == 1 and built.count("pil") == 2
+    out = capsys.readouterr().out
+    assert "decoder pil" in out and "gpu-augment, nvjpeg" in out

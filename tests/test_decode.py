@@ -105,6 +105,11 @@ def test_auto_decodes_on_the_gpu_only_for_jpegs_on_cuda(tmp_path, monkeypatch):
     monkeypatch.setattr(compat, "cuda_jpeg_unavailable", lambda device="cuda": None)
     assert resolve_decoder("auto", files, 32, gpu="cuda") == "nvjpeg"
     assert resolve_decoder("auto", files, 32) in decode.CPU_DECODERS  # augmentation on the CPU: no GPU
+    # nvJPEG takes the model's GPU time: with enough workers the CPU decoders train faster
+    few, enough = decode.NVJPEG_BELOW_WORKERS - 1, decode.NVJPEG_BELOW_WORKERS
+    assert resolve_decoder("auto", files, 32, gpu="cuda", workers=few) == "nvjpeg"
+    assert resolve_decoder("auto", files, 32, gpu="cuda", workers=enough) in decode.CPU_DECODERS
+    assert resolve_decoder("auto", files, 32, gpu="cuda", workers=0) == "nvjpeg"
     Image.new("RGB", (8, 8)).save(tmp_path / "p.png")
     assert not decode.prefer_nvjpeg(files[:2] + [str(tmp_path / "p.png")] * 2, "cuda")
     # a decoded batch must stay small beside training: 120x90 photos x 256 x 18 B = 50 MB

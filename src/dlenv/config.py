@@ -133,9 +133,10 @@ class TrainConfig:
                                   "or auto", choices=("auto", "ram", "disk"))
     cache_dir: str = opt(".dlenv-cache", "folder of --cache-mode disk files (reused while the data and "
                                          "--img-size are unchanged)")
-    decoder: str = opt("auto", "JPEG decoder: auto (nvjpeg on a GPU where torchvision batch-decodes and "
-                               "a decoded batch is small beside its memory, else the fastest CPU one on a "
-                               "few files), pil, cv2, tvio (torchvision.io), or nvjpeg", choices=_DECODERS)
+    decoder: str = opt("auto", "JPEG decoder: auto (nvjpeg on a GPU where torchvision batch-decodes, "
+                               "fewer than 8 workers would decode on the CPU and a decoded batch is small "
+                               "beside its memory, else the fastest CPU one on a few files), pil, cv2, tvio "
+                               "(torchvision.io), or nvjpeg", choices=_DECODERS)
     gpu_augment: str = opt("auto", "crop, flip and normalize uint8 batches on the GPU: auto (on when "
                                    "training on a GPU), on, or off (torchvision transforms in the workers)",
                            choices=("auto", "on", "off"))

@@ -272,7 +272,8 @@ def build_data(layout: Any, classes: list[str], source: str, img_size: int, micr
     scale = DEMO_TRAIN_SCALE if _is_demo(source, layout) else (0.08, 1.0)
     gpu_path = opts.gpu_path(device)
     decoder = resolve_decoder(opts.decoder, [p for p, _ in layout.train], stored_size(img_size),
-                              gpu=device if gpu_path and not opts.cache else None, batch=micro_batch)
+                              gpu=device if gpu_path and not opts.cache else None, batch=micro_batch,
+                              workers=n_workers)
     if gpu_path:
         # each rank validates its own shard, without padding; validate() sums them
         val_sampler = (distributed.EvalShardSampler(len(layout.val), dist.rank, dist.world_size)

@@ -134,7 +134,8 @@ def verdict(loader_rates: dict[str, float], model_rate: float, cache_measured: b
         if not cache_measured:
             tips.append("--cache (decode once, then crop on the GPU: no decoding per epoch)")
         if on_gpu:
-            tips.append("--gpu-augment on and --decoder nvjpeg (decode on the GPU)")
+            tips.append("--gpu-augment on, or --decoder nvjpeg (decodes on the GPU, taking time from the "
+                        "model's steps: it wins with fewer than 8 workers)")
         tips += ["more CPU cores or --workers", "a smaller --img-size, or JPEGs stored at a smaller size"]
         return "input", (f"The input pipeline is the bottleneck: the best loader ({best_label}) gives "
                          f"{best:,.0f} img/s but the model could train at {model_rate:,.0f} img/s, so the "
@@ -174,7 +175,7 @@ def main(cfg: Any) -> int:
 
     from dlenv.data import decode
     from dlenv.data.fastpath import build_fast_loaders
-    from dlenv.data.loaders import build_loaders, usable_cpus
+    from dlenv.data.loaders import build_loaders, resolve_workers, usable_cpus
     from dlenv.devices import resolve_device
     from dlenv.precision import resolve_precision
     from dlenv.train import locate_data
@@ -185,9 +186,15 @@ def main(cfg: Any) -> int:
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[mode]
     fmt = torch.channels_last if device.type == "cuda" else torch.contiguous_format
     gpu_aug = cfg.gpu_augment == "on" or (cfg.gpu_augment == "auto" and device.type == "cuda")
-    decoder = decode.resolve_decoder(cfg.decoder, [p for p, _ in layout.train],
-                                     decode.stored_size(cfg.img_size), gpu=device if gpu_aug else None,
-                                     batch=cfg.batch_size)
+    paths = [p for p, _ in layout.train]
+    # what training would pick, with the workers it would get
+    decoder = decode.resolve_decoder(cfg.decoder, paths, decode.stored_size(cfg.img_size),
+                                     gpu=device if gpu_aug else None, batch=cfg.batch_size,
+                                     workers=resolve_workers("auto", cfg.batch_size, cfg.img_size))
+    # nvJPEG is measured wherever it could run (auto takes it with few workers only), once: it decodes
+    # on the GPU whatever the worker count
+    nvjpeg = decoder == "nvjpeg" or (gpu_aug and cfg.decoder == "auto"
+                                     and decode.prefer_nvjpeg(paths, device, cfg.batch_size))
     train_only = type(layout)(layout.root, layout.classes, layout.train, [])
     cpus = usable_cpus()
     counts = [w for w in cfg.workers if w <= cpus] or [min(cfg.workers)]
@@ -195,10 +202,8 @@ def main(cfg: Any) -> int:
           f"{cfg.batch_size}, {cfg.img_size} px, {device}, {mode}, decoder {decoder}, {cpus} CPUs"
           + (f" (skipping worker counts above {cpus})" if len(counts) < len(cfg.workers) else ""))
 
-    # nvJPEG decodes on the GPU whatever the worker count: the worker sweep uses the best CPU decoder,
-    # and nvJPEG is measured once beside it
-    cpu_decoder = decoder if decoder != "nvjpeg" else decode.pick_decoder(
-        [p for p, _ in layout.train], decode.stored_size(cfg.img_size))
+    # the worker sweep uses the best CPU decoder
+    cpu_decoder = decoder if decoder != "nvjpeg" else decode.pick_decoder(paths, decode.stored_size(cfg.img_size))
 
     def fast(workers: int, dec: str = cpu_decoder, **kw: Any) -> Any:
         return build_fast_loaders(train_only, cfg.img_size, cfg.batch_size, workers, device=device,
@@ -217,7 +222,7 @@ def main(cfg: Any) -> int:
     other = "classic" if gpu_aug else "gpu-augment"
     w = max(counts)
     rates[f"{other}, {w} workers"] = measure_loader(classic(w) if gpu_aug else fast(w), cfg.batches, device)
-    if decoder == "nvjpeg":
+    if nvjpeg:
         rates["gpu-augment, nvjpeg"] = measure_loader(fast(w, dec="nvjpeg"), cfg.batches, device)
     if cfg.cache:
         rates["cache"] = measure_loader(fast(w, cache=True, cache_mode=cfg.cache_mode, cache_dir=cfg.cache_dir),

@@ -96,16 +96,17 @@ def upright(image: Any, orientation: int) -> Any:
 
 
 def resolve_decoder(name: str, paths: Sequence[str] = (), size: int = 258, gpu: Any = None,
-                    batch: int = 256) -> str:
-    """'auto' -> 'nvjpeg' where `prefer_nvjpeg(paths, gpu, batch)` (gpu: the CUDA device whose batches
-    are augmented there), else the fastest CPU decoder on a few of `paths` (`pick_decoder`;
-    AUTO_DECODER without paths); a named one is checked to be importable.
+                    batch: int = 256, workers: int | None = None) -> str:
+    """'auto' -> 'nvjpeg' where `prefer_nvjpeg(paths, gpu, batch, workers)` (gpu: the CUDA device whose
+    batches are augmented there; workers: the DataLoader workers the CPU decoders would get), else the
+    fastest CPU decoder on a few of `paths` (`pick_decoder`; AUTO_DECODER without paths); a named one
+    is checked to be importable.
 
     'nvjpeg' is returned as is (`fastpath` checks the GPU). Raises UserError for an unknown name or a
     missing library.
     """
     if name == "auto":
-        if gpu is not None and prefer_nvjpeg(paths, gpu, batch):
+        if gpu is not None and prefer_nvjpeg(paths, gpu, batch, workers):
             return "nvjpeg"
         return pick_decoder(paths, size) if paths else AUTO_DECODER
     if name == "nvjpeg":
@@ -126,19 +127,29 @@ def resolve_decoder(name: str, paths: Sequence[str] = (), size: int = 258, gpu: 
 NVJPEG_BYTES_PER_PIXEL = 18
 #: the share of the GPU's memory a decoded batch may take for 'auto' to pick nvJPEG
 NVJPEG_MEMORY_SHARE = 0.05
+#: DataLoader workers from which the CPU decoders (with augmentation on the GPU) out-train nvJPEG
+NVJPEG_BELOW_WORKERS = 8
 
 
-def prefer_nvjpeg(paths: Sequence[str], device: Any, batch: int = 256) -> bool:
-    """Whether 'auto' decodes on the GPU: the files are JPEGs, torchvision decodes batches of them on
-    this CUDA device (0.19+; one image per call is slower than the CPU decoders), and a batch of them
+def prefer_nvjpeg(paths: Sequence[str], device: Any, batch: int = 256, workers: int | None = None) -> bool:
+    """Whether 'auto' decodes on the GPU: the CPU decoders would get fewer than NVJPEG_BELOW_WORKERS
+    workers (`workers`; None: not considered), the files are JPEGs, torchvision decodes batches of them
+    on this CUDA device (0.19+; one image per call is slower than the CPU decoders), and a batch of them
     decoded at full size takes under NVJPEG_MEMORY_SHARE of the GPU (phone photos of 12 MP are ~0.6 GB
-    each in flight: the CPU decoders' reduced-size decoding then costs the GPU nothing). On an H200
-    with 16 CPUs nvJPEG trained ResNet-50 --amp at 3,536 img/s against 3,203 with the best CPU decoder
-    (scripts/bench_pipeline.py, docs/input-pipeline.md); fewer cores per GPU only widen the gap."""
+    each in flight: the CPU decoders' reduced-size decoding then costs the GPU nothing).
+
+    nvJPEG decodes on the SMs the model trains on, so it only wins where CPU cores are scarce. Measured
+    (scripts/bench_pipeline.py, H200, ResNet-50 --amp, batch 256, 500x375 JPEGs; docs/input-pipeline.md):
+    with 12 workers the CPU decoders trained at 3,863 and 3,904 img/s (two runs) against nvJPEG's 2,653
+    and 2,723; with 4 workers at 2,128 against 3,088. The CPU decoders give 400-480 img/s per worker,
+    so they pass nvJPEG's ~3,000 from about 7 workers.
+    """
     import torch
 
     from dlenv import compat
 
+    if workers is not None and workers >= NVJPEG_BELOW_WORKERS:
+        return False
     sample = list(paths)[:: max(1, len(paths) // 20)][:20]
     if torch.device(device).type != "cuda" or not sample or not all(is_jpeg(p) for p in sample):
         return False
