@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -52,6 +53,50 @@ def _lrs(sched, opt, n):
         opt.step()
         sched.step()
     return out
+
+
+def test_cpu_optimizers_keep_torchs_default_kernels():
+    for name in ("sgd", "adamw"):
+        group = optim.build_optimizer(Net(), name, 1e-3, 0.0).param_groups[0]
+        assert not group.get("fused") and not group.get("foreach")
+
+
+def test_kernel_choice_for_cuda_params_is_one_this_torch_accepts():
+    from dlenv import compat
+
+    for cls in (torch.optim.SGD, torch.optim.AdamW):
+        kw = compat.optimizer_kernels(cls, on_cuda=True)
+        assert len(kw) == 1 and set(kw) <= {"fused", "foreach"} and all(kw.values())
+        assert set(kw) <= set(inspect.signature(cls).parameters)
+    assert compat.optimizer_kernels(torch.optim.AdamW, on_cuda=False) == {}
+    fused = compat.optimizer_kernels(torch.optim.AdamW, on_cuda=True) == {"fused": True}
+    assert fused == (compat.TORCH_VERSION >= (2, 0))
+
+
+def test_resume_keeps_this_runs_kernels_and_restores_the_state():
+    """A checkpoint from a GPU run (fused AdamW) resumes on the CPU with the CPU's kernels, and the
+    moments and step count come back."""
+    torch.manual_seed(0)
+    saved_net = Net()
+    saved = optim.build_optimizer(saved_net, "adamw", 1e-3, 0.05)
+    for p in saved_net.parameters():
+        p.grad = torch.randn_like(p)
+    saved.step()
+    state = saved.state_dict()
+    for g in state["param_groups"]:
+        g["fused"] = True  # as a CUDA run on PyTorch 2.x saves it
+    net = Net()
+    opt = optim.build_optimizer(net, "adamw", 1e-3, 0.05)
+    optim.load_optimizer_state(opt, state)
+    assert all(not g.get("fused") for g in opt.param_groups)
+    first = next(iter(saved_net.parameters()))
+    loaded = opt.state[next(iter(net.parameters()))]
+    assert torch.equal(loaded["exp_avg"], saved.state[first]["exp_avg"])
+    assert float(loaded["step"]) == 1.0
+    for p in net.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()  # runs with the CPU's kernels
+    assert float(opt.state[next(iter(net.parameters()))]["step"]) == 2.0
 
 
 def test_auto_optimizer_is_adamw_for_short_runs_sgd_for_long():

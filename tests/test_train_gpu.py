@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,36 @@ def test_monitor_and_diagnose_on_the_gpu():
     text = memory.diagnose()
     assert "GiB allocated" in text and "Fragmentation" in text and "What to try" in text
     del x
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_cuda_optimizers_step_in_few_kernels_and_resume_exactly(name):
+    """Fused AdamW (foreach SGD) on CUDA; a step after save + load equals the uninterrupted one."""
+    from dlenv import compat, optim
+
+    def make():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2)).cuda()
+        return net, optim.build_optimizer(net, name, 1e-2, 0.05)
+
+    def step(net, opt, seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        net(torch.randn(4, 8, device="cuda", generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    net, opt = make()
+    cls = torch.optim.AdamW if name == "adamw" else torch.optim.SGD
+    kernels = compat.optimizer_kernels(cls, on_cuda=True)
+    assert kernels and all(opt.param_groups[0].get(k) for k in kernels)
+    step(net, opt, 1)
+    # a copy, as the checkpoint file is: state_dict() shares the tensors the next step updates in place
+    saved = copy.deepcopy({"model": net.state_dict(), "opt": opt.state_dict()})
+    step(net, opt, 2)
+    net2, opt2 = make()
+    net2.load_state_dict(saved["model"])
+    optim.load_optimizer_state(opt2, saved["opt"])
+    step(net2, opt2, 2)
+    for a, b in zip(net.parameters(), net2.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -136,6 +136,20 @@ def nccl_timeout_env() -> dict[str, str]:
     return {"NCCL_ASYNC_ERROR_HANDLING": "1"}
 
 
+def optimizer_kernels(cls: type, on_cuda: bool) -> dict[str, bool]:
+    """Keyword arguments that make torch.optim's `cls` step in few kernels on CUDA: AdamW's fused kernel
+    (2.0+), else the multi-tensor (foreach) path, which 1.13 leaves off. A per-parameter step costs the
+    CPU a dozen launches per tensor: with --checkpoint's recompute the step is launch-bound, and
+    ResNet-50 --amp --checkpoint trained at 2,806 img/s with AdamW against 3,310 with SGD (H200, b256).
+    {} off CUDA (the defaults)."""
+    if not on_cuda:
+        return {}
+    names = inspect.signature(cls).parameters
+    if cls is torch.optim.AdamW and "fused" in names and TORCH_VERSION >= (2, 0):
+        return {"fused": True}
+    return {"foreach": True} if "foreach" in names else {}
+
+
 def set_allocator_conf(conf: str) -> None:
     """Set PYTORCH_CUDA_ALLOC_CONF; only takes effect before CUDA is first initialised."""
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf

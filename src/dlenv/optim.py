@@ -18,6 +18,8 @@ import math
 import torch
 from torch import nn
 
+from dlenv import compat
+
 # parameter names (suffixes) that are embeddings or tokens: no weight decay, as for norms and biases
 _NO_DECAY_NAMES = ("pos_embedding", "class_token", "cls_token", "pos_embed",
                    "relative_position_bias_table", "absolute_pos_embed")
@@ -69,13 +71,33 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, momentum: float = 0.9,
                     nesterov: bool = False) -> torch.optim.Optimizer:
-    """SGD or AdamW over `param_groups(model)`. Raises ValueError for an unknown name."""
+    """SGD or AdamW over `param_groups(model)`, stepping in few kernels on CUDA
+    (`compat.optimizer_kernels`). Raises ValueError for an unknown name."""
     groups = param_groups(model, weight_decay)
+    on_cuda = all(p.is_cuda for g in groups for p in g["params"])
     if name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0,
+                               **compat.optimizer_kernels(torch.optim.SGD, on_cuda))
     if name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr)
+        return torch.optim.AdamW(groups, lr=lr, **compat.optimizer_kernels(torch.optim.AdamW, on_cuda))
     raise ValueError(f"unknown optimizer {name!r}; use sgd or adamw")
+
+
+#: param-group keys that say how the step runs, not what it computes: this run's own choice is kept on resume
+_KERNEL_KEYS = ("fused", "foreach")
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """optimizer.load_state_dict(state), keeping this run's kernel choice: the saved param groups carry
+    the saving run's (fused on a GPU), which a resume on the CPU or on PyTorch 1.13 cannot run."""
+    kept = [{k: g[k] for k in _KERNEL_KEYS if k in g} for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, keys in zip(optimizer.param_groups, kept, strict=True):
+        for k in _KERNEL_KEYS:  # a key this PyTorch's optimizer does not have goes
+            if k in keys:
+                group[k] = keys[k]
+            else:
+                group.pop(k, None)
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,

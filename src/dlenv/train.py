@@ -678,6 +678,7 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
         build_optimizer,
         default_lr,
         default_weight_decay,
+        load_optimizer_state,
         resolve_optimizer,
         warmup_cosine,
     )
@@ -742,7 +743,7 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
     pending_rng = None
     if resume_ckpt is not None:
         model.load_state_dict(resume_ckpt["model"])
-        optimizer.load_state_dict(resume_ckpt["optimizer"])
+        load_optimizer_state(optimizer, resume_ckpt["optimizer"])
         scheduler.load_state_dict(resume_ckpt["scheduler"])
         precision.load_state_dict(resume_ckpt["scaler"])
         if ema is not None and resume_ckpt.get("ema"):
