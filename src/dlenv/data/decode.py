@@ -141,8 +141,8 @@ def prefer_nvjpeg(paths: Sequence[str], device: Any, batch: int = 256, workers: 
     nvJPEG decodes on the SMs the model trains on, so it only wins where CPU cores are scarce. Measured
     (scripts/bench_pipeline.py, H200, ResNet-50 --amp, batch 256, 500x375 JPEGs; docs/input-pipeline.md):
     with 12 workers the CPU decoders trained at 3,863 and 3,904 img/s (two runs) against nvJPEG's 2,653
-    and 2,723; with 4 workers at 2,128 against 3,088. The CPU decoders give 400-480 img/s per worker,
-    so they pass nvJPEG's ~3,000 from about 7 workers.
+    and 2,723; with 4 workers at 2,128 against 3,088. The CPU decoders' loader gave 2,284 / 2,929 / 4,571 img/s
+    at 4 / 8 / 12 workers (bench-data): about nvJPEG's training speed from 8 workers.
     """
     import torch
 
