@@ -140,7 +140,8 @@ def optimizer_kernels(cls: type, on_cuda: bool) -> dict[str, bool]:
     """Keyword arguments that make torch.optim's `cls` step in few kernels on CUDA: AdamW's fused kernel
     (2.0+), else the multi-tensor (foreach) path, which 1.13 leaves off. A per-parameter step costs the
     CPU a dozen launches per tensor: with --checkpoint's recompute the step is launch-bound, and
-    ResNet-50 --amp --checkpoint trained at 2,806 img/s with AdamW against 3,310 with SGD (H200, b256).
+    ResNet-50 --amp --checkpoint trained at 2,806 img/s with per-parameter AdamW, 3,131 with fused AdamW
+    and 3,310 with SGD (H200, batch 256, scripts/bench_train.py).
     {} off CUDA (the defaults)."""
     if not on_cuda:
         return {}
