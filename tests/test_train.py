@@ -250,6 +250,18 @@ def test_corrupt_or_foreign_resume_file_is_refused(tmp_path, data):
         train_mod.train(cfg(tmp_path, data, resume=str(bad)))
 
 
+def test_resume_with_an_optimizer_state_that_does_not_fit_is_refused(tmp_path, data, tiny):
+    first = train_mod.train(cfg(tmp_path, data, epochs=2, max_steps=1))
+    last = Path(first["last"])
+    ck = torch.load(last, weights_only=False)
+    ck["optimizer"]["param_groups"] = ck["optimizer"]["param_groups"][:1]  # a group lost
+    torch.save(ck, last)
+    before = last.read_bytes()
+    with pytest.raises(UserError, match="optimizer state does not fit.*--weights"):
+        train_mod.train(cfg(tmp_path, data, resume=str(last)))
+    assert last.read_bytes() == before
+
+
 def test_tensorboard_and_resume_auto(tmp_path, data, tiny):
     first = train_mod.train(cfg(tmp_path, data, epochs=1, tensorboard=True))
     assert list(Path(first["run_dir"]).glob("events.out.tfevents.*"))

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dlenv.atomic import write_atomic
+from dlenv.atomic import write_atomic, write_text
 from dlenv.errors import UserError
 
 GIB = 1024 ** 3
@@ -561,7 +561,7 @@ def main(cfg: Any) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows, alloc_rows, info = run_bench(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
     text = report(cfg, rows, alloc_rows, info)
-    write_atomic(out / "memory.md", lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    write_text(out / "memory.md", text)
     write_csv(rows, out / "memory.csv", CSV_COLUMNS)
     if alloc_rows:
         write_csv(alloc_rows, out / "allocator.csv", ALLOC_COLUMNS)

@@ -230,7 +230,7 @@ def write_reports(out: Path, metrics: dict[str, Any], errors: list[dict[str, Any
     write_bytes(out / "metrics.json", (json.dumps(metrics, indent=2) + "\n").encode("utf-8"))
     write_bytes(out / "per_class.csv", _csv_bytes(["class", *fields], per_class))
     write_bytes(out / "confusion_matrix.csv",
-                  _csv_bytes(["true \\ predicted", *names], [[n, *row] for n, row in zip(names, cm, strict=True)]))
+                _csv_bytes(["true \\ predicted", *names], [[n, *row] for n, row in zip(names, cm, strict=True)]))
     title = (f"Confusion matrix: {metrics.get('weights', 'model')} on {metrics.get('data', 'data')} "
              f"(top-1 {metrics['top1']:.1f}%)")
     save_figure(plot_confusion(cm, names, title), out / "confusion_matrix.png")

@@ -88,16 +88,15 @@ _KERNEL_KEYS = ("fused", "foreach")
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """optimizer.load_state_dict(state), keeping this run's kernel choice: the saved param groups carry
-    the saving run's (fused on a GPU), which a resume on the CPU or on PyTorch 1.13 cannot run."""
-    kept = [{k: g[k] for k in _KERNEL_KEYS if k in g} for g in optimizer.param_groups]
-    optimizer.load_state_dict(state)
-    for group, keys in zip(optimizer.param_groups, kept, strict=True):
-        for k in _KERNEL_KEYS:  # a key this PyTorch's optimizer does not have goes
-            if k in keys:
-                group[k] = keys[k]
-            else:
-                group.pop(k, None)
+    """optimizer.load_state_dict(state) with this run's kernel choice in place of the saving run's (fused
+    on a GPU, which a resume on the CPU or on PyTorch 1.13 cannot run). Swapped before loading, so
+    torch places the restored step counts for this run's kernels (fused: on the parameter's device)."""
+    groups = []
+    for saved, own in zip(state["param_groups"], optimizer.param_groups, strict=False):  # torch checks counts
+        group = {k: v for k, v in saved.items() if k not in _KERNEL_KEYS}
+        group.update({k: own[k] for k in _KERNEL_KEYS if k in own})
+        groups.append(group)
+    optimizer.load_state_dict({**state, "param_groups": groups + state["param_groups"][len(groups):]})
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,

@@ -743,7 +743,11 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
     pending_rng = None
     if resume_ckpt is not None:
         model.load_state_dict(resume_ckpt["model"])
-        load_optimizer_state(optimizer, resume_ckpt["optimizer"])
+        try:
+            load_optimizer_state(optimizer, resume_ckpt["optimizer"])
+        except (ValueError, KeyError, TypeError) as e:  # torch's own check: groups or sizes differ
+            raise UserError(f"--resume {cfg.resume}: its optimizer state does not fit this model ({e}); "
+                            f"start a new run from its weights with --weights {cfg.resume}") from None
         scheduler.load_state_dict(resume_ckpt["scheduler"])
         precision.load_state_dict(resume_ckpt["scaler"])
         if ema is not None and resume_ckpt.get("ema"):
