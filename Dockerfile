@@ -1,15 +1,17 @@
 # syntax=docker/dockerfile:1.7
-# (1.7: ADD --checksum with build-arg expansion, COPY --chmod; BuildKit is Docker's default builder.)
+# (1.7: ADD --checksum with build-arg expansion, COPY --chmod, RUN --mount; BuildKit is Docker's default.)
 #
 # dlenv: a GPU training image with the conda env `dl` and the dlenv toolkit. One file, two profiles
 # (docs/docker.md has both commands and the GPU generations each one serves):
 #   default, cu116:  docker build -t dlenv:cu116 .
 #   modern, cu128:   docker build -t dlenv:cu128 --build-arg ENV_FILE=environment.modern.yml \
 #                      --build-arg TORCH_CUDA=12.8 --build-arg BASE_IMAGE=<the CUDA 12.8 base below> .
+# linux/amd64 and linux/arm64 (docker buildx build --platform linux/arm64 ...): the Miniforge installer
+# follows TARGETARCH. On arm64 only the modern profile builds (docs/docker.md, "arm64").
 #
 # The base image is pinned by tag (for people) and digest (for machines: a tag can be re-pushed).
-# NVIDIA deletes end-of-life CUDA tags from Docker Hub (CUDA 11 is next in line). To refresh the digest
-# while the tag exists, or to keep a copy in a registry of yours before it goes:
+# NVIDIA deletes end-of-life CUDA tags from Docker Hub (CUDA 11.6 and Ubuntu 20.04 are both past their
+# end of life). To refresh the digest while the tag exists, or to keep a copy in a registry of yours:
 #   docker buildx imagetools inspect nvidia/cuda:11.6.2-cudnn8-runtime-ubuntu20.04      (prints "Digest:")
 #   docker buildx imagetools create -t <your-registry>/cuda:11.6.2-cudnn8-runtime-ubuntu20.04 \
 #       nvidia/cuda:11.6.2-cudnn8-runtime-ubuntu20.04@sha256:<digest>
@@ -17,7 +19,38 @@
 # logs of these tags (the 11.6.2 one from May 2025); this repository's machines cannot reach Docker Hub
 # to re-check them, so run the inspect command above when a pull by digest fails.
 #   modern base: nvidia/cuda:12.8.1-cudnn-runtime-ubuntu22.04@sha256:59e0e4376a0f16d10b03d3a14344b80a866a1674cb4948cb318291387ac05010
+# When the CUDA 11.6 tag is gone and no copy was kept, the default profile builds on plain Ubuntu:
+#   fallback base: --build-arg BASE_IMAGE=ubuntu:22.04
+# conda's pytorch-cuda=11.6 brings the CUDA 11.6 runtime libraries itself (and the pytorch channel's
+# builds carry cuDNN), so the build check below still proves torch.version.cuda == "11.6"; the host
+# driver comes in through the NVIDIA Container Toolkit either way. Pin it by digest as above.
 ARG BASE_IMAGE=nvidia/cuda:11.6.2-cudnn8-runtime-ubuntu20.04@sha256:ea2af6ed2bc770f83ed30235f7369b8c83a49b58cdb0bfd55f1227d89edfad8f
+
+# ---------------------------------------------------------------------------------------------------
+# Miniforge, one installer per architecture: conda with conda-forge as its only channel, so no Anaconda
+# defaults channel (whose terms of service need an acceptance an unattended build cannot give). Version
+# and checksums change together: take them from https://github.com/conda-forge/miniforge/releases (the
+# .sha256 file beside each .sh). BuildKit builds only the stage TARGETARCH selects.
+ARG MINIFORGE_VERSION=24.11.3-0
+
+FROM scratch AS miniforge-amd64
+ARG MINIFORGE_VERSION
+ARG MINIFORGE_SHA256_AMD64=2e1ad2188fe69fcdd522c2b20c08c800a5c7411b775eca768318b1540ed32e53
+ADD --checksum=sha256:${MINIFORGE_SHA256_AMD64} \
+    https://github.com/conda-forge/miniforge/releases/download/${MINIFORGE_VERSION}/Miniforge3-${MINIFORGE_VERSION}-Linux-x86_64.sh \
+    /miniforge.sh
+
+FROM scratch AS miniforge-arm64
+ARG MINIFORGE_VERSION
+ARG MINIFORGE_SHA256_ARM64=d3f2b771857009ec804faeeef191352186194cb5737a831e55c6347a5f47cb8f
+ADD --checksum=sha256:${MINIFORGE_SHA256_ARM64} \
+    https://github.com/conda-forge/miniforge/releases/download/${MINIFORGE_VERSION}/Miniforge3-${MINIFORGE_VERSION}-Linux-aarch64.sh \
+    /miniforge.sh
+
+# TARGETARCH is set by BuildKit (amd64, arm64) and usable in FROM; the "image" is one of the two stages
+# above, which have no tag to pin.
+# hadolint ignore=DL3006
+FROM miniforge-${TARGETARCH} AS miniforge
 
 # ---------------------------------------------------------------------------------------------------
 # builder: Miniforge and the `dl` env in /opt/conda. Built on the same base as the runtime so the env's
@@ -26,29 +59,30 @@ ARG BASE_IMAGE=nvidia/cuda:11.6.2-cudnn8-runtime-ubuntu20.04@sha256:ea2af6ed2bc7
 FROM ${BASE_IMAGE} AS builder
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
-# Miniforge: conda with conda-forge as its only channel, so no Anaconda defaults channel (whose terms of
-# service need an acceptance an unattended build cannot give). Version and checksum change together:
-# take both from https://github.com/conda-forge/miniforge/releases (the .sha256 file beside the .sh).
-ARG MINIFORGE_VERSION=24.11.3-0
-ARG MINIFORGE_SHA256=2e1ad2188fe69fcdd522c2b20c08c800a5c7411b775eca768318b1540ed32e53
-ADD --checksum=sha256:${MINIFORGE_SHA256} \
-    https://github.com/conda-forge/miniforge/releases/download/${MINIFORGE_VERSION}/Miniforge3-${MINIFORGE_VERSION}-Linux-x86_64.sh \
-    /tmp/miniforge.sh
-
 # Strict channel priority: a package the pytorch or nvidia channel has is never taken from conda-forge
 # (conda-forge has its own, incompatible pytorch and CUDA builds). tini, the image's PID 1, lives in the
 # base env so the `dl` env holds only what training needs. Clean in the same RUN, or the layer keeps it.
-RUN bash /tmp/miniforge.sh -b -p /opt/conda \
-    && rm /tmp/miniforge.sh \
+RUN --mount=type=bind,from=miniforge,source=/miniforge.sh,target=/tmp/miniforge.sh \
+    bash /tmp/miniforge.sh -b -p /opt/conda \
     && /opt/conda/bin/conda config --system --set channel_priority strict \
     && /opt/conda/bin/conda install --yes --name base tini=0.19.0 \
     && /opt/conda/bin/conda clean -afy
 
 # Only the env file and requirements.txt: editing the package or the tests never rebuilds the env.
 # requirements.txt sits beside the env file because conda runs pip in the env file's folder (`-r`).
+# conda-meta/pinned gets every conda pin of the env file (scripts/lock_env.py), so a `conda install`
+# inside the image cannot swap Python, PyTorch, NumPy or MKL.
 ARG ENV_FILE=environment.yml
+ARG TARGETARCH
 COPY ${ENV_FILE} requirements.txt /tmp/env/
-RUN /opt/conda/bin/conda env create --name dl --file "/tmp/env/${ENV_FILE}" \
+RUN --mount=type=bind,source=scripts/lock_env.py,target=/tmp/lock_env.py \
+    if [ "${TARGETARCH}" = arm64 ] && [ "${ENV_FILE}" = environment.yml ]; then \
+        echo "the default profile (PyTorch 1.13.1, CUDA 11.6) has no linux-aarch64 builds; build arm64 with environment.modern.yml (docs/docker.md, arm64)" >&2; \
+        exit 1; \
+    fi \
+    && /opt/conda/bin/conda env create --name dl --file "/tmp/env/${ENV_FILE}" \
+    && /opt/conda/envs/dl/bin/python /tmp/lock_env.py pinned "/tmp/env/${ENV_FILE}" \
+        > /opt/conda/envs/dl/conda-meta/pinned \
     && /opt/conda/bin/conda clean -afy \
     && rm -rf /tmp/env
 
@@ -68,7 +102,7 @@ LABEL org.opencontainers.image.title="dlenv" \
       dlenv.env-file="${ENV_FILE}" \
       dlenv.torch-cuda="${TORCH_CUDA}"
 
-# The `dl` env's bin first: `docker run IMAGE invoke ...` uses it without `conda activate`; conda itself
+# The `dl` env's bin first: `docker run IMAGE dlenv ...` uses it without `conda activate`; conda itself
 # and tini come after it. NVIDIA_*: which GPUs and driver parts the NVIDIA runtime mounts (compute for
 # CUDA, utility for nvidia-smi). DLENV_IMAGE turns on the tests marked `image`; DLENV_ENV_FILE tells
 # verify-env which profile's pins to compare with. MPLBACKEND: plots render without a display.
@@ -82,30 +116,33 @@ ENV PATH=/opt/conda/envs/dl/bin:/opt/conda/bin:${PATH} \
 
 COPY --from=builder /opt/conda /opt/conda
 
-# Fail the build, not the first training run, when the solver picked a CPU build of torch or one for
-# another CUDA (torch.version.cuda is None for CPU builds), or when NumPy and OpenCV don't load with it.
-RUN python -c 'import os, sys, numpy, torch, torchvision, torchaudio, cv2; \
-got, want, env_file = torch.version.cuda, os.environ["TORCH_CUDA"], os.environ["DLENV_ENV_FILE"]; \
-torch.from_numpy(numpy.zeros(2)); \
-print(f"torch {torch.__version__} (CUDA {got}), torchvision {torchvision.__version__}, torchaudio {torchaudio.__version__}, numpy {numpy.__version__}, opencv {cv2.__version__}"); \
-sys.exit(None if got == want else f"torch {torch.__version__} is built for CUDA {got}, not {want}: the solver picked a CPU build or another CUDA; check {env_file}")'
+# Fail the build, not the first training run (scripts/check_build.py): a CPU build of torch or one for
+# another CUDA, NumPy or OpenCV that don't load with it, torchvision's or torchaudio's native libraries
+# missing. Then record the lock in /opt/dlenv/lock: conda's explicit list (URLs and MD5s), the packages
+# pip installed, and the constraints that keep `pip install` from replacing the PyTorch stack
+# (docs/docker.md, "The lock", rebuilds from them).
+RUN --mount=type=bind,source=scripts,target=/tmp/scripts \
+    python /tmp/scripts/check_build.py --cuda "${TORCH_CUDA}" --env-file "${DLENV_ENV_FILE}" \
+    && mkdir -p /opt/dlenv/lock \
+    && conda list --name dl --explicit --md5 > /opt/dlenv/lock/conda-explicit.txt \
+    && python /tmp/scripts/lock_env.py pip > /opt/dlenv/lock/pip.txt \
+    && python /tmp/scripts/lock_env.py constraints > /opt/dlenv/lock/constraints.txt
+ENV PIP_CONSTRAINT=/opt/dlenv/lock/constraints.txt
 
 # `conda activate dl` in every interactive bash (any user: /etc/bash.bashrc, not only /root/.bashrc).
-# /root readable by all: with `docker run --user UID:GID` invoke must still reach /root/workspace and
-# find /root/tasks.py above it.
+# /root readable by all: with `docker run --user UID:GID` the user must still reach /root/workspace.
 RUN printf '\n# dlenv: the dl env in interactive shells\n. /opt/conda/etc/profile.d/conda.sh && conda activate dl\n' \
         >> /etc/bash.bashrc \
     && chmod 755 /root
 
 COPY --chmod=755 scripts/entrypoint.sh /usr/local/bin/dlenv-entrypoint
+# invoke reads /etc/invoke.yaml before it looks for tasks: its search root, /opt/dlenv, makes
+# `invoke VERB` reach dlenv's tasks from any folder, whatever tasks.py or tasks/ a mounted project has.
+COPY --chmod=644 docker/etc/invoke.yaml /etc/invoke.yaml
 
-# Late layers, rebuilt on code edits in seconds: the project template, the tasks file and the package.
-# invoke looks for tasks.py from the working directory upwards, so /root/tasks.py is found from
-# /root/workspace also when a user's project is mounted over it.
+# Late layers, rebuilt on code edits in seconds: the project template and the package (with its
+# tasks.py and tests; .dockerignore lets through only the package, its tests, scripts, env files and docs).
 COPY workspace/ /root/workspace/
-COPY tasks.py /root/tasks.py
-# .dockerignore lets through only the package, its tests, the env files and docs (the tests are run by
-# `invoke test` from /opt/dlenv/tests).
 COPY . /opt/dlenv/
 WORKDIR /root/workspace
 # Editable, so `invoke test` finds /opt/dlenv/tests beside the package; --no-deps: the env has them all.
@@ -114,7 +151,8 @@ RUN pip install --no-cache-dir --no-deps -e /opt/dlenv \
     && dlenv --version \
     && invoke --list | grep verify-env
 
-# tini as PID 1 reaps zombies (DataLoader workers) and passes Ctrl-C / docker stop on; -g sends them to
-# the whole process group, so workers stop with the trainer.
-ENTRYPOINT ["/opt/conda/bin/tini", "-g", "--", "/usr/local/bin/dlenv-entrypoint"]
+# tini as PID 1 reaps zombies and passes `docker stop`'s SIGTERM (and a proxied Ctrl-C) on to the command
+# alone. Not -g, the whole process group: the DataLoader workers would die first and the trainer would
+# fail on them instead of saving last.pth; the trainer stops its workers itself.
+ENTRYPOINT ["/opt/conda/bin/tini", "--", "/usr/local/bin/dlenv-entrypoint"]
 CMD ["bash"]

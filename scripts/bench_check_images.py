@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from dlenv.cpus import usable_cpus  # noqa: E402
-from dlenv.data.folder import dataset_report  # noqa: E402
+from dlenv.data.report import dataset_report  # noqa: E402
 
 
 def write_jpegs(root: Path, n: int, size: int) -> None:

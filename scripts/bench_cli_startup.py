@@ -37,8 +37,8 @@ def commands() -> list[tuple[str, list[str] | None, list[str], Path]]:
     dlenv = shutil.which("dlenv")
     out = [("dlenv --help", [dlenv, "--help"] if dlenv else [py, "-m", "dlenv", "--help"],
             ["-m", "dlenv", "--help"], REPO)]
-    # invoke finds tasks.py upwards from its working directory: the image's workspace, else this repo
-    cwd = Path("/root/workspace") if Path("/root/tasks.py").is_file() else REPO
+    # the image's /etc/invoke.yaml finds dlenv's tasks from its workspace; elsewhere this repo's tasks.py
+    cwd = Path("/root/workspace") if Path("/etc/invoke.yaml").is_file() else REPO
     if importlib.util.find_spec("invoke") is None:
         out.append(("invoke --list", None, [], cwd))
     else:

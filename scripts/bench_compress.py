@@ -131,7 +131,7 @@ def main(argv=None) -> int:
         raw, zipped = common.saved_sizes(compat.jit_trace(model, example))
         top1 = common.top1(model, loader, "cpu" if is_int8 else device, src.class_names)
         model = model.cpu() if not is_int8 else model
-        cpu_ms = common.cpu_latency_ms(model, size)
+        cpu_ms = common.cpu_latencies([model], size)[0].median
         gpu_ms = None if is_int8 else gpu_latency_ms(model, size)
         rows.append({"variant": name, "sparsity_pct": None if g is None else round(100 * g, 1),
                      "size_mib": raw / 2**20, "zipped_mib": zipped / 2**20, "cpu_ms_1img": cpu_ms,

@@ -116,7 +116,7 @@ def main() -> int:
         print(json.dumps(plain_loop(a)))
         return 0
 
-    from dlenv import bench
+    from dlenv.bench import memory as bench
 
     keys = [k for k in a.configs.split(",") if k]
     unknown = [k for k in keys if k not in CONFIGS]

@@ -35,46 +35,39 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import torch  # noqa: E402
 
 from dlenv import compat, config  # noqa: E402
-from dlenv.data.bench import measure_loader  # noqa: E402
-from dlenv.data.decode import pick_decoder, resolve_decoder, stored_size  # noqa: E402
-from dlenv.data.fastpath import build_fast_loaders  # noqa: E402
-from dlenv.data.folder import find_layout  # noqa: E402
-from dlenv.data.loaders import build_loaders, resolve_workers, usable_cpus  # noqa: E402
+from dlenv.bench.data import measure_loader  # noqa: E402
+from dlenv.data import pipeline  # noqa: E402
+from dlenv.data.decode import pick_decoder, stored_size  # noqa: E402
+from dlenv.data.loaders import resolve_workers, usable_cpus  # noqa: E402
 
-#: name -> (train options, how the loader is built for the loader-alone measurement)
+#: name -> train options (synthetic data has no loader to measure alone)
 VARIANTS = {
-    "synthetic": ({"synthetic": True}, None),
-    "classic-pil": ({"gpu_augment": "off", "decoder": "pil"}, ("classic", "pil")),
-    "classic-cv2": ({"gpu_augment": "off", "decoder": "cv2"}, ("classic", "cv2")),
-    "classic-tvio": ({"gpu_augment": "off", "decoder": "tvio"}, ("classic", "tvio")),
-    "gpu-augment": ({"gpu_augment": "on"}, ("fast", "auto")),
-    "nvjpeg": ({"decoder": "nvjpeg"}, ("fast", "nvjpeg")),
-    "cache-ram": ({"cache": True, "cache_mode": "ram"}, ("cache", "ram")),
-    "cache-disk": ({"cache": True, "cache_mode": "disk"}, ("cache", "disk")),
+    "synthetic": {"synthetic": True},
+    "classic-pil": {"gpu_augment": "off", "decoder": "pil"},
+    "classic-cv2": {"gpu_augment": "off", "decoder": "cv2"},
+    "classic-tvio": {"gpu_augment": "off", "decoder": "tvio"},
+    "gpu-augment": {"gpu_augment": "on"},
+    "nvjpeg": {"decoder": "nvjpeg"},
+    "cache-ram": {"cache": True, "cache_mode": "ram"},
+    "cache-disk": {"cache": True, "cache_mode": "disk"},
 }
 COLUMNS = ["variant", "decoder", "loader_img_s", "train_img_s", "data_wait", "ratio_to_synthetic",
            "epoch1_img_s", "seconds"]
 
 
-def loader_rate(kind: str, arg: str, layout, batch: int, img: int, batches: int, cache_dir: str,
+def loader_rate(opts: dict, located: pipeline.Located, batch: int, img: int, batches: int, cache_dir: str,
                 dev: torch.device) -> tuple[float, str]:
-    """(images/s of the training loader alone, decoder used), as the trainer would build it."""
+    """(images/s of the training loader alone, decoder used), decided and built as the trainer does."""
+    layout = located.layout
     train_only = type(layout)(layout.root, layout.classes, layout.train, [])
-    workers = resolve_workers("auto", batch, img)
-    if kind == "classic":
-        loader = build_loaders(train_only, img, batch, workers, pin_memory=dev.type == "cuda", decoder=arg)[0]
-        decoder = arg
-    else:
-        decoder = "pil" if kind == "cache" else resolve_decoder(arg, [p for p, _ in layout.train], stored_size(img))
-        loader = build_fast_loaders(train_only, img, batch, workers, device=dev, dtype=torch.bfloat16,
-                                    memory_format=torch.channels_last if dev.type == "cuda" else
-                                    torch.contiguous_format, decoder=decoder, cache=kind == "cache",
-                                    cache_mode=arg if kind == "cache" else "auto", cache_dir=cache_dir,
-                                    say=lambda m: None)[0]
+    plan = pipeline.decide(pipeline.InputOptions(cache_dir=cache_dir, **opts), located, dev, batch, img)
+    fmt = torch.channels_last if dev.type == "cuda" else torch.contiguous_format
+    loader = pipeline.make_loaders(train_only, plan, dev, dtype=torch.bfloat16, memory_format=fmt,
+                                   say=lambda m: None)[0]
     rate = measure_loader(loader, batches, dev, warmup=3)
     del loader
     gc.collect()
-    return rate, decoder
+    return rate, plan.cpu_decoder if plan.cache else plan.decoder
 
 
 def train_rate(opts: dict, data: str, model: str, batch: int, img: int, steps: int | None, project: str,
@@ -131,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     make_jpeg_dataset.generate(a.data, a.train_images, a.val_images, 10, 500, 375, 0, usable_cpus())
-    layout = find_layout(a.data)
+    located = pipeline.locate(str(a.data))
+    layout = located.layout
     a.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
     cache_dir = str(work / "cache")
@@ -149,15 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     # gpu-augment is the best CPU decoder feeding GPU augmentation ('auto' itself picks nvJPEG on CUDA)
     cpu_best = pick_decoder([p for p, _ in layout.train], stored_size(a.img_size))
     for name in names:
-        opts, how = VARIANTS[name]
+        opts = VARIANTS[name]
         if name == "gpu-augment":
-            opts, how = {**opts, "decoder": cpu_best}, ("fast", cpu_best)
+            opts = {**opts, "decoder": cpu_best}
         if name == "nvjpeg" and compat.cuda_jpeg_unavailable(dev):
             print(f"{name}: skipped ({compat.cuda_jpeg_unavailable(dev)})", flush=True)
             continue
         t0 = time.perf_counter()
-        loader, decoder = (None, "-") if how is None else loader_rate(
-            how[0], how[1], layout, a.batch_size, a.img_size, a.loader_batches, cache_dir, dev)
+        loader, decoder = (None, "-") if name == "synthetic" else loader_rate(
+            opts, located, a.batch_size, a.img_size, a.loader_batches, cache_dir, dev)
         if a.loader_only:
             rows.append({"variant": name, "decoder": decoder, "loader_img_s": loader, "train_img_s": None,
                          "data_wait": None, "ratio_to_synthetic": None, "epoch1_img_s": None,

@@ -10,6 +10,7 @@ measured over the timed steps only.
 
     python3 scripts/bench_train.py                      # ResNet-50 b256 and ViT-B/16 b128, 224 px
     python3 scripts/bench_train.py --steps 20 --only resnet50
+    PYTHONPATH=/old/checkout/src python3 scripts/bench_train.py --no-yardstick   # another tree's trainer
 
 Writes bench_train.csv and bench_train.md to --out, and checks the targets of docs/training.md.
 """
@@ -18,13 +19,16 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+# this checkout's dlenv, unless PYTHONPATH names a source tree (scripts/bench_parity.py compares two)
+if not os.environ.get("PYTHONPATH"):
+    sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -32,7 +36,9 @@ from torch import nn  # noqa: E402
 #: (model, batch, [(label, trainer options)])
 CONFIGS = [
     ("resnet50", 256, [("fp32", {}), ("fp32, TF32 off", {"tf32": False}), ("--amp", {"amp": True}),
-                       ("--amp --checkpoint", {"amp": True, "checkpoint": True})]),
+                       ("--amp --checkpoint", {"amp": True, "checkpoint": True}),
+                       ("--amp --compile", {"amp": True, "compile": True}),
+                       ("--amp --checkpoint --compile", {"amp": True, "checkpoint": True, "compile": True})]),
     ("vit_b_16", 128, [("fp32", {}), ("--amp", {"amp": True}),
                        ("--amp --checkpoint", {"amp": True, "checkpoint": True})]),
 ]
@@ -40,8 +46,9 @@ CONFIGS = [
 
 def _free() -> None:
     gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def yardstick(name: str, batch: int, img: int, steps: int, warmup: int) -> tuple[float, float]:
@@ -79,7 +86,7 @@ def yardstick(name: str, batch: int, img: int, steps: int, warmup: int) -> tuple
     return batch * steps / secs, peak
 
 
-def ours(name: str, batch: int, img: int, steps: int, options: dict) -> tuple[float, float]:
+def ours(name: str, batch: int, img: int, steps: int, options: dict, device: str = "cuda") -> tuple[float, float]:
     """dlenv's trainer on --synthetic data: (images/s, peak allocated GiB) of its second epoch."""
     from dlenv import config, results
     from dlenv.config import TrainConfig
@@ -95,7 +102,7 @@ def ours(name: str, batch: int, img: int, steps: int, options: dict) -> tuple[fl
     try:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = config.build(TrainConfig, synthetic=True, model=name, batch_size=batch, img_size=img, epochs=2,
-                               max_steps=steps, device="cuda", project=tmp, workers=0, **options)
+                               max_steps=steps, device=device, project=tmp, workers=0, **options)
             out = train(cfg)
             row = results.read_results(Path(out["run_dir"]) / "results.csv").iloc[-1]
             return float(row["img_per_s"]), float(row["mem_alloc_gib"])
@@ -111,23 +118,32 @@ def main() -> int:
     ap.add_argument("--out", default="runs/bench-train", help="folder for bench_train.csv / .md")
     ap.add_argument("--optimizer", default="auto", choices=("auto", "sgd", "adamw"),
                     help="the trainer's optimizer (auto: as users get it; sgd: the yardstick's)")
+    ap.add_argument("--config", action="append", dest="configs", metavar="LABEL",
+                    help="run only this configuration of the table (repeatable), e.g. --config=--amp")
+    ap.add_argument("--no-yardstick", action="store_true", help="the trainer only (no plain loop to compare)")
+    ap.add_argument("--device", default="cuda", help="cpu: a quick check of the script itself (with --no-yardstick)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_train: needs a CUDA GPU")
         return 2
     rows = []
     for name, batch, variants in CONFIGS:
         if args.only and name != args.only:
             continue
-        _free()
-        ips, peak = yardstick(name, batch, args.img_size, args.steps, warmup=max(5, args.steps // 3))
-        rows.append({"model": name, "batch": batch, "config": "yardstick (plain loop, bf16)",
-                     "img_per_s": ips, "peak_gib": peak})
-        base = ips
+        base = None
+        if not args.no_yardstick:
+            _free()
+            ips, peak = yardstick(name, batch, args.img_size, args.steps, warmup=max(5, args.steps // 3))
+            rows.append({"model": name, "batch": batch, "config": "yardstick (plain loop, bf16)",
+                         "img_per_s": ips, "peak_gib": peak})
+            base = ips
         fp32_ips = fp32_peak = strict_ips = None
         for label, options in variants:
+            if args.configs and label not in args.configs:
+                continue
             _free()
-            ips, peak = ours(name, batch, args.img_size, args.steps, {**options, "optimizer": args.optimizer})
+            ips, peak = ours(name, batch, args.img_size, args.steps, {**options, "optimizer": args.optimizer},
+                             args.device)
             if label == "fp32":
                 fp32_ips, fp32_peak = ips, peak
             if label == "fp32, TF32 off":
@@ -136,14 +152,14 @@ def main() -> int:
                          "peak_gib": peak})
         for r in rows:
             if r["model"] == name:
-                r["x_yardstick"] = r["img_per_s"] / base
+                r["x_yardstick"] = r["img_per_s"] / base if base else None
                 r["x_fp32_speed"] = r["img_per_s"] / fp32_ips if fp32_ips else None
                 r["x_strict_fp32_speed"] = r["img_per_s"] / strict_ips if strict_ips else None
                 r["x_fp32_peak"] = r["peak_gib"] / fp32_peak if fp32_peak else None
     import pandas as pd
 
     df = pd.DataFrame(rows)
-    gpu = torch.cuda.get_device_name(0)
+    gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
     head = (f"{gpu}, PyTorch {torch.__version__}, CUDA {torch.version.cuda}, {args.img_size} px, "
             f"{args.steps} timed steps, trainer optimizer {args.optimizer}")
     checks = _checks(df)
@@ -158,7 +174,10 @@ def main() -> int:
 
 def _get(df, model: str, config: str, col: str):
     sel = df[(df["model"] == model) & (df["config"] == config)]
-    return float(sel[col].iloc[0]) if len(sel) else None
+    if not len(sel) or col not in sel or sel[col].iloc[0] is None:
+        return None
+    value = float(sel[col].iloc[0])
+    return None if value != value else value  # NaN: not measured in this run
 
 
 def _checks(df) -> list[tuple[str, bool]]:
@@ -173,6 +192,7 @@ def _checks(df) -> list[tuple[str, bool]]:
     strict = _get(df, "resnet50", "dlenv --amp --checkpoint", "x_strict_fp32_speed")
     if p is not None:
         out.append((f"ResNet-50 --amp --checkpoint peak {p:.0%} of FP32's (<= 25%)", p <= 0.25))
+    if s is not None:
         out.append((f"ResNet-50 --amp --checkpoint at {s:.2f}x FP32's speed, FP32 with PyTorch's default "
                     f"TF32 convolutions (>= 1.4)", s >= 1.4))
     if strict is not None:
@@ -190,8 +210,9 @@ def _markdown(df, head: str, checks: list[tuple[str, bool]]) -> str:
              "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
     for r in df.to_dict("records"):
         fp = r.get("x_fp32_peak")
+        xy = r.get("x_yardstick")
         lines.append(f"| {r['model']} | {r['batch']} | {r['config']} | {r['img_per_s']:,.0f} | "
-                     f"{r['peak_gib']:.2f} | {r['x_yardstick']:.2f} | "
+                     f"{r['peak_gib']:.2f} | {'' if xy is None or xy != xy else f'{xy:.2f}'} | "
                      f"{'' if fp is None or fp != fp else f'{fp:.0%}'} |")
     lines.append("")
     lines += [f"- {'PASS' if ok else 'FAIL'}: {text}" for text, ok in checks]

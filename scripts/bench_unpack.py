@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-OURS = ("import sys; sys.path.insert(0, sys.argv[1]); from dlenv.data.archive import unpack; "
+OURS = ("import sys; sys.path.insert(0, sys.argv[1]); from dlenv.data.unpack import unpack; "
         "unpack(sys.argv[2], sys.argv[3], progress=False)")
 
 

@@ -23,9 +23,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from dlenv.data.decode import load_rgb  # noqa: E402
 from dlenv.data.demo import ensure_demo_data  # noqa: E402
 from dlenv.data.folder import find_layout  # noqa: E402
-from dlenv.data.loaders import load_rgb  # noqa: E402
 
 
 def small_cnn(classes: int, width: int = 16) -> nn.Module:

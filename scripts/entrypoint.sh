@@ -1,13 +1,24 @@
 #!/bin/bash
-# The image's entrypoint, run by tini (PID 1): give any user a writable HOME, then become the command.
+# The image's entrypoint, run by tini (PID 1): give any user a name and a writable HOME, then become the
+# command (exec: tini's signals reach it directly).
 #
 # With `docker run --user "$(id -u):$(id -g)"` (so files written into the mounted workspace belong to
-# you, not root) the user has no entry in /etc/passwd and Docker sets HOME=/, which is not writable:
-# matplotlib, torch, pip and pytest caches would then fail or warn. Such a user gets a private HOME.
+# you, not root) the UID usually has no entry in /etc/passwd:
+#   - Docker sets HOME=/, which is not writable: matplotlib, torch, pip and pytest caches would fail or
+#     warn. Such a user gets a private HOME under /tmp.
+#   - It has no name: getpass.getuser() raises (torch.compile's inductor calls it, so --compile fails
+#     on PyTorch < 2.13). getpass reads LOGNAME and USER before the passwd file, so a name there is
+#     enough; /etc/passwd stays root-owned and read-only (making it writable for any UID, as some
+#     images do, would let any process of the container add users).
+# Files are written with the umask the container was started with; nothing here changes it.
 set -euo pipefail
 if [ ! -w "${HOME:-/}" ]; then
     HOME="/tmp/home-$(id -u)"
     export HOME
     mkdir -p "$HOME"
 fi
+if ! name=$(id -un 2>/dev/null); then
+    name="user$(id -u)"
+fi
+export USER="${USER:-$name}" LOGNAME="${LOGNAME:-$name}"
 exec "$@"

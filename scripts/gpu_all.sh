@@ -3,7 +3,8 @@
 # (the project's H200 device machine, or any GPU host with the modern stack):
 #
 #   bash scripts/gpu_all.sh OUT [part ...]      parts: env tests train memory autobatch pipeline ddp
-#                                               (and the short re-runs: input ckpt-sgd ddp-accuracy)
+#                                               (and the short re-runs: input ckpt-sgd ddp-accuracy;
+#                                               parity: this tree's trainer against .bench_old/src)
 #
 # Each part writes OUT/<part>.txt (its full log); SUMMARY.md gathers the scripts' markdown tables, and
 # memory.png is bench-memory's chart: at most 8 files, what the device tool brings back. Default: all
@@ -50,6 +51,13 @@ for part in $parts; do
     ckpt-sgd)  # the trainer's --amp --checkpoint with the yardstick's optimizer: is the gap AdamW's CPU time?
            run ckpt-sgd python3 scripts/bench_train.py --only resnet50 --optimizer sgd --steps 50 --out "$tmp/ckpt"
            cat "$tmp"/ckpt/*.md >> "$tmp/tables.md" 2>/dev/null ;;
+    parity)  # the trainer of this tree against an older one: git archive OLD --prefix=.bench_old/ | tar -x
+           if [ -d .bench_old/src ]; then
+               run parity python3 scripts/bench_parity.py --old .bench_old/src --new src --out "$tmp/parity"
+               cat "$tmp"/parity/parity.md >> "$tmp/tables.md" 2>/dev/null
+           else
+               echo "== parity skipped: no .bench_old/src" | tee -a "$out/parity.txt"
+           fi ;;
     ddp-accuracy)
            run ddp-accuracy python3 scripts/bench_ddp.py --skip-speed --out "$tmp/ddpacc"
            cat "$tmp"/ddpacc/*.md >> "$tmp/tables.md" 2>/dev/null ;;
@@ -62,7 +70,7 @@ for part in $parts; do
            else
                echo "== ddp skipped: $gpus GPU(s)" | tee -a "$out/ddp.txt"
            fi ;;
-    *)     echo "unknown part $part (env tests train memory autobatch pipeline ddp input ckpt-sgd ddp-accuracy)" >&2
+    *)     echo "unknown part $part (env tests train memory autobatch pipeline ddp input ckpt-sgd ddp-accuracy parity)" >&2
            exit 2 ;;
     esac
 done

@@ -6,11 +6,34 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import shutil
+import tempfile
 
 import pytest
 from imagedata import make_image_folder
+
+# The project key that signs the checkpoints dlenv writes (dlenv.weights): one per test session, in a
+# temporary folder, so no test writes .dlenv/key into the checkout; subprocesses inherit it.
+_KEY_DIR = tempfile.mkdtemp(prefix="dlenv-key-")
+os.environ["DLENV_KEY_FILE"] = os.path.join(_KEY_DIR, "key")
+atexit.register(shutil.rmtree, _KEY_DIR, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _consent_to_the_tests_own_pickles(monkeypatch):
+    """Tests write .pth files with torch.save to stand for files from other tools; they consent to
+    unpickling them, as a user passes --trust-pickle (in-process only: subprocesses see the real gate).
+    tests/test_weights.py switches the consent off to test the gate itself. Also forget how a previous
+    test started dlenv (dlenv.invocation keeps it in the environment)."""
+    try:
+        from dlenv import weights
+    except ImportError:  # tests/container on a host without the package
+        return
+    monkeypatch.setattr(weights, "_trust", True)
+    monkeypatch.setenv("DLENV_COMMAND", "")
 
 
 def pytest_addoption(parser):

@@ -45,3 +45,49 @@ def make_photo_layout(root: Path, train: int, val: int, classes: int, size) -> P
             d.mkdir(parents=True, exist_ok=True)
             photo(d / f"{i}.jpg", *size(i), seed=i + (100 if split == "val" else 0))
     return Path(root)
+
+
+def write_file(path, data: bytes) -> Path:
+    """Write `data` to `path`, creating its folders; return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def encoded_image(fmt: str, size=(20, 16), seed=0) -> bytes:
+    """A small random RGB image encoded as `fmt` (PNG, JPEG, ...), as bytes."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    arr = np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, fmt)
+    return buf.getvalue()
+
+
+class FillsUpAfter:
+    """A file whose write() raises ENOSPC once `limit` bytes went through, as a full disk does."""
+
+    def __init__(self, fh, limit: int):
+        self.fh, self.limit, self.written = fh, limit, 0
+
+    def write(self, data):
+        import errno
+        import os
+
+        self.written += memoryview(data).nbytes
+        if self.written > self.limit:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self.fh.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.fh.close()

@@ -1,4 +1,5 @@
-"""dlenv.autobatch: batch search against a fake memory limit, accumulation arithmetic, OOM halving."""
+"""dlenv.autobatch: batch search against a fake memory limit, and the micro-batch x accumulation x GPUs
+arithmetic (for the options, and for a resume on another number of GPUs)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import logging
 
 import pytest
 
-from dlenv.autobatch import find_max_batch, halve_on_oom, plan_accumulation, search_max_batch
+from dlenv import autobatch
+from dlenv.autobatch import find_max_batch, plan_accumulation, search_max_batch
 from dlenv.errors import UserError
 
 
@@ -118,27 +120,42 @@ def test_plan_accumulation_more_gpus_than_images():
         plan_accumulation(2, 8, world_size=4)
 
 
-@pytest.mark.parametrize("micro,accum,expected", [(64, 1, (32, 2)), (2, 8, (1, 16)), (6, 1, (3, 2)),
-                                                  (5, 1, (1, 5))])
-def test_halve_on_oom_keeps_effective_batch(micro, accum, expected):
-    new = halve_on_oom(micro, accum)
-    assert new == expected
-    assert new[0] * new[1] == micro * accum
-    assert new[0] < micro
+def test_plan_for_world_keeps_the_effective_batch_where_it_divides():
+    assert autobatch.plan_for_world(256, 64, 2) == (64, 2, None)
+    assert autobatch.plan_for_world(256, 64, 4) == (64, 1, None)
+    micro, accum, note = autobatch.plan_for_world(96, 64, 8)  # 12 per GPU: 12 x 1
+    assert (micro, accum, note) == (12, 1, None)
 
 
-def test_halve_on_oom_repeated_reaches_one_then_gives_up():
-    micro, accum = 48, 2
-    seen = []
-    while True:
-        try:
-            micro, accum = halve_on_oom(micro, accum)
-        except UserError as e:
-            assert "micro-batch 1" in str(e)
-            break
-        seen.append((micro, accum))
-        assert micro * accum == 96
-    assert seen[-1][0] == 1 and len(seen) <= 7
+def test_plan_for_world_says_when_the_effective_batch_cannot_be_kept():
+    micro, accum, note = autobatch.plan_for_world(10, 5, 4)
+    assert micro * accum * 4 != 10
+    assert note is not None and "effective batch 10 cannot be split" in note
+    assert f"= {micro * accum * 4} images per step" in note
+
+
+def test_plan_for_world_refuses_fewer_images_than_gpus():
+    with pytest.raises(UserError, match="smaller than the 8 GPUs"):
+        autobatch.plan_for_world(4, 4, 8)
+
+
+def test_resume_split_on_another_gpu_count():
+    assert autobatch.resume_split(32, 2, 4, 4) == (32, 2, None)
+    micro, accum, note = autobatch.resume_split(32, 1, 4, 2)  # 128 images per step on 2 GPUs
+    assert (micro, accum) == (32, 2) and "keeps the effective batch 128" in note
+    micro, accum, note = autobatch.resume_split(32, 2, 2, 8)
+    assert micro * accum * 8 == 128 and "keeps" in note
+    micro, accum, note = autobatch.resume_split(5, 1, 2, 4)
+    assert "cannot be split" in note and note.startswith("resuming a run of 2 GPU(s) on 4")
+
+
+def test_resolve_batch_reads_the_options():
+    assert autobatch.resolve_batch(8, 3, None, 1, lambda: 99) == (8, 3)
+    assert autobatch.resolve_batch("auto", 1, None, 1, lambda: 40) == (40, 1)
+    assert autobatch.resolve_batch(4, 1, 32, 2, lambda: 99) == (4, 4)
+    assert autobatch.resolve_batch("auto", 1, 96, 1, lambda: 40) == (32, 3)  # measured, then split exactly
+    with pytest.raises(UserError, match="--effective-batch 10 is not a multiple.*use --effective-batch 8"):
+        autobatch.resolve_batch(4, 1, 10, 1, lambda: 99)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -92,3 +92,36 @@ def test_invoke_task_failure_exits_nonzero(monkeypatch):
     with pytest.raises(Exit) as e:
         tasks.ns["plot"](MockContext(), log_dir=None, cfg=None)
     assert e.value.code == 3
+
+
+def test_every_invoke_task_is_a_dlenv_verb():
+    from dlenv import tasks
+
+    sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
+    assert set(tasks.ns.task_names) <= set(sub.choices), "the README says every invoke VERB is dlenv VERB"
+
+
+@pytest.mark.parametrize("how,expect_tail", [
+    ("dlenv", ["-m", "gpu", "-x", "-k", "tiny"]),      # `dlenv test --gpu -x -k tiny`
+    ("invoke", ["-m", "gpu", "-x", "-k", "tiny"]),     # `invoke test --gpu --args "-x -k tiny"`
+])
+def test_dlenv_test_and_invoke_test_run_the_same_pytest(monkeypatch, how, expect_tail):
+    from invoke import MockContext
+
+    from dlenv import tasks
+
+    calls = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    if how == "dlenv":
+        assert cli.main(["test", "--gpu", "-x", "-k", "tiny"]) == 0
+    else:
+        tasks.ns["test"](MockContext(), gpu=True, args="-x -k tiny")
+    cmd = calls[0]
+    assert cmd[:3] == [sys.executable, "-m", "pytest"] and Path(cmd[3]) == ROOT / "tests"
+    assert cmd[-len(expect_tail):] == expect_tail
+
+
+def test_unknown_flag_of_a_verb_still_fails(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plot", "--no-such-flag"])
+    assert e.value.code == 2 and "unrecognized arguments: --no-such-flag" in capsys.readouterr().err

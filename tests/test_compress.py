@@ -15,10 +15,11 @@ from imagedata import make_image_folder
 from torch import nn
 
 from dlenv import compat, config
-from dlenv.checkpoint import FORMAT, load_checkpoint, model_from_checkpoint, save_checkpoint
 from dlenv.cli import main as cli_main
 from dlenv.compress import common, export, prune, quantize
 from dlenv.errors import UserError
+from dlenv.models import model_from_checkpoint
+from dlenv.runstate import FORMAT, load_checkpoint, save_checkpoint
 
 CLASSES = ["cat", "dog"]
 IMG = 32
@@ -38,8 +39,8 @@ def _calibrated(model: nn.Module) -> nn.Module:
 
 def save_ckpt(path: Path, data: Path | str | None, model_name: str = "mobilenet_v3_small", **override) -> Path:
     """A dlenv checkpoint of an untrained torchvision model, in the format `dlenv train` writes."""
-    from dlenv.checkpoint import environment
     from dlenv.models import build_model
+    from dlenv.runstate import environment
 
     torch.manual_seed(0)
     model = _calibrated(build_model(model_name, len(CLASSES)))
@@ -80,8 +81,8 @@ def ckpt(tmp_path, _reference):
 @pytest.fixture(autouse=True)
 def _quick_latency(monkeypatch):
     """Latency is measured, not asserted, here: two runs instead of two seconds per model."""
-    monkeypatch.setattr(common, "cpu_latency_ms", functools.partial(common.cpu_latency_ms, min_runs=2,
-                                                                      budget_s=0.0))
+    monkeypatch.setattr(common, "cpu_latencies", functools.partial(common.cpu_latencies, min_runs=2,
+                                                                     budget_s=0.0))
 
 
 def prune_cfg(**kw):
@@ -441,3 +442,33 @@ def test_int8_engine_is_fbgemm_on_1_13_and_x86_on_2x():
     if "fbgemm" not in engines or "x86" not in engines:
         pytest.skip(f"this build's int8 engines: {engines}")
     assert compat.quant_backend() == ("x86" if compat.TORCH_VERSION >= (2, 0) else "fbgemm")
+
+
+@pytest.mark.parametrize("seconds,median,p10,p90,wide", [
+    ([0.010] * 9 + [0.011], 10.0, 10.0, 10.0, False),              # steady
+    ([0.010, 0.011, 0.010, 0.030, 0.010, 0.031, 0.010, 0.012, 0.010, 0.032], 10.5, 10.0, 31.0, True),  # busy
+])
+def test_latency_median_spread_and_warning(seconds, median, p10, p90, wide):
+    lat = common.Latency.of(seconds)
+    assert (lat.median, lat.p10, lat.p90, lat.runs) == pytest.approx((median, p10, p90, len(seconds)))
+    assert str(lat) == f"{median:.2f} ms ({p10:.2f}-{p90:.2f})"
+    note = common.latency_note([common.Latency.of([0.01] * 5), lat], 64)
+    assert "median of 5+ runs at 64px" in note and "p10-p90" in note
+    assert ("warning: CPU latency varied widely" in note) is wide
+
+
+def test_cpu_latencies_time_the_models_in_turns():
+    order = []
+
+    class M(torch.nn.Module):
+        def __init__(self, tag):
+            super().__init__()
+            self.tag = tag
+
+        def forward(self, x):
+            order.append(self.tag)
+            return x
+
+    lat = common.cpu_latencies([M("a"), M("b")], 8, min_runs=3, budget_s=0.0)
+    assert order == ["a"] * 3 + ["b"] * 3 + ["a", "b"] * 3  # warm-up, then turn about
+    assert [x.runs for x in lat] == [3, 3]

@@ -84,3 +84,49 @@ def test_every_option_has_help_and_a_parser():
             # every default survives its own parser (so defaults are valid values)
             if f.default is not None:
                 assert f.metadata["parse"](f.default) == f.default
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"lr": "nan"}, "--lr 'nan': expected a finite number"),
+    ({"lr": "inf"}, "--lr 'inf': expected a finite number"),
+    ({"lr": float("-inf")}, "--lr -inf: expected a finite number"),
+    ({"lr": "1e400"}, "--lr '1e400': expected a finite number"),
+    ({"weight_decay": "NaN"}, "--weight-decay 'NaN'"),
+    ({"momentum": "nan"}, "--momentum 'nan'"),  # nan passes every min/max comparison
+    ({"epochs": "inf"}, "--epochs 'inf': expected an integer"),
+    ({"epochs": "1e400"}, "--epochs '1e400': expected an integer"),
+    ({"epochs": float("nan")}, "--epochs nan: expected an integer"),
+    ({"data": ["a", "b"]}, "--data ['a', 'b']: expected a single value"),
+    ({"data": "a\0b"}, "a NUL character is not allowed"),
+    ({"name": ""}, "--name '': expected a plain folder name"),
+    ({"name": "a/b"}, "--name 'a/b': expected a plain folder name"),
+    ({"name": ".."}, "--name '..'"),
+])
+def test_non_finite_and_wrongly_typed_values_are_refused(kwargs, message):
+    with pytest.raises(UserError) as e:
+        config.build(config.TrainConfig, **kwargs)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("name: caf\xe9\n".encode("latin-1"), "is not UTF-8 text (byte 0xe9 at offset 9)"),
+    (b"\x80\x02PK binary", "is not UTF-8 text (byte 0x80 at offset 0)"),
+    (b"- lr\n- 0.1\n", "must hold a mapping of option: value, not a list"),
+    (b"just a sentence", "must hold a mapping of option: value, not a str"),
+    (b"lr: !!python/object/apply:os.system ['true']\n", "is not valid YAML"),
+    (b"lr: .nan\n", "--lr nan: expected a finite number; see --help (set in config file"),
+    (b"epochs: [1, 2]\n", "--epochs [1, 2]: expected an integer; see --help (set in config file"),
+    (b"nme: x\n", "unknown option 'nme' in config file"),
+    (b"[" * 5000, "config file"),  # deeply nested: YAML's own limit or ours, one line either way
+])
+def test_a_cfg_file_that_is_not_a_yaml_mapping_is_one_line(tmp_path, content, message):
+    y = tmp_path / "c.yaml"
+    y.write_bytes(content)
+    with pytest.raises(UserError) as e:
+        config.build(config.TrainConfig, y)
+    assert message in str(e.value) and str(y) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_cfg_folder_is_one_line(tmp_path):
+    with pytest.raises(UserError, match="is a folder"):
+        config.build(config.TrainConfig, tmp_path)

@@ -213,13 +213,13 @@ def test_small_cnn_learns_the_demo_task():
 def test_a_demo_folder_given_as_data_trains_like_the_built_in_demo(tmp_path):
     from imagedata import make_image_folder
 
-    from dlenv.train import _is_demo, locate_data
+    from dlenv.data.pipeline import locate
 
     root = ensure_demo_data(tmp_path / "somewhere" / "demo", **SMALL)
     assert demo.is_demo_folder(root)
-    layout, _, source = locate_data(str(root), False, 0.2, 0)
+    located = locate(str(root))
     # `--data data/demo` used to train at 224 px with crops down to 8% of a 64 px image: near chance
-    assert source == str(root) and _is_demo(source, layout)
+    assert located.source == str(root) and located.demo and located.img_size == demo.DEMO_IMG_SIZE
     other = make_image_folder(tmp_path / "photos")
-    layout, _, source = locate_data(str(other), False, 0.2, 0)
-    assert not demo.is_demo_folder(other) and not _is_demo(source, layout)
+    located = locate(str(other))
+    assert not demo.is_demo_folder(other) and not located.demo and located.img_size == 224

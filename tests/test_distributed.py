@@ -1,4 +1,4 @@
-"""dlenv.distributed on a CPU: real 2-process gloo runs, the torchrun launch, and the batch arithmetic.
+"""dlenv.distributed on a CPU: real 2-process gloo runs of the collectives and of the trainer.
 
 Multi-process scenarios run tests/_distributed_worker.py once per rank with the environment torchrun
 would set, so each check is a real process group (a few seconds each on a small machine).
@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlenv import cli, config, distributed
-from dlenv.config import TrainConfig
+from dlenv import distributed, launch
 from dlenv.errors import UserError
 
 TESTS = Path(__file__).resolve().parent
@@ -34,7 +33,7 @@ def _env(rank: int, world: int, port: int) -> dict[str, str]:
 
 
 def start_ranks(scenario: str, args: dict, world: int = 2) -> list[subprocess.Popen]:
-    port = distributed.free_port()
+    port = launch.free_port()
     return [subprocess.Popen([sys.executable, str(WORKER), scenario, json.dumps(args)], env=_env(r, world, port),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for r in range(world)]
@@ -96,41 +95,10 @@ def test_a_dead_or_stuck_rank_stops_the_others_with_a_message(how):
         if p.poll() is None:
             p.kill()
             p.wait()
-    assert rc0 == distributed.EXIT_PEER, err0
+    assert rc0 == launch.EXIT_PEER, err0
     assert "rank 0: all_reduce failed: another process of this run stopped" in err0
     assert r0["seconds"] < timeout + 10, "rank 0 must not wait much past the timeout"
     assert elapsed < 240  # generous: two torch imports on a loaded 2-core CI box
-
-
-def test_torchrun_wrapper_names_the_failed_rank_and_its_status(tmp_path):
-    port = distributed.free_port()
-    cmd = [sys.executable, "-m", "dlenv.distributed", "--nproc_per_node", "2", "--nnodes", "1",
-           "--node_rank", "0", "--master_addr", "127.0.0.1", "--master_port", str(port), "--max_restarts", "0",
-           "--monitor_interval", "1", str(WORKER), "torchrun_fail"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**env, "OMP_NUM_THREADS": "1"})
-    assert p.returncode == 3, p.stderr[-2000:]
-    assert "dlenv train: rank 1 (local rank 1" in p.stderr and "exited with status 3" in p.stderr
-    assert "Traceback" not in p.stderr.split("dlenv train: rank 1")[-1]
-    assert time.perf_counter() - t0 < 60
-
-
-def _failures(**codes):
-    from types import SimpleNamespace
-
-    fs = {int(r[1:]): SimpleNamespace(exitcode=c, local_rank=int(r[1:]), pid=100 + int(r[1:]), timestamp=0,
-                                      signal_name=lambda c=c: signal.Signals(-c).name) for r, c in codes.items()}
-    return SimpleNamespace(failures=fs)
-
-
-def test_failure_line_blames_the_cause_not_the_ranks_that_lost_it():
-    line = distributed._failure_line(_failures(r0=distributed.EXIT_PEER, r1=3, r2=-signal.SIGTERM))
-    assert line.startswith("dlenv train: rank 1 (local rank 1, pid 101) exited with status 3")
-    line = distributed._failure_line(_failures(r0=distributed.EXIT_PEER, r3=-signal.SIGKILL))
-    assert "rank 3" in line and "killed by SIGKILL (out of host memory" in line
-    line = distributed._failure_line(_failures(r0=distributed.EXIT_PEER))
-    assert "rank 0" in line and "stopped because another process of the run failed" in line
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -310,113 +278,8 @@ def test_shard_eval_loader_keeps_bad_image_handling(tmp_path):
     assert any("cat_1.png" in p for p in shard.bad_paths)
 
 
-def test_workers_are_shared_between_the_processes_of_a_node():
-    assert distributed.workers_per_process(12, 4) == 3
-    assert distributed.workers_per_process(2, 8) == 1
-    assert distributed.workers_per_process(0, 8) == 0
-
-
-# ---------------------------------------------------------------------------------------------------
-# Batch arithmetic.
-
-
-def test_plan_for_world_keeps_the_effective_batch_where_it_divides():
-    assert distributed.plan_for_world(256, 64, 2) == (64, 2, None)
-    assert distributed.plan_for_world(256, 64, 4) == (64, 1, None)
-    micro, accum, note = distributed.plan_for_world(96, 64, 8)  # 12 per GPU: 12 x 1
-    assert (micro, accum, note) == (12, 1, None)
-
-
-def test_plan_for_world_says_when_the_effective_batch_cannot_be_kept():
-    micro, accum, note = distributed.plan_for_world(10, 5, 4)
-    assert micro * accum * 4 != 10
-    assert note is not None and "effective batch 10 cannot be split" in note
-    assert f"= {micro * accum * 4} images per step" in note
-
-
-def test_plan_for_world_refuses_fewer_images_than_gpus():
-    with pytest.raises(UserError, match="smaller than the 8 GPUs"):
-        distributed.plan_for_world(4, 4, 8)
-
-
-def test_resume_split_on_another_gpu_count():
-    assert distributed.resume_split(32, 2, 4, 4) == (32, 2, None)
-    micro, accum, note = distributed.resume_split(32, 1, 4, 2)  # 128 images per step on 2 GPUs
-    assert (micro, accum) == (32, 2) and "keeps the effective batch 128" in note
-    micro, accum, note = distributed.resume_split(32, 2, 2, 8)
-    assert micro * accum * 8 == 128 and "keeps" in note
-    micro, accum, note = distributed.resume_split(5, 1, 2, 4)
-    assert "cannot be split" in note and note.startswith("resuming a run of 2 GPU(s) on 4")
-
-
-# ---------------------------------------------------------------------------------------------------
-# The launch command.
-
-
-def test_train_flags_rebuild_the_same_config():
-    cfg = config.build(TrainConfig, data="d s", amp=True, channels_last=False, batch_size="auto", gpus=2,
-                       lr=0.05, clip_grad=1.0, epochs=3, max_steps=5, name="a b")
-    flags = distributed.train_flags(cfg)
-    assert "--no-channels-last" in flags and "--amp" in flags and "--model" not in flags
-    args = vars(cli.build_parser().parse_args(["train", *flags]))
-    args.pop("command")
-    args.pop("cfg")
-    assert config.build(TrainConfig, **args) == cfg
-
-
-def test_launch_command_single_node_uses_a_private_port():
-    cfg = config.build(TrainConfig, gpus=4, amp=True, master_port=1234)
-    cmd = distributed.launch_command(cfg, port=4321)
-    assert cmd[:3] == [sys.executable, "-m", "dlenv.distributed"]
-    opts = dict(zip(cmd[3:-5:2], cmd[4:-4:2], strict=False))
-    assert opts["--nproc_per_node"] == "4" and opts["--master_port"] == "4321"
-    assert opts["--master_addr"] == "127.0.0.1" and opts["--max_restarts"] == "0"
-    assert cmd[cmd.index("-m", 3):] == ["-m", "dlenv.cli", "train", "--amp", "--gpus", "4", "--master-port", "1234"]
-
-
-def test_launch_command_several_nodes_goes_to_the_rendezvous():
-    cfg = config.build(TrainConfig, gpus=8, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29600)
-    args = distributed.torchrun_args(cfg)
-    assert args[:10] == ["--nproc_per_node", "8", "--nnodes", "2", "--node_rank", "1",
-                         "--master_addr", "10.0.0.1", "--master_port", "29600"]
-
-
-@pytest.mark.parametrize("opts,match", [
-    (dict(gpus=2, nnodes=2, node_rank=2), "--node-rank 2 must be below --nnodes 2"),
-    (dict(gpus=2, device="cuda:1"), "--device cuda:1 picks one GPU"),
-    (dict(gpus=2, device="mps"), "not a device"),
-])
-def test_check_launch_refuses_what_cannot_work(opts, match):
-    with pytest.raises(UserError, match=match):
-        distributed.check_launch(config.build(TrainConfig, **opts))
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
-def test_check_launch_without_gpus_names_the_cpu_option():
-    with pytest.raises(UserError, match="no CUDA GPU is visible.*--device cpu"):
-        distributed.check_launch(config.build(TrainConfig, gpus=2))
-    distributed.check_launch(config.build(TrainConfig, gpus=2, device="cpu"))
-
-
-def test_needs_launch_only_outside_torchrun(monkeypatch):
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    assert distributed.needs_launch(config.build(TrainConfig, gpus=2))
-    assert distributed.needs_launch(config.build(TrainConfig, nnodes=2))
-    assert not distributed.needs_launch(config.build(TrainConfig))
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    assert not distributed.needs_launch(config.build(TrainConfig, gpus=2))
-
-
 # ---------------------------------------------------------------------------------------------------
 # On GPUs (the lead's H200 box).
-
-
-@pytest.mark.gpu
-def test_gpu_check_launch_counts_the_visible_gpus():
-    n = torch.cuda.device_count()
-    distributed.check_launch(config.build(TrainConfig, gpus=n))
-    with pytest.raises(UserError, match=f"only {n} GPU"):
-        distributed.check_launch(config.build(TrainConfig, gpus=n + 1))
 
 
 @pytest.mark.gpu

@@ -1,8 +1,11 @@
-"""The Dockerfile and .dockerignore, checked by reading them (no Docker engine needed).
+"""The Dockerfile and .dockerignore, checked by reading them (no Docker engine needed), and the scripts the
+build runs (scripts/check_build.py), run here on this lane's packages.
 
-The Dockerfile is parsed into stages and instructions, and what the image promises is asserted on
-that structure: the order of layers (env before code), what each RUN does together, what the
-runtime stage ends with, and that the files it copies survive .dockerignore.
+The Dockerfile is parsed into stages and instructions (tests/dockerfile.py), and what the image promises
+is asserted on that structure: the installer per architecture, the order of layers (env before code),
+what each RUN does together, the lock, what the runtime stage ends with, and that the files it copies
+survive .dockerignore. Running the ENTRYPOINT and the task discovery is tests/test_entrypoint.py's and
+tests/test_tasks_discovery.py's job.
 """
 
 from __future__ import annotations
@@ -11,58 +14,17 @@ import json
 import os
 import re
 import subprocess
-from pathlib import Path
+import sys
 
 import pytest
 import yaml
+from dockerfile import DIRECTIVES, DOCKERFILE, ROOT, STAGES, entrypoint
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCKERFILE = ROOT / "Dockerfile"
 DIGEST = re.compile(r"^[\w./-]+:[\w.-]+@sha256:[0-9a-f]{64}$")
+DOCS = ROOT / "docs" / "docker.md"
 
 if not DOCKERFILE.is_file():
     pytest.skip("the Dockerfile is not shipped here", allow_module_level=True)
-
-
-def parse(text: str) -> tuple[list[str], list[tuple[str, str]]]:
-    """(parser directives, [(INSTRUCTION, arguments)]) with continuations joined and comments dropped."""
-    directives, instructions, current = [], [], ""
-    lines = text.splitlines()
-    for i, line in enumerate(lines):
-        stripped = line.strip()
-        if not instructions and not current and re.match(r"#\s*\w+=", stripped) and i == len(directives):
-            directives.append(stripped.lstrip("#").strip())
-            continue
-        if stripped.startswith("#") or (not stripped and not current):
-            continue
-        if stripped.endswith("\\"):
-            current += stripped[:-1] + " "
-            continue
-        current += stripped
-        word, _, rest = current.partition(" ")
-        instructions.append((word.upper(), rest.strip()))
-        current = ""
-    return directives, instructions
-
-
-DIRECTIVES, INSTRUCTIONS = parse(DOCKERFILE.read_text(encoding="utf-8"))
-
-
-def stages() -> dict[str, list[tuple[str, str]]]:
-    """{stage name: its instructions after FROM}; the global ARGs before the first FROM under ''."""
-    out: dict[str, list] = {"": []}
-    name = ""
-    for instr, args in INSTRUCTIONS:
-        if instr == "FROM":
-            m = re.match(r"(\S+)(?:\s+AS\s+(\S+))?", args, re.I)
-            name = m.group(2) or f"stage{len(out)}"
-            out[name] = [("FROM", m.group(1))]
-        else:
-            out[name].append((instr, args))
-    return out
-
-
-STAGES = stages()
 
 
 def index(stage: list, instr: str, pattern: str) -> int:
@@ -79,7 +41,7 @@ def arg_default(stage: list, name: str) -> str:
     return args[0].split("=", 1)[1]
 
 
-def test_syntax_directive_allows_add_checksum():
+def test_syntax_directive_allows_add_checksum_and_run_mounts():
     (directive,) = [d for d in DIRECTIVES if d.startswith("syntax=")]
     version = re.search(r"dockerfile:(\d+)\.(\d+)", directive)
     assert version and (int(version.group(1)), int(version.group(2))) >= (1, 6)
@@ -96,51 +58,88 @@ def test_base_image_is_pinned_by_tag_and_digest_with_a_refresh_recipe():
     assert modern and DIGEST.match(modern.group(1)) and ":12." in modern.group(1)
 
 
-def test_two_stages_on_the_same_base_and_runtime_last():
+@pytest.mark.parametrize("path", [DOCKERFILE, DOCS], ids=lambda p: p.name)
+def test_plain_ubuntu_fallback_for_when_the_cuda_tag_is_gone_is_documented(path):
+    text = path.read_text(encoding="utf-8")
+    assert "BASE_IMAGE=ubuntu:22.04" in text
+    # why it still works: conda brings the CUDA runtime, and the build check proves the CUDA build
+    assert "pytorch-cuda" in text and 'torch.version.cuda == "11.6"' in text
+
+
+def test_stages_installer_per_architecture_then_builder_and_runtime_on_the_same_base():
     names = [n for n in STAGES if n]
-    assert names == ["builder", "runtime"]
-    assert all(STAGES[n][0][1] == "${BASE_IMAGE}" for n in names)
+    assert names == ["miniforge-amd64", "miniforge-arm64", "miniforge", "builder", "runtime"]
+    assert STAGES["miniforge"][0][1] == "miniforge-${TARGETARCH}"
+    assert all(STAGES[n][0][1] == "${BASE_IMAGE}" for n in ("builder", "runtime"))
     runtime = STAGES["runtime"]
     i_copy = index(runtime, "COPY", r"--from=builder\s+/opt/conda\s+/opt/conda")
     assert all(not (i == "COPY" and "--from" in a) for i, a in runtime[i_copy + 1:])
 
 
-@pytest.mark.parametrize("stage", ["builder", "runtime"])
-def test_shell_has_pipefail_before_any_run(stage):
-    body = STAGES[stage]
-    i_shell = index(body, "SHELL", r"pipefail")
-    assert json.loads(body[i_shell][1])[:3] == ["/bin/bash", "-o", "pipefail"]
-    assert all(i != "RUN" for i, _ in body[:i_shell])
+@pytest.mark.parametrize("arch, uname", [("amd64", "x86_64"), ("arm64", "aarch64")])
+def test_each_architecture_gets_its_own_checksummed_miniforge(arch, uname):
+    stage = STAGES[f"miniforge-{arch}"]
+    assert stage[0][1] == "scratch"
+    add = stage[index(stage, "ADD", r"--checksum=sha256:")][1]
+    var = f"MINIFORGE_SHA256_{arch.upper()}"
+    assert f"--checksum=sha256:${{{var}}}" in add
+    assert re.fullmatch(r"[0-9a-f]{64}", arg_default(stage, var))
+    assert f"Linux-{uname}.sh" in add and "${MINIFORGE_VERSION}" in add
+    assert arg_default(STAGES[""], "MINIFORGE_VERSION")
 
 
-def test_miniforge_download_is_checksummed_and_cleaned_in_the_same_run():
+def test_the_two_installers_have_different_checksums():
+    sums = {arg_default(STAGES[f"miniforge-{a}"], f"MINIFORGE_SHA256_{a.upper()}") for a in ("amd64", "arm64")}
+    assert len(sums) == 2
+
+
+def test_miniforge_is_mounted_not_copied_and_cleaned_in_the_same_run():
     builder = STAGES["builder"]
-    i_add = index(builder, "ADD", r"--checksum=sha256:")
-    assert "miniforge" in builder[i_add][1].lower()
-    assert re.fullmatch(r"[0-9a-f]{64}", arg_default(builder, "MINIFORGE_SHA256"))
     run = builder[index(builder, "RUN", r"miniforge\.sh -b -p /opt/conda")][1]
-    assert "rm /tmp/miniforge.sh" in run and "conda clean -afy" in run
+    assert "--mount=type=bind,from=miniforge," in run, "the installer must not become a layer"
+    assert "conda clean -afy" in run and "channel_priority strict" in run
     assert "tini=" in run  # the ENTRYPOINT's binary comes from here
 
 
-def test_env_is_created_from_the_env_file_alone_and_cleaned_in_the_same_run():
+def test_env_is_created_from_the_env_file_alone_pinned_and_cleaned_in_the_same_run():
     builder = STAGES["builder"]
     i_run = index(builder, "RUN", r"conda env create")
     run = builder[i_run][1]
     assert "conda clean -afy" in run and "--name dl" in run and "${ENV_FILE}" in run
+    assert re.search(r"lock_env\.py pinned \"/tmp/env/\$\{ENV_FILE\}\"\s*> /opt/conda/envs/dl/conda-meta/pinned", run)
+    assert "source=scripts/lock_env.py" in run
     copies = [a for i, a in builder[:i_run] if i == "COPY"]
     assert copies == ["${ENV_FILE} requirements.txt /tmp/env/"], "only the env file may feed the env layer"
     assert arg_default(builder, "ENV_FILE") == "environment.yml"
 
 
-def test_build_fails_for_a_cpu_torch_or_another_cuda():
+def test_arm64_with_the_default_profile_stops_with_a_reason():
+    builder = STAGES["builder"]
+    run = builder[index(builder, "RUN", r"conda env create")][1]
+    assert '"${TARGETARCH}" = arm64' in run and "environment.modern.yml" in run and "exit 1" in run
+    assert ("ARG", "TARGETARCH") in builder
+
+
+def test_build_check_runs_the_check_script_for_the_profiles_cuda():
     runtime = STAGES["runtime"]
-    check = runtime[index(runtime, "RUN", r"torch\.version\.cuda")][1]
-    assert 'os.environ["TORCH_CUDA"]' in check and "sys.exit" in check
+    check = runtime[index(runtime, "RUN", r"check_build\.py")][1]
+    assert '--cuda "${TORCH_CUDA}"' in check and "--mount=type=bind,source=scripts," in check
     # the default expected CUDA is environment.yml's pytorch-cuda pin
     env = yaml.safe_load((ROOT / "environment.yml").read_text(encoding="utf-8"))
     cuda = next(d.split("=")[1] for d in env["dependencies"] if isinstance(d, str) and "pytorch-cuda=" in d)
     assert arg_default(runtime, "TORCH_CUDA") == cuda
+
+
+def test_the_lock_is_recorded_after_the_check_and_constrains_pip():
+    runtime = STAGES["runtime"]
+    i_run = index(runtime, "RUN", r"check_build\.py")
+    run = runtime[i_run][1]
+    assert run.index("check_build.py") < run.index("conda list")
+    assert "conda list --name dl --explicit --md5 > /opt/dlenv/lock/conda-explicit.txt" in run
+    assert "lock_env.py pip > /opt/dlenv/lock/pip.txt" in run
+    assert "lock_env.py constraints > /opt/dlenv/lock/constraints.txt" in run
+    i_env = index(runtime, "ENV", r"PIP_CONSTRAINT=/opt/dlenv/lock/constraints\.txt")
+    assert i_env > i_run, "PIP_CONSTRAINT before the file exists would break the build's own pip"
 
 
 def test_modern_build_command_matches_the_modern_env_file():
@@ -148,7 +147,7 @@ def test_modern_build_command_matches_the_modern_env_file():
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
     local = re.search(r"torch==[\d.]+\+cu(\d+)(\d)", " ".join(pip))
     want = f"{local.group(1)}.{local.group(2)}"
-    sources = [DOCKERFILE] + [p for p in (ROOT / "docs" / "docker.md",) if p.is_file()]
+    sources = [DOCKERFILE] + [p for p in (DOCS,) if p.is_file()]
     for path in sources:
         commands = re.findall(r"ENV_FILE=environment\.modern\.yml.*?TORCH_CUDA=([\d.]+)",
                               path.read_text(encoding="utf-8").replace("\\\n", " "), re.S)
@@ -169,14 +168,18 @@ def test_runtime_env_activates_dl_and_sets_the_nvidia_variables():
     assert "conda activate dl" in bashrc and "chmod 755 /root" in bashrc
 
 
-def test_code_is_copied_after_the_env_and_the_tasks_are_found_from_the_workspace():
+def test_code_is_copied_after_the_env_and_the_tasks_come_from_a_system_invoke_config():
     runtime = STAGES["runtime"]
     i_env = index(runtime, "COPY", r"--from=builder")
-    i_check = index(runtime, "RUN", r"torch\.version\.cuda")
-    i_tasks = index(runtime, "COPY", r"^tasks\.py\s+/root/tasks\.py$")
+    i_check = index(runtime, "RUN", r"check_build\.py")
+    i_conf = index(runtime, "COPY", r"docker/etc/invoke\.yaml\s+/etc/invoke\.yaml$")
     i_pkg = index(runtime, "COPY", r"^\.\s+/opt/dlenv/?$")
     i_ws = index(runtime, "COPY", r"^workspace/?\s+/root/workspace/?$")
-    assert i_env < i_check < min(i_tasks, i_pkg, i_ws), "code must come after the env and its check"
+    assert i_env < i_check < min(i_conf, i_pkg, i_ws), "code must come after the env and its check"
+    # /etc/invoke.yaml's search root is where the package (and its tasks.py) is copied
+    conf = yaml.safe_load((ROOT / "docker" / "etc" / "invoke.yaml").read_text(encoding="utf-8"))
+    assert conf["tasks"]["search_root"] == "/opt/dlenv" and (ROOT / "tasks.py").is_file()
+    assert not any(i == "COPY" and "/root/tasks.py" in a for i, a in runtime), "a second tasks file would drift"
     install = runtime[index(runtime, "RUN", r"pip install")][1]
     assert "-e /opt/dlenv" in install and "--no-deps" in install and "--no-cache-dir" in install
     assert index(runtime, "RUN", r"pip install") > i_pkg
@@ -187,7 +190,7 @@ def test_workdir_entrypoint_and_labels():
     runtime = STAGES["runtime"]
     workdirs = [a for i, a in runtime if i == "WORKDIR"]
     assert workdirs[-1] == "/root/workspace"
-    (entry,) = [json.loads(a) for i, a in runtime if i == "ENTRYPOINT"]
+    entry = entrypoint()
     assert entry[0].endswith("/tini") and "--" in entry
     assert entry[-1] == "/usr/local/bin/dlenv-entrypoint"
     index(runtime, "COPY", r"scripts/entrypoint\.sh\s+/usr/local/bin/dlenv-entrypoint")
@@ -196,10 +199,50 @@ def test_workdir_entrypoint_and_labels():
         assert f"org.opencontainers.image.{key}=" in labels
 
 
+def test_tini_signals_only_its_child():
+    # -g would signal the whole process group: DataLoader workers die before the trainer saves
+    flags = entrypoint()[1:entrypoint().index("--")]
+    assert "-g" not in flags and not any(f.startswith("-") and "g" in f[1:] for f in flags), flags
+
+
 def test_runtime_stage_uses_no_apt_and_leaves_no_pip_cache():
     runs = [a for i, a in STAGES["runtime"] if i == "RUN"]
     assert not any("apt-get" in r for r in runs)
     assert all("--no-cache-dir" in r for r in runs if "pip install" in r)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The build check script, run here against this lane's packages
+
+
+def _check(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "check_build.py"), *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_build_check_loads_torchvisions_and_torchaudios_native_parts():
+    import importlib.util
+
+    import torch
+
+    r = _check("--cuda", str(torch.version.cuda))
+    if importlib.util.find_spec("torchaudio") is None:  # the newest lane installs no torchaudio
+        assert r.returncode == 1 and r.stderr.strip() == "build check: No module named 'torchaudio'", r.stderr
+    else:
+        assert r.returncode == 0, r.stderr
+        assert "torchvision" in r.stdout and "(io, ops)" in r.stdout and "torchaudio" in r.stdout
+
+
+def test_build_check_fails_for_torch_of_another_cuda():
+    r = _check("--cuda", "11.6-nonexistent", "--env-file", "environment.yml")
+    assert r.returncode == 1
+    assert "is built for CUDA" in r.stderr and "not 11.6-nonexistent" in r.stderr and "environment.yml" in r.stderr
+
+
+def test_build_check_source_covers_decode_nms_and_torchaudio():
+    text = (ROOT / "scripts" / "check_build.py").read_text(encoding="utf-8")
+    for needle in ("io.decode_jpeg(io.encode_jpeg(", "ops.nms(", "AF.lfilter(", "torch.from_numpy(", "import cv2"):
+        assert needle in text
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -250,21 +293,23 @@ def dockerignore() -> list[str]:
     return [ln for ln in lines if ln and not ln.startswith("#")]
 
 
-def test_dockerignore_keeps_what_the_image_copies():
+def test_dockerignore_keeps_what_the_image_copies_and_mounts():
     patterns = dockerignore()
     needed = ["environment.yml", "environment.modern.yml", "requirements.txt", "requirements-dev.txt",
-              "pyproject.toml", "README.md", "tasks.py", "scripts/entrypoint.sh", "src/dlenv/__init__.py",
-              "src/dlenv/envcheck.py", "tests/conftest.py", "tests/container/conftest.py",
+              "pyproject.toml", "README.md", "tasks.py", "scripts/entrypoint.sh", "scripts/check_build.py",
+              "scripts/lock_env.py", "docker/etc/invoke.yaml", "src/dlenv/__init__.py",
+              "src/dlenv/envcheck/pins.py", "tests/conftest.py", "tests/container/conftest.py",
               "workspace/README.md", "workspace/data/README.md"]
     kept_out = [p for p in needed if ignored(p, patterns)]
     assert not kept_out, f".dockerignore drops files the image needs: {kept_out}"
 
 
-def test_dockerignore_drops_caches_data_and_history():
+def test_dockerignore_drops_caches_data_history_and_keys():
     patterns = dockerignore()
     junk = [".git/HEAD", ".venv/bin/python", "src/dlenv/__pycache__/cli.cpython-310.pyc",
             "src/dlenv.egg-info/PKG-INFO", "workspace/data/pets/train/cat/1.jpg", "workspace/runs/exp/last.pth",
-            "runs/exp/last.pth", "tests/__pycache__/x.pyc", ".pytest_cache/v/cache/lastfailed"]
+            "runs/exp/last.pth", "tests/__pycache__/x.pyc", ".pytest_cache/v/cache/lastfailed",
+            ".dlenv/key", "workspace/.dlenv/key"]
     leaked = [p for p in junk if not ignored(p, patterns)]
     assert not leaked, f"the build context would carry {leaked}"
 
@@ -278,7 +323,7 @@ def test_ignore_matcher_itself():
 
 
 # ---------------------------------------------------------------------------------------------------
-# The entrypoint script
+# The entrypoint script alone (tests/test_entrypoint.py runs it under tini, with signals and --user)
 
 
 def test_entrypoint_gives_a_user_without_home_a_writable_one(tmp_path):
@@ -292,3 +337,31 @@ def test_entrypoint_gives_a_user_without_home_a_writable_one(tmp_path):
     out = subprocess.run(["bash", str(script), "sh", "-c", 'echo "$HOME"; exit 3'],
                          capture_output=True, text=True, env=env)
     assert out.returncode == 3 and out.stdout.strip() == str(tmp_path)
+
+
+@pytest.mark.parametrize("given, want", [({}, "passwd"), ({"USER": "ann", "LOGNAME": "ann"}, "ann")])
+def test_entrypoint_names_the_user_for_getpass(tmp_path, given, want):
+    import pwd
+
+    script = ROOT / "scripts" / "entrypoint.sh"
+    env = {k: v for k, v in os.environ.items() if k not in ("USER", "LOGNAME")} | given | {"HOME": str(tmp_path)}
+    out = subprocess.run(["bash", str(script), sys.executable, "-c",
+                          "import getpass, json, os; print(json.dumps([getpass.getuser(), os.environ['USER'], "
+                          "os.environ['LOGNAME']]))"], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    name = pwd.getpwuid(os.getuid()).pw_name if want == "passwd" else want
+    assert json.loads(out.stdout) == [name, name, name]
+
+
+def test_docs_say_what_was_verified_here_and_what_needs_an_engine():
+    text = DOCS.read_text(encoding="utf-8")
+    assert "## What is verified where" in text
+    section = text.split("## What is verified where", 1)[1]
+    assert "only a real engine" in section.lower() and "tests/test_entrypoint.py" in section
+
+
+def test_docs_lead_with_dlenv_verbs():
+    text = DOCS.read_text(encoding="utf-8")
+    first = re.search(r"^docker run .*$", text, re.M).group(0)
+    assert " dlenv " in first + " ", first
+    assert "invoke -r ." in text  # the project's own tasks, in the one documented way

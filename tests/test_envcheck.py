@@ -1,5 +1,5 @@
-"""dlenv.envcheck: made-up facts through the real checks, the kernel comparison on the CPU, the command
-on this machine, and (marked gpu) the whole check passing on a real GPU."""
+"""dlenv.envcheck (facts, pins, kernels, judge, render): made-up facts through the real checks, the kernel
+comparison on the CPU, the command on this machine, and (marked gpu) the whole check passing on a real GPU."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from dlenv import envcheck
 from dlenv.config import VerifyEnvConfig, build
-from dlenv.envcheck import Facts, Gpu, Kernel
+from dlenv.envcheck import Facts, Gpu, Kernel, kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB, GiB = 2**20, 2**30
@@ -236,7 +236,7 @@ def test_kernel_check_on_cpu_measures_a_small_error(op):
 
 
 def test_kernel_check_catches_wrong_results(monkeypatch):
-    real = envcheck._cases()
+    real = kernels.cases()
     # the 'device' run (first call) returns slightly wrong results, the reference does not
     calls = {"n": 0}
 
@@ -244,7 +244,7 @@ def test_kernel_check_catches_wrong_results(monkeypatch):
         calls["n"] += 1
         return a @ b * (1.05 if calls["n"] == 2 else 1.0)  # call 1 only finds the output shape
 
-    monkeypatch.setattr(envcheck, "_cases", lambda: {**real, "matmul": ((8, 8), (8, 8), skewed)})
+    monkeypatch.setattr(kernels, "cases", lambda: {**real, "matmul": ((8, 8), (8, 8), skewed)})
     k = envcheck.kernel_check("cpu", "matmul", "fp32")
     assert not k.passed and k.error == pytest.approx(0.05, rel=0.2)
 
@@ -323,3 +323,45 @@ def test_verify_env_passes_on_this_gpu_with_every_kernel_check():
     screen = _verify_env()
     assert screen.returncode == 0 and "sm_" in screen.stdout
     print(screen.stdout)  # the screen, for `pytest -s` logs
+
+
+@pytest.mark.parametrize("environ,prefix,base,conda_meta,kind", [
+    ({"DLENV_IMAGE": "1", "CONDA_PREFIX": "/opt/conda/envs/dl"}, "/opt/conda/envs/dl", "/opt/conda", True, "image"),
+    ({"CONDA_PREFIX": "{p}"}, "{p}", "/usr", False, "conda"),     # an activated conda env
+    ({}, "{p}", "/usr", True, "conda"),                            # a conda env's python run by path
+    ({"CONDA_PREFIX": "/opt/conda"}, "{p}", "/usr", False, "venv"),  # a venv made inside conda's base
+    ({}, "/usr", "/usr", False, "pip"),                             # system or --user packages
+])
+def test_install_kind(tmp_path, environ, prefix, base, conda_meta, kind):
+    from dlenv.envcheck.facts import install_kind
+
+    p = str(tmp_path)
+    if conda_meta and prefix == "{p}":
+        (tmp_path / "conda-meta").mkdir()
+    environ = {k: v.replace("{p}", p) for k, v in environ.items()}
+    assert install_kind(environ, prefix.replace("{p}", p), base) == kind
+
+
+@pytest.mark.parametrize("install,says,never", [
+    ("image", "rebuild the image", "pip install"),
+    ("conda", "conda env update -f /opt/dlenv/environment.yml", "rebuild the image (docker"),
+    ("venv", "python -m pip install 'torch==1.13.1'", "conda"),
+    ("pip", "python -m pip install --user 'torch==1.13.1'", "conda"),
+])
+def test_version_advice_fits_how_it_was_installed(install, says, never):
+    facts = gpu_facts(install=install, versions={**gpu_facts().versions, "torch": "1.12.0"})
+    fix = by_name(envcheck.checks(facts), "torch").fix
+    assert says in fix and never not in fix
+
+
+@pytest.mark.parametrize("install,allow_cpu,says,never", [
+    ("venv", False, "pip install torch==1.13.1 --index-url https://download.pytorch.org/whl/cu116", "conda"),
+    ("venv", False, "pass --allow-cpu", "rebuild"),
+    ("venv", True, "--index-url", "pass --allow-cpu"),  # already allowed: not told again
+    ("conda", False, "conda env update", "pip install"),
+])
+def test_cpu_build_advice_fits_how_it_was_installed(install, allow_cpu, says, never):
+    facts = gpu_facts(install=install, torch_cuda=None, cuda_available=False, gpus=[], smi_gpus=0,
+                      versions={**gpu_facts().versions, "torch": "1.13.1+cpu", "cuda": None})
+    fix = by_name(envcheck.checks(facts, allow_cpu), "CUDA build").fix
+    assert says in fix and never not in fix

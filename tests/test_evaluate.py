@@ -15,8 +15,9 @@ import torch
 from imagedata import make_image_folder
 
 from dlenv import evaluate
-from dlenv.checkpoint import FORMAT, save_checkpoint
 from dlenv.cli import main as cli_main
+from dlenv.errors import UserError
+from dlenv.runstate import FORMAT, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 CLASSES = ["cat", "dog", "fox"]
@@ -164,11 +165,11 @@ def _forced_model(num_classes=3):
     return model
 
 
-def _dlenv_ckpt(path: Path, class_names=CLASSES, data=None) -> Path:
+def _dlenv_ckpt(path: Path, class_names=CLASSES, data=None, **config) -> Path:
     model = _forced_model(len(class_names))
     state = {"format": FORMAT, "model": model.state_dict(), "model_name": "resnet18",
              "num_classes": len(class_names), "class_names": list(class_names), "img_size": SIZE,
-             "config": {"data": str(data) if data else None, "val_split": 0.2, "seed": 0}, "epoch": 1}
+             "config": {"data": str(data) if data else None, "val_split": 0.2, "seed": 0, **config}, "epoch": 1}
     return save_checkpoint(state, path)
 
 
@@ -330,3 +331,41 @@ def test_workspace_val_script_is_dlenv_val():
                        capture_output=True, text=True, cwd=ROOT / "workspace")
     assert r.returncode == 0, r.stderr
     assert "Validate a checkpoint" in r.stdout and "--weights" in r.stdout and "--model" in r.stdout
+
+
+AMP_BF16 = {"amp": True, "amp_dtype": "bf16"}
+
+
+@pytest.mark.parametrize("asked,amp,trained,probe,mode,why", [
+    ("auto", False, AMP_BF16, True, "bf16", "trained with --amp (bf16)"),
+    ("auto", False, {"amp": True, "amp_dtype": "fp16"}, True, "bf16", "CPU autocast has no fp16"),
+    ("auto", False, AMP_BF16, False, "fp32", "no bf16 autocast"),     # a CPU build without it: fp32, said
+    ("auto", False, {"amp": False, "amp_dtype": "auto"}, True, "fp32", "fp32 as trained"),
+    ("auto", False, {}, True, "fp32", "does not say"),                # a bare state dict
+    ("auto", True, {"amp": False}, True, "bf16", "--amp"),            # asked for AMP though trained fp32
+    ("fp32", False, AMP_BF16, True, "fp32", "--precision fp32"),       # told otherwise
+    ("bf16", False, {}, True, "bf16", "--precision bf16"),
+])
+def test_val_precision_follows_the_checkpoint_on_cpu(monkeypatch, asked, amp, trained, probe, mode, why):
+    monkeypatch.setattr(evaluate, "_cpu_bf16_autocast_works", lambda: probe)
+    got, said = evaluate.val_precision(asked, amp, trained, torch.device("cpu"))
+    assert got == mode and why in said
+
+
+def test_val_precision_fp16_on_cpu_is_one_line_error():
+    with pytest.raises(UserError, match="fp16 on the CPU"):
+        evaluate.val_precision("fp16", False, {}, torch.device("cpu"))
+
+
+def test_val_of_an_amp_checkpoint_runs_in_its_dtype_and_shows_progress(tmp_path, val_data, capsys):
+    weights = _dlenv_ckpt(tmp_path / "best_model.pth", **AMP_BF16)
+    out = tmp_path / "report"
+    assert cli_main(["val", "--weights", str(weights), "--data", str(val_data / "val"), "--workers", "0",
+                     "--batch-size", "2", "--out", str(out)]) == 0
+    m = json.loads((out / "metrics.json").read_text())
+    printed = capsys.readouterr().out
+    if evaluate._cpu_bf16_autocast_works():
+        assert m["precision"] == "bf16" and "bf16: trained with --amp (bf16)" in printed
+    else:
+        assert m["precision"] == "fp32" and "no bf16 autocast" in printed
+    assert "validating 3/3 (100%)" in printed and "ETA" in printed  # not a terminal: the plain line

@@ -1,4 +1,5 @@
-"""dlenv.data.fastpath on the CPU: the same batches from workers and cache, seeding, resume, errors."""
+"""dlenv.data.fastpath on the CPU (built through the pipeline): the same batches from workers and cache,
+seeding, resume, errors."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import pytest
 import torch
 from imagedata import make_photo_layout
 
-from dlenv.data.fastpath import DeviceLoader, InputOptions, build_fast_loaders
+from dlenv.data.fastpath import DeviceLoader
 from dlenv.data.folder import find_layout
 from dlenv.data.loaders import BadImageError
+from dlenv.data.pipeline import InputPlan, make_loaders
 from dlenv.data.sampler import ResumableSampler
 from dlenv.errors import UserError
 
@@ -23,11 +25,11 @@ def layout(tmp_path):
     return find_layout(make_photo_layout(tmp_path / "ds", 10, 4, 2, lambda i: (30 + 2 * i, 24)))
 
 
-def _build(layout, tmp_path, **kw):
+def _build(layout, tmp_path, decoder="pil", **kw):
     sampler = ResumableSampler(len(layout.train), seed=3)
-    train, val = build_fast_loaders(layout, IMG, 4, kw.pop("workers", 0), device="cpu", seed=5,
-                                    train_sampler=sampler, cache_dir=str(tmp_path / "cache"),
-                                    say=lambda m: None, **kw)
+    plan = InputPlan(IMG, 4, on_device=True, decoder=decoder, cpu_decoder="pil", workers=kw.pop("workers", 0),
+                     cache_dir=str(tmp_path / "cache"), **kw)
+    train, val = make_loaders(layout, plan, "cpu", seed=5, train_sampler=sampler, say=lambda m: None)
     return sampler, train, val
 
 
@@ -81,13 +83,6 @@ def test_bad_file_error_is_raised_in_the_training_thread(layout, tmp_path):
 def test_nvjpeg_needs_a_gpu(layout, tmp_path):
     with pytest.raises(UserError, match="--decoder nvjpeg"):
         _build(layout, tmp_path, decoder="nvjpeg")
-
-
-def test_input_options_pick_the_path():
-    assert InputOptions().gpu_path("cuda") and not InputOptions().gpu_path("cpu")
-    assert InputOptions(cache=True).gpu_path("cpu") and InputOptions(gpu_augment="on").gpu_path("cpu")
-    assert InputOptions(decoder="nvjpeg").gpu_path("cpu")
-    assert not InputOptions(gpu_augment="off").gpu_path("cuda")
 
 
 def test_batch_seed_depends_on_seed_epoch_and_position():

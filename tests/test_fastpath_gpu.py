@@ -1,4 +1,4 @@
-"""The fast input path on a real GPU: same crops as on the CPU, device batches, nvJPEG, training."""
+"""The device input path on a real GPU: same crops as on the CPU, device batches, nvJPEG, training."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from imagedata import make_photo_layout
 
 from dlenv import compat, config
 from dlenv.data.decode import decode_stored
-from dlenv.data.fastpath import NvjpegSource, build_fast_loaders
+from dlenv.data.fastpath import NvjpegSource
 from dlenv.data.folder import find_layout
 from dlenv.data.gpu_aug import GpuAugment
 from dlenv.data.loaders import BadImageError
+from dlenv.data.pipeline import InputPlan, make_loaders
 from dlenv.data.sampler import ResumableSampler
 
 pytestmark = pytest.mark.gpu
@@ -44,14 +45,14 @@ def test_gpu_augment_matches_cpu():
                                 dict(decoder="pil", workers=2)])
 def test_device_loader_on_cuda_matches_cpu(layout, tmp_path, kw):
     kw = dict(kw)
-    workers = kw.pop("workers", 0)
+    plan = InputPlan(IMG, 8, on_device=True, decoder=kw.pop("decoder", "pil"), cpu_decoder="pil",
+                     workers=kw.pop("workers", 0), cache_dir=str(tmp_path / "c"), **kw)
 
     def epoch(device, dtype):
         sampler = ResumableSampler(len(layout.train), seed=1)
-        train, val = build_fast_loaders(layout, IMG, 8, workers, device=device, dtype=dtype,
-                                        memory_format=torch.channels_last if device == "cuda" else
-                                        torch.contiguous_format, train_sampler=sampler,
-                                        cache_dir=str(tmp_path / "c"), say=lambda m: None, **kw)
+        fmt = torch.channels_last if device == "cuda" else torch.contiguous_format
+        train, val = make_loaders(layout, plan, device, dtype=dtype, memory_format=fmt, train_sampler=sampler,
+                                  say=lambda m: None)
         xs, ys = zip(*train, strict=True)
         return torch.cat(xs), torch.cat(ys), next(iter(val))[0]
 
@@ -66,8 +67,9 @@ def test_device_loader_on_cuda_matches_cpu(layout, tmp_path, kw):
 
 
 def test_leaving_early_on_cuda_releases_the_thread(layout, tmp_path):
-    train, _ = build_fast_loaders(layout, IMG, 8, 0, device="cuda", cache=True, cache_mode="ram",
-                                  say=lambda m: None)
+    plan = InputPlan(IMG, 8, on_device=True, decoder="pil", cpu_decoder="pil", workers=0, cache=True,
+                     cache_mode="ram", cache_dir=str(tmp_path / "c"))
+    train, _ = make_loaders(layout, plan, "cuda", say=lambda m: None)
     before = threading.active_count()
     for _ in range(3):
         for x, _ in train:

@@ -1,5 +1,9 @@
 """Inside the built image (DLENV_IMAGE=1, marker `image`): the conda env `dl`, its pins, the paths and
-the tasks the Dockerfile promises. Skipped everywhere else; `invoke test` runs them in the image."""
+the tasks the Dockerfile promises, and the runtime contract with the image's own binaries: `docker stop`
+with DataLoader workers (its tini and entrypoint at their image paths), a mounted project with tasks of
+its own, a UID without a passwd entry, the tensorboard command, nvJPEG on the GPU and --compile as such a
+user. Skipped everywhere else; `invoke test` runs them in the image. (tests/test_entrypoint.py,
+test_tasks_discovery.py and test_pins.py run the same contract on a CI host; in the image they run too.)"""
 
 from __future__ import annotations
 
@@ -62,7 +66,7 @@ def test_tasks_are_found_from_the_workspace_and_its_subfolders():
         r = sh(["invoke", "--list"], cwd=cwd)
         assert r.returncode == 0, r.stderr
         assert "verify-env" in r.stdout and "train" in r.stdout
-    assert (Path("/root/tasks.py")).is_file()
+    assert Path("/etc/invoke.yaml").is_file() and not Path("/root/tasks.py").exists()
 
 
 def test_the_test_task_finds_the_shipped_tests():
@@ -98,3 +102,113 @@ def test_cli_starts_without_torch():
     r = sh([sys.executable, "-c", "import sys; from dlenv import cli, tasks; "
             "print('torch' in sys.modules)"], cwd=WORKSPACE)
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
+
+
+# ---------------------------------------------------------------------------------------------------
+# The runtime contract with the image's own binaries and files
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory) -> Path:
+    from imagedata import make_image_folder
+
+    root = tmp_path_factory.mktemp("ds")
+    make_image_folder(root / "train", per_class=6, size=(32, 32))
+    make_image_folder(root / "val", per_class=2, size=(32, 32), seed=1)
+    return root
+
+
+def _image_entrypoint() -> list[str]:
+    from dockerfile import entrypoint
+
+    entry = entrypoint()
+    assert all(Path(w).is_file() for w in entry if w.startswith("/")), entry
+    return entry
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target, signum, code", [("tini", 15, 143), ("foreground group", 2, 130)],
+                         ids=["docker stop", "Ctrl-C -it"])
+def test_stop_with_workers_through_the_images_own_entrypoint(tmp_path, tiny_data, target, signum, code):
+    from test_entrypoint import stop_and_resume
+
+    stop_and_resume(_image_entrypoint(), tmp_path, tiny_data, target, signum, code)
+
+
+@pytest.mark.slow
+def test_an_unknown_user_writes_group_readable_files_through_the_images_entrypoint(tmp_path, tiny_data):
+    from test_entrypoint import user_run
+
+    user_run(_image_entrypoint(), tmp_path, tiny_data)
+
+
+@pytest.mark.parametrize("kind", ["tasks.py", "tasks/", "no tasks (mounted at /workspace)"])
+def test_a_mounted_project_with_its_own_tasks_still_reaches_dlenvs(tmp_path, kind):
+    from test_tasks_discovery import project
+
+    folder = project(tmp_path / "workspace", kind)
+    r = sh(["invoke", "--list"], cwd=folder)  # the image's /etc/invoke.yaml, nothing mapped
+    assert r.returncode == 0 and "verify-env" in r.stdout and "hello" not in r.stdout, r.stderr
+    if kind != "no tasks (mounted at /workspace)":
+        r = sh(["invoke", "-r", ".", "hello"], cwd=folder)
+        assert r.returncode == 0 and "hello from the project" in r.stdout, r.stderr
+
+
+def test_the_tensorboard_command_runs_in_the_image():
+    r = sh(["tensorboard", "--version"])
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_the_lock_and_the_pins_are_in_the_image():
+    lock = Path("/opt/dlenv/lock")
+    explicit = (lock / "conda-explicit.txt").read_text()
+    assert "@EXPLICIT" in explicit and "pytorch" in explicit
+    assert any(ln.startswith("tensorboard==") for ln in (lock / "pip.txt").read_text().splitlines())
+    assert os.environ.get("PIP_CONSTRAINT") == str(lock / "constraints.txt")
+    pinned = (ENV_PREFIX / "conda-meta" / "pinned").read_text().splitlines()
+    assert any(ln.startswith("python ") for ln in pinned) and any(ln.startswith("numpy ") for ln in pinned)
+
+
+@pytest.mark.gpu
+def test_nvjpeg_decodes_on_the_gpu_like_the_cpu():
+    import io
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from dlenv import compat
+
+    assert compat.cuda_jpeg_unavailable("cuda") is None, compat.cuda_jpeg_unavailable("cuda")
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(buf, format="JPEG", quality=95)
+    data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    gpu = compat.decode_jpeg(data, device="cuda").cpu().int()
+    cpu = compat.decode_jpeg(data).int()
+    assert gpu.shape == cpu.shape == (3, 48, 64)
+    assert (gpu - cpu).abs().float().mean() < 2.0  # IDCT rounding differs, the image does not
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_compile_as_a_user_without_a_passwd_entry(tmp_path):
+    import torch
+    from test_entrypoint import UID, _setpriv
+
+    from dlenv import compat
+
+    mount = tmp_path / "workspace"
+    mount.mkdir()
+    os.chown(mount, UID, UID)
+    env = {k: v for k, v in os.environ.items() if k not in ("USER", "LOGNAME", "TORCHINDUCTOR_CACHE_DIR")}
+    env["HOME"] = "/"
+    r = subprocess.run([*_setpriv(), *_image_entrypoint(), "dlenv", "train", "--synthetic", "--model", "resnet18",
+                        "--compile", "--epochs", "1", "--max-steps", "3", "--batch-size", "8", "--img-size", "64",
+                        "--device", "cuda"], stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env,
+                       cwd=mount, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    if compat.HAS_COMPILE:  # inductor keeps its cache under the user's name: getpass.getuser() worked
+        assert Path(f"/tmp/torchinductor_user{UID}").is_dir(), r.stdout[-2000:]
+    else:
+        assert f"PyTorch {torch.__version__} has no torch.compile" in r.stdout

@@ -1,4 +1,4 @@
-"""dlenv.data.loaders: RGB decoding, transforms, bad files, workers, loaders."""
+"""dlenv.data.loaders: transforms, bad files, workers, loaders."""
 
 from __future__ import annotations
 
@@ -20,77 +20,9 @@ from dlenv.data.loaders import (
     build_eval_loader,
     build_loaders,
     build_transforms,
-    load_rgb,
     resolve_workers,
 )
 from dlenv.errors import UserError
-
-# --------------------------------------------------------------------------------------------- decoding
-
-
-def _check_rgb(im: Image.Image, size) -> np.ndarray:
-    assert im.mode == "RGB" and im.size == size
-    return np.asarray(im)
-
-
-def test_grayscale_and_bilevel(tmp_path):
-    Image.new("L", (8, 6), 77).save(tmp_path / "g.png")
-    Image.new("1", (8, 6), 1).save(tmp_path / "b.png")
-    assert (_check_rgb(load_rgb(tmp_path / "g.png"), (8, 6)) == 77).all()
-    assert (_check_rgb(load_rgb(tmp_path / "b.png"), (8, 6)) == 255).all()
-
-
-def test_transparency_is_composited_on_white(tmp_path):
-    rgba = np.zeros((4, 4, 4), np.uint8)
-    rgba[..., 0] = 200           # red everywhere underneath
-    rgba[:2, :, 3] = 255         # top half opaque, bottom half fully transparent
-    Image.fromarray(rgba).save(tmp_path / "a.png")
-    out = _check_rgb(load_rgb(tmp_path / "a.png"), (4, 4))
-    assert (out[:2] == [200, 0, 0]).all() and (out[2:] == 255).all()
-
-    la = Image.merge("LA", [Image.new("L", (4, 4), 10), Image.new("L", (4, 4), 0)])
-    la.save(tmp_path / "la.png")
-    assert (_check_rgb(load_rgb(tmp_path / "la.png"), (4, 4)) == 255).all()
-
-    pal = Image.new("P", (4, 4), 1)
-    pal.putpalette([0, 0, 0, 0, 0, 255] + [0] * 762)
-    pal.save(tmp_path / "p.png", transparency=1)  # palette index 1 (blue) is the transparent one
-    assert (_check_rgb(load_rgb(tmp_path / "p.png"), (4, 4)) == 255).all()
-    pal.save(tmp_path / "opaque.png")
-    assert (_check_rgb(load_rgb(tmp_path / "opaque.png"), (4, 4)) == [0, 0, 255]).all()
-
-
-def test_cmyk_jpeg(tmp_path):
-    Image.new("CMYK", (8, 8), (0, 255, 255, 0)).save(tmp_path / "c.jpg")  # pure red in CMYK
-    r, g, b = _check_rgb(load_rgb(tmp_path / "c.jpg"), (8, 8)).reshape(-1, 3).mean(0)
-    assert r > 200 and g < 60 and b < 60
-
-
-def test_16bit_png_is_scaled_not_clipped(tmp_path):
-    arr = np.array([[0, 257 * 64, 257 * 128, 65535]], dtype=np.uint16)
-    Image.fromarray(arr).save(tmp_path / "d.png")
-    assert Image.open(tmp_path / "d.png").mode in ("I;16", "I")
-    out = _check_rgb(load_rgb(tmp_path / "d.png"), (4, 1))
-    assert out[0, :, 0].tolist() == [0, 64, 128, 255]
-    assert (out[..., 0] == out[..., 2]).all()
-
-
-def test_exif_orientation_applied(tmp_path):
-    arr = np.zeros((10, 30, 3), np.uint8)  # 30 wide, 10 high
-    arr[:, :5] = 255                         # a white band on the left edge
-    im = Image.fromarray(arr)
-    exif = im.getexif()
-    exif[0x0112] = 6  # "rotate 90 CW to display"
-    im.save(tmp_path / "r.jpg", exif=exif, quality=95)
-    out = _check_rgb(load_rgb(tmp_path / "r.jpg"), (10, 30))
-    assert out[:5].mean() > 200 and out[-5:].mean() < 50  # the left band is now at the top
-
-
-def test_broken_file_raises(tmp_path):
-    (tmp_path / "x.jpg").write_bytes(b"not a jpeg")
-    with pytest.raises(Exception):  # noqa: B017 - any PIL error; the dataset decides what to do
-        load_rgb(tmp_path / "x.jpg")
-
 
 # --------------------------------------------------------------------------------------------- transforms
 

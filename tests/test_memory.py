@@ -41,6 +41,12 @@ def test_report_statistics_per_phase(monkeypatch):
     assert df.loc["backward", "samples"] == 2
     assert list(df.columns) == ["samples", "alloc_mean_gib", "alloc_max_gib", "alloc_min_gib",
                                 "reserved_mean_gib", "reserved_max_gib", "reserved_min_gib"]
+    # the run's memory.md: one table row per phase, then the allocator in words
+    monkeypatch.setattr(memory, "diagnose", lambda device=None: "Fragmentation: 5% ...")
+    text = memory.run_report(mon)
+    assert "| forward | 2 | 1.50 | 2.00 | 6.00 | 8.00 |" in text
+    assert "| backward | 2 | 4.00 | 5.00 | 6.00 | 8.00 |" in text
+    assert text.index("| backward |") < text.index("Fragmentation: 5%")
 
 
 def test_oom_message_lists_next_steps_in_order():

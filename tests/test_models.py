@@ -10,7 +10,7 @@ from torch import nn
 
 from dlenv import models
 from dlenv.errors import UserError
-from dlenv.models import build_model, is_convolutional, list_model_names
+from dlenv.models import build_model, is_convolutional, list_model_names, model_from_checkpoint
 
 
 @pytest.fixture(autouse=True)
@@ -59,8 +59,10 @@ def test_unknown_name_lists_close_matches(bad, suggestion):
 
 
 def test_unknown_name_without_neighbours_says_where_to_look():
-    with pytest.raises(UserError, match="'zzzz' is not a torchvision classification model"):
+    with pytest.raises(UserError, match="'zzzz' is not a torchvision classification model") as err:
         build_model("zzzz", num_classes=2)
+    # the hint names something that exists: the function that lists the names this accepts
+    assert "from dlenv.models import list_model_names" in str(err.value) and "dlenv models" not in str(err.value)
 
 
 @pytest.mark.parametrize("name", ["ResNet50_Weights.DEFAULT", "resnet50_pretrained", "resnet50.pretrained"])
@@ -175,3 +177,14 @@ def test_public_names_resolve_lazily():
 
     assert dlenv.build_model is models.build_model
     assert dlenv.apply_checkpointing is models.apply_checkpointing
+
+
+def test_bare_googlenet_state_dict_with_aux_heads_loads(tmp_path):
+    # torchvision saves googlenet with its auxiliary heads; dlenv builds it without them
+    import torchvision
+
+    theirs = torchvision.models.googlenet(weights=None, num_classes=3, aux_logits=True, init_weights=False)
+    sd = {f"module.{k}": v for k, v in theirs.state_dict().items()}  # as saved from DDP
+    model, classes, _ = model_from_checkpoint(sd, "googlenet")
+    assert classes == ["0", "1", "2"]
+    assert torch.equal(model.state_dict()["fc.weight"], theirs.state_dict()["fc.weight"])

@@ -115,7 +115,7 @@ def _peak_step_gib(model, x, y, precision):
 # workspace) is a third to a half of the step's peak. Absolute peaks on an H200, alone: fp32 2.93 -> 1.41
 # GiB, bf16 1.74 -> 0.96; in the whole GPU suite 4.44 -> 2.91 and 3.25 -> 2.48, i.e. ~1.5 GiB held by
 # earlier tests on top; without that (and the 0.1 GiB of weights) both give ~0.46 and ~0.53.
-# At batch 256 the same blocks give 20.95 -> 8.31 GiB and 11.01 -> 4.66 (bench-memory, README).
+# At batch 256 the same blocks give 20.95 -> 8.31 GiB and 11.01 -> 4.66 (bench-memory, docs/memory.md).
 @pytest.mark.parametrize("mode, most", [("fp32", 0.55), ("bf16", 0.65)])
 def test_checkpointing_lowers_peak_memory_of_resnet50(mode, most, monkeypatch):
     if mode == "bf16" and not torch.cuda.is_bf16_supported():

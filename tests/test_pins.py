@@ -65,12 +65,15 @@ def requirements(path: Path) -> dict[str, Requirement]:
     return out
 
 
-def pip_requirements(data: dict) -> dict[str, Requirement]:
+def pip_requirements(data: dict, machine: str = "x86_64") -> dict[str, Requirement]:
+    """{name: Requirement} of the pip section, for lines whose environment marker holds on `machine`."""
     reqs = {}
     for line in pip_lines(data):
         if not line.startswith("-"):
             req = Requirement(line)
-            reqs[canonicalize_name(req.name)] = req
+            if req.marker is None or req.marker.evaluate({"platform_machine": machine}):
+                assert canonicalize_name(req.name) not in reqs, f"{req.name} is pinned twice for {machine}"
+                reqs[canonicalize_name(req.name)] = req
     return reqs
 
 
@@ -147,10 +150,11 @@ def test_both_env_files_include_requirements_txt(path):
     assert "torch" not in requirements(ROOT / "requirements.txt"), "torch belongs to the env files"
 
 
-def test_modern_profile_is_a_cuda_12_8_plus_torch_2_with_matching_companions():
+@pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
+def test_modern_profile_is_a_cuda_12_8_plus_torch_2_with_matching_companions(machine):
     data = env(MODERN)
     assert "nodefaults" in data["channels"] and "defaults" not in data["channels"]
-    reqs = pip_requirements(data)
+    reqs = pip_requirements(data, machine)
     versions = {}
     for name in ("torch", "torchvision", "torchaudio"):
         (spec,) = reqs[name].specifier
@@ -159,6 +163,8 @@ def test_modern_profile_is_a_cuda_12_8_plus_torch_2_with_matching_companions():
     torch_v = versions["torch"]
     assert torch_v.major == 2
     cuda = {v.local for v in versions.values()}
+    if machine == "aarch64":  # companions without the tag there (see the env file); torch keeps it
+        cuda = {versions["torch"].local}
     assert len(cuda) == 1, f"torch, torchvision and torchaudio are built for different CUDAs: {cuda}"
     (local,) = cuda
     assert re.fullmatch(r"cu\d+", local) and int(local[2:]) >= 128, "sm_100/sm_120 kernels need CUDA 12.8+"
@@ -202,3 +208,81 @@ def test_installed_packages_satisfy_requirements_txt():
         version = installed(name)
         assert version is not None, f"{name} from requirements.txt is not installed"
         assert req.specifier.contains(version, prereleases=True), f"{name} {version} does not satisfy {req}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# setuptools, the tensorboard command and the image's lock (scripts/lock_env.py)
+
+
+def test_setuptools_stays_below_82_everywhere_it_is_named():
+    # setuptools 82 removed pkg_resources, which the `tensorboard` command imports
+    spec = requirements(ROOT / "requirements.txt")["setuptools"].specifier
+    assert not spec.contains("82.0.0") and spec.contains("81.0.0")
+    for path in (DEFAULT, MODERN):
+        assert SpecifierSet(conda_specs(env(path))["setuptools"]) == spec, path.name
+
+
+@pytest.mark.skipif(not (LANE or IN_IMAGE), reason="checks a CI lane's or the image's installed commands")
+def test_the_tensorboard_command_runs():
+    import subprocess
+    import sys
+
+    tool = Path(sys.executable).parent / "tensorboard"
+    assert tool.is_file(), f"{tool} is missing: tensorboard is in requirements.txt"
+    r = subprocess.run([str(tool), "--version"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == installed("tensorboard")
+
+
+def lock_env():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lock_env", ROOT / "scripts" / "lock_env.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("path, want", [
+    (DEFAULT, ["python 3.10.*", "pytorch::pytorch 1.13.1.*", "pytorch::torchvision 0.14.1.*",
+               "pytorch::torchaudio 0.13.1.*", "pytorch::pytorch-cuda 11.6.*", "pytorch::pytorch-mutex 1.0.* cuda",
+               "numpy >=1.23,<2", "mkl <2024.1", "setuptools >=65,<82"]),
+    (MODERN, ["python 3.11.*", "numpy >=1.23,<2", "setuptools >=65,<82", "gxx >=12,<15"]),
+], ids=lambda v: v.name if isinstance(v, Path) else "")
+def test_conda_pinned_holds_every_conda_pin_of_the_profile(path, want):
+    assert lock_env().pinned_lines(env(path)) == want
+
+
+def test_pinned_line_syntax():
+    lines = lock_env().pinned_lines({"dependencies": ["python=3.10", "a::b=1.0=cuda", "c >=1, <2", "pip", {"pip": []}]})
+    assert lines == ["python 3.10.*", "a::b 1.0.* cuda", "c >=1,<2"]
+
+
+def test_the_pip_lock_lists_what_pip_installed_exactly():
+    lines = lock_env().pip_lines()
+    pins = [Requirement(ln) for ln in lines if not ln.startswith("--")]
+    assert pins and all(str(r.specifier).startswith("==") for r in pins)
+    names = {canonicalize_name(r.name) for r in pins}
+    assert "dlenv" not in names and "pytest" in names
+    for r in pins:
+        assert r.specifier.contains(installed(r.name), prereleases=True)
+    indexes = [ln for ln in lines if ln.startswith("--extra-index-url")]
+    assert all(re.fullmatch(r"--extra-index-url https://download\.pytorch\.org/whl/cu\d+", ln) for ln in indexes)
+
+
+def test_the_pip_constraints_hold_the_installed_torch_stack():
+    lines = lock_env().constraint_lines()
+    assert f"torch=={installed('torch')}" in lines and f"torchvision=={installed('torchvision')}" in lines
+    assert all(ln.split("==")[0] in ("torch", "torchvision", "torchaudio") for ln in lines)
+
+
+def test_verify_env_reads_the_pins_of_this_machine():
+    import platform
+
+    from dlenv import envcheck
+
+    pins = envcheck.read_pins(MODERN)
+    want = pip_requirements(env(MODERN), platform.machine())["torchvision"].specifier
+    assert pins["torchvision"] == str(want) and pins["torch"] == "==2.11.0+cu128" and pins["cuda"] == "==12.8.*"
+    assert envcheck.pins._marker_applies(f'platform_machine == "{platform.machine()}"')
+    assert not envcheck.pins._marker_applies('platform_machine == "no-such-machine"')

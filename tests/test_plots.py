@@ -159,3 +159,60 @@ def test_workspace_script_runs_plot(tmp_path):
                         str(tmp_path / "runs")], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "runs" / "exp" / "results.png").is_file()
+
+
+def _write_csv(folder: Path, body: bytes) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.csv").write_bytes(",".join(COLUMNS).encode() + b"\n" + body)
+    return folder
+
+
+@pytest.mark.parametrize("body", [
+    b"1,inf,0.66,66,100,0.001,1.2,0.002,10,0,0,4,1,0\n",  # one row: its ylim came from inf
+    b"1,0.5,0.66,66,100,0.001,1.2,inf,10,0,0,4,1,0\n2,0.5,0.66,66,100,0.001,1.2,0.1,10,-inf,nan,4,1,0\n",
+    b"1,nan,nan,nan,nan,nan,nan,nan,nan,nan,nan,4,1,0\n",
+], ids=["inf-loss-alone", "inf-data-wait-and-memory", "all-nan"])
+def test_inf_and_nan_values_plot_without_crashing(tmp_path, body):
+    run = _write_csv(tmp_path / "r", body)
+    written = plots.plot_log_dir(tmp_path)
+    assert written == [run / "results.png"] and _png_size(written[0])[0] > 500
+
+
+def test_inf_is_left_out_of_the_axis_and_said_in_the_title(tmp_path):
+    df = read_results(_write_csv(tmp_path / "r", b"1,inf,0.6,66,100,0.001,1.2,0.002,10,0,0,4,1,0\n"
+                                                  b"2,0.5,0.5,70,100,0.001,1.2,0.002,10,0,0,4,1,0\n") / "results.csv")
+    fig = plots.plot_run(df, "r")
+    loss = fig.axes[0]
+    assert "1 inf/nan value(s) not drawn" in loss.get_title()
+    lo, hi = loss.get_xlim()
+    assert lo < 1 and hi > 2  # both epochs on the axis
+
+
+def test_one_good_row_and_a_broken_line_plots_the_good_row(tmp_path, capsys):
+    run = _write_csv(tmp_path / "r", b"1,0.5,0.66,66,100,0.001,1.2,0.002,10,0,0,4,1,0\n2,0.4,\xff\xfe\x00garbage\n")
+    assert plots.plot_log_dir(tmp_path) == [run / "results.png"]
+    out = capsys.readouterr().out
+    assert "1 line(s) could not be read and are not plotted (line 3)" in out and "1 epoch(s)" in out
+
+
+def test_a_file_of_only_broken_lines_is_skipped_saying_so(tmp_path, capsys):
+    _write_csv(tmp_path / "r", b"\x00\x01\x02\n\xff\xfe\n")
+    with pytest.raises(UserError, match="no run has a complete epoch"):
+        plots.plot_log_dir(tmp_path)
+    assert "none of its 2 line(s) could be read" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("gpu_runs,cpu_runs,note", [
+    (["a"], ["cpu1"], "CPU run: cpu1 (no GPU memory to draw)"),          # mixed: the GPU line plus a note
+    ([], ["cpu1", "cpu2"], "CPU runs: cpu1, cpu2 (no GPU memory to draw)"),  # all on a CPU
+])
+def test_compare_notes_cpu_runs_instead_of_a_zero_line(tmp_path, gpu_runs, cpu_runs, note):
+    frames = {}
+    for name in gpu_runs + cpu_runs:
+        df = read_results(_make_run(tmp_path / name, epochs=2) / "results.csv")
+        if name in cpu_runs:
+            df["mem_alloc_gib"], df["mem_reserved_gib"] = 0.0, 0.0  # what a CPU run records
+        frames[name] = df
+    mem = [ax for ax in plots.plot_compare(frames).axes if ax.get_title().startswith("Peak GPU memory")][0]
+    assert {ln.get_label().lstrip("_") for ln in mem.get_lines()} == set(gpu_runs)
+    assert [t.get_text() for t in mem.texts] == [note]

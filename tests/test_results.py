@@ -39,3 +39,67 @@ def test_truncate_after_keeps_the_epochs_a_resume_does_not_repeat(tmp_path):
     results.truncate_after(p, 2)
     assert list(results.read_results(p)["epoch"]) == [1, 2]
     assert [f.name for f in tmp_path.iterdir()] == ["results.csv"]
+
+
+HEADER = ",".join(results.COLUMNS) + "\n"
+
+
+def _good(epoch):
+    return f"{epoch},0.5,0.6,50,100,0.001,10,0.01,1.5,0,0,4,1,0\n"
+
+
+CORRUPT = {  # a line of results.csv gone wrong -> how
+    "text-epoch": b"x,0.5,0.6,50,100,0.001,10,0.01,1.5,0,0,4,1,0\n",
+    "invalid-utf8": b"2,0.5,\xff\xfe,50,100,0.001,10,0.01,1.5,0,0,4,1,0\n",
+    "binary": b"\x00\x00\x00\x00\x13\x37\x00\n",
+    "too-few-fields": b"2,0.5,0.6\n",
+    "too-many-fields": b"2," + b"1," * 20 + b"1\n",
+    "inf-epoch": b"inf,0.5,0.6,50,100,0.001,10,0.01,1.5,0,0,4,1,0\n",
+    "unclosed-quote": b'2,"0.5,0.6,50\n',
+}
+
+
+@pytest.mark.parametrize("kind", list(CORRUPT))
+def test_a_corrupt_line_is_left_out_and_counted(tmp_path, kind):
+    p = tmp_path / "results.csv"
+    p.write_bytes(HEADER.encode() + _good(1).encode() + CORRUPT[kind] + _good(3).encode())
+    df = results.read_results(p)
+    assert list(df["epoch"]) == [1, 3]
+    assert df.attrs["dropped"] == [3]
+
+
+def test_a_header_with_a_spreadsheets_bom_still_reads(tmp_path):
+    p = tmp_path / "results.csv"
+    p.write_bytes(b"\xef\xbb\xbf" + HEADER.encode() + _good(1).encode())
+    assert list(results.read_results(p)["epoch"]) == [1]
+
+
+def test_resume_over_corrupt_lines_keeps_the_good_rows_and_the_old_file(tmp_path, caplog):
+    p = tmp_path / "results.csv"
+    original = HEADER.encode() + _good(1).encode() + CORRUPT["invalid-utf8"] + _good(2).encode() + \
+        CORRUPT["binary"] + _good(3).encode()
+    p.write_bytes(original)
+    with caplog.at_level("WARNING"):
+        results.truncate_after(p, 2)
+    assert list(results.read_results(p)["epoch"]) == [1, 2]
+    kept = [f for f in tmp_path.iterdir() if f.name.startswith("results.csv.before-resume-")]
+    assert len(kept) == 1 and kept[0].read_bytes() == original  # nothing lost
+    assert "2 line(s) could not be read (line 3, 5)" in caplog.text and kept[0].name in caplog.text
+
+
+def test_resume_over_clean_rows_keeps_no_copy(tmp_path):
+    p = tmp_path / "results.csv"
+    p.write_text(HEADER + _good(1) + _good(2))
+    results.truncate_after(p, 1)
+    assert [f.name for f in tmp_path.iterdir()] == ["results.csv"]
+
+
+def test_a_row_appended_after_a_cut_off_line_stays_whole(tmp_path):
+    p = tmp_path / "results.csv"
+    results.append_row(p, {"epoch": 1, "top1": 10.0})
+    with p.open("a") as fh:
+        fh.write("2,0.9,0.8")  # killed mid-row
+    results.append_row(p, {"epoch": 2, "top1": 20.0})
+    df = results.read_results(p)
+    assert list(df["epoch"]) == [1, 2] and list(df["top1"]) == [10.0, 20.0]
+    assert df.attrs["dropped"] == [3]

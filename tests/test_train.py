@@ -19,10 +19,11 @@ import torch
 from imagedata import make_image_folder
 from torch import nn
 
-from dlenv import checkpoint, config, results
+from dlenv import config, results, runstate
 from dlenv import train as train_mod
 from dlenv.config import TrainConfig
 from dlenv.errors import UserError
+from dlenv.train import loop
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -101,18 +102,21 @@ def test_run_writes_config_first_then_rows_and_checkpoints(tmp_path, data, tiny)
     again = config.build(TrainConfig, run / "config.yaml")
     assert again.batch_size == 4 and again.lr == pytest.approx(0.1 * 8 / 256) and again.weight_decay == 1e-4
     for name in ("last.pth", "best_model.pth"):
-        ck = checkpoint.load_checkpoint(run / name)  # weights_only=True inside
-        assert ck["format"] == checkpoint.FORMAT and ck["class_names"] == ["cat", "dog"]
+        ck = runstate.load_checkpoint(run / name)  # weights_only=True inside
+        assert ck["format"] == runstate.FORMAT and ck["class_names"] == ["cat", "dog"]
         assert ck["img_size"] == 16 and ck["config"]["batch_size"] == 4
         assert isinstance(ck["config"]["lr"], float) and isinstance(ck["best_metric"], float)
-    last = checkpoint.load_checkpoint(run / "last.pth")
+    last = runstate.load_checkpoint(run / "last.pth")
     assert last["epoch"] == 2 and last["step"] == 4 and last["batch_in_epoch"] == 0
-    # a second run gets the next name
-    assert Path(train_mod.train(cfg(tmp_path, data, epochs=1))["run_dir"]).name == "exp2"
+    # a second run gets the next name, and its config.yaml and checkpoints record that name
+    second = Path(train_mod.train(cfg(tmp_path, data, epochs=1))["run_dir"])
+    assert second.name == "exp2"
+    assert config.build(TrainConfig, second / "config.yaml").name == "exp2"
+    assert runstate.load_checkpoint(second / "last.pth")["config"]["name"] == "exp2"
 
 
 def _final(run_dir: Path) -> dict:
-    return checkpoint.load_checkpoint(run_dir / "last.pth")
+    return runstate.load_checkpoint(run_dir / "last.pth")
 
 
 def test_auto_optimizer_is_resolved_into_config_yaml(tmp_path, data, tiny):
@@ -120,7 +124,7 @@ def test_auto_optimizer_is_resolved_into_config_yaml(tmp_path, data, tiny):
     again = config.build(TrainConfig, run / "config.yaml")
     # a run of a few steps: AdamW with its default lr and weight decay, recorded as such
     assert again.optimizer == "adamw" and again.lr == pytest.approx(1e-3) and again.weight_decay == 0.05
-    assert checkpoint.load_checkpoint(run / "last.pth")["config"]["optimizer"] == "adamw"
+    assert runstate.load_checkpoint(run / "last.pth")["config"]["optimizer"] == "adamw"
 
 
 @pytest.mark.parametrize("stop_at,signum", [(3, signal.SIGTERM), (4, signal.SIGINT), (5, signal.SIGTERM)])
@@ -152,24 +156,28 @@ def test_resume_is_bit_exact(tmp_path, data, tiny, stop_at, signum):
     assert list(rows["epoch"]) == [1, 2, 3]
 
 
-def test_signal_mid_accumulation_rolls_back_to_the_last_step(tmp_path, data, tiny, monkeypatch):
+def test_signal_mid_accumulation_finishes_the_window_then_saves(tmp_path, data, tiny, monkeypatch):
+    """A stop is taken at the next optimizer step: the window in progress ends first, and the state of
+    that step boundary is saved as it is (nothing to roll back); the resume is exact."""
     opts = dict(epochs=1, batch_size=2, accum_steps=4)  # 8 batches: 2 windows of 4
     full = train_mod.train(cfg(tmp_path / "a", data, **opts))
     calls = {"n": 0}
-    real = train_mod.forward_backward
+    real = loop.forward_backward
 
     def fb(*a, **k):
         calls["n"] += 1
-        if calls["n"] == 6:  # second micro-batch of the second window
+        if calls["n"] == 2:  # second micro-batch of the first window
             signal.raise_signal(signal.SIGTERM)
         return real(*a, **k)
 
-    monkeypatch.setattr(train_mod, "forward_backward", fb)
+    monkeypatch.setattr(loop, "forward_backward", fb)
     part = train_mod.train(cfg(tmp_path / "b", data, **opts))
     saved = _final(Path(part["run_dir"]))
-    assert part["exit_code"] == 143 and saved["step"] == 1 and saved["batch_in_epoch"] == 4
-    monkeypatch.setattr(train_mod, "forward_backward", real)
+    assert part["exit_code"] == 143 and calls["n"] == 4
+    assert saved["step"] == 1 and saved["batch_in_epoch"] == 4 and saved["epoch"] == 0
+    monkeypatch.setattr(loop, "forward_backward", real)
     resumed = train_mod.train(cfg(tmp_path / "c", data, resume=str(Path(part["run_dir"]) / "last.pth")))
+    assert resumed["step"] == 2
     assert state_equal(_final(Path(full["run_dir"]))["model"], _final(Path(resumed["run_dir"]))["model"])
 
 
@@ -196,8 +204,8 @@ def test_effective_batch_sets_accumulation_or_refuses(tmp_path, data, tiny):
 
 def test_nonfinite_losses_stop_with_exit_4_and_keep_the_last_good_checkpoint(tmp_path, data, tiny,
                                                                             monkeypatch):
-    monkeypatch.setattr(train_mod, "NONFINITE_LIMIT", 2)
-    monkeypatch.setattr(train_mod, "CHECK_EVERY", 1)
+    monkeypatch.setattr(loop, "NONFINITE_LIMIT", 2)
+    monkeypatch.setattr(loop, "CHECK_EVERY", 1)
 
     def on_step(state):
         if state.epoch == 1:
@@ -207,25 +215,25 @@ def test_nonfinite_losses_stop_with_exit_4_and_keep_the_last_good_checkpoint(tmp
         train_mod.train(cfg(tmp_path, data, epochs=3), on_step=on_step)
     assert err.value.exit_code == train_mod.EXIT_NONFINITE
     assert "last good checkpoint" in str(err.value)
-    last = checkpoint.load_checkpoint(tmp_path / "runs" / "exp" / "last.pth")
+    last = runstate.load_checkpoint(tmp_path / "runs" / "exp" / "last.pth")
     assert last["epoch"] == 1 and all(torch.isfinite(v).all() for v in last["model"].values())
 
 
 def test_cuda_oom_stops_with_advice_and_exit_3(tmp_path, data, tiny, monkeypatch):
-    real = train_mod.forward_backward
+    real = loop.forward_backward
 
     def fb(parts, *a, **k):
         if parts.scheduler.last_epoch >= 4:  # after the first epoch's checkpoint
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(parts, *a, **k)
 
-    monkeypatch.setattr(train_mod, "forward_backward", fb)
+    monkeypatch.setattr(loop, "forward_backward", fb)
     with pytest.raises(UserError) as err:
         train_mod.train(cfg(tmp_path, data, epochs=2))
     msg = str(err.value)
     assert err.value.exit_code == train_mod.EXIT_OOM
     assert msg.index("--amp") < msg.index("--checkpoint") < msg.index("--batch-size 2 --accum-steps 2")
-    assert checkpoint.load_checkpoint(tmp_path / "runs" / "exp" / "last.pth")["epoch"] == 1
+    assert runstate.load_checkpoint(tmp_path / "runs" / "exp" / "last.pth")["epoch"] == 1
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -273,7 +281,7 @@ def test_tensorboard_and_resume_auto(tmp_path, data, tiny):
 def test_real_model_with_checkpointing_and_bf16_autocast(tmp_path, data):
     out = train_mod.train(cfg(tmp_path, data, model="resnet18", epochs=1, max_steps=1, amp=True,
                               checkpoint=True, deterministic=False))
-    ck = checkpoint.load_checkpoint(Path(out["run_dir"]) / "last.pth")
+    ck = runstate.load_checkpoint(Path(out["run_dir"]) / "last.pth")
     assert out["precision"] == "bf16" and "layer1.0.conv1.weight" in ck["model"]
 
 
@@ -281,7 +289,7 @@ def test_synthetic_data_needs_no_folder(tmp_path, tiny):
     out = train_mod.train(config.build(TrainConfig, synthetic=True, img_size=16, batch_size=2, epochs=1,
                                        max_steps=2, device="cpu", project=str(tmp_path / "runs"),
                                        model="tiny"))
-    assert out["step"] == 2 and len(checkpoint.load_checkpoint(Path(out["last"]))["class_names"]) == 1000
+    assert out["step"] == 2 and len(runstate.load_checkpoint(Path(out["last"]))["class_names"]) == 1000
 
 
 _SCRIPT = """
@@ -318,8 +326,8 @@ def test_sigterm_and_kill_9_leave_a_loadable_checkpoint(tmp_path, data):
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 143, out
-    assert f"invoke train --resume {last}" in out
-    epoch = checkpoint.load_checkpoint(last)["epoch"]
+    assert f"Resume with: python {script} --resume {last}" in out  # the command that was run
+    epoch = runstate.load_checkpoint(last)["epoch"]
     # resume, then kill -9 while it saves a checkpoint every few milliseconds
     proc = subprocess.Popen(args + ["--resume", str(last)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
@@ -331,7 +339,7 @@ def test_sigterm_and_kill_9_leave_a_loadable_checkpoint(tmp_path, data):
     time.sleep(0.37)
     proc.kill()
     proc.communicate()
-    ck = checkpoint.load_checkpoint(last)
+    ck = runstate.load_checkpoint(last)
     assert ck["epoch"] > epoch
 
 
@@ -343,4 +351,13 @@ def test_resume_says_which_given_options_it_cannot_change(tmp_path, data, tiny, 
     out = capsys.readouterr().out
     assert "ignoring --epochs, --lr" in out and f"--weights {last}" in out
     # the saved run's options win: it was complete after its one epoch
-    assert again["exit_code"] == 0 and checkpoint.load_checkpoint(last)["epoch"] == 1
+    assert again["exit_code"] == 0 and runstate.load_checkpoint(last)["epoch"] == 1
+
+
+def test_progress_in_a_log_is_a_timed_line_with_eta(tmp_path, data, tiny, capsys):
+    # captured output is not a terminal: plain lines by the clock (none within 30 s here) and one at the
+    # epoch's end, with the time left, as a log file read later shows it
+    train_mod.train(cfg(tmp_path, data, epochs=1))
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("epoch 1/1 ")]
+    assert len(lines) == 1 and lines[0].startswith("epoch 1/1 4/4 (100%)  elapsed ")
+    assert ", ETA 0:00  loss " in lines[0] and " img/s " in lines[0]

@@ -30,3 +30,34 @@ def test_train_py_amp_checkpoint_from_a_fresh_copy(tmp_path):
     assert cfg["amp"] is True and cfg["checkpoint"] is True and cfg["data"] is None
     assert (run / "last.pth").is_file() and (run / "results.csv").read_text().count("\n") == 2
     assert (ws / "data" / "demo" / "train").is_dir()
+
+
+@pytest.mark.slow
+def test_readme_trains_and_validates_the_example_model_of_ones_own(tmp_path):
+    """workspace/README.md's two commands for models/tiny_resnet.py, as written (invoke's tasks are
+    `dlenv VERB`), with flags appended that keep the run to seconds (a tiny dataset, not the demo)."""
+    import shlex
+
+    from imagedata import make_image_folder
+
+    ws = tmp_path / "workspace"
+    shutil.copytree(ROOT / "workspace", ws, ignore=shutil.ignore_patterns("runs", "__pycache__"))
+    make_image_folder(ws / "data" / "tiny" / "train", per_class=8, size=(32, 32))
+    make_image_folder(ws / "data" / "tiny" / "val", per_class=4, size=(32, 32), seed=1)
+    readme = (ws / "README.md").read_text()
+    train = next(line for line in readme.splitlines() if line.startswith("invoke train --model models/"))
+    val = next(line for line in readme.splitlines() if line.startswith("invoke val --weights"))
+    assert "--amp --checkpoint" in train and "models/tiny_resnet.py:build" in train
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    quick = {"train": ["--data", "data/tiny", "--epochs", "1", "--batch-size", "4", "--workers", "0",
+                       "--img-size", "32", "--model-args", "width=8"],
+             "val": ["--workers", "0"]}
+    for line in (train, val):
+        verb = shlex.split(line)[1]
+        r = subprocess.run([sys.executable, "-m", "dlenv", *shlex.split(line)[1:], *quick[verb]], cwd=ws, env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    run = ws / "runs" / "exp"
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    assert cfg["model"] == "models/tiny_resnet.py:build" and cfg["amp"] and cfg["checkpoint"]
+    assert "8 images, 2 classes" in r.stdout and (run / "val" / "metrics.json").is_file()

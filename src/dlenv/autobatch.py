@@ -1,11 +1,12 @@
-"""The batch size that fits: search, accumulation arithmetic and OOM halving.
+"""The batch size that fits: search, and the micro-batch x accumulation x GPUs arithmetic.
 
 `--batch-size auto` asks `find_max_batch` for the largest micro-batch whose real training steps
 (forward, backward, optimizer step, at the run's precision and checkpointing) fit in GPU memory:
 the batch doubles until a step runs out of memory, then the gap is bisected, and a safety margin
 is taken off because a long run meets a fuller, more fragmented allocator than the probe did.
-`plan_accumulation` turns an effective batch into micro-batch x accumulation x GPUs, and
-`halve_on_oom` gives the next, smaller split after an OOM while keeping the effective batch.
+`plan_accumulation` turns an effective batch into micro-batch x accumulation x GPUs; `resolve_batch`
+reads the batch options that way, and `resume_split` keeps a run's effective batch when it resumes
+on another number of GPUs.
 
 The search and the arithmetic are pure functions (tested on a CPU against a fake memory limit);
 `make_train_step_probe` is the real `try_step` for a model on a device.
@@ -110,8 +111,8 @@ def find_max_batch(try_step: Callable[[int], Any], start: int = 1, upper: int | 
 
     The margin leaves room for what one probe does not meet: fragmentation over a long run, a
     validation pass. 0.92 with a 1% search tolerance lands within 10% of the true largest batch (the
-    target of scripts/bench_autobatch.py); an OOM that still happens is caught by halving the
-    micro-batch (`halve_on_oom`). Raises UserError when a batch of 1 does not fit.
+    target of scripts/bench_autobatch.py); an OOM that still happens is retried by the trainer with
+    each batch split in two. Raises UserError when a batch of 1 does not fit.
     """
     if not 0 < safety <= 1:
         raise ValueError(f"safety must be in (0, 1], got {safety}")
@@ -119,15 +120,8 @@ def find_max_batch(try_step: Callable[[int], Any], start: int = 1, upper: int | 
     return max(1, int(res.largest_fit * safety))
 
 
-def plan_accumulation(effective_batch: int, micro_batch: int, world_size: int = 1) -> tuple[int, int]:
-    """Split an effective batch into (micro-batch per GPU, accumulation steps) for `world_size` GPUs.
-
-    accumulation = ceil(effective / (micro x world)); the micro-batch is then lowered (never raised)
-    so that micro x accumulation x world == effective exactly. When that would need more than twice
-    the accumulation steps (or the GPUs don't divide the effective batch), the nearest inexact split
-    is used and a warning names the effective batch actually trained. Raises UserError when the
-    effective batch is smaller than the number of GPUs, and ValueError for non-positive arguments.
-    """
+def _split(effective_batch: int, micro_batch: int, world_size: int) -> tuple[int, int]:
+    """(micro-batch, accumulation) for `plan_accumulation`, without its warning."""
     if effective_batch < 1 or micro_batch < 1 or world_size < 1:
         raise ValueError(f"need positive sizes, got effective={effective_batch}, micro={micro_batch}, "
                          f"world={world_size}")
@@ -142,35 +136,91 @@ def plan_accumulation(effective_batch: int, micro_batch: int, world_size: int = 
         exact = next(a for a in range(accum, per_gpu + 1) if per_gpu % a == 0)
         if exact <= 2 * accum:
             return per_gpu // exact, exact
-    micro = min(micro_batch, max(1, round(effective_batch / (accum * world_size))))
+    return min(micro_batch, max(1, round(effective_batch / (accum * world_size)))), accum
+
+
+def plan_accumulation(effective_batch: int, micro_batch: int, world_size: int = 1) -> tuple[int, int]:
+    """Split an effective batch into (micro-batch per GPU, accumulation steps) for `world_size` GPUs.
+
+    accumulation = ceil(effective / (micro x world)); the micro-batch is then lowered (never raised)
+    so that micro x accumulation x world == effective exactly. When that would need more than twice
+    the accumulation steps (or the GPUs don't divide the effective batch), the nearest inexact split
+    is used and a warning names the effective batch actually trained. Raises UserError when the
+    effective batch is smaller than the number of GPUs, and ValueError for non-positive arguments.
+    """
+    micro, accum = _split(effective_batch, micro_batch, world_size)
     actual = micro * accum * world_size
-    log.warning("effective batch %d cannot be split exactly into micro-batch x %d accumulation x %d GPUs "
-                "with a micro-batch of at most %d; training with %d x %d x %d = %d",
-                effective_batch, accum, world_size, micro_batch, micro, accum, world_size, actual)
+    if actual != effective_batch:
+        log.warning("effective batch %d cannot be split exactly into micro-batch x %d accumulation x %d GPUs "
+                    "with a micro-batch of at most %d; training with %d x %d x %d = %d",
+                    effective_batch, accum, world_size, micro_batch, micro, accum, world_size, actual)
     return micro, accum
 
 
-def halve_on_oom(micro_batch: int, accum_steps: int) -> tuple[int, int]:
-    """The split to retry with after an OOM: half the micro-batch, twice the accumulation.
+def resolve_batch(batch_size: int | str, accum_steps: int, effective_batch: int | None, world_size: int,
+                  find_max: Callable[[], int]) -> tuple[int, int]:
+    """(micro-batch per GPU, accumulation steps) from --batch-size, --accum-steps, --effective-batch.
 
-    The product micro x accumulation (the effective batch per GPU) is kept; an odd micro-batch is
-    re-split exactly where possible (5 x 1 -> 1 x 5). Raises UserError at micro-batch 1.
+    `find_max` measures the micro-batch for 'auto'. Raises UserError when --effective-batch is not a
+    multiple of micro-batch x GPUs.
     """
-    if micro_batch <= 1:
-        raise UserError(f"CUDA out of memory at micro-batch 1 (accumulation {accum_steps}); "
-                        f"halving cannot go further: {_OOM_ADVICE}")
-    if micro_batch % 2 == 0:
-        return micro_batch // 2, accum_steps * 2
-    return plan_accumulation(micro_batch * accum_steps, micro_batch // 2)
+    micro = find_max() if batch_size == "auto" else int(batch_size)
+    if not effective_batch:
+        return micro, accum_steps
+    if batch_size == "auto":
+        return plan_accumulation(effective_batch, micro, world_size)
+    per_step = micro * world_size
+    if effective_batch % per_step:
+        near = max(1, round(effective_batch / per_step)) * per_step
+        raise UserError(f"--effective-batch {effective_batch} is not a multiple of --batch-size {micro} x "
+                        f"{world_size} GPU(s) = {per_step}; use --effective-batch {near} or another "
+                        "--batch-size")
+    return micro, effective_batch // per_step
+
+
+def plan_for_world(effective_batch: int, micro_batch: int, world: int) -> tuple[int, int, str | None]:
+    """(micro-batch per GPU, accumulation, note) that keep `effective_batch` images per step on `world` GPUs.
+
+    The micro-batch is never raised (it is what fits in memory) and is lowered where that makes the
+    split exact (`plan_accumulation`). `note` is None when the effective batch is kept and otherwise
+    one line saying what is trained instead (said once, by the caller, rather than logged on every
+    rank). Raises UserError when the effective batch is smaller than the number of GPUs.
+    """
+    micro, accum = _split(effective_batch, micro_batch, world)
+    actual = micro * accum * world
+    if actual == effective_batch:
+        return micro, accum, None
+    return micro, accum, (f"the effective batch {effective_batch} cannot be split exactly over {world} GPU(s) "
+                          f"with micro-batches of at most {micro_batch}; training with {micro} x {accum} "
+                          f"accumulation x {world} = {actual} images per step")
+
+
+def resume_split(micro_batch: int, accum_steps: int, saved_world: int, world: int) -> tuple[int, int, str | None]:
+    """(micro-batch, accumulation, note) to resume a run of `saved_world` GPUs on `world` GPUs.
+
+    The same world keeps the split (note None). Another keeps the effective batch through
+    accumulation where it divides (`plan_for_world`), and the note says what changed, or that the
+    effective batch could not be kept.
+    """
+    if saved_world == world:
+        return micro_batch, accum_steps, None
+    effective = micro_batch * accum_steps * saved_world
+    micro, accum, inexact = plan_for_world(effective, micro_batch, world)
+    head = f"resuming a run of {saved_world} GPU(s) on {world}"
+    if inexact:
+        return micro, accum, f"{head}: {inexact}"
+    return micro, accum, (f"{head}: micro-batch {micro} x {accum} accumulation x {world} keeps the "
+                          f"effective batch {effective}")
 
 
 class TrainStepProbe:
     """A `try_step` for `find_max_batch`: real training steps on random data at a given batch size.
 
-    Call it with a batch size: it runs `steps` training steps (forward, backward, optimizer step)
-    and returns True, or False on CUDA out of memory; other errors propagate. The optimizer's state
-    (momentum; AdamW's two moments) is made by the first step that succeeds and then kept, as in
-    training, so one step per try meets the same peak as a training step. After each call the
+    Call it with a batch size: it runs `steps` of the trainer's own training step
+    (dlenv.train.loop.train_step: forward, backward, optimizer step) and returns True, or False on CUDA
+    out of memory; other errors propagate. The optimizer's state (momentum; AdamW's two moments) is
+    made by the first step that succeeds and then kept, as in training, so one step per try meets the
+    same peak as a training step. After each call the
     gradients and the cached blocks are freed and the peak statistics reset, so a failed try does
     not weigh on the next.
 
@@ -187,6 +237,7 @@ class TrainStepProbe:
 
         from dlenv.models import apply_checkpointing
         from dlenv.precision import Precision
+        from dlenv.train.loop import Parts
 
         if optimizer not in ("sgd", "adamw"):
             raise ValueError(f"optimizer {optimizer!r} is not sgd or adamw")
@@ -196,27 +247,24 @@ class TrainStepProbe:
         model = model_factory()
         if checkpoint:
             apply_checkpointing(model, ratio=1.0 if checkpoint is True else float(checkpoint))
-        self.model = model.to(self.device, memory_format=self.memory_format).train()
-        self.precision = Precision(precision_mode, self.device)
-        params = self.model.parameters()
-        self.opt = (torch.optim.SGD(params, lr=1e-4, momentum=0.9) if optimizer == "sgd"
-                    else torch.optim.AdamW(params, lr=1e-5))
+        model = model.to(self.device, memory_format=self.memory_format).train()
+        params = model.parameters()
+        opt = (torch.optim.SGD(params, lr=1e-4, momentum=0.9) if optimizer == "sgd"
+               else torch.optim.AdamW(params, lr=1e-5))
+        self.parts = Parts.plain(model, opt, Precision(precision_mode, self.device), self.memory_format)
 
     def _train(self, batch: int) -> None:
         import torch
-        import torch.nn.functional as F
+
+        from dlenv.train.loop import train_step
 
         # every tensor of a try is local to this frame, so an OOM's traceback frees them with it;
         # until the optimizer has state, one more step makes it (its memory is part of every later peak)
-        for _ in range(self.steps + (0 if self.opt.state else 1)):
+        for _ in range(self.steps + (0 if self.parts.optimizer.state else 1)):
             x = torch.randn(batch, 3, self.img_size, self.img_size, device=self.device)
             x = x.contiguous(memory_format=self.memory_format)
             y = torch.randint(0, self.num_classes, (batch,), device=self.device)
-            with self.precision.autocast():
-                loss = F.cross_entropy(self.model(x), y)
-            self.precision.backward(loss)
-            self.precision.step(self.opt)
-            self.opt.zero_grad(set_to_none=True)
+            train_step(self.parts, x, y)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -242,14 +290,14 @@ class TrainStepProbe:
         """Drop gradients and cached blocks; reset peak statistics."""
         import torch
 
-        self.opt.zero_grad(set_to_none=True)
+        self.parts.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def close(self) -> None:
         """Release the probe's model, optimizer state and their GPU memory."""
-        self.model = self.opt = None
+        self.parts = None
         if self.device.type == "cuda":
             import torch
 

@@ -1,19 +1,27 @@
 """`dlenv VERB [options]` and `python -m dlenv VERB [options]`.
 
 Parses flags generated from `dlenv.config`, builds the frozen config, imports the one function that
-does the work and calls it. A `UserError` becomes one line on stderr and a non-zero exit; Ctrl-C
-exits 130. Nothing here imports torch until a command actually runs.
+does the work and calls it. `run_command` is the one place every verb's failures end, for `dlenv VERB`
+and the invoke tasks alike: a `UserError`, or a fault of the machine (full disk, read-only folder,
+permission, ...: `dlenv.errors.environment_fault`), becomes one line on stderr and exit 2 (bad input)
+or 5 (the machine); Ctrl-C exits 130; anything else is a bug and shows its traceback, then one line
+saying so (exit 1). Set DLENV_TRACEBACK=1 to see the traceback of a fault too. Nothing here imports
+torch until a command actually runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import subprocess
 import sys
+import traceback
+from pathlib import Path
 from typing import Any
 
-from dlenv import __version__, config
-from dlenv.errors import UserError
+from dlenv import __version__, config, invocation, weights
+from dlenv.errors import BUG_REPORT, FAULT_EXIT, UserError, environment_fault, printable
 
 
 def _add_options(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -40,33 +48,69 @@ def build_parser() -> argparse.ArgumentParser:
     for cmd in config.COMMANDS.values():
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
         _add_options(p, cmd.config)
+    t = sub.add_parser("test", help=TEST_HELP, description=TEST_HELP + " Other arguments go to pytest.")
+    t.add_argument("--gpu", action="store_true", help="only the GPU tests")
     return parser
+
+
+TEST_HELP = "Run the test suite where it stands (GPU tests run when a GPU is visible)."
+
+
+def run_tests(gpu: bool = False, extra: list[str] | tuple[str, ...] = ()) -> int:
+    """`dlenv test` / `invoke test`: pytest over the source checkout's tests, or the image's shipped copy.
+
+    Returns pytest's exit code.
+    """
+    tests = Path(__file__).resolve().parents[2] / "tests"
+    if not tests.is_dir():  # installed copy: the image ships the tests beside the package
+        tests = Path(os.environ.get("DLENV_TESTS", "/opt/dlenv/tests"))
+    # no cache: the shipped tests sit in a read-only folder for a --user run
+    cmd = [sys.executable, "-m", "pytest", str(tests), "-q", "-p", "no:cacheprovider"]
+    if gpu:
+        cmd += ["-m", "gpu"]
+    return subprocess.call(cmd + list(extra))
 
 
 def run_command(name: str, given: dict[str, Any], yaml_file: str | None = None) -> int:
     """Build `name`'s config from `given` flags (and a YAML file) and run it; returns the exit code."""
     cmd = config.COMMANDS[name]
     try:
-        cfg = config.build(cmd.config, yaml_file, **given)
+        cfg = weights.command_line_consent(config.build(cmd.config, yaml_file, **given), given)
         module, func = cmd.target.split(":")
-        result = getattr(importlib.import_module(module), func)(cfg)
+        with weights.trust_pickle(getattr(cfg, "trust_pickle", False)):
+            result = getattr(importlib.import_module(module), func)(cfg)
         return int(result or 0)
     except UserError as e:
-        print(f"dlenv {name}: error: {e}", file=sys.stderr)
+        print(f"dlenv {name}: error: {printable(e)}", file=sys.stderr)  # one line, whatever a name holds
         return e.exit_code
     except KeyboardInterrupt:
         print(f"dlenv {name}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        fault = environment_fault(e)
+        if fault is None or os.environ.get("DLENV_TRACEBACK"):
+            traceback.print_exc()
+        if fault is not None:
+            print(f"dlenv {name}: error: {printable(fault)}", file=sys.stderr)
+            return FAULT_EXIT
+        print(f"dlenv {name}: {BUG_REPORT.format(version=__version__)}", file=sys.stderr)
+        return 1
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = vars(parser.parse_args(argv))
+    parsed, extra = parser.parse_known_args(argv)
+    args = vars(parsed)
     name = args.pop("command")
     if name is None:
         parser.print_help()
         return 2
+    if name == "test":  # not a config-built verb: the rest of the line is pytest's
+        return run_tests(args["gpu"], extra)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     yaml_file = args.pop("cfg", None)
+    invocation.remember(name, script_picks_verb=argv is not None)  # for "Resume with: ..." hints
     return run_command(name, args, yaml_file)
 
 

@@ -11,7 +11,6 @@ import contextlib
 import importlib
 import importlib.util
 import inspect
-import os
 import warnings
 from typing import Any
 
@@ -76,7 +75,7 @@ def autocast_like(state: dict[str, tuple[bool, torch.dtype]]) -> contextlib.Exit
     return stack
 
 
-def checkpoint(function: Any, *args: Any) -> Any:
+def checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
     """function(*args) with its activations recomputed in backward instead of stored.
 
     Non-reentrant (exists from 1.13 on): parameters get gradients even when no input needs one, and
@@ -85,13 +84,30 @@ def checkpoint(function: Any, *args: Any) -> Any:
     """
     from torch.utils.checkpoint import checkpoint as _checkpoint
 
-    return _checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
+    return _checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+# torch.compiler.is_compiling (2.3+), torch._dynamo.is_compiling (2.0-2.2); 1.13 never compiles.
+_IS_COMPILING = (getattr(getattr(torch, "compiler", None), "is_compiling", None)
+                 or getattr(getattr(torch, "_dynamo", None), "is_compiling", None) or (lambda: False))
+
+
+def is_compiling() -> bool:
+    """Whether torch.compile is tracing the code that calls this (dynamo answers True while tracing)."""
+    return bool(_IS_COMPILING())
+
+
+#: torch.load(weights_only=True) can be trusted with a file from anyone: before 2.10 a crafted file can
+#: run code through it (CVE-2025-32434, fixed in 2.6; CVE-2026-24747, fixed in 2.10). dlenv.weights
+#: asks for consent (or its own signature) before unpickling where this is False.
+WEIGHTS_ONLY_TRUSTED = TORCH_VERSION >= (2, 10)
 
 
 def load_weights_only(path: Any, map_location: Any = "cpu") -> Any:
-    """torch.load(..., weights_only=True): tensors and plain types only, never arbitrary pickles.
+    """torch.load(..., weights_only=True) of a path or an open binary file: tensors and plain types only.
 
-    weights_only exists from 1.13 on; 2.6 made it the default, we always pass it.
+    weights_only exists from 1.13 on; 2.6 made it the default, we always pass it. It refuses arbitrary
+    globals, but see WEIGHTS_ONLY_TRUSTED for what it does not stop before 2.10.
     """
     return torch.load(path, map_location=map_location, weights_only=True)
 
@@ -101,12 +117,6 @@ def compile_model(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
     if not HAS_COMPILE:
         raise RuntimeError(f"PyTorch {torch.__version__} has no torch.compile (it arrived in 2.0)")
     return torch.compile(model, **kwargs)
-
-
-def cuda_arch_supported(capability: tuple[int, int]) -> bool:
-    """Whether this torch build carries kernels (SASS, or PTX it can JIT) for a compute capability."""
-    archs = torch.cuda.get_arch_list() if torch.cuda.is_available() else []
-    return arch_list_supports(archs, capability)
 
 
 def arch_list_supports(archs: list[str], capability: tuple[int, int]) -> bool:
@@ -139,21 +149,14 @@ def nccl_timeout_env() -> dict[str, str]:
 def optimizer_kernels(cls: type, on_cuda: bool) -> dict[str, bool]:
     """Keyword arguments that make torch.optim's `cls` step in few kernels on CUDA: AdamW's fused kernel
     (2.0+), else the multi-tensor (foreach) path, which 1.13 leaves off. A per-parameter step costs the
-    CPU a dozen launches per tensor: with --checkpoint's recompute the step is launch-bound, and
-    ResNet-50 --amp --checkpoint trained at 2,806 img/s with per-parameter AdamW, 3,131 with fused AdamW
-    and 3,310 with SGD (H200, batch 256, scripts/bench_train.py).
-    {} off CUDA (the defaults)."""
+    CPU a dozen launches per tensor, and with --checkpoint's recompute the step is launch-bound
+    (measured: docs/benchmarks.md). {} off CUDA (the defaults)."""
     if not on_cuda:
         return {}
     names = inspect.signature(cls).parameters
     if cls is torch.optim.AdamW and "fused" in names and TORCH_VERSION >= (2, 0):
         return {"fused": True}
     return {"foreach": True} if "foreach" in names else {}
-
-
-def set_allocator_conf(conf: str) -> None:
-    """Set PYTORCH_CUDA_ALLOC_CONF; only takes effect before CUDA is first initialised."""
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
 
 
 #: The CUDA out-of-memory exception class (a RuntimeError subclass in 1.13 and 2.x).

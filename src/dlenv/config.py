@@ -21,69 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from dlenv.errors import UserError
+from dlenv.usermodel import model_args_text
+from dlenv.values import folder_name, int_list, int_or_auto, parse_bool, parse_float, parse_int, parse_str
 
-# ---------------------------------------------------------------------------------------------------
-# Value parsers: each takes the string a user typed (or a YAML value) and returns the typed value,
-# raising ValueError with a short reason.
-
-
-def _bool(v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    s = str(v).strip().lower()
-    if s in ("1", "true", "yes", "on"):
-        return True
-    if s in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("expected true or false")
-
-
-def _int(v: Any) -> int:
-    if isinstance(v, bool):
-        raise ValueError("expected an integer")
-    if isinstance(v, int):
-        return v
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        raise ValueError("expected an integer") from None
-    if f != int(f):
-        raise ValueError("expected an integer")
-    return int(f)
-
-
-def _float(v: Any) -> float:
-    if isinstance(v, bool):
-        raise ValueError("expected a number")
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        raise ValueError("expected a number") from None
-
-
-def _str(v: Any) -> str:
-    return str(v)
-
-
-def int_or_auto(v: Any) -> int | str:
-    """An integer >= 1, or the word 'auto'."""
-    if isinstance(v, str) and v.strip().lower() == "auto":
-        return "auto"
-    try:
-        n = _int(v)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError("expected 'auto' or an integer >= 1")
-    return n
-
-
-def int_list(v: Any) -> tuple[int, ...]:
-    """'0,2,4' or [0, 2, 4] -> (0, 2, 4)."""
-    if isinstance(v, (list, tuple)):
-        return tuple(_int(x) for x in v)
-    return tuple(_int(x) for x in str(v).replace(" ", "").split(",") if x)
-
+# Value parsers (dlenv.values): each takes the string a user typed (or a YAML value) and returns the
+# typed value, raising ValueError with a short reason.
+_bool, _int, _float, _str = parse_bool, parse_int, parse_float, parse_str
 
 _PARSERS: dict[type, Callable[[Any], Any]] = {bool: _bool, int: _int, float: _float, str: _str}
 
@@ -111,6 +54,13 @@ def opt(default: Any, help: str, *, parse: Callable[[Any], Any] | None = None,
 
 _DEVICE_HELP = "cuda, cuda:N, cpu or auto (the first GPU if there is one)"
 _DECODERS = ("auto", "pil", "cv2", "tvio", "nvjpeg")
+
+
+def _trust_pickle() -> Any:
+    """--trust-pickle, declared once for every command that reads weights files (dlenv.weights)."""
+    return opt(False, "unpickle a .pth that dlenv did not write in this project although this PyTorch's "
+                      "loader can be made to run code by a crafted file (< 2.10: CVE-2025-32434); only for "
+                      "files you trust. Command line only; .safetensors never needs it")
 
 
 @dataclass(frozen=True)
@@ -143,9 +93,13 @@ class TrainConfig:
     synthetic: bool = opt(False, "random tensors already on the device instead of a dataset "
                                  "(for speed and memory measurements)")
     # model
-    model: str = opt("resnet18", "a torchvision classification model name (resnet50, vit_b_16, ...)")
-    weights: str | None = opt(None, "local state dict or checkpoint to start from (nothing is downloaded)",
-                              parse=_str)
+    model: str = opt("resnet18", "a torchvision classification model name (resnet50, vit_b_16, ...), or your "
+                                 "own: FILE.py:factory or package.module:factory (see docs/training.md)")
+    model_args: str | None = opt(None, "keyword arguments for your model's factory: k=v,... (e.g. "
+                                       "width=64,drop=0.1)", parse=model_args_text)
+    weights: str | None = opt(None, "local state dict or checkpoint to start from, .safetensors or .pth "
+                                    "(nothing is downloaded)", parse=_str)
+    trust_pickle: bool = _trust_pickle()
     checkpoint: bool = opt(False, "activation checkpointing of the model's repeated blocks "
                                   "(less memory, some more compute)")
     checkpoint_ratio: float = opt(1.0, "fraction of the repeated blocks to checkpoint", min=0.0, max=1.0)
@@ -193,7 +147,7 @@ class TrainConfig:
                                  "stops the run instead of hanging it", min=1)
     # outputs
     project: str = opt("runs", "folder that holds the runs")
-    name: str = opt("exp", "run name; exp, exp2, exp3, ... if it exists")
+    name: str = opt("exp", "run name; exp, exp2, exp3, ... if it exists", parse=folder_name)
     exist_ok: bool = opt(False, "write into an existing run folder instead of a new name")
     resume: str | None = opt(None, "continue a run: a last.pth path, or auto (the newest run's)", parse=_str)
     tensorboard: bool = opt(False, "also write TensorBoard event files")
@@ -207,12 +161,16 @@ class ValConfig:
                                     "state dict with --model)", parse=_str)
     data: str | None = opt(None, "folder of class folders, or a dataset with val/; default: the data the "
                                  "checkpoint was trained on", parse=_str)
-    model: str | None = opt(None, "architecture, for a bare state dict from another tool", parse=_str)
+    model: str | None = opt(None, "architecture, for a bare state dict from another tool; or the checkpoint's "
+                                  "FILE.py:factory again, to trust one outside the working folder", parse=_str)
+    trust_pickle: bool = _trust_pickle()
     batch_size: int = opt(64, "batch size", min=1)
     img_size: int | None = opt(None, "image size; default: the checkpoint's", parse=_int, min=16)
     workers: int | str = opt("auto", "DataLoader worker processes: a number (0: load in the main "
                                      "process), or auto", parse=lambda v: 0 if str(v) == "0" else int_or_auto(v))
-    amp: bool = opt(False, "automatic mixed precision")
+    amp: bool = opt(False, "validate under AMP even if the checkpoint was trained in fp32")
+    precision: str = opt("auto", "auto: the precision the checkpoint was trained in (its AMP dtype, or fp32); "
+                                 "or fp32, fp16, bf16", choices=("auto", "fp32", "fp16", "bf16"))
     device: str = opt("auto", _DEVICE_HELP)
     out: str | None = opt(None, "output folder; default <weights dir>/val/", parse=_str)
 
@@ -303,7 +261,8 @@ class BenchDataConfig:
     data: str | None = opt(None, "dataset folder; default: the demo dataset", parse=_str)
     model: str = opt("resnet50", "model whose synthetic-data speed is the target")
     batch_size: int = opt(128, "batch size", min=1)
-    img_size: int = opt(224, "image size", min=16)
+    img_size: int | None = opt(None, "image size; default 224, or 64 for the demo data (what training uses)",
+                               parse=_int, min=16)
     amp: bool = opt(True, "measure the model under AMP")
     workers: tuple = opt((0, 2, 4, 8, 16), "worker counts to try, comma-separated", parse=int_list)
     batches: int = opt(30, "batches timed per measurement", min=2)
@@ -321,6 +280,9 @@ class PruneConfig:
     """Options of `prune`."""
 
     weights: str | None = opt(None, "checkpoint to prune", parse=_str)
+    trust_pickle: bool = _trust_pickle()
+    model: str | None = opt(None, "the checkpoint's FILE.py:factory again, to trust one outside the working "
+                                  "folder", parse=_str)
     amount: float = opt(0.3, "fraction of weights (or channels) to remove, in (0, 1)")
     structured: bool = opt(False, "remove whole conv channels (L2) instead of single weights")
     data: str | None = opt(None, "validation data for top-1 before and after; default: the checkpoint's",
@@ -340,7 +302,11 @@ class ExportConfig:
     """Options of `export`."""
 
     weights: str | None = opt(None, "checkpoint to export", parse=_str)
-    format: str = opt("onnx", "onnx or torchscript", choices=("onnx", "torchscript"))
+    trust_pickle: bool = _trust_pickle()
+    model: str | None = opt(None, "the checkpoint's FILE.py:factory again, to trust one outside the working "
+                                  "folder", parse=_str)
+    format: str = opt("onnx", "onnx, torchscript, or safetensors (the weights alone, loadable without "
+                              "running code)", choices=("onnx", "torchscript", "safetensors"))
     quantize: str = opt("none", "int8 for CPU: dynamic (linear layers) or static (calibrated)",
                         choices=("none", "dynamic", "static"))
     half: bool = opt(False, "fp16 export for GPU inference")
@@ -367,9 +333,9 @@ class Command:
 COMMANDS: dict[str, Command] = {c.name: c for c in [
     Command("verify-env", VerifyEnvConfig, "dlenv.envcheck:main",
             "Check versions, GPUs, real kernels, /dev/shm and disk; one verdict."),
-    Command("unpack", UnpackConfig, "dlenv.data.archive:main",
+    Command("unpack", UnpackConfig, "dlenv.data.unpack:main",
             "Safely unpack a dataset archive into data/<name>/ and report on it."),
-    Command("data-report", DataReportConfig, "dlenv.data.folder:main",
+    Command("data-report", DataReportConfig, "dlenv.data.report:main",
             "Report a dataset: classes, counts, image sizes, bad files, train/val leaks."),
     Command("demo-data", DemoDataConfig, "dlenv.data.demo:main",
             "Write the built-in demo dataset (generated, no download)."),
@@ -379,9 +345,9 @@ COMMANDS: dict[str, Command] = {c.name: c for c in [
             "Validate a checkpoint: metrics, per-class report, confusion matrix, errors."),
     Command("plot", PlotConfig, "dlenv.plots:main",
             "Plot each run's results.csv (and compare runs)."),
-    Command("bench-memory", BenchMemoryConfig, "dlenv.bench:main",
+    Command("bench-memory", BenchMemoryConfig, "dlenv.bench.memory:main",
             "Measure memory and speed: FP32, AMP, checkpointing, both; allocator settings."),
-    Command("bench-data", BenchDataConfig, "dlenv.data.bench:main",
+    Command("bench-data", BenchDataConfig, "dlenv.bench.data:main",
             "Measure the input pipeline against the model and name the bottleneck."),
     Command("prune", PruneConfig, "dlenv.compress:prune_main",
             "Prune a checkpoint's conv and linear weights and re-validate it."),
@@ -429,16 +395,25 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     import yaml
 
     p = Path(path)
+    if p.is_dir():
+        raise UserError(f"config file {p} is a folder; pass a YAML file, e.g. runs/exp/config.yaml")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        data = yaml.safe_load(p.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise UserError(f"config file {p} not found") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"config file {p} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                        f"{e.start}); pass a YAML file of option: value lines, e.g. runs/exp/config.yaml"
+                        ) from None
     except yaml.YAMLError as e:
         raise UserError(f"config file {p} is not valid YAML ({str(e).splitlines()[0]})") from None
+    except RecursionError:  # thousands of nested brackets
+        raise UserError(f"config file {p} nests too deeply to be a file of options") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise UserError(f"config file {p} must hold a mapping of option: value")
+        raise UserError(f"config file {p} must hold a mapping of option: value, not a "
+                        f"{type(data).__name__}")
     return data
 
 
@@ -450,15 +425,25 @@ def build(cls: type, yaml_file: str | Path | None = None, /, **given: Any) -> An
     """
     valid = {f.name: f for f in options(cls)}
     merged: dict[str, Any] = {}
+    from_file: set[str] = set()
     layers = [load_yaml(yaml_file) if yaml_file else {}, given]
-    for layer in layers:
+    for i, layer in enumerate(layers):
         for key, value in layer.items():
             name = str(key).replace("-", "_")
             if name not in valid:
-                raise UserError(f"unknown option {key!r}; valid options: "
+                where = f" in config file {yaml_file}" if i == 0 else ""
+                raise UserError(f"unknown option {key!r}{where}; valid options: "
                                 f"{', '.join(sorted(f.replace('_', '-') for f in valid))}")
             merged[name] = value
-    values = {name: _parse_one(cls, valid[name], v) for name, v in merged.items()}
+            (from_file.add if i == 0 else from_file.discard)(name)
+    values = {}
+    for name, v in merged.items():
+        try:
+            values[name] = _parse_one(cls, valid[name], v)
+        except UserError as e:
+            if name in from_file:  # say where the bad value came from
+                raise UserError(f"{e} (set in config file {yaml_file})") from None
+            raise
     return cls(**values)
 
 

@@ -1,25 +1,20 @@
-"""Several GPUs (or nodes): the torchrun launch, the process group, and what DDP training needs.
+"""Inside each process of a multi-GPU run: the process group, DDP, and the shard samplers.
 
-`dlenv train --gpus N` runs `launch(cfg)`, which starts the same command again through torchrun
-(`torch.distributed.run`, N processes per node; the multi-node flags go to its rendezvous) and
-forwards SIGTERM/SIGINT to it once, so rank 0 saves one checkpoint. Each process then calls
-`init_from_env()`: NCCL on GPUs, gloo on CPUs, with a timeout, so a dead or stuck rank stops the run
-with a clear message (`PeerFailure`) instead of hanging it. The rest is small glue for the trainer:
-`wrap_ddp` (optionally with SyncBatchNorm), `no_sync_context` for accumulation, `EvalShardSampler`
-and `reduce_metrics` so validation covers the whole val set exactly once, `agree` for decisions every
-rank must share (a stop signal, an auto batch size) and `plan_for_world` for resuming on another
-number of GPUs. Every helper is a no-op in a single process, so the trainer calls them unconditionally.
+`join(cfg)` reads torchrun's environment once and returns this process's `DistInfo` (rank 0 of 1
+outside torchrun); in a run of several it joins the process group through `init_from_env()`: NCCL
+on GPUs, gloo on CPUs, with a timeout, so a dead or stuck rank stops the run with a clear message
+(`PeerFailure`) instead of hanging it. The rest is small glue for the trainer: `wrap_ddp`
+(optionally with SyncBatchNorm), `no_sync_context` for accumulation, `EvalShardSampler` and
+`reduce_metrics` so validation covers the whole val set exactly once, and `agree` for decisions every
+rank must share (a stop signal, an auto batch size). Every helper is a no-op in a single process, so
+the trainer calls them unconditionally. Starting the processes is `dlenv.launch`'s job; the batch
+arithmetic for another number of GPUs is `dlenv.autobatch`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
-import signal
-import socket
-import subprocess
-import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -30,17 +25,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Sampler
 
-from dlenv import compat, config
+from dlenv import compat
 from dlenv.errors import UserError
-
-log = logging.getLogger(__name__)
+from dlenv.launch import EXIT_PEER, needs_launch
 
 #: seconds a process waits in a collective before the run is declared dead (see --dist-timeout)
 DEFAULT_TIMEOUT_S = 600
-#: exit status of a process whose peers failed (distinct from OOM 3 and non-finite 4)
-EXIT_PEER = 5
-#: torchrun checks its workers this often (seconds): how fast a dead rank takes the job down
-MONITOR_INTERVAL_S = 1
 #: the timeout this process joined with (for messages)
 _timeout_s: float | None = None
 
@@ -50,155 +40,6 @@ class PeerFailure(UserError):
 
     def __init__(self, message: str):
         super().__init__(message, exit_code=EXIT_PEER)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Launching through torchrun.
-
-
-def in_torchrun() -> bool:
-    """Whether this process was started by torchrun (or another launcher that sets LOCAL_RANK)."""
-    return "LOCAL_RANK" in os.environ
-
-
-def needs_launch(cfg: Any) -> bool:
-    """Whether `cfg` asks for several processes and this process is not one of them yet."""
-    return (cfg.gpus > 1 or cfg.nnodes > 1) and not in_torchrun()
-
-
-def check_launch(cfg: Any) -> None:
-    """Refuse launch options that cannot work, before any process starts. Raises UserError."""
-    if cfg.node_rank >= cfg.nnodes:
-        raise UserError(f"--node-rank {cfg.node_rank} must be below --nnodes {cfg.nnodes} "
-                        f"(nodes are numbered 0..{cfg.nnodes - 1})")
-    device = cfg.device
-    if device.startswith("cuda:"):
-        raise UserError(f"--device {device} picks one GPU, but --gpus {cfg.gpus} gives each process its "
-                        "own (cuda:0..); use --device cuda, and CUDA_VISIBLE_DEVICES to choose the GPUs")
-    if device == "cpu":
-        return  # N CPU processes talking gloo: how the CI tests run, and a way to try a setup
-    if device not in ("auto", "cuda"):
-        raise UserError(f"--device {device!r} is not a device; use cuda, cpu or auto with --gpus")
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if visible == 0:
-        raise UserError(f"--gpus {cfg.gpus}: no CUDA GPU is visible (run verify-env); use --gpus 1, or "
-                        f"--device cpu to try {cfg.gpus} CPU processes")
-    if cfg.gpus > visible:
-        raise UserError(f"--gpus {cfg.gpus}: only {visible} GPU(s) visible on this node; use --gpus {visible} "
-                        "(or check CUDA_VISIBLE_DEVICES and nvidia-smi)")
-
-
-def train_flags(cfg: Any) -> list[str]:
-    """The `dlenv train` flags that rebuild `cfg` (options at their default are left out)."""
-    flags: list[str] = []
-    for f in config.options(type(cfg)):
-        value = getattr(cfg, f.name)
-        if value == f.default or value is None:
-            continue
-        name = config.flag(f.name)
-        if isinstance(value, bool):
-            flags.append(name if value else "--no-" + name[2:])
-        elif isinstance(value, tuple):
-            flags += [name, ",".join(str(v) for v in value)]
-        else:
-            flags += [name, str(value)]
-    return flags
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now (the OS picks it), for a single node's rendezvous."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun_args(cfg: Any, port: int | None = None) -> list[str]:
-    """torchrun's options for `cfg` (underscore spellings: 1.13 knows no others).
-
-    One node: a static rendezvous on 127.0.0.1 and a free port (or `port`), so runs started side by
-    side never meet. Several nodes: --nnodes/--node_rank/--master_addr/--master_port as given.
-    """
-    if cfg.nnodes == 1:
-        addr, port = "127.0.0.1", port or free_port()
-    else:
-        addr, port = cfg.master_addr, cfg.master_port
-    return ["--nproc_per_node", str(cfg.gpus), "--nnodes", str(cfg.nnodes), "--node_rank", str(cfg.node_rank),
-            "--master_addr", addr, "--master_port", str(port), "--max_restarts", "0",
-            "--monitor_interval", str(MONITOR_INTERVAL_S)]
-
-
-def launch_command(cfg: Any, port: int | None = None) -> list[str]:
-    """The command `launch` runs: this module's torchrun wrapper, then `-m dlenv.cli train <flags>`."""
-    return [sys.executable, "-m", "dlenv.distributed", *torchrun_args(cfg, port),
-            "-m", "dlenv.cli", "train", *train_flags(cfg)]
-
-
-def launch(cfg: Any) -> int:
-    """Run `dlenv train` with `cfg` as torchrun workers on this node; return the exit status.
-
-    The launcher is a process of its own session, so a Ctrl-C in the terminal reaches only this
-    process, which forwards it (and SIGTERM, SIGHUP) to torchrun, which passes it to every worker
-    once: the workers finish the step and rank 0 saves last.pth (exit 130/143). A second signal is
-    forwarded too and stops them at once. Raises UserError for options that cannot launch.
-    """
-    check_launch(cfg)
-    env = dict(os.environ)
-    # torchrun would set 1 and print a banner about it; a share of the cores is the better default
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.gpus)))
-    proc = subprocess.Popen(launch_command(cfg), env=env, start_new_session=True)
-
-    def forward(signum: int, frame: Any) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signum)
-
-    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    old = {s: signal.signal(s, forward) for s in forwarded}
-    try:
-        rc = proc.wait()
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-    return 128 - rc if rc < 0 else rc
-
-
-def _root_failure(err: Any) -> tuple[int, Any]:
-    """(rank, failure) of torchrun's ChildFailedError that caused the others: not a rank that only saw
-    its peer go (EXIT_PEER) or was stopped by torchrun (SIGTERM), where another failed differently."""
-    def key(item: tuple[int, Any]) -> tuple[bool, float, int]:
-        rank, f = item
-        return f.exitcode in (EXIT_PEER, -signal.SIGTERM, 128 + signal.SIGTERM), f.timestamp, rank
-
-    return min(err.failures.items(), key=key)
-
-
-def _failure_line(err: Any) -> str:
-    """One line for torchrun's ChildFailedError: which rank failed, and how."""
-    rank, failure = _root_failure(err)
-    who = f"dlenv train: rank {rank} (local rank {failure.local_rank}, pid {failure.pid})"
-    if failure.exitcode == EXIT_PEER:  # torchrun saw only a rank that lost its peer, not the peer itself
-        return (f"{who} stopped because another process of the run failed; the first 'dlenv train: error' "
-                "line above names the cause")
-    how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
-           else f"exited with status {failure.exitcode}")
-    hint = " (out of host memory? see dmesg)" if failure.exitcode == -signal.SIGKILL else ""
-    return f"{who} {how}{hint}; the other processes were stopped. Its own error is printed above"
-
-
-def _torchrun(argv: list[str]) -> int:
-    """torch.distributed.run's main, ending in an exit status and one line instead of a traceback."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
-
-    try:
-        torchrun_main(argv)
-    except SignalException as e:  # the workers got the signal and are done (or were killed)
-        return 128 + int(e.sigval)
-    except ChildFailedError as e:
-        print(_failure_line(e), file=sys.stderr, flush=True)
-        rank, failure = _root_failure(e)
-        return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
-    return 0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -232,6 +73,21 @@ def _env_int(name: str, default: int | None = None) -> int:
         return int(value)
     except ValueError:
         raise UserError(f"{name}={value!r} in the environment is not an integer") from None
+
+
+def join(cfg: Any) -> DistInfo:
+    """This process's place in the run: the only one, or a torchrun worker joining its process group.
+
+    The one place that reads the world size from the environment; afterwards the returned DistInfo
+    says it. Raises UserError for --gpus N outside torchrun (`dlenv train` launches it through
+    dlenv.launch; `train()` alone cannot).
+    """
+    if _env_int("WORLD_SIZE", 1) > 1:
+        return init_from_env(timeout_s=cfg.dist_timeout, device=cfg.device)
+    if needs_launch(cfg):
+        raise UserError(f"--gpus {cfg.gpus} --nnodes {cfg.nnodes} needs one process per GPU: run `dlenv train` "
+                        "(it launches them through torchrun), or call dlenv.launch.launch(cfg)")
+    return DistInfo()
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -488,59 +344,3 @@ def shard_eval_loader(loader: Any, rank: int, world_size: int) -> Any:
     if isinstance(loader, SafeLoader):  # it brings its own collate function
         return SafeLoader(loader.dataset, **kwargs)
     return DataLoader(loader.dataset, collate_fn=loader.collate_fn, **kwargs)
-
-
-def workers_per_process(workers: int, local_world_size: int) -> int:
-    """DataLoader workers for each of `local_world_size` processes of a node sharing its CPUs."""
-    return max(1, workers // max(1, local_world_size)) if workers else 0
-
-
-# ---------------------------------------------------------------------------------------------------
-# Batch arithmetic for another number of GPUs.
-
-
-def plan_for_world(effective_batch: int, micro_batch: int, world: int) -> tuple[int, int, str | None]:
-    """(micro-batch per GPU, accumulation, note) that keep `effective_batch` images per step on `world` GPUs.
-
-    The micro-batch is never raised (it is what fits in memory) and is lowered where that makes the
-    split exact (dlenv.autobatch.plan_accumulation). `note` is None when the effective batch is kept
-    and otherwise one line saying what is trained instead. Raises UserError when the effective batch
-    is smaller than the number of GPUs.
-    """
-    from dlenv.autobatch import plan_accumulation
-
-    autobatch_log = logging.getLogger("dlenv.autobatch")
-    was = autobatch_log.disabled
-    autobatch_log.disabled = True  # the note below says it once, on rank 0, instead of on every rank
-    try:
-        micro, accum = plan_accumulation(effective_batch, micro_batch, world)
-    finally:
-        autobatch_log.disabled = was
-    actual = micro * accum * world
-    if actual == effective_batch:
-        return micro, accum, None
-    return micro, accum, (f"the effective batch {effective_batch} cannot be split exactly over {world} GPU(s) "
-                          f"with micro-batches of at most {micro_batch}; training with {micro} x {accum} "
-                          f"accumulation x {world} = {actual} images per step")
-
-
-def resume_split(micro_batch: int, accum_steps: int, saved_world: int, world: int) -> tuple[int, int, str | None]:
-    """(micro-batch, accumulation, note) to resume a run of `saved_world` GPUs on `world` GPUs.
-
-    The same world keeps the split (note None). Another keeps the effective batch through
-    accumulation where it divides (`plan_for_world`), and the note says what changed, or that the
-    effective batch could not be kept.
-    """
-    if saved_world == world:
-        return micro_batch, accum_steps, None
-    effective = micro_batch * accum_steps * saved_world
-    micro, accum, inexact = plan_for_world(effective, micro_batch, world)
-    head = f"resuming a run of {saved_world} GPU(s) on {world}"
-    if inexact:
-        return micro, accum, f"{head}: {inexact}"
-    return micro, accum, (f"{head}: micro-batch {micro} x {accum} accumulation x {world} keeps the "
-                          f"effective batch {effective}")
-
-
-if __name__ == "__main__":  # `python -m dlenv.distributed <torchrun options> ...`, as launch() runs it
-    raise SystemExit(_torchrun(sys.argv[1:]))

@@ -1,11 +1,49 @@
-"""The one exception type for bad user input.
+"""The one exception type for bad user input, and the one line for a fault of the machine.
 
 A `UserError` carries a single line that names the bad value and the way out; the CLI and the invoke
-tasks print it as is and exit non-zero, with no traceback. Anything else is a bug and keeps its
-traceback.
+tasks print it as is and exit non-zero, with no traceback. `environment_fault` turns what the machine
+did wrong (a full disk, a read-only folder, a permission, a name too long: an `OSError`, or torch's
+own message for a write that failed under it) into such a line, naming the path and what to do. The
+CLI applies it to every verb in one place. Anything else is a bug and keeps its traceback, followed by
+`BUG_REPORT`. No torch here: `dlenv --help` imports this module.
 """
 
 from __future__ import annotations
+
+import errno
+import os
+import re
+
+#: the exit status of a fault of the machine (full disk, read-only folder, permission, ...); a bad
+#: input exits 2, a bug 1
+FAULT_EXIT = 5
+
+#: printed after the traceback of an error dlenv did not expect
+BUG_REPORT = ("this is a bug in dlenv {version}, not a problem with your input; please report it to "
+              "the dlenv issue tracker with the traceback above and the output of `invoke verify-env`")
+
+
+# Characters that would act on a terminal instead of showing: C0/C1 controls (ESC clears the screen,
+# CR and newline fake lines), bidirectional overrides (they reorder what follows), and the surrogates
+# Python uses for bytes of a file name that are not UTF-8 (printing them raises).
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e"
+                          "\u2066-\u2069\ud800-\udfff]")
+
+
+def _escape(ch: str) -> str:
+    o = ord(ch)
+    if ch in "\t\n\r":
+        return repr(ch)[1:-1]
+    if 0xDC80 <= o <= 0xDCFF:  # a byte of a non-UTF-8 file name: show the byte
+        return f"\\x{o - 0xDC00:02x}"
+    return f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}"
+
+
+def printable(text: object) -> str:
+    """`text` with every control, bidi-override and stray-surrogate character written as an escape
+    (\\x1b, \\r, \\n, \\u202e, \\xff for a non-UTF-8 byte of a file name), so it prints as one line
+    that shows what is there."""
+    return _UNPRINTABLE.sub(lambda m: _escape(m.group()), str(text))
 
 
 class UserError(Exception):
@@ -14,3 +52,83 @@ class UserError(Exception):
     def __init__(self, message: str, exit_code: int = 2):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+_ELSEWHERE = "or write elsewhere (--project / --out)"
+
+#: errno -> (what happened to PATH, what to do). PATH is filled in by `environment_fault`.
+_FAULTS: dict[int, tuple[str, str]] = {
+    errno.ENOSPC: ("no space left on the device holding {path}",
+                   "free some space (df -h {dir}) " + _ELSEWHERE + ", then run again"),
+    errno.EDQUOT: ("disk quota exceeded writing {path}", "free space in your quota " + _ELSEWHERE),
+    errno.EFBIG: ("{path} would grow past the largest file allowed here (ulimit -f or the file "
+                  "system's limit)", "raise the limit " + _ELSEWHERE),
+    errno.EROFS: ("{path} is on a read-only file system",
+                  "mount it read-write (docker run -v HOST:CONTAINER without :ro) " + _ELSEWHERE),
+    errno.EACCES: ("permission denied for {path}",
+                   "run as its owner (docker run --user $(id -u):$(id -g)), fix its permissions, " + _ELSEWHERE),
+    errno.EPERM: ("the operation on {path} is not permitted",
+                  "run as its owner (docker run --user $(id -u):$(id -g)), fix its permissions, " + _ELSEWHERE),
+    errno.ENAMETOOLONG: ("the name {path} is too long for the file system (at most 255 bytes a name)",
+                         "choose a shorter --name, --project or --out"),
+    errno.ENOTDIR: ("a part of {path} is a file where a folder is needed",
+                    "move that file away or choose another path"),
+    errno.EISDIR: ("{path} is a folder where a file is needed", "pass a file path"),
+    errno.EEXIST: ("{path} already exists and is in the way", "move it away or choose another path"),
+    errno.ENOENT: ("{path} does not exist", "check the path (inside the container: under /root/workspace)"),
+    errno.ELOOP: ("{path} has a loop of symbolic links", "fix the links or choose another path"),
+    errno.EIO: ("an input/output error on {path}: the disk or network file system failed",
+                "check the device (dmesg) and run again"),
+    errno.EMFILE: ("too many open files (while opening {path})",
+                   "raise the limit (ulimit -n 65536, or docker run --ulimit nofile=65536) or use fewer --workers"),
+    errno.ENFILE: ("the system ran out of open files (while opening {path})", "use fewer --workers"),
+    errno.EPIPE: ("the output was closed before dlenv finished writing to it (piped into head?)",
+                  "let the command write all of its output"),
+    errno.ENOMEM: ("out of memory (while working on {path})", "use a smaller --batch-size or fewer --workers"),
+}
+
+# What torch raises (as RuntimeError) when a write under its zip writer fails, e.g. on a full disk:
+# "[enforce fail at inline_container.cc:325] . unexpected pos 320 vs 248", "PytorchStreamWriter failed
+# writing file data/0: file write failed", and the shared-memory file of a DataLoader worker
+# ("unable to write to file </torch_123_456>: No space left on device").
+_TORCH_WRITE = re.compile(r"unexpected pos \d+ vs \d+|PytorchStreamWriter failed writing|file write failed|"
+                          r"No space left on device", re.I)
+_SHM_FILE = re.compile(r"</?torch_\d+_\d+|/dev/shm", re.I)
+
+
+def torch_write_failure(exc: BaseException) -> bool:
+    """Whether `exc` is torch's RuntimeError for a file write that failed under it (a full disk)."""
+    return isinstance(exc, RuntimeError) and bool(_TORCH_WRITE.search(str(exc)))
+
+
+def environment_fault(exc: BaseException) -> str | None:
+    """One line for a fault of the machine (see the module docstring), or None when `exc` is not one.
+
+    Knows OSError by its errno (no space, quota, read-only, permission, name too long, a file where a
+    folder is expected, ...) and torch's messages for a write that failed under it.
+    """
+    if torch_write_failure(exc):
+        if _SHM_FILE.search(str(exc)):
+            return ("shared memory (/dev/shm) is full: the DataLoader workers pass batches through it; "
+                    "start the container with --ipc=host or --shm-size=16g, or use fewer --workers")
+        return ("writing a file failed: no space left on the device (PyTorch: "
+                f"{str(exc).strip().splitlines()[0][:100]}); free some space " + _ELSEWHERE + ", then run again")
+    if not isinstance(exc, OSError) or exc.errno not in _FAULTS:
+        return None
+    what, todo = _FAULTS[exc.errno]
+    names = [n for n in (exc.filename, exc.filename2) if n is not None]
+    path = os.fsdecode(names[-1]) if names else "a file"
+    if exc.errno == errno.ENAMETOOLONG and len(path) > 90:
+        path = path[:60] + "..." + path[-20:]
+    folder = os.path.dirname(path) or "."
+    return f"{what.format(path=path)} ({exc.strerror or errno.errorcode.get(exc.errno, exc.errno)}); " \
+           f"{todo.format(dir=folder)}"
+
+
+def with_path(exc: OSError, path: str | os.PathLike) -> OSError:
+    """`exc` with `path` as its file name when it names none (a write() on an open file names nothing)."""
+    if isinstance(exc, OSError) and exc.filename is None and exc.errno is not None:
+        new = type(exc)(exc.errno, exc.strerror, os.fspath(path))
+        new.__traceback__ = exc.__traceback__
+        return new
+    return exc

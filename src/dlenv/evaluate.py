@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from dlenv.atomic import write_bytes
+from dlenv.atomic import check_output, write_bytes
 from dlenv.devices import resolve_device
 from dlenv.errors import UserError
 
@@ -38,31 +38,76 @@ REPORT_FILES = ("metrics.json", "per_class.csv", "confusion_matrix.csv", "confus
 # Building blocks (also used by dlenv.compress).
 
 
-def predict(model: torch.nn.Module, loader: Any, device: torch.device | str, amp: bool = False):
+def predict(model: torch.nn.Module, loader: Any, device: torch.device | str, amp: bool = False,
+            mode: str | None = None, progress: bool = False):
     """Run `model` (moved to `device`, in eval mode) over `loader`'s (images, labels) batches.
 
-    `amp` runs the forward under the toolkit's one mixed-precision path (bf16/fp16 as
-    `dlenv.precision` chooses for the device). Returns (logits, targets): a float32 CPU tensor
-    [N, num_classes] and an int64 CPU tensor [N], in the loader's order.
+    `mode` ("fp32", "fp16", "bf16") is the precision of the forward, through the toolkit's one
+    mixed-precision path; without it `amp` picks bf16/fp16 as `dlenv.precision` chooses for the device.
+    `progress` shows a time-based bar (a line every few seconds in a log). Returns (logits, targets):
+    a float32 CPU tensor [N, num_classes] and an int64 CPU tensor [N], in the loader's order.
     """
     from dlenv.precision import Precision, resolve_precision
+    from dlenv.progress import Progress
 
     device = torch.device(device)
-    mode = resolve_precision(amp, "auto", device)
-    precision = Precision(mode, device)
+    precision = Precision(mode or resolve_precision(amp, "auto", device), device)
     model = model.to(device).eval()
     non_blocking = device.type == "cuda"
     all_logits, all_targets = [], []
-    with torch.inference_mode():
-        for images, labels in loader:
-            images = images.to(device, non_blocking=non_blocking)
-            with precision.autocast():
-                out = model(images)
-            all_logits.append(out.float().cpu())
-            all_targets.append(torch.as_tensor(labels).long().cpu())
+    total = len(loader) if hasattr(loader, "__len__") else None
+    bar = Progress(total, "validating", enabled=progress, unit="batch")
+    try:
+        with torch.inference_mode():
+            for i, (images, labels) in enumerate(loader, 1):
+                images = images.to(device, non_blocking=non_blocking)
+                with precision.autocast():
+                    out = model(images)
+                all_logits.append(out.float().cpu())
+                all_targets.append(torch.as_tensor(labels).long().cpu())
+                bar.update(i)
+    finally:
+        bar.close()
     if not all_logits:
         return torch.zeros(0, 0), torch.zeros(0, dtype=torch.long)
     return torch.cat(all_logits), torch.cat(all_targets)
+
+
+def _cpu_bf16_autocast_works() -> bool:
+    """Whether this CPU build runs a matmul under bf16 autocast (a probe, not a version check)."""
+    from dlenv import compat
+
+    try:
+        with compat.autocast("cpu", torch.bfloat16, enabled=True):
+            return (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    except (RuntimeError, TypeError):
+        return False
+
+
+def val_precision(asked: str, amp: bool, trained: dict[str, Any], device: torch.device) -> tuple[str, str]:
+    """(mode, why) to validate in: `asked` unless "auto", else the precision the checkpoint trained in.
+
+    `trained` is the checkpoint's config ({} for a bare state dict: fp32). A dtype this device lacks
+    falls back (fp16 on a CPU -> bf16; bf16 on a GPU without it -> fp16; no CPU bf16 -> fp32) and `why`
+    says so. Raises UserError for an explicit dtype this device cannot run.
+    """
+    from dlenv.precision import resolve_precision
+
+    if asked != "auto":
+        mode = "fp32" if asked == "fp32" else resolve_precision(True, asked, device)
+        return mode, f"--precision {asked}"
+    if not trained.get("amp") and not amp:
+        return "fp32", "fp32 as trained" if trained else "fp32 (the state dict does not say)"
+    want = str(trained.get("amp_dtype", "auto")) if trained.get("amp") else "auto"
+    source = f"trained with --amp ({want})" if trained.get("amp") else "--amp"
+    if device.type == "cpu":
+        if not _cpu_bf16_autocast_works():
+            return "fp32", f"{source}, but this CPU build has no bf16 autocast: fp32 (results may differ a little)"
+        note = "" if want in ("bf16", "auto") else ": bf16 on the CPU (CPU autocast has no fp16)"
+        return "bf16", source + note
+    if device.type == "cuda" and want == "bf16" and not torch.cuda.is_bf16_supported():
+        return "fp16", f"{source}: fp16, this GPU has no bf16"
+    return resolve_precision(True, want if want in ("fp16", "bf16") else "auto", device), source
 
 
 def _avg(p: Any, r: Any, f: Any, support: int) -> dict[str, float]:
@@ -319,12 +364,14 @@ def main(cfg: Any) -> int:
     Raises UserError for a missing/unsafe/corrupt checkpoint, a bare state dict without --model, data
     that is missing or has other classes than the checkpoint, or a bad --device.
     """
-    from dlenv.checkpoint import is_dlenv_checkpoint, load_checkpoint, model_from_checkpoint
     from dlenv.data.loaders import build_eval_loader, resolve_workers
+    from dlenv.models import model_from_checkpoint
+    from dlenv.runstate import is_dlenv_checkpoint, load_checkpoint
 
     if not cfg.weights:
         raise UserError("--weights is required: the checkpoint to validate (e.g. runs/exp/best_model.pth)")
     weights = Path(cfg.weights)
+    out = check_output(cfg.out or weights.parent / "val", "--out", folder=True)
     device = resolve_device(cfg.device)
     ckpt = load_checkpoint(weights)
     model, class_names, img_size = model_from_checkpoint(ckpt, cfg.model, source=str(weights))
@@ -341,9 +388,10 @@ def main(cfg: Any) -> int:
         size = 224
         print("image size: 224 (the state dict does not say; set --img-size to change it)")
     loader = build_eval_loader(samples, size, cfg.batch_size, resolve_workers(cfg.workers, cfg.batch_size, size))
-    print(f"validating {weights} on {len(samples)} images from {root}, {what} ({device}, {size}px"
-          f"{', AMP' if cfg.amp else ''})")
-    logits, targets = predict(model, loader, device, amp=cfg.amp)
+    mode, why = val_precision(cfg.precision, cfg.amp, {} if bare else dict(ckpt.get("config") or {}), device)
+    how = f"{mode}: {why}; --precision fp32 to change" if mode != "fp32" else why
+    print(f"validating {weights} on {len(samples)} images from {root}, {what} ({device}, {size}px, {how})")
+    logits, targets = predict(model, loader, device, mode=mode, progress=True)
     paths = [p for p, _ in samples]
     bad = set(getattr(loader, "bad_paths", {}))
     if bad:  # a skipped file's slot holds a substitute image: drop its prediction
@@ -357,10 +405,9 @@ def main(cfg: Any) -> int:
                         f"invoke data-report {root} --check-images")
     metrics = compute_metrics(logits, targets, class_names)
     metrics.update({"weights": str(weights), "data": str(root), "img_size": int(size),
-                    "device": str(device), "amp": bool(cfg.amp)})
+                    "device": str(device), "amp": mode != "fp32", "precision": mode})
     errors = error_rows(logits, targets, paths, class_names)
     print(format_report(metrics))
-    out = Path(cfg.out) if cfg.out else weights.parent / "val"
     write_reports(out, metrics, errors)
     print(f"\nreports in {out}/: {', '.join(REPORT_FILES)} ({len(errors)} errors listed)")
     return 0

@@ -4,7 +4,7 @@
   the host: no synchronisation, no slowdown); `generate_report()` gives mean/max/min allocated and
   reserved GiB per phase as a pandas DataFrame.
 - `diagnose()`: the allocator's state in words: allocated, reserved, fragmentation, the largest free
-  block, and what to try.
+  block, and what to try. `run_report()` puts both in the memory.md the trainer writes each epoch.
 - `oom_message()`: the one message the trainer prints on CUDA out of memory, with the batch, the
   peak, the card's size and the next things to try, in order.
 
@@ -153,6 +153,21 @@ def diagnose(device: Any = None) -> str:
     lines.append("What to try: " + ("; ".join(advice) + "." if advice else
                                     "nothing: memory use looks healthy."))
     return "\n".join(lines)
+
+
+def run_report(monitor: MemoryMonitor) -> str:
+    """memory.md of a training run: GiB allocated and reserved per phase of the step (`generate_report`,
+    sampled every few micro-batches) and the allocator's state now (`diagnose`)."""
+    report = monitor.generate_report()
+    lines = ["# GPU memory of this run", "",
+             "Allocated and reserved GiB at each phase of the training step, sampled every few micro-batches:", "",
+             "| phase | samples | allocated mean | allocated max | reserved mean | reserved max |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for phase, r in report.iterrows():
+        lines.append(f"| {phase} | {int(r['samples'])} | {r['alloc_mean_gib']:.2f} | {r['alloc_max_gib']:.2f} | "
+                     f"{r['reserved_mean_gib']:.2f} | {r['reserved_max_gib']:.2f} |")
+    lines += ["", "## The allocator now", "", diagnose(monitor.device if monitor.enabled else None)]
+    return "\n".join(lines) + "\n"
 
 
 def oom_message(batch_size: int, accum_steps: int, peak_gib: float, total_gib: float, amp: bool,

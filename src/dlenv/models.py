@@ -2,6 +2,7 @@
 
 `build_model("resnet50", num_classes)` gives any torchvision classification model with its head sized
 to the data, optionally starting from a local weights file; nothing is ever downloaded.
+`build_model("models/net.py:build", num_classes)` builds a model of your own (dlenv.usermodel).
 
 `apply_checkpointing(model, ratio)` makes the model's repeated blocks (ResNet bottlenecks, ViT encoder
 blocks, ...) recompute their activations in backward instead of storing them. It is exact: gradients,
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlenv import compat
+from dlenv import compat, runstate, usermodel
 from dlenv.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,8 @@ def _check_name(name: str) -> None:
         raise UserError(f"--model {name!r} asks for pretrained weights; nothing is downloaded at run time. "
                         f"Use --model {arch} --weights FILE; {_download_hint(arch)}")
     close = difflib.get_close_matches(name.lower(), names, n=4, cutoff=0.5)
-    hint = f"did you mean {', '.join(close)}?" if close else "see `dlenv models` or torchvision's model list"
+    hint = (f"did you mean {', '.join(close)}?" if close else "list the names with: python -c "
+            "\"from dlenv.models import list_model_names; print(list_model_names())\"")
     raise UserError(f"--model {name!r} is not a torchvision classification model; {hint}")
 
 
@@ -103,6 +105,11 @@ def build_model(name: str, num_classes: int, weights: str | Path | None = None, 
     """
     from torchvision import models as tvm
 
+    if usermodel.is_reference(name):  # a model of your own: FILE.py:factory or package.module:factory
+        model = usermodel.build(name, num_classes, **kwargs)
+        if weights is not None:
+            load_weights(model, weights, name=name, num_classes=num_classes)
+        return model
     _check_name(name)
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise UserError(f"num_classes {num_classes!r} for {name}: need an integer >= 1")
@@ -123,26 +130,24 @@ def _weights_file(weights: Any, name: str) -> Path:
         raise UserError(f"--weights {weights!r} would need a download; dlenv never downloads at run time. "
                         + _download_hint(name))
     path = Path(weights)
-    if not path.is_file():
+    if not path.exists():  # a folder or a wrong file: dlenv.runstate.load_checkpoint says what it is
         raise UserError(f"--weights {str(path)!r} not found; pass the path of a local .pth state dict "
                         "or dlenv checkpoint")
     return path
 
 
 def _state_dict_of(obj: Any, path: Path) -> dict[str, torch.Tensor]:
-    from dlenv import checkpoint as ckpt
-
-    if ckpt.is_dlenv_checkpoint(obj):
+    if runstate.is_dlenv_checkpoint(obj):
         return dict(obj["model"])
     # Other tools nest the weights under "state_dict" (Lightning, timm) or "model" (torchvision refs).
     for key in ("state_dict", "model"):
-        if isinstance(obj, dict) and ckpt.is_bare_state_dict(obj.get(key)):
+        if isinstance(obj, dict) and runstate.is_bare_state_dict(obj.get(key)):
             obj = obj[key]
             break
-    if not ckpt.is_bare_state_dict(obj):
+    if not runstate.is_bare_state_dict(obj):
         raise UserError(f"--weights {path} holds no state dict; save one with "
                         "torch.save(model.state_dict(), path)")
-    return ckpt.strip_prefixes(obj)
+    return runstate.strip_prefixes(obj)
 
 
 def load_weights(model: nn.Module, weights: str | Path, name: str, num_classes: int) -> None:
@@ -152,10 +157,8 @@ def load_weights(model: nn.Module, weights: str | Path, name: str, num_classes: 
     note; auxiliary heads the model doesn't have are ignored. Raises UserError when anything else
     is missing, unexpected, or of another shape.
     """
-    from dlenv import checkpoint as ckpt
-
     path = _weights_file(weights, name)
-    sd = _state_dict_of(ckpt.load_checkpoint(path), path)
+    sd = _state_dict_of(runstate.load_checkpoint(path), path)
     own = model.state_dict()
     aux = AUX_HEADS.get(name, ())
     head, wrong = [], []
@@ -192,6 +195,51 @@ def is_convolutional(model: nn.Module) -> bool:
     return False
 
 
+def _num_classes_from(sd: dict[str, Any]) -> int:
+    """The class count of a bare classification state dict: the rows of its last 2-D weight."""
+    weights = [v for k, v in sd.items() if k.endswith("weight") and v.ndim == 2]
+    if not weights:
+        raise UserError("cannot tell the number of classes from this state dict (no linear layer found)")
+    return int(weights[-1].shape[0])
+
+
+def model_from_checkpoint(ckpt: Any, model_name: str | None = None, source: str = "checkpoint"):
+    """Rebuild the model from a loaded checkpoint alone.
+
+    Returns (model, class_names, img_size). A dlenv checkpoint carries its architecture, classes and
+    image size; a bare state dict from another tool needs `model_name` (class names are then
+    "0".."N-1" and img_size None). Raises UserError when the weights don't fit the architecture.
+    """
+    if runstate.is_dlenv_checkpoint(ckpt):
+        name = model_name or ckpt["model_name"]
+        sd = ckpt["model"]
+        num_classes = int(ckpt["num_classes"])
+        class_names = list(ckpt["class_names"])
+        img_size = ckpt.get("img_size")
+    elif runstate.is_bare_state_dict(ckpt):
+        if not model_name:
+            raise UserError(f"{source} is a bare state dict with no architecture; name it with --model "
+                            "(e.g. --model resnet18)")
+        name = model_name
+        # dlenv builds googlenet / inception_v3 without their auxiliary heads (training-only outputs)
+        aux = AUX_HEADS.get(name, ())
+        sd = {k: v for k, v in runstate.strip_prefixes(ckpt).items() if not (aux and k.startswith(aux))}
+        num_classes = _num_classes_from(sd)
+        class_names = [str(i) for i in range(num_classes)]
+        img_size = None
+    else:
+        raise UserError(f"{source} is neither a dlenv checkpoint nor a state dict; "
+                        "save one with torch.save(model.state_dict(), path)")
+    if usermodel.is_reference(name):  # a model of your own: the trust rule, then its factory and arguments
+        model = usermodel.rebuild(ckpt.get("model_source") if runstate.is_dlenv_checkpoint(ckpt) else None, name,
+                                  num_classes, given=model_name, what=source)
+    else:
+        model = build_model(name, num_classes)
+    runstate.load_model_state(model, sd, source, name=name,
+                              num_classes=num_classes if runstate.is_dlenv_checkpoint(ckpt) else None)
+    return model, class_names, img_size
+
+
 # ---------------------------------------------------------------------------------------------------
 # Activation checkpointing
 
@@ -225,25 +273,26 @@ def _outermost(model: nn.Module, match) -> list[nn.Module]:
 
 
 def _repeated_children(model: nn.Module) -> list[nn.Module]:
-    """For models we don't know: non-torch.nn modules with parameters that repeat inside a container."""
-    counts: dict[int, int] = {}
-    for m in model.modules():
-        if isinstance(m, (nn.Sequential, nn.ModuleList)):
-            classes = [type(c) for c in m.children()]
-            for c in m.children():
-                if classes.count(type(c)) >= 2:
-                    counts[id(c)] = 1
+    """For models we don't know: modules with parameters of a class of their own (not torch.nn's)
+    that occurs at least twice in the model, whether in a Sequential, a ModuleList or as attributes."""
+    from collections import Counter
+
+    counts = Counter(type(m) for m in model.modules() if m is not model)
 
     def match(m: nn.Module) -> bool:
-        return (id(m) in counts and not type(m).__module__.startswith("torch.nn")
+        return (counts[type(m)] >= 2 and not type(m).__module__.startswith("torch.nn")
                 and any(True for _ in m.parameters()))
 
     return _outermost(model, match)
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks in forward order: torchvision's known block classes, or else
-    modules of one non-torch.nn class repeated inside a Sequential/ModuleList. [] if none."""
+    """The model's repeated blocks in forward order: those its `checkpoint_blocks` attribute names,
+    else torchvision's known block classes, else modules of one class of the model's own repeated
+    anywhere in it. [] if none."""
+    own = usermodel.declared_blocks(model)
+    if own is not None:
+        return own
     known = _block_classes()
     blocks = _outermost(model, lambda m: isinstance(m, known))
     return blocks or _repeated_children(model)
@@ -302,6 +351,11 @@ class _CheckpointedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # eval / no_grad / inference_mode: nothing to store anyway
             return self.forward(*args, **kwargs)
+        if compat.is_compiling():
+            # torch.compile traces the block once into its graph and recomputes it in the compiled
+            # backward, not by running Python again: the bookkeeping below is not needed there, and
+            # its side effects would make dynamo give up on the whole model and run it eagerly.
+            return compat.checkpoint(self.forward, *args, **kwargs)
         flat, rebuild = _flatten(args, kwargs)
         amp = compat.autocast_state()
         norms = [m for m in self.module.modules() if _is_norm_with_stats(m)]

@@ -26,9 +26,8 @@ _NO_DECAY_NAMES = ("pos_embedding", "class_token", "cls_token", "pos_embed",
 
 
 #: `--optimizer auto` takes AdamW below this many optimizer steps and SGD from there on. From scratch,
-#: AdamW converges in far fewer steps (ResNet-18 on the demo data, batch 32, CPU: 99% val top-1 at
-#: epoch 13 of 15, where SGD at the linear-scaling lr had 34% after 10 epochs); SGD's edge in final
-#: accuracy needs long schedules.
+#: AdamW converges in far fewer steps (measured on the demo data: docs/benchmarks.md); SGD's edge in
+#: final accuracy needs long schedules.
 AUTO_SGD_FROM_STEPS = 10_000
 
 

@@ -12,6 +12,7 @@ This module never imports torch.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +75,10 @@ def _style_epoch_axis(ax: Any, epochs: list[float]) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if epochs:
         lo, hi = min(epochs), max(epochs)
-        if lo == hi:  # one epoch: give the single point some room instead of a zero-width axis
-            ax.set_xlim(lo - 1, hi + 1)
+        # one epoch: give the single point some room instead of a zero-width axis; several: span all
+        # of them (matplotlib's own 5% margin), also where an inf value at one end is not drawn
+        pad = 1 if lo == hi else 0.05 * (hi - lo)
+        ax.set_xlim(lo - pad, hi + pad)
     ax.grid(True, alpha=0.3)
 
 
@@ -112,17 +115,23 @@ def plot_run(df: Any, title: str):
             all_epochs += epochs
             all_values += values
         _style_epoch_axis(ax, all_epochs)
+        # inf or nan (a diverged loss) is not drawn and sets no axis limit; the panel says so
+        finite = [v for v in all_values if math.isfinite(v)]
         if not all_epochs:
             _note(ax, "not recorded in results.csv")
-        elif panel == "Peak GPU memory" and not any(all_values):
+        elif not finite:
+            _note(ax, "only inf or nan values (a diverged run?)")
+        elif panel == "Peak GPU memory" and not any(finite):
             _note(ax, "0 GiB: a CPU run records no GPU memory")
+        elif len(finite) < len(all_values):
+            ax.set_title(f"{panel} ({len(all_values) - len(finite)} inf/nan value(s) not drawn)")
         if panel == "Learning rate":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
         lone = len(set(all_epochs)) == 1
-        if all_epochs and (panel in ("Waiting for data", "Peak GPU memory") or (lone and min(all_values) >= 0)):
+        if finite and (panel in ("Waiting for data", "Peak GPU memory") or (lone and min(finite) >= 0)):
             # shares, GiB and a lone epoch's values read against zero, not against a zoomed-in band;
             # headroom above the highest value keeps a flat line off the frame and out of the legend
-            ax.set_ylim(bottom=0, top=max(all_values) * 1.2 or None)
+            ax.set_ylim(bottom=0, top=max(finite) * 1.2 or None)
         if all_epochs:
             ax.legend(loc="best", fontsize=9)
     return fig
@@ -133,6 +142,7 @@ def plot_compare(runs: dict[str, Any]):
 
     Returns a Figure with two Axes ("Validation top-1", "Peak GPU memory"); in each, one line per run
     labelled with the run's label (memory: allocated solid, reserved dashed with label '_'-prefixed).
+    A CPU run (memory all zero) gets no memory line but a "CPU run: label" note.
     """
     from matplotlib.figure import Figure
 
@@ -144,6 +154,7 @@ def plot_compare(runs: dict[str, Any]):
     ax_mem.set_title("Peak GPU memory (solid: allocated, dashed: reserved)")
     ax_mem.set_ylabel("memory (GiB)")
     all_epochs: list[float] = []
+    cpu_runs: list[str] = []
     for i, (label, df) in enumerate(runs.items()):
         color = f"C{i % 10}"
         marker = "o" if len(df) <= 30 else None
@@ -151,9 +162,12 @@ def plot_compare(runs: dict[str, Any]):
         if epochs:
             ax_acc.plot(epochs, top1, color=color, marker=marker, markersize=4, label=label)
         epochs_m, alloc = _series(df, "mem_alloc_gib")
+        epochs_r, reserved = _series(df, "mem_reserved_gib")
+        if (alloc or reserved) and not any(alloc) and not any(reserved):
+            cpu_runs.append(label)  # all zeros: no GPU memory to draw, not a run that used none
+            epochs_m = epochs_r = []
         if epochs_m:
             ax_mem.plot(epochs_m, alloc, color=color, marker=marker, markersize=4, label=label)
-        epochs_r, reserved = _series(df, "mem_reserved_gib")
         if epochs_r:
             ax_mem.plot(epochs_r, reserved, color=color, linestyle="--", alpha=0.7, label=f"_{label}")
         all_epochs += epochs + epochs_m
@@ -165,8 +179,16 @@ def plot_compare(runs: dict[str, Any]):
                 ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, fontsize=8)
             else:
                 ax.legend(loc="best", fontsize=9)
-        else:
+        elif not (ax is ax_mem and cpu_runs):
             _note(ax, "not recorded in results.csv")
+    if cpu_runs:
+        names = ", ".join(cpu_runs[:6]) + (f" and {len(cpu_runs) - 6} more" if len(cpu_runs) > 6 else "")
+        text = f"CPU run{'s' if len(cpu_runs) > 1 else ''}: {names} (no GPU memory to draw)"
+        if ax_mem.get_lines():
+            ax_mem.text(0.02, 0.02, text, transform=ax_mem.transAxes, ha="left", va="bottom", color="0.4",
+                        fontsize=9)
+        else:
+            _note(ax_mem, text)
     return fig
 
 
@@ -186,14 +208,15 @@ def plot_log_dir(log_dir: str | Path) -> list[Path]:
     frames: dict[str, Any] = {}
     for run in find_runs(root):
         label = run_label(run, root)
-        try:
-            df = read_results(run / RESULTS)
-        except Exception as e:  # an empty or garbled file: say which, keep plotting the others
-            print(f"skipping {run / RESULTS}: unreadable ({str(e).splitlines()[0] if str(e) else e})")
-            continue
+        df = read_results(run / RESULTS)  # never raises on content: unreadable lines are left out
+        dropped = df.attrs.get("dropped", [])
         if "epoch" not in df.columns or len(df) == 0:
-            print(f"skipping {run / RESULTS}: no complete epoch yet")
+            why = f"none of its {len(dropped)} line(s) could be read" if dropped else "no complete epoch yet"
+            print(f"skipping {run / RESULTS}: {why}")
             continue
+        if dropped:
+            print(f"note: {run / RESULTS}: {len(dropped)} line(s) could not be read and are not plotted "
+                  f"(line {', '.join(map(str, dropped[:5]))}{' ...' if len(dropped) > 5 else ''})")
         unknown = [c for c in df.columns if c not in COLUMNS]
         if unknown:
             print(f"note: {run / RESULTS} has columns this version does not plot: {', '.join(unknown)}")

@@ -26,7 +26,8 @@ from dlenv import compat
 from dlenv.errors import UserError
 
 MODES = ("fp32", "fp16", "bf16")
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+#: each mode's compute dtype: the one table of it
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _device_type(device: Any) -> str:
@@ -74,7 +75,7 @@ class Precision:
             raise ValueError(f"precision mode {mode!r} is not one of {', '.join(MODES)}")
         self.mode = mode
         self.device_type = _device_type(device)
-        self.dtype = _DTYPES[mode]
+        self.dtype = DTYPES[mode]
         if mode == "fp16" and self.device_type != "cuda":
             raise ValueError(f"fp16 precision needs a CUDA device, not {device!s} (CPU autocast is bf16)")
         if scaler is not None and mode != "fp16":

@@ -8,11 +8,18 @@ run in progress is always readable. No torch here: the plots import this module.
 from __future__ import annotations
 
 import csv
+import io
+import logging
+import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 from dlenv.atomic import write_atomic
+from dlenv.errors import with_path
+
+log = logging.getLogger(__name__)
 
 #: column -> meaning (with unit). The order is the file's column order.
 COLUMNS: dict[str, str] = {
@@ -34,19 +41,32 @@ COLUMNS: dict[str, str] = {
 
 
 def append_row(path: str | Path, row: dict[str, Any]) -> None:
-    """Append one epoch's row (writing the header first if the file is new), flushed to disk."""
+    """Append one epoch's row (writing the header first if the file is new), flushed to disk.
+
+    A file that ends in the middle of a line (a write cut off by a kill) gets its line ended first,
+    so the cut-off line stays one unreadable line that readers skip, and the new row stays whole.
+    """
     unknown = set(row) - set(COLUMNS)
     if unknown:
         raise KeyError(f"results.csv has no column(s) {sorted(unknown)}")
     path = Path(path)
     new = not path.exists() or path.stat().st_size == 0
-    with path.open("a", newline="", encoding="utf-8") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(COLUMNS))
-        if new:
-            w.writeheader()
-        w.writerow({k: _fmt(row.get(k)) for k in COLUMNS})
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with path.open("a+b") as fh:
+            if not new:
+                fh.seek(-1, os.SEEK_END)
+                if fh.read(1) != b"\n":
+                    fh.write(b"\n")
+            text = io.StringIO(newline="")
+            w = csv.DictWriter(text, fieldnames=list(COLUMNS))
+            if new:
+                w.writeheader()
+            w.writerow({k: _fmt(row.get(k)) for k in COLUMNS})
+            fh.write(text.getvalue().encode("utf-8"))
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as e:
+        raise with_path(e, path) from None
 
 
 def _fmt(v: Any) -> Any:
@@ -55,29 +75,86 @@ def _fmt(v: Any) -> Any:
     return "" if v is None else v
 
 
-def read_results(path: str | Path):
-    """results.csv as a pandas DataFrame (numeric columns as floats). A partial last line is dropped."""
-    import io
+def _parse(data: bytes) -> tuple[list[str], list[dict[str, str]], list[int]]:
+    """(header, rows, numbers of the lines that could not be read) of results.csv's bytes.
 
+    The header is the first line that starts with `epoch`. A row is a line of valid UTF-8 without NUL
+    bytes, with as many fields as the header and a number in its epoch field; any other line is
+    unreadable (a cut-off write, a corrupted disk block, an edit gone wrong) and is left out. A last
+    line without its newline is a row being written right now: it is not a row yet, nor an error.
+    """
+    lines = data.split(b"\n")
+    lines.pop()  # the part after the last newline: empty, or a row still being written
+    header: list[str] = []
+    rows: list[dict[str, str]] = []
+    bad: list[int] = []
+    for number, raw in enumerate(lines, start=1):
+        raw = raw.rstrip(b"\r")
+        if not raw.strip():
+            continue
+        try:
+            if b"\0" in raw:
+                raise ValueError("NUL byte")
+            fields = next(csv.reader([raw.decode("utf-8")]))
+        except (ValueError, csv.Error):
+            bad.append(number)
+            continue
+        if not header:
+            if fields and fields[0].strip().lstrip("\ufeff") == "epoch":  # a BOM: saved by a spreadsheet
+                header = [f.strip().lstrip("\ufeff") for f in fields]
+            else:
+                bad.append(number)
+            continue
+        if len(fields) != len(header) or not _is_number(fields[0]):
+            bad.append(number)
+            continue
+        rows.append(dict(zip(header, fields, strict=True)))
+    return header, rows, bad
+
+
+def _is_number(s: str) -> bool:
+    try:
+        return math.isfinite(float(s))
+    except ValueError:
+        return False
+
+
+def read_results(path: str | Path):
+    """results.csv as a pandas DataFrame (numeric columns as floats), sorted by epoch.
+
+    Lines that cannot be read are left out (see `_parse`); their line numbers are in
+    `df.attrs["dropped"]`. A partial last line is not a row yet and is not counted.
+    """
     import pandas as pd
 
-    text = Path(path).read_text(encoding="utf-8")
-    if not text.endswith("\n"):  # a row the trainer is writing right now: not a row yet
-        text = text[: text.rfind("\n") + 1]
-    df = pd.read_csv(io.StringIO(text), on_bad_lines="skip")
+    header, rows, bad = _parse(Path(path).read_bytes())
+    df = pd.DataFrame(rows, columns=header or None)
     for c in df.columns:
         df[c] = pd.to_numeric(df[c], errors="coerce")
-    return df.dropna(subset=["epoch"]) if "epoch" in df.columns else df
+    if "epoch" in df.columns:
+        df = df.dropna(subset=["epoch"]).sort_values("epoch", kind="stable").reset_index(drop=True)
+    df.attrs["dropped"] = bad
+    return df
 
 
 def truncate_after(path: str | Path, epoch: int) -> None:
-    """Drop rows after `epoch` (a resumed run rewrites the epochs it repeats)."""
+    """Drop rows after `epoch` (a resumed run rewrites the epochs it repeats).
+
+    Lines that cannot be read are left out of the rewritten file, and then nothing is lost: the file
+    as it was is kept beside it as results.csv.before-resume-<time>, and a warning names both.
+    """
     path = Path(path)
     if not path.exists():
         return
-    with path.open(newline="", encoding="utf-8") as fh:
-        rows = list(csv.DictReader(fh))
-    keep = [r for r in rows if r.get("epoch") and float(r["epoch"]) <= epoch]
+    original = path.read_bytes()
+    _, rows, bad = _parse(original)
+    keep = [r for r in rows if float(r["epoch"]) <= epoch]
+    if bad:
+        kept = path.with_name(f"{path.name}.before-resume-{time.strftime('%Y%m%d-%H%M%S')}")
+        write_atomic(kept, lambda tmp: tmp.write_bytes(original))
+        shown = ", ".join(map(str, bad[:5])) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        log.warning("%s: %d line(s) could not be read (line %s) and are left out; the file as it was is "
+                    "kept in %s", path, len(bad), shown, kept)
 
     def write(tmp: Path) -> None:
         with tmp.open("w", newline="", encoding="utf-8") as fh:

@@ -1,17 +1,76 @@
 """Run folders: `runs/exp`, `runs/exp2`, `runs/exp3`, ... as YOLO users know them, and `--resume auto`.
 
 `new_run_dir` picks the first free name and creates it in one `mkdir` (so two runs started at once
-never share a folder); `--exist-ok` writes into the named folder as is. `find_resume` turns
-`--resume PATH|auto` into a checkpoint path: auto is the newest `last.pth` under the project folder.
-No torch here.
+never share a folder); `--exist-ok` writes into the named folder as is. `lock_run_dir` is what keeps
+two runs out of one folder all the same (`--exist-ok`, or two resumes of one run): the trainer holds
+an exclusive `flock` on the folder's `.dlenv.lock` for the run's life, and the kernel releases it when
+the process ends, however it ends. `find_resume` turns `--resume PATH|auto` into a checkpoint path:
+auto is the newest `last.pth` under the project folder. No torch here.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import os
 import re
+import weakref
 from pathlib import Path
 
 from dlenv.errors import UserError
+
+LOCK_FILE = ".dlenv.lock"
+
+
+class RunLock:
+    """An exclusive lock on a run folder, held while this object lives (or until `release`)."""
+
+    def __init__(self, path: Path, fd: int | None):
+        self.path, self._fd = path, fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the file releases the flock
+            self._fd = None
+
+    def __del__(self) -> None:
+        self.release()
+
+
+# folder -> its RunLock in this process: taking it again in the same process (an in-process resume
+# right after a run) returns the same lock instead of refusing itself
+_HELD: weakref.WeakValueDictionary[str, RunLock] = weakref.WeakValueDictionary()
+
+
+def lock_run_dir(run_dir: str | Path) -> RunLock:
+    """Lock `run_dir` for this run; keep the returned object as long as the run writes there.
+
+    Raises UserError naming the process that holds it when another run writes into the same folder.
+    On a file system without locks (some network mounts) the run goes on unlocked.
+    """
+    run_dir = Path(run_dir)
+    key = str(run_dir.resolve())
+    held = _HELD.get(key)
+    if held is not None and held._fd is not None:
+        return held
+    lock_path = run_dir / LOCK_FILE
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            os.close(fd)  # no locks here (ENOLCK, EOPNOTSUPP): nothing to hold
+            return RunLock(run_dir, None)
+        owner = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        raise UserError(f"{run_dir} is in use by another run (process {owner}); two runs in one folder "
+                        "would mix their results.csv and checkpoints. Wait for it to end, or pass another "
+                        "--name") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    lock = RunLock(run_dir, fd)
+    _HELD[key] = lock
+    return lock
 
 
 def new_run_dir(project: str | Path, name: str, exist_ok: bool = False) -> Path:

@@ -1,24 +1,21 @@
 """The invoke tasks, generated from `dlenv.config` so each flag is declared once.
 
-`tasks.py` at the project root (and at /root in the image, so invoke finds it from
-/root/workspace whatever is mounted there) only does `from dlenv.tasks import ns`. Every task is
-one call into `dlenv.cli.run_command`; `invoke --list` imports this module and `dlenv.config`,
-never torch.
+`tasks.py` at the project root only does `from dlenv.tasks import ns`. In the image, /etc/invoke.yaml
+(docker/etc/invoke.yaml here) sets invoke's search root to /opt/dlenv, so `invoke VERB` reaches these
+tasks from any folder, whatever is mounted there and whatever tasks.py or tasks/ a project has; the
+project's own tasks run with `invoke -r . TASK`. Every task is one call into
+`dlenv.cli.run_command`; `invoke --list` imports this module and `dlenv.config`, never torch.
 """
 
 from __future__ import annotations
 
 import inspect
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 from invoke import Collection, Task, task
 from invoke.exceptions import Exit
 
-from dlenv import config
-from dlenv.cli import run_command
+from dlenv import config, invocation
+from dlenv.cli import run_command, run_tests
 
 
 def _make_task(cmd: config.Command) -> Task:
@@ -31,6 +28,7 @@ def _make_task(cmd: config.Command) -> Task:
         defaults = {f.name: f.default for f in fields}
         given = {k: v for k, v in kwargs.items()
                  if v is not None and not (isinstance(v, bool) and v == defaults.get(k))}
+        invocation.remember(cmd.name, "invoke")  # "Resume with: invoke train --resume ..."
         code = run_command(cmd.name, given, yaml_file)
         if code:
             raise Exit(code=code)
@@ -58,16 +56,7 @@ def _make_task(cmd: config.Command) -> Task:
 @task(help={"gpu": "only the GPU tests", "args": "extra pytest arguments, quoted"}, auto_shortflags=False)
 def test(c, gpu=False, args=""):
     """Run the test suite where it stands (GPU tests run when a GPU is visible)."""
-    root = Path(__file__).resolve().parents[2]
-    tests = root / "tests"
-    if not tests.is_dir():  # installed copy: the image ships the tests beside the package
-        tests = Path(os.environ.get("DLENV_TESTS", "/opt/dlenv/tests"))
-    # no cache: the shipped tests sit in a read-only folder for a --user run
-    cmd = [sys.executable, "-m", "pytest", str(tests), "-q", "-p", "no:cacheprovider"]
-    if gpu:
-        cmd += ["-m", "gpu"]
-    cmd += args.split()
-    code = subprocess.call(cmd)
+    code = run_tests(gpu, args.split())  # the same as `dlenv test`
     if code:
         raise Exit(code=code)
 

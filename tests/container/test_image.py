@@ -121,3 +121,45 @@ def test_invoke_test_passes_inside(docker_client, image, gpus):
     status, output = run(docker_client, image, ["invoke", "test"], gpus=True, timeout=SLOW)
     assert status == 0, output[-4000:]
     assert " passed" in output and " failed" not in output
+
+
+@pytest.mark.parametrize("workdir", ["/root/workspace", "/workspace"])
+def test_a_project_with_its_own_tasks_mounted_anywhere_reaches_dlenvs(docker_client, image, tmp_path, workdir):
+    (tmp_path / "tasks.py").write_text("from invoke import task\n\n@task\ndef hello(c):\n    print('hello')\n")
+    container = docker_client.containers.run(image, ["sh", "-c", "invoke --list && invoke -r . hello"],
+                                             detach=True, working_dir=workdir,
+                                             volumes={str(tmp_path): {"bind": workdir, "mode": "rw"}})
+    try:
+        status = container.wait(timeout=300)["StatusCode"]
+        output = container.logs().decode("utf-8", "replace")
+    finally:
+        container.remove(force=True)
+    assert status == 0, output
+    assert "verify-env" in output and "train" in output and output.strip().endswith("hello")
+
+
+def test_docker_stop_with_dataloader_workers_saves_last_pth(docker_client, image, tmp_path):
+    import time
+
+    tmp_path.chmod(0o777)
+    cmd = ["sh", "-c", "dlenv demo-data --dest data/demo --train-per-class 20 --val-per-class 2 --size 32 && "
+           "exec dlenv train --data data/demo --model squeezenet1_1 --img-size 32 --batch-size 4 --workers 2 "
+           "--epochs 1000 --device cpu"]
+    container = docker_client.containers.run(image, cmd, detach=True, ipc_mode="host",
+                                             volumes=mounted(tmp_path), user=f"{os.getuid() or 4321}:0")
+    try:
+        last = tmp_path / "runs" / "exp" / "last.pth"
+        deadline = time.time() + 600
+        while not last.exists() and time.time() < deadline:
+            container.reload()
+            assert container.status == "running", container.logs().decode()[-3000:]
+            time.sleep(1)
+        container.stop(timeout=120)  # SIGTERM to tini, as `docker stop` does
+        status = container.wait(timeout=180)["StatusCode"]
+        output = container.logs().decode("utf-8", "replace")
+    finally:
+        container.remove(force=True)
+    assert status == 143, output[-3000:]
+    assert output.count("SIGTERM: saving last.pth") == 1 and "DataLoader worker" not in output, output[-3000:]
+    assert "Resume with: dlenv train --resume" in output
+    assert (tmp_path / "runs" / "exp" / "last.pth.hmac").is_file()

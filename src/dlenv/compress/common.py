@@ -37,13 +37,15 @@ class Source:
     img_size: int
 
 
-def load_source(weights: str | None, verb: str) -> Source:
+def load_source(weights: str | None, verb: str, model: str | None = None) -> Source:
     """Load `weights` as a dlenv checkpoint and rebuild its model.
 
     Raises UserError when --weights is missing, the file is missing/corrupt/unsafe, it is a bare
     state dict or a checkpoint without class names, or the weights don't fit the architecture.
+    `model` is --model: a model of your own named again (see dlenv.usermodel's trust rule).
     """
-    from dlenv.checkpoint import is_bare_state_dict, is_dlenv_checkpoint, load_checkpoint, model_from_checkpoint
+    from dlenv.models import model_from_checkpoint
+    from dlenv.runstate import is_bare_state_dict, is_dlenv_checkpoint, load_checkpoint
 
     if not weights:
         raise UserError(f"--weights is required: the checkpoint to {verb} (e.g. runs/exp/best_model.pth)")
@@ -61,7 +63,7 @@ def load_source(weights: str | None, verb: str) -> Source:
     if len(names) != int(ckpt.get("num_classes", len(names))):
         raise UserError(f"{path} lists {len(names)} class names for a {ckpt['num_classes']}-class model; "
                         "the checkpoint is inconsistent, use another one")
-    model, class_names, img_size = model_from_checkpoint(ckpt, source=str(path))
+    model, class_names, img_size = model_from_checkpoint(ckpt, model, source=str(path))
     if not img_size:
         img_size = 224
         print(f"image size: 224 ({path} does not say)")
@@ -165,23 +167,71 @@ def cpu_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model).float().cpu().eval()
 
 
-def cpu_latency_ms(model: Any, img_size: int, batch: int = 1, min_runs: int = 10, budget_s: float = 2.0) -> float:
-    """Median wall time in ms of one forward of `batch` images on the CPU (after warm-up).
+#: the p10-p90 range of a model's times, as a share of its median, above which the numbers say more
+#: about the machine's other work than about the model
+WIDE_SPREAD = 0.5
 
-    `model` must already be on the CPU. Runs at least `min_runs` times, more while under `budget_s`,
-    at torch's current thread count (torch.get_num_threads()).
+
+@dataclasses.dataclass(frozen=True)
+class Latency:
+    """One model's CPU forward times: the median and the 10th/90th percentiles in ms, over `runs`."""
+
+    median: float
+    p10: float
+    p90: float
+    runs: int
+
+    @property
+    def spread(self) -> float:
+        """p90 - p10 as a share of the median."""
+        return (self.p90 - self.p10) / self.median if self.median > 0 else 0.0
+
+    def __str__(self) -> str:
+        return f"{self.median:.2f} ms ({self.p10:.2f}-{self.p90:.2f})"
+
+    @classmethod
+    def of(cls, seconds: list[float]) -> Latency:
+        ms = sorted(t * 1000 for t in seconds)
+
+        def at(q: float) -> float:  # nearest rank: no interpolation needed for a spread
+            return ms[round(q * (len(ms) - 1))]
+
+        return cls(statistics.median(ms), at(0.1), at(0.9), len(ms))
+
+
+def cpu_latencies(models: list[Any], img_size: int, batch: int = 1, min_runs: int = 15,
+                  budget_s: float = 3.0) -> list[Latency]:
+    """Each model's CPU forward time for `batch` images, after warm-up, the models taking turns.
+
+    Taking turns (a, b, a, b, ...) rather than timing a then b puts a busy moment of the machine on
+    both, so their ratio holds even when the absolute times swing. Each runs at least `min_runs`
+    times, more while the whole is under `budget_s`, at torch's current thread count. The models must
+    already be on the CPU.
     """
     x = torch.randn(batch, 3, img_size, img_size)
-    times: list[float] = []
+    times: list[list[float]] = [[] for _ in models]
     with torch.no_grad():
-        for _ in range(3):
-            model(x)
+        for m in models:
+            for _ in range(3):
+                m(x)
         start = time.perf_counter()
-        while len(times) < min_runs or (time.perf_counter() - start < budget_s and len(times) < 200):
-            t0 = time.perf_counter()
-            model(x)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
+        while len(times[0]) < min_runs or (time.perf_counter() - start < budget_s and len(times[0]) < 200):
+            for m, ts in zip(models, times, strict=True):
+                t0 = time.perf_counter()
+                m(x)
+                ts.append(time.perf_counter() - t0)
+    return [Latency.of(ts) for ts in times]
+
+
+def latency_note(lat: list[Latency], img_size: int) -> str:
+    """The line under a table of latencies: how they were taken, and a warning when they swung."""
+    note = (f"(CPU latency: median of {min(x.runs for x in lat)}+ runs at {img_size}px, "
+            f"{torch.get_num_threads()} threads, the models taking turns; p10-p90 in brackets)")
+    wide = max(x.spread for x in lat)
+    if wide > WIDE_SPREAD:
+        note += (f"\nwarning: CPU latency varied widely (p10-p90 spans {wide:.0%} of the median): the machine "
+                 "is busy with other work; compare the models' medians only roughly, or rerun on an idle machine")
+    return note
 
 
 # ---------------------------------------------------------------------------------------------------

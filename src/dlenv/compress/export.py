@@ -18,21 +18,25 @@ ONNX reliably (quantize the float ONNX file with onnxruntime's tools instead).
 from __future__ import annotations
 
 import importlib.util
+import io
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dlenv import compat
-from dlenv.atomic import write_atomic
+from dlenv.atomic import check_output, write_atomic, write_bytes
 from dlenv.compress import common, quantize
 from dlenv.errors import UserError
 
-_SUFFIX = {"onnx": ".onnx", "torchscript": ".torchscript.pt"}
+_SUFFIX = {"onnx": ".onnx", "torchscript": ".torchscript.pt", "safetensors": ".safetensors"}
 
 
 def _check_options(cfg: Any) -> None:
     """UserError for option combinations that cannot work here, before anything is loaded."""
+    if cfg.format == "safetensors" and (cfg.half or cfg.quantize != "none"):
+        raise UserError("--format safetensors writes the float32 weights for --weights and other tools; "
+                        "drop --half/--quantize (they make inference files: --format onnx or torchscript)")
     if cfg.half and cfg.quantize != "none":
         raise UserError("--half and --quantize don't mix: fp16 is for GPU inference, int8 for CPU; pick one")
     if cfg.quantize != "none" and cfg.format == "onnx":
@@ -53,7 +57,7 @@ def _check_options(cfg: Any) -> None:
 def output_path(cfg: Any, src_path: Path) -> Path:
     """--out, else <stem>[_fp16|_int8_dynamic|_int8_static].onnx / .torchscript.pt beside the checkpoint."""
     if cfg.out:
-        out = Path(cfg.out)
+        out = check_output(cfg.out, "--out")
     else:
         tag = "_fp16" if cfg.half else (f"_int8_{cfg.quantize}" if cfg.quantize != "none" else "")
         out = src_path.with_name(f"{src_path.stem}{tag}{_SUFFIX[cfg.format]}")
@@ -127,12 +131,12 @@ def _quantize(cfg: Any, src: common.Source, loader: Any, example: torch.Tensor) 
                      f"{common.top1(q, loader, cpu, src.class_names):.2f}"])
     f_raw, f_zip = common.saved_sizes(compat.jit_trace(common.cpu_copy(model), example))
     q_raw, q_zip = common.saved_sizes(compat.jit_trace(q, example))
+    lat = common.cpu_latencies([common.cpu_copy(model), q], src.img_size)
     rows += [["TorchScript size", common.mib(f_raw), common.mib(q_raw)],
              ["zipped", common.mib(f_zip), common.mib(q_zip)],
-             ["CPU latency, 1 image", f"{common.cpu_latency_ms(common.cpu_copy(model), src.img_size):.2f} ms",
-              f"{common.cpu_latency_ms(q, src.img_size):.2f} ms"]]
+             ["CPU latency, 1 image", str(lat[0]), str(lat[1])]]
     print(common.table(["", "float32", f"int8 {cfg.quantize}"], rows))
-    print(f"(CPU, {src.img_size}px, {torch.get_num_threads()} threads, median)")
+    print(common.latency_note(lat, src.img_size))
     return q
 
 
@@ -151,8 +155,12 @@ def main(cfg: Any) -> int:
     or an environment that cannot export ONNX.
     """
     _check_options(cfg)
-    src = common.load_source(cfg.weights, "export")
+    src = common.load_source(cfg.weights, "export", cfg.model)
     out = output_path(cfg, src.path)
+    if cfg.format == "safetensors":  # weights, not a program: written, read back, compared (dlenv.weights)
+        from dlenv import weights
+
+        return weights.export(src.ckpt, src.model, out)
     inputs, loader, described = _check_inputs(cfg, src)
     example = inputs[:1]
 
@@ -167,7 +175,9 @@ def main(cfg: Any) -> int:
 
     if cfg.format == "torchscript":
         traced = compat.jit_trace(model, example)
-        write_atomic(out, lambda p: compat.jit_save(traced, str(p)))
+        buf = io.BytesIO()  # torch.jit.save to a path ends the process when the disk fills (1.13)
+        compat.jit_save(traced, buf)
+        write_bytes(out, buf.getvalue())
     else:
         write_atomic(out, lambda p: compat.onnx_export(model, example, p, cfg.opset))
 

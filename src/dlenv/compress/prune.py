@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.nn.utils import prune as tprune
 
+from dlenv.atomic import check_output
 from dlenv.compress import common
 from dlenv.errors import UserError
 
@@ -100,22 +101,22 @@ def finetune(model: nn.Module, loader: Any, device: torch.device, epochs: int, l
     """Train `model` (masks attached) for `epochs` with SGD (momentum 0.9, cosine to 0); returns the
     mean loss of each epoch. Masked weights stay zero: their gradient is zero and the forward
     multiplies by the mask anyway."""
+    from dlenv.precision import Precision
+    from dlenv.train.loop import Parts, train_step
+
     model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=lr, momentum=0.9)
     steps = max(1, epochs * len(loader))
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+    parts = Parts.plain(model, opt, Precision("fp32", device), scheduler=sched)  # the trainer's step
     losses = []
     for epoch in range(epochs):
         total, n = 0.0, 0
         for images, labels in loader:
             images = images.to(device, non_blocking=True)
             labels = torch.as_tensor(labels).long().to(device, non_blocking=True)
-            loss = nn.functional.cross_entropy(model(images), labels)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
+            loss, _ = train_step(parts, images, labels)
             total += loss.item() * len(labels)
             n += len(labels)
         losses.append(total / max(n, 1))
@@ -130,7 +131,7 @@ def pruned_checkpoint(ckpt: dict[str, Any], model: nn.Module, info: dict[str, An
     Optimizer, scaler, scheduler and EMA states described the dense weights, so they are dropped
     (None): the result is for validation, export, or as --weights of a new training run.
     """
-    from dlenv.checkpoint import environment
+    from dlenv.runstate import environment
 
     state = dict(ckpt)
     state["model"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
@@ -144,7 +145,7 @@ def pruned_checkpoint(ckpt: dict[str, Any], model: nn.Module, info: dict[str, An
 
 
 def _output_path(cfg: Any, src_path: Path) -> Path:
-    out = Path(cfg.out) if cfg.out else src_path.with_name(f"{src_path.stem}_pruned.pth")
+    out = check_output(cfg.out, "--out") if cfg.out else src_path.with_name(f"{src_path.stem}_pruned.pth")
     if out.resolve() == src_path.resolve():
         raise UserError(f"--out {out} is the input checkpoint; write the pruned one to another file")
     return out
@@ -160,7 +161,7 @@ def main(cfg: Any) -> int:
     from dlenv.devices import resolve_device
 
     amount = check_amount(cfg.amount)
-    src = common.load_source(cfg.weights, "prune")
+    src = common.load_source(cfg.weights, "prune", cfg.model)
     out = _output_path(cfg, src.path)
     device = resolve_device(cfg.device)
     root, loader = common.eval_loader(cfg.data, src, cfg.batch_size, cfg.workers)
@@ -177,7 +178,7 @@ def main(cfg: Any) -> int:
     print(f"pruning {src.path}: {kind}, amount {amount:g}; validating on {root} ({device})")
     before = {"top1": common.top1(model, loader, device, src.class_names)}
     before["size"] = common.saved_sizes(model.state_dict())
-    before["latency"] = common.cpu_latency_ms(common.cpu_copy(model), src.img_size)
+    dense = common.cpu_copy(model)  # timed beside the pruned model at the end, turn about
 
     model.cpu()
     layers = apply_pruning(model, amount, cfg.structured)
@@ -193,13 +194,13 @@ def main(cfg: Any) -> int:
     after = {"top1": common.top1(model, loader, device, src.class_names)}
     model.cpu()
     after["size"] = common.saved_sizes(model.state_dict())
-    after["latency"] = common.cpu_latency_ms(common.cpu_copy(model), src.img_size)
+    before["latency"], after["latency"] = common.cpu_latencies([dense, common.cpu_copy(model)], src.img_size)
 
     info = {"amount": amount, "structured": bool(cfg.structured), "sparsity": g,
             "finetune_epochs": int(cfg.finetune_epochs), "source": str(src.path),
             "top1_before": before["top1"], "top1_after": after["top1"]}
     state = pruned_checkpoint(src.ckpt, model, info)
-    from dlenv.checkpoint import save_checkpoint
+    from dlenv.runstate import save_checkpoint
 
     save_checkpoint(state, out)
     file_raw, file_zip = common.file_sizes(out)
@@ -211,9 +212,9 @@ def main(cfg: Any) -> int:
         ["top-1 (%)", f"{before['top1']:.2f}", f"{after['top1']:.2f}"],
         ["weights (.pth)", common.mib(before["size"][0]), common.mib(after["size"][0])],
         ["weights zipped", common.mib(before["size"][1]), common.mib(after["size"][1])],
-        ["CPU latency, 1 image", f"{before['latency']:.2f} ms", f"{after['latency']:.2f} ms"],
+        ["CPU latency, 1 image", str(before["latency"]), str(after["latency"])],
     ]))
-    print(f"(CPU latency at {src.img_size}px, {torch.get_num_threads()} threads, median)")
+    print(common.latency_note([before["latency"], after["latency"]], src.img_size))
     print("note: zeroed weights are still stored and multiplied in dense tensors; expect the zipped size "
           "to shrink, not the raw size, memory or latency" +
           (" (channels would have to be removed from the architecture to run faster)" if cfg.structured else ""))

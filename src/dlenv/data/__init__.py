@@ -1,2 +1,4 @@
-"""Datasets: safe unpacking (`archive`), layout detection and the dataset report (`folder`), the
-built-in demo dataset (`demo`), and datasets, transforms and DataLoaders (`loaders`)."""
+"""Datasets and input: safe unpacking (`unpack`), layout detection and the dataset report (`folder`), the
+built-in demo dataset (`demo`), every input decision (`pipeline`) and the pieces it composes: decoding
+(`decode`), the classic loaders (`loaders`), the device path (`fastpath`, `gpu_aug`, `cache`), the
+resumable sampler (`sampler`) and synthetic batches (`synthetic`)."""

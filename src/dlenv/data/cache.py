@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dlenv.atomic import write_atomic, write_bytes, write_file
 from dlenv.data.decode import decode_stored
 from dlenv.data.loaders import BadImageError, _reason
 from dlenv.errors import UserError
@@ -241,32 +242,23 @@ def _disk_cache(samples: Sequence[tuple[str, int]], size: int, decoder: str, cac
                             f"{cache_dir} has {free / 2**30:.1f} GiB free; free some space, pass another "
                             "--cache-dir, or use --cache-mode ram")
         say(f"--cache: decoding {n:,} images once to {size}x{size} uint8 in {data} ({need / 2**30:.1f} GiB)")
-        tmp = data.with_name(f"{data.name}.partial-{os.getpid()}")
-        try:
+        sizes = np.zeros((n, 2), np.int32)
+        bad: dict[int, str] = {}
+
+        def fill(tmp: Path) -> None:
             images = np.memmap(tmp, np.uint8, "w+", shape=(n, size, size, 3))
-            sizes = np.zeros((n, 2), np.int32)
-            bad = _fill(images, sizes, samples, size, decoder, workers)
+            bad.update(_fill(images, sizes, samples, size, decoder, workers))
             _substitutes(bad, samples, bad_images)  # raises for bad_images='error' before anything is kept
             images.flush()
             del images
-            os.replace(tmp, data)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-        _atomic_write(sizes_path, lambda f: np.save(f, sizes))
+
+        write_atomic(data, fill)
+        write_file(sizes_path, lambda f: np.save(f, sizes), durable=True)
         # the meta file goes last: its presence is what marks the cache complete
         meta = {"key": key, "n": n, "size": size, "version": VERSION, "decoder": decoder,
                 "bad": {str(i): r for i, r in bad.items()}}
-        _atomic_write(meta_path, lambda f: f.write(json.dumps(meta).encode()))
+        write_bytes(meta_path, json.dumps(meta).encode(), durable=True)
     bad = {int(k): v for k, v in meta.get("bad", {}).items()}
     images = np.memmap(data, np.uint8, "c", shape=(n, size, size, 3))  # "c": writable view, file untouched
     return images, np.load(sizes_path), bad, str(data), reused
 
-
-def _atomic_write(path: Path, write: Callable) -> None:
-    tmp = path.with_name(f"{path.name}.partial-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

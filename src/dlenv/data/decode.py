@@ -16,15 +16,16 @@ still sees the whole frame with its true aspect ratio.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from dlenv.data.loaders import load_rgb
 from dlenv.errors import UserError
 
 #: CPU decoders, and the one 'auto' picks: measured fastest per core in scripts/bench_pipeline.py.
@@ -138,11 +139,8 @@ def prefer_nvjpeg(paths: Sequence[str], device: Any, batch: int = 256, workers: 
     decoded at full size takes under NVJPEG_MEMORY_SHARE of the GPU (phone photos of 12 MP are ~0.6 GB
     each in flight: the CPU decoders' reduced-size decoding then costs the GPU nothing).
 
-    nvJPEG decodes on the SMs the model trains on, so it only wins where CPU cores are scarce. Measured
-    (scripts/bench_pipeline.py, H200, ResNet-50 --amp, batch 256, 500x375 JPEGs; docs/input-pipeline.md):
-    with 12 workers the CPU decoders trained at 3,863 and 3,904 img/s (two runs) against nvJPEG's 2,653
-    and 2,723; with 4 workers at 2,128 against 3,088. The CPU decoders' loader gave 2,284 / 2,929 / 4,571 img/s
-    at 4 / 8 / 12 workers (bench-data): about nvJPEG's training speed from 8 workers.
+    nvJPEG decodes on the SMs the model trains on, so it only wins where CPU cores are scarce; the
+    thresholds come from scripts/bench_pipeline.py (the numbers: docs/benchmarks.md).
     """
     import torch
 
@@ -200,6 +198,63 @@ def pick_decoder(paths: Sequence[str], size: int, files: int = 6, margin: float 
         return min(times, key=times.get) if times else AUTO_DECODER
     best = min(times, key=times.get)
     return best if times[best] < (1 - margin) * times[AUTO_DECODER] else AUTO_DECODER
+
+
+# ---------------------------------------------------------------------------------------------------
+# Any image to 8-bit RGB (Pillow): every path's fallback.
+
+
+def _to_8bit(im: Any) -> Any:
+    """A 16-bit or 32-bit single-channel image scaled (not clipped) into 8-bit 'L'."""
+    import numpy as np
+    from PIL import Image
+
+    arr = np.asarray(im)
+    if im.mode == "F":
+        peak = float(arr.max()) if arr.size else 1.0
+        scaled = arr * 255.0 if peak <= 1.0 else arr * (255.0 / peak)
+    elif im.mode.startswith("I;16") or arr.max(initial=0) > 255:
+        # 16-bit data (PNG opens as I;16 or I): 65535 -> 255, keeping the full tonal range.
+        scaled = arr.astype(np.float32) / 257.0
+    else:
+        scaled = arr
+    return Image.fromarray(np.clip(np.rint(scaled), 0, 255).astype(np.uint8))  # 2-D uint8: mode L
+
+
+def load_rgb(path: str | os.PathLike, min_size: int | None = None) -> Any:
+    """Decode an image file to a PIL Image in 8-bit RGB, fully loaded and closed.
+
+    `min_size`: a JPEG at least twice that size on both sides is decoded at 1/2, 1/4 or 1/8 scale
+    (Pillow's draft mode, done inside the decoder and several times faster), never below min_size on
+    its shorter side; use it when the image will be downscaled anyway.
+
+    EXIF orientation is applied. Grayscale and CMYK are converted; 16-bit images are scaled to 8
+    bits; transparency (RGBA, LA, palette with a transparent colour) is composited on WHITE, the
+    way a viewer shows it, rather than dropped, which would expose whatever colour the transparent
+    pixels happen to store (often black). Raises whatever PIL raises for a broken file.
+    """
+    from PIL import Image, ImageOps
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # EXIF and palette warnings are noise for training
+        with Image.open(path) as im:
+            if min_size and im.format == "JPEG":
+                im.draft(im.mode, (min_size, min_size))
+            im.load()
+            # A malformed EXIF block is not a broken image: keep it unrotated.
+            with contextlib.suppress(Exception):
+                im = ImageOps.exif_transpose(im)
+            if im.mode == "P":
+                im = im.convert("RGBA" if "transparency" in im.info else "RGB")
+            elif im.mode == "PA":
+                im = im.convert("RGBA")
+            elif im.mode in ("I", "F") or im.mode.startswith("I;16"):
+                im = _to_8bit(im)
+            if im.mode in ("RGBA", "LA", "La", "RGBa"):
+                rgba = im.convert("RGBA")
+                white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+                return Image.alpha_composite(white, rgba).convert("RGB")
+            return im.convert("RGB") if im.mode != "RGB" else im.copy()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""Images to batches: decoding to RGB, transforms, the dataset and its DataLoaders.
+"""Images to batches: transforms, the dataset and its DataLoaders (the classic input path).
 
-Every image comes out as 3-channel 8-bit RGB whatever it was on disk (`load_rgb`). A file that fails
+Every image comes out as 3-channel 8-bit RGB whatever it was on disk (`decode.load_rgb`). A file that fails
 to decode is handled by `ImageDataset` and the loaders built here without ever showing a DataLoader
 worker traceback: the worker hands a small marker back with the batch, and the main process either
 logs the path once and carries on with a substitute sample (`bad_images="skip"`) or raises
@@ -9,11 +9,8 @@ logs the path once and carries on with a substitute sample (`bad_images="skip"`)
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import shutil
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +18,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from dlenv.cpus import usable_cpus
+from dlenv.data.decode import decode_rgb, load_rgb
+from dlenv.data.sampler import lone_last
 from dlenv.errors import UserError
 
 log = logging.getLogger("dlenv.data")
@@ -44,60 +43,7 @@ class BadImageError(UserError):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Decoding.
-
-
-def _to_8bit(im: Any) -> Any:
-    """A 16-bit or 32-bit single-channel image scaled (not clipped) into 8-bit 'L'."""
-    import numpy as np
-    from PIL import Image
-
-    arr = np.asarray(im)
-    if im.mode == "F":
-        peak = float(arr.max()) if arr.size else 1.0
-        scaled = arr * 255.0 if peak <= 1.0 else arr * (255.0 / peak)
-    elif im.mode.startswith("I;16") or arr.max(initial=0) > 255:
-        # 16-bit data (PNG opens as I;16 or I): 65535 -> 255, keeping the full tonal range.
-        scaled = arr.astype(np.float32) / 257.0
-    else:
-        scaled = arr
-    return Image.fromarray(np.clip(np.rint(scaled), 0, 255).astype(np.uint8))  # 2-D uint8: mode L
-
-
-def load_rgb(path: str | os.PathLike, min_size: int | None = None) -> Any:
-    """Decode an image file to a PIL Image in 8-bit RGB, fully loaded and closed.
-
-    `min_size`: a JPEG at least twice that size on both sides is decoded at 1/2, 1/4 or 1/8 scale
-    (Pillow's draft mode, done inside the decoder and several times faster), never below min_size on
-    its shorter side; use it when the image will be downscaled anyway.
-
-    EXIF orientation is applied. Grayscale and CMYK are converted; 16-bit images are scaled to 8
-    bits; transparency (RGBA, LA, palette with a transparent colour) is composited on WHITE, the
-    way a viewer shows it, rather than dropped, which would expose whatever colour the transparent
-    pixels happen to store (often black). Raises whatever PIL raises for a broken file.
-    """
-    from PIL import Image, ImageOps
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # EXIF and palette warnings are noise for training
-        with Image.open(path) as im:
-            if min_size and im.format == "JPEG":
-                im.draft(im.mode, (min_size, min_size))
-            im.load()
-            # A malformed EXIF block is not a broken image: keep it unrotated.
-            with contextlib.suppress(Exception):
-                im = ImageOps.exif_transpose(im)
-            if im.mode == "P":
-                im = im.convert("RGBA" if "transparency" in im.info else "RGB")
-            elif im.mode == "PA":
-                im = im.convert("RGBA")
-            elif im.mode in ("I", "F") or im.mode.startswith("I;16"):
-                im = _to_8bit(im)
-            if im.mode in ("RGBA", "LA", "La", "RGBa"):
-                rgba = im.convert("RGBA")
-                white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-                return Image.alpha_composite(white, rgba).convert("RGB")
-            return im.convert("RGB") if im.mode != "RGB" else im.copy()
+# Transforms.
 
 
 def build_transforms(img_size: int, train: bool, scale: tuple[float, float] = (0.08, 1.0)) -> Callable:
@@ -293,8 +239,10 @@ def resolve_workers(workers: int | str, batch_size: int | None = None, img_size:
     return n
 
 
-def _loader(dataset: ImageDataset, batch_size: int, workers: int, pin_memory: bool | None,
-            persistent: bool, **kwargs: Any) -> SafeLoader:
+def make_loader(dataset: ImageDataset, batch_size: int, workers: int, pin_memory: bool | None,
+                persistent: bool, **kwargs: Any) -> SafeLoader:
+    """A SafeLoader with dlenv's settings: pinned memory where CUDA is (pin_memory None), workers that
+    prefetch PREFETCH_FACTOR batches each and, if `persistent`, live across epochs."""
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
     extra: dict[str, Any] = {}
@@ -320,13 +268,16 @@ def build_loaders(layout: Any, img_size: int, batch_size: int, workers: int | st
     gen.manual_seed(seed)  # also seeds each worker's RNG, so augmentations repeat run to run
     train_ds = ImageDataset(layout.train, build_transforms(img_size, True, train_scale), bad_images,
                             _decode_fn(decoder, None))
-    train = _loader(train_ds, batch_size, n, pin_memory, True, shuffle=train_sampler is None,
-                    sampler=train_sampler, generator=gen, drop_last=drop_last)
+    # no sampler: the loader leaves out a last batch of one (BatchNorm cannot train on it), as
+    # ResumableSampler(batch_size=) does
+    drop_last = drop_last or (train_sampler is None and lone_last(len(train_ds), batch_size))
+    train = make_loader(train_ds, batch_size, n, pin_memory, True, shuffle=train_sampler is None,
+                        sampler=train_sampler, generator=gen, drop_last=drop_last)
     if not layout.val:
         return train, None
     val_ds = ImageDataset(layout.val, build_transforms(img_size, False), bad_images,
                           _decode_fn(decoder, _eval_resize(img_size)))
-    val = _loader(val_ds, batch_size, n, pin_memory, True, shuffle=False)
+    val = make_loader(val_ds, batch_size, n, pin_memory, True, shuffle=False)
     return train, val
 
 
@@ -338,7 +289,7 @@ def build_eval_loader(samples: Sequence[tuple[str, int]], img_size: int, batch_s
     n = resolve_workers(workers, batch_size, img_size)
     ds = ImageDataset(samples, build_transforms(img_size, False), bad_images,
                       _decode_fn(decoder, _eval_resize(img_size)))
-    return _loader(ds, batch_size, n, None, False, shuffle=False)
+    return make_loader(ds, batch_size, n, None, False, shuffle=False)
 
 
 def _eval_resize(img_size: int) -> int:
@@ -352,7 +303,5 @@ def _decode_fn(decoder: str, min_side: int | None) -> Callable[[str], Any]:
     if decoder == "pil" and min_side is None:
         return load_rgb
     from functools import partial
-
-    from dlenv.data.decode import decode_rgb
 
     return partial(decode_rgb, decoder=decoder, min_side=min_side)

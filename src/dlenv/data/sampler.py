@@ -7,6 +7,12 @@ this rank's share. `rank`/`world_size` split each epoch's permutation between GP
 `torch.utils.data.DistributedSampler` does (padded to a multiple of the world size, then every
 `world_size`-th index), so distributed training reuses this class as is.
 
+`batch_size` keeps a lone sample out of training: when a rank's share would end in a batch of one
+image (80 images, batch 79), that last index is left out of the epoch (a different one each shuffled
+epoch). BatchNorm in train mode cannot normalise one sample and raises; leaving the index out here,
+rather than in each loader, keeps every path (DataLoader, DeviceLoader, DDP shards) and the epoch
+arithmetic (`per_rank`, steps per epoch, the resume position) consistent.
+
 The sampler does not count what the DataLoader consumed (workers prefetch ahead of training); the
 trainer tracks the position of the batches it actually trained on and saves it in the checkpoint.
 """
@@ -20,16 +26,22 @@ import torch
 from torch.utils.data import Sampler
 
 
+def lone_last(n: int, batch_size: int) -> bool:
+    """Whether `n` samples in batches of `batch_size` end in a batch of one (to leave out in training)."""
+    return batch_size > 1 and n > 1 and n % batch_size == 1
+
+
 class ResumableSampler(Sampler[int]):
     """Indices 0..num_samples-1 in a (seed, epoch)-determined order, from `start` on.
 
     `shuffle=False` keeps the natural order (validation). With `world_size` > 1 each rank gets
     ceil(num_samples / world_size) indices (the permutation is padded by repeating its head, or
-    truncated with `drop_last`). Raises ValueError for a bad rank, world size or start.
+    truncated with `drop_last`). With `batch_size` > 1 a share that would end in a one-sample batch
+    is one index shorter. Raises ValueError for a bad rank, world size or start.
     """
 
     def __init__(self, num_samples: int, seed: int = 0, shuffle: bool = True, rank: int = 0,
-                 world_size: int = 1, drop_last: bool = False):
+                 world_size: int = 1, drop_last: bool = False, batch_size: int = 0):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
         if num_samples < 0:
@@ -37,15 +49,18 @@ class ResumableSampler(Sampler[int]):
         self.num_samples = num_samples
         self.seed, self.shuffle = seed, shuffle
         self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
+        self.batch_size = batch_size
         self.epoch = 0
         self.start = 0
 
     @property
     def per_rank(self) -> int:
-        """Indices this rank gets in a whole epoch."""
+        """Indices this rank gets in a whole epoch (never a last batch of one, see the module doc)."""
         if self.drop_last:
-            return self.num_samples // self.world_size
-        return math.ceil(self.num_samples / self.world_size)
+            share = self.num_samples // self.world_size
+        else:
+            share = math.ceil(self.num_samples / self.world_size)
+        return share - 1 if lone_last(share, self.batch_size) else share
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Select the epoch's order and skip this rank's first `start` indices (0 = a whole epoch)."""

@@ -1,4 +1,4 @@
-"""dlenv.data.archive: every kind of archive, real-world quirks, hostile members, nothing lost."""
+"""dlenv.data.unpack: every kind of archive, real-world quirks, hostile members, nothing lost."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from dlenv import cli, config
-from dlenv.data import archive
+from dlenv.data import unpack as archive
+from dlenv.data.unpack import guard
 from dlenv.errors import UserError
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -316,7 +317,7 @@ def test_zip_fifo_member_refused(work):
 
 @pytest.mark.parametrize("fmt", ["zip", "tar.gz", "7z"])
 def test_bomb_refused(work, fmt, monkeypatch):
-    monkeypatch.setattr(archive, "BOMB_MIN_BYTES", 100_000)
+    monkeypatch.setattr(guard, "BOMB_MIN_BYTES", 100_000)
     zeros = bytes(400_000)
     src = work / "in" / f"bomb.{fmt}"
     if fmt == "zip":
@@ -331,7 +332,7 @@ def test_bomb_refused(work, fmt, monkeypatch):
 
 
 def test_bomb_limit_can_be_raised(tmp_path, monkeypatch):
-    monkeypatch.setattr(archive, "BOMB_MIN_BYTES", 100_000)
+    monkeypatch.setattr(guard, "BOMB_MIN_BYTES", 100_000)
     src = make_zip(tmp_path / "masks.zip", [("a/z.bin", bytes(400_000))])
     unpack(src, tmp_path / "out", max_ratio=1e6)
     assert (tmp_path / "out/z.bin").stat().st_size == 400_000
@@ -339,7 +340,7 @@ def test_bomb_limit_can_be_raised(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["zip", "tar"])
 def test_not_enough_disk_refused(work, fmt, monkeypatch):
-    monkeypatch.setattr(archive, "_free_bytes", lambda p: archive.DISK_MARGIN + 1000)
+    monkeypatch.setattr(archive, "_free_bytes", lambda p: guard.DISK_MARGIN + 1000)
     members = [("a/1.jpg", os.urandom(3000))]
     src = work / "in" / f"big.{fmt}"
     make_zip(src, members) if fmt == "zip" else make_tar(src, members)
@@ -456,7 +457,7 @@ def test_interrupted_extraction_leaves_destination(work, fmt, monkeypatch):
     members = [(f"a/{i}.jpg", os.urandom(100)) for i in range(5)]
     src = work / "in" / f"d.{fmt}"
     make_zip(src, members) if fmt == "zip" else make_tar(src, members, "w:gz")
-    real, calls = archive._copy_stream, []
+    real, calls = guard._copy_stream, []
 
     def copy_then_ctrl_c(*args):
         calls.append(1)
@@ -464,7 +465,7 @@ def test_interrupted_extraction_leaves_destination(work, fmt, monkeypatch):
             raise KeyboardInterrupt
         real(*args)
 
-    monkeypatch.setattr(archive, "_copy_stream", copy_then_ctrl_c)
+    monkeypatch.setattr(guard, "_copy_stream", copy_then_ctrl_c)
     before = snapshot(work)
     with pytest.raises(KeyboardInterrupt):
         unpack(src, work / "out" / "ds", overwrite=True)
@@ -481,6 +482,40 @@ def test_cli_refusal_is_one_line_exit_2(work, capsys):
     code = cli.run_command("unpack", {"archive": str(src), "dest": str(work / "out" / "ds"), "overwrite": True})
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "'../../evil'" in err
+
+
+@pytest.mark.parametrize("name,dest,match", [
+    ("..tar.gz", None, "'..tar.gz' gives no folder name to unpack into; pass --dest NAME"),  # was data/.
+    ("...tar", None, "'...tar' gives no folder name"),                                       # was data/..
+    ("....zip", None, "'....zip' gives no folder name"),
+    ("ok.tar", ".", "destination . does not name a folder of its own; pass --dest NAME"),
+    ("ok.tar", "..", "destination .. does not name a folder of its own"),
+    ("ok.tar", "/", "destination / does not name a folder of its own"),
+    ("ok.tar", "data/..", "destination data/.. does not name a folder of its own"),
+    ("ok.tar", "data/x/..", "destination data/x/.. does not name a folder of its own"),
+    ("ok.tar", "data", "destination data is the data folder itself"),
+    ("ok.tar", "data/.", "destination data is the data folder itself"),
+    ("ok.tar", "CWD", "is the working folder, which --overwrite would replace"),
+    ("ok.tar", "CWD/..", "does not name a folder of its own"),
+    ("ok.tar", "PARENT", "is an ancestor of the working folder"),
+])
+def test_destination_that_would_replace_the_data_or_working_folder_is_refused(tmp_path, monkeypatch, capsys,
+                                                                              name, dest, match):
+    """Such destinations once replaced the whole data/ folder (--overwrite) or ended in a traceback:
+    refused in one line, exit 2, nothing on disk changed."""
+    cwd = tmp_path / "work"
+    make_image_tree = [("a/1.jpg", b"1"), ("b/2.jpg", b"2")]
+    (cwd / "data" / "x").mkdir(parents=True)
+    (cwd / "data" / "x" / "keep.txt").write_text("the user's data")
+    src = make_zip(cwd / name, make_image_tree) if name.endswith(".zip") else make_tar(cwd / name, make_image_tree)
+    monkeypatch.chdir(cwd)
+    if dest is not None:
+        dest = dest.replace("CWD", str(cwd)).replace("PARENT", str(tmp_path))
+    before = snapshot(tmp_path)
+    code = cli.run_command("unpack", {"archive": src.name, "dest": dest, "overwrite": True, "report": False})
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and match in err, err
+    assert snapshot(tmp_path) == before
 
 
 def test_leftovers_of_killed_runs_are_cleaned(tmp_path):
@@ -501,13 +536,14 @@ def test_leftovers_of_killed_runs_are_cleaned(tmp_path):
 _CHILD = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {src!r})
-    from dlenv.data import archive
-    real = archive._copy_stream
+    from dlenv.data import unpack as archive
+    from dlenv.data.unpack import guard
+    real = guard._copy_stream
     def slow(*args):
         real(*args)
         print("copying", flush=True)
         time.sleep(30)
-    archive._copy_stream = slow
+    guard._copy_stream = slow
     archive.unpack({archive!r}, {dest!r}, overwrite=True, progress=False)
 """)
 

@@ -6,7 +6,8 @@ import csv
 
 import pytest
 
-from dlenv import bench, config
+from dlenv import config
+from dlenv.bench import memory as bench
 
 pytestmark = pytest.mark.gpu
 

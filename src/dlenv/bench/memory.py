@@ -2,7 +2,7 @@
 
 Articles print such a table for someone else's GPU; this measures it for the user's model, image
 size and batch on the user's GPU. Each configuration runs in a fresh Python process
-(`python -m dlenv.bench --worker SPEC --result FILE`), so its peak statistics and its caching
+(`python -m dlenv.bench.memory_worker --worker SPEC --result FILE`), so its peak statistics and its caching
 allocator start clean and no configuration inherits another's cached blocks. Every configuration
 starts from the same seeded weights and trains on the same seeded batch, so the loss after the same
 N steps shows what AMP and checkpointing cost in accuracy (nothing measurable, or they are wrong).
@@ -16,7 +16,8 @@ fragmentation = 1 - peak allocated / peak reserved, measured rather than repeate
 Output in --out: memory.md (the tables), memory.csv, allocator.csv and memory.png. On a machine
 without a GPU it still runs (speed and loss only; the memory columns say NA).
 
-The parent process never imports torch: the workers do all the measuring.
+The parent process (this module) never imports torch: the workers (dlenv.bench.memory_worker) do all
+the measuring, each with the trainer's own step.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +113,8 @@ def run_worker(spec: dict[str, Any], alloc_conf: str | None = None, timeout: flo
     fd, result_path = tempfile.mkstemp(prefix="dlenv-bench-", suffix=".json")
     os.close(fd)
     try:
-        cmd = [sys.executable, "-m", "dlenv.bench", "--worker", json.dumps(spec), "--result", result_path]
+        cmd = [sys.executable, "-m", "dlenv.bench.memory_worker", "--worker", json.dumps(spec), "--result",
+               result_path]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         text = Path(result_path).read_text(encoding="utf-8")
         result = json.loads(text) if text.strip() else None
@@ -128,211 +129,6 @@ def run_worker(spec: dict[str, Any], alloc_conf: str | None = None, timeout: flo
     if result.get("status") == "user_error":
         raise UserError(result["error"])
     return result
-
-
-# ---------------------------------------------------------------------------------------------------
-# Inside a worker process.
-
-
-def _setup(spec: dict[str, Any]):
-    """Device, model (seeded, checkpointed, channels_last as asked) and precision mode for a spec."""
-    import torch
-
-    from dlenv.devices import resolve_device
-    from dlenv.models import apply_checkpointing, build_model, is_convolutional
-    from dlenv.precision import resolve_precision
-
-    dev = resolve_device(spec["device"])
-    if spec.get("gpu_memory_gib") and dev.type == "cuda":
-        total = torch.cuda.get_device_properties(dev).total_memory
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        torch.cuda.set_per_process_memory_fraction(min(1.0, spec["gpu_memory_gib"] * GIB / total), index)
-    torch.manual_seed(spec.get("seed", SEED))  # the same initial weights in every configuration
-    model = build_model(spec["model"], spec.get("num_classes", NUM_CLASSES))
-    conv = bool(is_convolutional(model))
-    if spec.get("checkpoint"):
-        apply_checkpointing(model, ratio=1.0)
-    fmt = torch.channels_last if spec.get("channels_last") else torch.contiguous_format
-    model = model.to(dev, memory_format=fmt).train()
-    mode = resolve_precision(True, spec.get("amp_dtype", "auto"), dev) if spec.get("amp") else "fp32"
-    if dev.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # as training does: the fastest kernels for fixed shapes
-    return dev, model, conv, mode, fmt
-
-
-def _env_info(dev, spec: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
-    info = {"device": dev.type, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
-    if dev.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(dev)
-        info["gpu_total_gib"] = torch.cuda.get_device_properties(dev).total_memory / GIB
-        if spec.get("gpu_memory_gib"):
-            info["gpu_capped_gib"] = min(spec["gpu_memory_gib"], info["gpu_total_gib"])
-    return info
-
-
-def _sync(dev) -> None:
-    import torch
-
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _peaks(dev) -> tuple[float | None, float | None]:
-    import torch
-
-    if dev.type != "cuda":
-        return None, None
-    return torch.cuda.max_memory_allocated(dev) / GIB, torch.cuda.max_memory_reserved(dev) / GIB
-
-
-def _oom_as_status(run: Any, out: dict[str, Any]) -> dict[str, Any]:
-    """Call run(); a CUDA out-of-memory becomes status "oom" in `out` (a result, not a crash)."""
-    from dlenv.compat import is_oom  # compat imports torch: only inside the worker process
-
-    try:
-        run()
-    except Exception as e:
-        if not is_oom(e):
-            raise
-        out.update(status="oom", error=str(e).splitlines()[0][:200])
-    return out
-
-
-def measure(spec: dict[str, Any]) -> dict[str, Any]:
-    """One configuration's warmup + timed training steps on one seeded batch (run inside a worker).
-
-    Returns status ("ok" or "oom"), peak allocated/reserved GiB over the timed steps (None on CPU),
-    images/s, the loss at the first and the last step, and steps the GradScaler skipped.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    from dlenv.precision import Precision
-
-    dev, model, conv, mode, fmt = _setup(spec)
-    out = dict(_env_info(dev, spec), convolutional=conv, precision=mode, status="ok")
-    b, s = spec["batch_size"], spec["img_size"]
-    gen = torch.Generator().manual_seed(spec.get("seed", SEED) + 1)  # the same batch everywhere
-    x_cpu = torch.randn(b, 3, s, s, generator=gen)
-    y_cpu = torch.randint(0, spec.get("num_classes", NUM_CLASSES), (b,), generator=gen)
-    warmup, steps = spec["warmup"], spec["steps"]
-
-    def run() -> None:
-        x = x_cpu.to(dev).contiguous(memory_format=fmt)
-        y = y_cpu.to(dev)
-        precision = Precision(mode, dev)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        skipped, first, loss = 0, None, None
-        for i in range(warmup + steps):
-            if i == warmup:
-                _sync(dev)
-                if dev.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(dev)
-                t0 = time.perf_counter()
-            with precision.autocast():
-                loss = F.cross_entropy(model(x), y)
-            precision.backward(loss)
-            skipped += 0 if precision.step(opt) is not False else 1
-            opt.zero_grad(set_to_none=True)
-            if first is None:
-                first = loss.detach()
-        _sync(dev)
-        seconds = time.perf_counter() - t0
-        alloc, reserved = _peaks(dev)
-        out.update(peak_alloc_gib=alloc, peak_reserved_gib=reserved, img_per_s=b * steps / seconds,
-                   loss_first=float(first), loss_last=float(loss.detach()), skipped_steps=skipped)
-
-    return _oom_as_status(run, out)
-
-
-def measure_max_batch(spec: dict[str, Any]) -> dict[str, Any]:
-    """The largest batch whose real training steps fit this configuration (run inside a worker; CUDA only)."""
-    import torch
-
-    from dlenv.autobatch import make_train_step_probe, search_max_batch
-    from dlenv.models import build_model
-
-    dev, model, conv, mode, fmt = _setup(spec)
-    out = dict(_env_info(dev, spec), convolutional=conv, precision=mode, status="ok")
-    if dev.type != "cuda":
-        return dict(out, max_batch=None)
-    del model
-    torch.cuda.empty_cache()
-
-    def factory():
-        torch.manual_seed(spec.get("seed", SEED))
-        return build_model(spec["model"], spec.get("num_classes", NUM_CLASSES))
-
-    probe = make_train_step_probe(factory, mode, spec.get("checkpoint", False), spec["img_size"],
-                                  spec.get("num_classes", NUM_CLASSES), dev,
-                                  channels_last=bool(spec.get("channels_last")))
-    res = search_max_batch(probe, start=spec["batch_size"], tolerance=spec.get("tolerance", 0.01),
-                           what=f"{spec['model']} at {spec['img_size']} px")
-    probe.close()
-    return dict(out, max_batch=res.largest_fit, max_batch_tries=len(res.tries), max_batch_s=res.seconds)
-
-
-def measure_allocator(spec: dict[str, Any]) -> dict[str, Any]:
-    """Peak allocated/reserved, fragmentation and images/s on a shape-changing workload (in a worker).
-
-    The worker's PYTORCH_CUDA_ALLOC_CONF is the setting under test; the workload is the same seeded
-    schedule of batch and image sizes for every setting.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    from dlenv.precision import Precision
-
-    dev, model, conv, mode, fmt = _setup(spec)
-    out = dict(_env_info(dev, spec), precision=mode, status="ok")
-    schedule = fragmentation_schedule(spec["batch_size"], spec["img_size"], spec["steps"])
-    precision = Precision(mode, dev)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    gen = torch.Generator().manual_seed(spec.get("seed", SEED) + 2)
-
-    def run() -> None:
-        images = 0
-        _sync(dev)
-        t0 = time.perf_counter()
-        for b, s in schedule:
-            x = torch.randn(b, 3, s, s, generator=gen).to(dev).contiguous(memory_format=fmt)
-            y = torch.randint(0, spec.get("num_classes", NUM_CLASSES), (b,), generator=gen).to(dev)
-            with precision.autocast():
-                loss = F.cross_entropy(model(x), y)
-            precision.backward(loss)
-            precision.step(opt)
-            opt.zero_grad(set_to_none=True)
-            images += b
-        _sync(dev)
-        alloc, reserved = _peaks(dev)
-        out.update(peak_alloc_gib=alloc, peak_reserved_gib=reserved,
-                   fragmentation=(1 - alloc / reserved) if reserved else None,
-                   img_per_s=images / (time.perf_counter() - t0))
-
-    return _oom_as_status(run, out)
-
-
-_MODES = {"measure": measure, "max_batch": measure_max_batch, "allocator": measure_allocator}
-
-
-def _worker_main(argv: list[str]) -> int:
-    """Entry of `python -m dlenv.bench --worker SPEC --result FILE`: run one spec, write JSON to FILE."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m dlenv.bench")
-    p.add_argument("--worker", required=True, help="JSON spec of one measurement")
-    p.add_argument("--result", required=True, help="file to write the JSON result to")
-    a = p.parse_args(argv)
-    spec = json.loads(a.worker)
-    try:
-        result = _MODES[spec.get("mode", "measure")](spec)
-    except UserError as e:
-        result = {"status": "user_error", "error": str(e)}
-    Path(a.result).write_text(json.dumps(result), encoding="utf-8")
-    return 0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -571,7 +367,3 @@ def main(cfg: Any) -> int:
           + (f", {out / 'allocator.csv'}" if alloc_rows else ""))
     failed = [r for r in rows + alloc_rows if r.get("status") == "error"]
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_worker_main(sys.argv[1:]))

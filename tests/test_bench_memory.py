@@ -1,4 +1,5 @@
-"""dlenv.bench: configurations, tables/CSV/chart from results, workers, and a real run on the CPU."""
+"""dlenv.bench.memory (and its worker process): configurations, tables/CSV/chart from results, workers,
+and a real run on the CPU."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from dlenv import bench, config
+from dlenv import config
+from dlenv.bench import memory as bench
+from dlenv.bench import memory_worker
 from dlenv.errors import UserError
 
 
@@ -98,7 +101,7 @@ def test_worker_main_reports_a_user_error(tmp_path):
     result = tmp_path / "r.json"
     spec = dict(mode="measure", model="resnet_does_not_exist", batch_size=2, img_size=32, warmup=0, steps=2,
                 amp_dtype="auto", device="cpu")
-    assert bench._worker_main(["--worker", json.dumps(spec), "--result", str(result)]) == 0
+    assert memory_worker._worker_main(["--worker", json.dumps(spec), "--result", str(result)]) == 0
     got = json.loads(result.read_text())
     assert got["status"] == "user_error" and "resnet_does_not_exist" in got["error"]
 

@@ -1,14 +1,15 @@
-"""dlenv.data.bench: loader speed, the verdict on a fake fast/slow case, the trainer's advice."""
+"""dlenv.bench.data: loader speed, the verdict on a fake fast/slow case, the trainer's advice."""
 
 from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from dlenv import config
-from dlenv.data import bench
-from dlenv.data.bench import data_wait_advice, measure_loader, prefetched, verdict
+from dlenv.bench import data as bench
+from dlenv.bench.data import data_wait_advice, measure_loader, prefetched, verdict
 
 
 class SlowLoader:
@@ -108,14 +109,12 @@ def test_main_names_the_model_on_a_fake_slow_model(image_folder, monkeypatch, ca
 def test_main_sweeps_workers_with_a_cpu_decoder_when_auto_picks_nvjpeg(image_folder, monkeypatch, capsys):
     """nvJPEG ignores the worker count: it is measured once, and the sweep and the classic path use the
     best CPU decoder (the classic path cannot use nvJPEG at all)."""
-    from dlenv.data import decode, fastpath, loaders
+    from dlenv.data import decode, pipeline
 
     built = []
     monkeypatch.setattr(decode, "resolve_decoder", lambda *a, **k: "nvjpeg")
-    monkeypatch.setattr(fastpath, "build_fast_loaders",
-                        lambda *a, decoder, **k: (built.append(("fast", a[3], decoder)) or [["batch"]], None))
-    monkeypatch.setattr(loaders, "build_loaders",
-                        lambda *a, decoder, **k: (built.append(("classic", a[3], decoder)) or [["batch"]], None))
+    monkeypatch.setattr(pipeline, "make_loaders", lambda layout, plan, *a, **k: (
+        built.append(("fast" if plan.on_device else "classic", plan.workers, plan.decoder)) or [["batch"]], None))
     monkeypatch.setattr(bench, "measure_loader", lambda loader, *a, **k: 100.0)
     monkeypatch.setattr(bench, "measure_model", lambda *a, **k: 1e9)
     cfg = config.build(config.BenchDataConfig, data=str(image_folder), model="resnet18", batch_size=4,
@@ -130,18 +129,47 @@ def test_main_sweeps_workers_with_a_cpu_decoder_when_auto_picks_nvjpeg(image_fol
 def test_main_measures_nvjpeg_where_it_could_run_though_auto_took_a_cpu_decoder(image_folder, monkeypatch,
                                                                                capsys):
     """With many workers auto keeps a CPU decoder, but users still see what nvJPEG would give."""
-    from dlenv.data import decode, fastpath
+    from dlenv.data import decode, pipeline
 
     built = []
     monkeypatch.setattr(decode, "resolve_decoder", lambda *a, **k: "pil")
     monkeypatch.setattr(decode, "prefer_nvjpeg", lambda paths, device, batch, workers=None: workers is None)
-    monkeypatch.setattr(fastpath, "build_fast_loaders",
-                        lambda *a, decoder, **k: (built.append(decoder) or [["batch"]], None))
+    monkeypatch.setattr(pipeline, "make_loaders",
+                        lambda layout, plan, *a, **k: (built.append(plan.decoder) or [["batch"]], None))
     monkeypatch.setattr(bench, "measure_loader", lambda loader, *a, **k: 100.0)
     monkeypatch.setattr(bench, "measure_model", lambda *a, **k: 1e9)
     cfg = config.build(config.BenchDataConfig, data=str(image_folder), model="resnet18", batch_size=4,
                        img_size=16, workers="1,2", batches=2, device="cpu", amp=False, gpu_augment="on")
     assert bench.main(cfg) == 0
-    assert built.count("nvjpeg") == 1 and built.count("pil") == 2
+    assert built.count("nvjpeg") == 1 and built.count("pil") == 3  # the sweep of 2 and the classic path
     out = capsys.readouterr().out
     assert "decoder pil" in out and "gpu-augment, nvjpeg" in out
+
+
+def _demo_folder(tmp_path):
+    from dlenv.data.demo import ensure_demo_data
+
+    return ensure_demo_data(tmp_path / "demo", train_per_class=2, val_per_class=1, size=24)
+
+
+@pytest.mark.parametrize("which,img_size,px", [
+    ("demo", None, 64),      # the demo data: the size training uses on it, not 224
+    ("demo", 32, 32),        # --img-size wins
+    ("folder", None, 224),   # any other folder: training's default
+])
+def test_main_measures_the_size_training_would_use(image_folder, tmp_path, monkeypatch, capsys, which, img_size,
+                                                    px):
+    seen = {}
+
+    def fake_model(model, n, batch, size, *a, **k):
+        seen["size"] = size
+        return 1e9
+
+    monkeypatch.setattr(bench, "measure_model", fake_model)
+    monkeypatch.setattr(bench, "measure_loader", lambda *a, **k: 100.0)  # the loader's speed is not the point
+    data = _demo_folder(tmp_path) if which == "demo" else image_folder
+    given = {"img_size": img_size} if img_size else {}
+    cfg = config.build(config.BenchDataConfig, data=str(data), model="resnet18", batch_size=2, workers="0",
+                       batches=2, device="cpu", amp=False, **given)
+    assert bench.main(cfg) == 0
+    assert seen["size"] == px and f"{px} px" in capsys.readouterr().out

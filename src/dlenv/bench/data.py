@@ -83,38 +83,30 @@ def measure_loader(loader: Iterable, batches: int, device: Any = None, warmup: i
 
 def measure_model(model_name: str, num_classes: int, batch_size: int, img_size: int, device: Any,
                   precision_mode: str, batches: int, warmup: int = 3) -> float:
-    """Training images/s of a torchvision model on one random batch kept on `device` (no loader)."""
+    """Training images/s of a torchvision model on one random batch kept on `device` (no loader), with
+    the trainer's own step (dlenv.train.loop.train_step)."""
     import torch
-    from torch import nn
 
     from dlenv.models import build_model, is_convolutional
     from dlenv.precision import Precision
+    from dlenv.train.loop import Parts, train_step
 
     device = torch.device(device)
     torch.backends.cudnn.benchmark = device.type == "cuda"
     model = build_model(model_name, num_classes)
     fmt = torch.channels_last if device.type == "cuda" and is_convolutional(model) else torch.contiguous_format
     model = model.to(device, memory_format=fmt).train()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    precision = Precision(precision_mode, device)
-    crit = nn.CrossEntropyLoss()
+    parts = Parts.plain(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                        Precision(precision_mode, device), fmt)
     x = torch.randn(batch_size, 3, img_size, img_size, device=device).contiguous(memory_format=fmt)
     y = torch.randint(0, num_classes, (batch_size,), device=device)
-
-    def step() -> None:
-        with precision.autocast():
-            loss = crit(model(x), y)
-        precision.backward(loss)
-        precision.step(opt)
-        opt.zero_grad(set_to_none=True)
-
     for _ in range(warmup):
-        step()
+        train_step(parts, x, y)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     for _ in range(batches):
-        step()
+        train_step(parts, x, y)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return batch_size * batches / (time.perf_counter() - t0)
@@ -171,63 +163,57 @@ def _table(rows: list[tuple[str, str, str]]) -> str:
 
 def main(cfg: Any) -> int:
     """`dlenv bench-data`: print the loader (per worker count) and model speeds and the verdict; 0."""
+    import dataclasses
+
     import torch
 
-    from dlenv.data import decode
-    from dlenv.data.fastpath import build_fast_loaders
-    from dlenv.data.loaders import build_loaders, resolve_workers, usable_cpus
+    from dlenv.cpus import usable_cpus
+    from dlenv.data import decode, pipeline
     from dlenv.devices import resolve_device
-    from dlenv.precision import resolve_precision
-    from dlenv.train import locate_data
+    from dlenv.precision import DTYPES, resolve_precision
 
     device = resolve_device(cfg.device)
-    layout, classes, source = locate_data(cfg.data, False, 0.2, 0)
+    located = pipeline.locate(cfg.data)
+    # the size training would use: the demo's 64 px unless --img-size says otherwise
+    cfg = dataclasses.replace(cfg, img_size=cfg.img_size or located.img_size)
     mode = resolve_precision(cfg.amp, "auto", device)
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[mode]
     fmt = torch.channels_last if device.type == "cuda" else torch.contiguous_format
-    gpu_aug = cfg.gpu_augment == "on" or (cfg.gpu_augment == "auto" and device.type == "cuda")
-    paths = [p for p, _ in layout.train]
-    # what training would pick, with the workers it would get
-    decoder = decode.resolve_decoder(cfg.decoder, paths, decode.stored_size(cfg.img_size),
-                                     gpu=device if gpu_aug else None, batch=cfg.batch_size,
-                                     workers=resolve_workers("auto", cfg.batch_size, cfg.img_size))
+    # what training would pick, with the workers it would get; the cache is measured on its own below
+    opts = pipeline.InputOptions.of(cfg)
+    plan = pipeline.decide(dataclasses.replace(opts, cache=False, workers="auto"), located, device, cfg.batch_size,
+                           cfg.img_size)
+    layout = located.layout
     # nvJPEG is measured wherever it could run (auto takes it with few workers only), once: it decodes
     # on the GPU whatever the worker count
-    nvjpeg = decoder == "nvjpeg" or (gpu_aug and cfg.decoder == "auto"
-                                     and decode.prefer_nvjpeg(paths, device, cfg.batch_size))
+    nvjpeg = plan.decoder == "nvjpeg" or (plan.on_device and cfg.decoder == "auto" and decode.prefer_nvjpeg(
+        [p for p, _ in layout.train], device, cfg.batch_size))
     train_only = type(layout)(layout.root, layout.classes, layout.train, [])
     cpus = usable_cpus()
     counts = [w for w in cfg.workers if w <= cpus] or [min(cfg.workers)]
-    print(f"bench-data: {source} ({len(layout.train):,} training images, {len(classes)} classes), batch "
-          f"{cfg.batch_size}, {cfg.img_size} px, {device}, {mode}, decoder {decoder}, {cpus} CPUs"
+    print(f"bench-data: {located.source} ({len(layout.train):,} training images, {len(located.classes)} classes), "
+          f"batch {cfg.batch_size}, {cfg.img_size} px, {device}, {mode}, decoder {plan.decoder}, {cpus} CPUs"
           + (f" (skipping worker counts above {cpus})" if len(counts) < len(cfg.workers) else ""))
 
-    # the worker sweep uses the best CPU decoder
-    cpu_decoder = decoder if decoder != "nvjpeg" else decode.pick_decoder(paths, decode.stored_size(cfg.img_size))
+    def rate(workers: int, **change: Any) -> float:
+        # the worker sweep uses the best CPU decoder: nvJPEG is measured on its own
+        variant = dataclasses.replace(plan, **{"workers": workers, "decoder": plan.cpu_decoder, **change})
+        loader = pipeline.make_loaders(train_only, variant, device, dtype=DTYPES[mode], memory_format=fmt)[0]
+        return measure_loader(loader, cfg.batches, device)
 
-    def fast(workers: int, dec: str = cpu_decoder, **kw: Any) -> Any:
-        return build_fast_loaders(train_only, cfg.img_size, cfg.batch_size, workers, device=device,
-                                  dtype=dtype, memory_format=fmt, decoder=dec, **kw)[0]
-
-    def classic(workers: int) -> Any:
-        return build_loaders(train_only, cfg.img_size, cfg.batch_size, workers,
-                             pin_memory=device.type == "cuda", decoder=cpu_decoder)[0]
-
-    path = "gpu-augment" if gpu_aug else "classic"
+    path = "gpu-augment" if plan.on_device else "classic"
     rates: dict[str, float] = {}
     for w in counts:
-        loader = fast(w) if gpu_aug else classic(w)
-        rates[f"{path}, {w} workers"] = measure_loader(loader, cfg.batches, device)
+        rates[f"{path}, {w} workers"] = rate(w)
         print(f"  loader {path:<12} {w:>3} workers: {rates[f'{path}, {w} workers']:>9,.0f} img/s", flush=True)
-    other = "classic" if gpu_aug else "gpu-augment"
+    other = "classic" if plan.on_device else "gpu-augment"
     w = max(counts)
-    rates[f"{other}, {w} workers"] = measure_loader(classic(w) if gpu_aug else fast(w), cfg.batches, device)
+    rates[f"{other}, {w} workers"] = rate(w, on_device=not plan.on_device)
     if nvjpeg:
-        rates["gpu-augment, nvjpeg"] = measure_loader(fast(w, dec="nvjpeg"), cfg.batches, device)
+        rates["gpu-augment, nvjpeg"] = rate(w, on_device=True, decoder="nvjpeg")
     if cfg.cache:
-        rates["cache"] = measure_loader(fast(w, cache=True, cache_mode=cfg.cache_mode, cache_dir=cfg.cache_dir),
-                                        cfg.batches, device)
-    model_rate = measure_model(cfg.model, len(classes), cfg.batch_size, cfg.img_size, device, mode, cfg.batches)
+        rates["cache"] = rate(w, on_device=True, cache=True)
+    model_rate = measure_model(cfg.model, len(located.classes), cfg.batch_size, cfg.img_size, device, mode,
+                               cfg.batches)
     rows = [("what", "img/s", "x model")]
     rows += [(f"loader: {k}", f"{v:,.0f}", f"{v / model_rate:.2f}") for k, v in rates.items()]
     rows.append((f"model: {cfg.model} on synthetic data", f"{model_rate:,.0f}", "1.00"))

@@ -1,0 +1,207 @@
+"""Inside a bench-memory worker process: one configuration measured, written as JSON for the parent.
+
+`python -m dlenv.bench.memory_worker --worker SPEC --result FILE` (dlenv.bench.memory.run_worker
+starts it) builds the seeded model of SPEC and runs the trainer's own step (dlenv.train.loop.train_step)
+on one seeded batch: `measure` times warm-up + N steps and reads the peaks, `measure_max_batch`
+searches the largest batch that fits (dlenv.autobatch), `measure_allocator` trains on a batch and
+image size that change every step under the PYTORCH_CUDA_ALLOC_CONF the parent set. A CUDA
+out-of-memory is a result ("oom"), not a crash; a UserError goes back to the parent as one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlenv.bench.memory import GIB, NUM_CLASSES, SEED, fragmentation_schedule
+from dlenv.compat import is_oom
+from dlenv.errors import UserError
+from dlenv.train.loop import Parts, train_step
+
+
+def _parts(model: Any, mode: str, dev: torch.device, fmt: torch.memory_format) -> Parts:
+    """The trainer's step around `model`: SGD with momentum, one Precision for `mode`."""
+    from dlenv.precision import Precision
+
+    return Parts.plain(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), Precision(mode, dev), fmt)
+
+
+def _setup(spec: dict[str, Any]):
+    """Device, model (seeded, checkpointed, channels_last as asked) and precision mode for a spec."""
+    from dlenv.devices import resolve_device
+    from dlenv.models import apply_checkpointing, build_model, is_convolutional
+    from dlenv.precision import resolve_precision
+
+    dev = resolve_device(spec["device"])
+    if spec.get("gpu_memory_gib") and dev.type == "cuda":
+        total = torch.cuda.get_device_properties(dev).total_memory
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        torch.cuda.set_per_process_memory_fraction(min(1.0, spec["gpu_memory_gib"] * GIB / total), index)
+    torch.manual_seed(spec.get("seed", SEED))  # the same initial weights in every configuration
+    model = build_model(spec["model"], spec.get("num_classes", NUM_CLASSES))
+    conv = bool(is_convolutional(model))
+    if spec.get("checkpoint"):
+        apply_checkpointing(model, ratio=1.0)
+    fmt = torch.channels_last if spec.get("channels_last") else torch.contiguous_format
+    model = model.to(dev, memory_format=fmt).train()
+    mode = resolve_precision(True, spec.get("amp_dtype", "auto"), dev) if spec.get("amp") else "fp32"
+    if dev.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # as training does: the fastest kernels for fixed shapes
+    return dev, model, conv, mode, fmt
+
+
+def _env_info(dev, spec: dict[str, Any]) -> dict[str, Any]:
+    info = {"device": dev.type, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+    if dev.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(dev)
+        info["gpu_total_gib"] = torch.cuda.get_device_properties(dev).total_memory / GIB
+        if spec.get("gpu_memory_gib"):
+            info["gpu_capped_gib"] = min(spec["gpu_memory_gib"], info["gpu_total_gib"])
+    return info
+
+
+def _sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _peaks(dev) -> tuple[float | None, float | None]:
+    if dev.type != "cuda":
+        return None, None
+    return torch.cuda.max_memory_allocated(dev) / GIB, torch.cuda.max_memory_reserved(dev) / GIB
+
+
+def _oom_as_status(run: Any, out: dict[str, Any]) -> dict[str, Any]:
+    """Call run(); a CUDA out-of-memory becomes status "oom" in `out` (a result, not a crash)."""
+    try:
+        run()
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        out.update(status="oom", error=str(e).splitlines()[0][:200])
+    return out
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """One configuration's warmup + timed training steps on one seeded batch (run inside a worker).
+
+    Returns status ("ok" or "oom"), peak allocated/reserved GiB over the timed steps (None on CPU),
+    images/s, the loss at the first and the last step, and steps the GradScaler skipped.
+    """
+    dev, model, conv, mode, fmt = _setup(spec)
+    out = dict(_env_info(dev, spec), convolutional=conv, precision=mode, status="ok")
+    b, s = spec["batch_size"], spec["img_size"]
+    gen = torch.Generator().manual_seed(spec.get("seed", SEED) + 1)  # the same batch everywhere
+    x_cpu = torch.randn(b, 3, s, s, generator=gen)
+    y_cpu = torch.randint(0, spec.get("num_classes", NUM_CLASSES), (b,), generator=gen)
+    warmup, steps = spec["warmup"], spec["steps"]
+
+    def run() -> None:
+        x = x_cpu.to(dev).contiguous(memory_format=fmt)
+        y = y_cpu.to(dev)
+        parts = _parts(model, mode, dev, fmt)
+        skipped, first, loss = 0, None, None
+        for i in range(warmup + steps):
+            if i == warmup:
+                _sync(dev)
+                if dev.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(dev)
+                t0 = time.perf_counter()
+            loss, stepped = train_step(parts, x, y)
+            skipped += 0 if stepped else 1
+            if first is None:
+                first = loss
+        _sync(dev)
+        seconds = time.perf_counter() - t0
+        alloc, reserved = _peaks(dev)
+        out.update(peak_alloc_gib=alloc, peak_reserved_gib=reserved, img_per_s=b * steps / seconds,
+                   loss_first=float(first), loss_last=float(loss), skipped_steps=skipped)
+
+    return _oom_as_status(run, out)
+
+
+def measure_max_batch(spec: dict[str, Any]) -> dict[str, Any]:
+    """The largest batch whose real training steps fit this configuration (run inside a worker; CUDA only)."""
+    from dlenv.autobatch import make_train_step_probe, search_max_batch
+    from dlenv.models import build_model
+
+    dev, model, conv, mode, fmt = _setup(spec)
+    out = dict(_env_info(dev, spec), convolutional=conv, precision=mode, status="ok")
+    if dev.type != "cuda":
+        return dict(out, max_batch=None)
+    del model
+    torch.cuda.empty_cache()
+
+    def factory():
+        torch.manual_seed(spec.get("seed", SEED))
+        return build_model(spec["model"], spec.get("num_classes", NUM_CLASSES))
+
+    probe = make_train_step_probe(factory, mode, spec.get("checkpoint", False), spec["img_size"],
+                                  spec.get("num_classes", NUM_CLASSES), dev,
+                                  channels_last=bool(spec.get("channels_last")))
+    res = search_max_batch(probe, start=spec["batch_size"], tolerance=spec.get("tolerance", 0.01),
+                           what=f"{spec['model']} at {spec['img_size']} px")
+    probe.close()
+    return dict(out, max_batch=res.largest_fit, max_batch_tries=len(res.tries), max_batch_s=res.seconds)
+
+
+def measure_allocator(spec: dict[str, Any]) -> dict[str, Any]:
+    """Peak allocated/reserved, fragmentation and images/s on a shape-changing workload (in a worker).
+
+    The worker's PYTORCH_CUDA_ALLOC_CONF is the setting under test; the workload is the same seeded
+    schedule of batch and image sizes for every setting.
+    """
+    dev, model, conv, mode, fmt = _setup(spec)
+    out = dict(_env_info(dev, spec), precision=mode, status="ok")
+    schedule = fragmentation_schedule(spec["batch_size"], spec["img_size"], spec["steps"])
+    parts = _parts(model, mode, dev, fmt)
+    gen = torch.Generator().manual_seed(spec.get("seed", SEED) + 2)
+
+    def run() -> None:
+        images = 0
+        _sync(dev)
+        t0 = time.perf_counter()
+        for b, s in schedule:
+            x = torch.randn(b, 3, s, s, generator=gen).to(dev).contiguous(memory_format=fmt)
+            y = torch.randint(0, spec.get("num_classes", NUM_CLASSES), (b,), generator=gen).to(dev)
+            train_step(parts, x, y)
+            images += b
+        _sync(dev)
+        alloc, reserved = _peaks(dev)
+        out.update(peak_alloc_gib=alloc, peak_reserved_gib=reserved,
+                   fragmentation=(1 - alloc / reserved) if reserved else None,
+                   img_per_s=images / (time.perf_counter() - t0))
+
+    return _oom_as_status(run, out)
+
+
+_MODES = {"measure": measure, "max_batch": measure_max_batch, "allocator": measure_allocator}
+
+
+def _worker_main(argv: list[str]) -> int:
+    """Entry of `python -m dlenv.bench.memory_worker --worker SPEC --result FILE`: run one spec, write
+    JSON to FILE."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m dlenv.bench.memory_worker")
+    p.add_argument("--worker", required=True, help="JSON spec of one measurement")
+    p.add_argument("--result", required=True, help="file to write the JSON result to")
+    a = p.parse_args(argv)
+    spec = json.loads(a.worker)
+    try:
+        result = _MODES[spec.get("mode", "measure")](spec)
+    except UserError as e:
+        result = {"status": "user_error", "error": str(e)}
+    Path(a.result).write_text(json.dumps(result), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_worker_main(sys.argv[1:]))

@@ -1,0 +1,284 @@
+"""Every input decision, made once: where the data is, its layout, the decoder, where augmentation runs,
+the cache and the workers.
+
+    located = locate(cfg.data, cfg.synthetic, cfg.val_split, cfg.seed)     # folder, demo or synthetic
+    plan = decide(InputOptions.of(cfg), located, device, batch, img_size)  # plain values
+    data = build_data(located, plan, device, ...)                           # the loaders
+
+`decide` turns the input options (--decoder, --gpu-augment, --cache, --cache-mode, --cache-dir,
+--workers, --bad-images) into an `InputPlan` of plain values: the trainer prints it and writes it to
+config.yaml, and everything after reads the plan instead of deciding again. `make_loaders` builds
+the (train, val) loaders a plan describes: the device path (`fastpath`: uint8 batches augmented on
+the device, from DataLoader workers, a decoded `cache` or nvJPEG) or the classic path (`loaders`:
+torchvision transforms in the workers). bench-data measures variants of the same plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlenv.data import decode
+from dlenv.data.demo import DEMO_IMG_SIZE, DEMO_TRAIN_SCALE
+from dlenv.data.loaders import resolve_workers
+from dlenv.errors import UserError
+
+#: micro-batches per epoch of --synthetic data without --max-steps
+SYNTHETIC_BATCHES = 100
+#: the decoder of a plan for synthetic data (made on the device, nothing decoded)
+SYNTHETIC = "synthetic"
+#: RandomResizedCrop's scale range for real photos (torchvision's default)
+PHOTO_TRAIN_SCALE = (0.08, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Where the data is.
+
+
+@dataclass(frozen=True)
+class Located:
+    """A dataset found: its layout (None for synthetic data), class names and what to call it."""
+
+    layout: Any                 # data.folder.Layout, or None
+    classes: list[str]
+    source: str                 # the folder as given, "demo" or "synthetic"
+
+    @property
+    def demo(self) -> bool:
+        """The built-in demo data, or a folder of it given as --data: 64 px images, gentler crops."""
+        from dlenv.data.demo import is_demo_folder
+
+        return self.source == "demo" or (self.layout is not None and is_demo_folder(self.layout.root))
+
+    @property
+    def img_size(self) -> int:
+        """The training size when --img-size is not given: the demo's own, else 224."""
+        return DEMO_IMG_SIZE if self.demo else 224
+
+
+def locate(data: str | None, synthetic: bool = False, val_split: float = 0.2, seed: int = 0) -> Located:
+    """The dataset --data names (the demo data, written on first use, when None; 1000 classes of random
+    images for --synthetic). Raises UserError for a missing folder or one without images."""
+    if synthetic:
+        return Located(None, [str(i) for i in range(1000)], "synthetic")
+    from dlenv.data.folder import find_layout
+
+    if data is None:
+        from dlenv.data.demo import ensure_demo_data
+
+        root, source = ensure_demo_data(), "demo"
+    else:
+        root, source = Path(data), str(data)
+        if not root.is_dir():
+            raise UserError(f"--data {data}: no such folder; pass a folder of class folders "
+                            "(or with train/ and val/), or unpack an archive with `invoke unpack`")
+    layout = find_layout(root, val_split, seed)
+    if not layout.train or not layout.classes:
+        raise UserError(f"--data {root}: no training images in class folders found")
+    return Located(layout, list(layout.classes), source)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The decisions.
+
+
+@dataclass(frozen=True)
+class InputOptions:
+    """The input options as given: --decoder, --gpu-augment, --cache, --cache-mode, --cache-dir, --workers,
+    --bad-images."""
+
+    decoder: str = "auto"
+    gpu_augment: str = "auto"
+    cache: bool = False
+    cache_mode: str = "auto"
+    cache_dir: str = ".dlenv-cache"
+    workers: int | str = "auto"
+    bad_images: str = "skip"
+
+    @classmethod
+    def of(cls, cfg: Any) -> InputOptions:
+        """The fields of this class that `cfg` (a TrainConfig, BenchDataConfig, ...) has."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls) if hasattr(cfg, f.name)})
+
+    def gpu_path(self, device: Any) -> bool:
+        """Whether batches are augmented on the device (`fastpath`) rather than by torchvision transforms
+        in the workers (`loaders`). --cache and --decoder nvjpeg imply it; 'auto' is on for CUDA."""
+        if self.cache or self.decoder == "nvjpeg" or self.gpu_augment == "on":
+            return True
+        return self.gpu_augment == "auto" and torch.device(device).type == "cuda"
+
+
+@dataclass(frozen=True)
+class InputPlan:
+    """What `decide` resolved. Plain values: shown to the user, stored in config.yaml, read by the loaders."""
+
+    img_size: int
+    batch_size: int
+    on_device: bool             # augmentation on the device (fastpath), else in the workers (loaders)
+    decoder: str                # 'pil', 'cv2', 'tvio' or 'nvjpeg'
+    cpu_decoder: str            # where nvJPEG cannot decode (the cache, the classic path): the best CPU one
+    workers: int
+    cache: bool = False
+    cache_mode: str = "auto"    # 'ram', 'disk', or 'auto' (the cache picks by size, see data.cache)
+    cache_dir: str = ".dlenv-cache"
+    bad_images: str = "skip"
+    train_scale: tuple[float, float] = PHOTO_TRAIN_SCALE
+
+    def describe(self, device: Any) -> str:
+        """One line: where batches come from and where they are augmented."""
+        if self.decoder == SYNTHETIC:
+            return f"input: synthetic batches made on {torch.device(device).type}"
+        where = torch.device(device).type if self.on_device else "the workers"
+        source = "--cache" if self.cache else f"decoder {self.decoder}"
+        return f"input: {source}, augmentation on {where}, {self.workers} workers"
+
+
+def workers_per_process(workers: int, local_world_size: int) -> int:
+    """DataLoader workers for each of `local_world_size` processes of a node sharing its CPUs."""
+    return max(1, workers // max(1, local_world_size)) if workers else 0
+
+
+def decide(opts: InputOptions, located: Located, device: Any, batch_size: int, img_size: int,
+           local_world_size: int = 1) -> InputPlan:
+    """The input plan for `located` data on `device` (`local_world_size` processes share the node).
+
+    Workers: the number given, or 'auto' (CPUs and /dev/shm, shared by the node's processes). Where
+    augmentation runs: `InputOptions.gpu_path`. The decoder: 'auto' is nvJPEG where
+    `decode.prefer_nvjpeg` says so for these files (only when batches are augmented on a GPU and not
+    cached), else the fastest CPU decoder on a few of them. The cache: 'auto' becomes 'disk' when
+    several processes share the node (one file in the page cache, not a copy in each process).
+    Raises UserError for an unknown decoder or a missing library.
+    """
+    device = torch.device(device)
+    if located.layout is None:  # synthetic batches are made on the device: nothing to decode or augment
+        return InputPlan(img_size, batch_size, True, SYNTHETIC, SYNTHETIC, 0)
+    workers = resolve_workers(opts.workers, batch_size, img_size)
+    if opts.workers == "auto":  # the processes of a node share its CPUs
+        workers = workers_per_process(workers, local_world_size)
+    on_device = opts.gpu_path(device)
+    paths = [p for p, _ in located.layout.train]
+    size = decode.stored_size(img_size)
+    decoder = decode.resolve_decoder(opts.decoder, paths, size, gpu=device if on_device and not opts.cache else None,
+                                     batch=batch_size, workers=workers)
+    cpu_decoder = decoder if decoder != "nvjpeg" else decode.pick_decoder(paths, size)
+    cache_mode = "disk" if opts.cache_mode == "auto" and local_world_size > 1 else opts.cache_mode
+    # RandomResizedCrop's default (0.08, 1) can crop a demo shape out of its 64 px image entirely
+    scale = DEMO_TRAIN_SCALE if located.demo else PHOTO_TRAIN_SCALE
+    return InputPlan(img_size, batch_size, on_device, decoder, cpu_decoder, workers, opts.cache, cache_mode,
+                     opts.cache_dir, opts.bad_images, scale)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Building what the plan says.
+
+
+def make_loaders(layout: Any, plan: InputPlan, device: Any, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 memory_format: torch.memory_format = torch.contiguous_format, train_sampler: Any = None,
+                 val_sampler: Any = None, say: Callable[[str], None] = print) -> tuple[Any, Any]:
+    """(train, val) loaders of a folder.Layout as `plan` says; val is None when the layout has no val.
+
+    Train goes in `train_sampler` order (default: a ResumableSampler seeded by `seed`). On the device
+    path batches arrive on `device`, in `memory_format` and `dtype`, and val goes in `val_sampler`
+    order (default: sample order). Raises UserError for nvJPEG where it cannot run and a cache that
+    does not fit.
+    """
+    device = torch.device(device)
+    if plan.on_device:
+        return _device_loaders(layout, plan, device, seed, dtype, memory_format, train_sampler, val_sampler, say)
+    from dlenv.data.loaders import build_loaders
+
+    return build_loaders(layout, plan.img_size, plan.batch_size, plan.workers, seed=seed,
+                         bad_images=plan.bad_images, train_sampler=train_sampler,
+                         pin_memory=device.type == "cuda", train_scale=plan.train_scale, decoder=plan.cpu_decoder)
+
+
+def _device_loaders(layout: Any, plan: InputPlan, device: torch.device, seed: int, dtype: torch.dtype,
+                    memory_format: torch.memory_format, train_sampler: Any, val_sampler: Any,
+                    say: Callable[[str], None]) -> tuple[Any, Any]:
+    """DeviceLoaders (dlenv.data.fastpath) over the plan's source: the cache, nvJPEG, or DataLoader workers."""
+    from dlenv.cpus import usable_cpus
+    from dlenv.data.cache import build_cache
+    from dlenv.data.fastpath import CacheSource, DeviceLoader, NvjpegSource, WorkerSource, stored_tensors
+    from dlenv.data.gpu_aug import GpuAugment
+    from dlenv.data.loaders import ImageDataset, make_loader
+    from dlenv.data.sampler import ResumableSampler
+
+    nvjpeg = plan.decoder == "nvjpeg" and not plan.cache
+    if nvjpeg:
+        from dlenv import compat
+
+        why = compat.cuda_jpeg_unavailable(device) if device.type == "cuda" else "the device is not a GPU"
+        if why:
+            raise UserError(f"--decoder nvjpeg: {why}; use --decoder auto")
+    size = decode.stored_size(plan.img_size)
+    pin = device.type == "cuda"
+    splits = [(layout.train, train_sampler, True)] + ([(layout.val, val_sampler, False)] if layout.val else [])
+    out = []
+    for samples, sampler, train in splits:
+        augment = GpuAugment(plan.img_size, train, dtype, memory_format, scale=plan.train_scale)
+        if train and sampler is None:
+            sampler = ResumableSampler(len(samples), seed=seed, batch_size=plan.batch_size)
+        if plan.cache:
+            # decoding threads of this process: every core helps, /dev/shm plays no part
+            decoded = build_cache(samples, size, plan.cpu_decoder, plan.cache_mode, plan.cache_dir, usable_cpus(),
+                                  plan.bad_images, say)
+            source: Any = CacheSource(decoded, sampler, plan.batch_size, pin)
+        elif nvjpeg:
+            source = NvjpegSource(samples, sampler, plan.batch_size, size, plan.bad_images)
+        else:
+            ds = ImageDataset(samples, stored_tensors, plan.bad_images,
+                              load=partial(decode.decode_stored, size=size, decoder=plan.cpu_decoder))
+            source = WorkerSource(make_loader(ds, plan.batch_size, plan.workers, pin, True, shuffle=False,
+                                                   sampler=sampler))
+        out.append(DeviceLoader(source, augment, device, plan.batch_size, sampler, seed))
+    return out[0], (out[1] if len(out) > 1 else None)
+
+
+@dataclass
+class Data:
+    """What the trainer iterates: train and val batches, the resumable sampler, and the plan they follow."""
+
+    train: Any                  # iterable of (images, targets)
+    val: Any                    # iterable, or None
+    sampler: Any                # ResumableSampler, or None for synthetic data
+    classes: list[str]
+    source: str                 # what to print and store: folder path, "demo", "synthetic"
+    plan: InputPlan
+
+
+def build_data(located: Located, plan: InputPlan, device: Any, dist: Any, *, seed: int = 0,
+               dtype: torch.dtype = torch.float32, memory_format: torch.memory_format = torch.contiguous_format,
+               max_steps: int | None = None, say: Callable[[str], None] = print) -> Data:
+    """The training and validation batches of this process (`dist`: a distributed.DistInfo).
+
+    Synthetic data (`located.layout` None) is made on the device: `max_steps` batches per epoch
+    (SYNTHETIC_BATCHES without it). A real dataset trains on this rank's share of a resumable sampler
+    and validates on its own shard, without padding (the trainer's validation sums the shards).
+    """
+    from dlenv import distributed
+    from dlenv.data.sampler import ResumableSampler
+
+    device = torch.device(device)
+    if located.layout is None:
+        from dlenv.data.synthetic import SyntheticLoader
+
+        n, b, size, k = max_steps or SYNTHETIC_BATCHES, plan.batch_size, plan.img_size, len(located.classes)
+        train = SyntheticLoader(b, size, k, device, n, memory_format, seed)
+        val = SyntheticLoader(b, size, k, device, 2, memory_format, seed + 1)
+        return Data(train, val, None, located.classes, located.source, plan)
+    layout = located.layout
+    sampler = ResumableSampler(len(layout.train), seed=seed, rank=dist.rank, world_size=dist.world_size,
+                               batch_size=plan.batch_size)
+    sharded = layout.val and dist.world_size > 1
+    val_sampler = distributed.EvalShardSampler(len(layout.val), dist.rank, dist.world_size) if sharded else None
+    train, val = make_loaders(layout, plan, device, seed=seed, dtype=dtype, memory_format=memory_format,
+                              train_sampler=sampler, val_sampler=val_sampler, say=say)
+    if not plan.on_device and val is not None:  # the classic loader: a copy that reads this rank's shard
+        val = distributed.shard_eval_loader(val, dist.rank, dist.world_size)
+    return Data(train, val, sampler, located.classes, located.source, plan)

@@ -1,0 +1,221 @@
+"""Safe unpacking of dataset archives: `dlenv unpack ARCHIVE [--dest DIR] [--overwrite]`.
+
+Archives come from strangers, so every member is checked before a byte of it is written:
+
+- the format is read from the file's first bytes (zip, tar, tar.gz/.bz2/.xz, 7z), not its suffix;
+- member names with `..` or an absolute path, links that point outside the destination or that a
+  later member would be written through, device and FIFO members, a total beyond the free disk and
+  a compression ratio that marks a bomb are refused with one line (tar links also pass through
+  tarfile's own `data` extraction filter where this Python has it);
+- truncated and corrupt archives (CRC, early EOF, a bad header) are refused the same way.
+
+Everything is written into `.<dest>.unpack-<pid>-tmp` beside the destination and renamed into place
+only when complete, so a refusal, a crash, Ctrl-C or `kill` leaves the destination as it was; the
+next run removes what an interrupted one left behind. `--overwrite` swaps the old folder out only
+after the new one is complete.
+
+Real-world archives come out right: zip names stored in a Windows code page (GBK and others) are
+decoded to their real characters, backslash separators become folders, macOS/Windows junk
+(`__MACOSX/`, `._*`, `.DS_Store`, `Thumbs.db`, `desktop.ini`) is dropped, and a single top-level
+folder is flattened into the destination.
+
+The parts: `names` (the format, safe member names, zip code pages), `guard` (the byte budget and the
+writer that checks every member), `formats` (zip, tar, 7z) and `swap` (temporary folders, locking,
+the swap into place).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import lzma
+import os
+import shutil
+import signal
+import tarfile
+import threading
+import zipfile
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dlenv.data.unpack.formats import unpack_7z, unpack_tar, unpack_zip
+from dlenv.data.unpack.guard import Budget, Writer, _free_bytes, _size
+from dlenv.data.unpack.names import archive_stem, detect_format, guess_name_codec
+from dlenv.data.unpack.swap import (
+    _check_dest,
+    _on_sigterm,
+    _parent_lock,
+    _swap_into_place,
+    clean_leftovers,
+    refuse_unsafe_dest,
+)
+from dlenv.errors import UserError
+
+__all__ = ["UnpackResult", "archive_stem", "clean_leftovers", "detect_format", "guess_name_codec", "main", "unpack"]
+
+
+@dataclass
+class UnpackResult:
+    """What `unpack` did: where the data is and what it dropped or decoded."""
+
+    dest: Path
+    format: str
+    files: int = 0
+    bytes: int = 0
+    junk: int = 0
+    links: int = 0
+    name_encoding: str | None = None  # the code page zip names were decoded from, when not UTF-8
+    flattened: str | None = None      # the single top-level folder that was flattened
+    cleaned: list[str] = field(default_factory=list)  # leftovers of interrupted runs removed first
+
+
+def unpack(archive: str | Path, dest: str | Path | None = None, overwrite: bool = False,
+           name_encoding: str = "auto", max_ratio: float = 100.0, progress: bool = True) -> UnpackResult:
+    """Unpack `archive` into `dest` (default data/<archive stem>/) safely and atomically.
+
+    Returns an UnpackResult. Raises UserError for a missing, hostile, damaged or empty archive, a
+    destination that is in the way, or too little disk; the destination is then exactly as before.
+    """
+    from tqdm import tqdm
+
+    src = Path(archive)
+    if not src.is_file():
+        raise UserError(f"archive {src} not found" + ("" if not src.exists() else " (it is not a file)"))
+    if name_encoding != "auto":
+        import codecs
+
+        try:
+            codecs.lookup(name_encoding)
+        except LookupError:
+            raise UserError(f"--name-encoding {name_encoding!r} is not a codec Python knows; try gbk, cp932, "
+                            "big5, cp949 or auto") from None
+    fmt = detect_format(src)
+    if not dest:
+        stem = archive_stem(src)
+        if not stem.strip("."):  # '..tar.gz' would make data/. (the data folder), '...tar' data/..
+            raise UserError(f"archive {src.name!r} gives no folder name to unpack into; pass --dest NAME "
+                            "(e.g. data/NAME)")
+        dest = Path("data") / stem
+    dest = Path(dest)
+    refuse_unsafe_dest(dest, Path("data"))
+    if dest.resolve() == src.resolve():
+        raise UserError(f"destination {dest} is the archive itself; choose another --dest")
+    parent = dest.absolute().parent
+    made = [p for p in (parent, *parent.parents) if not p.exists()]
+    parent.mkdir(parents=True, exist_ok=True)
+    result = UnpackResult(dest=dest, format=fmt)
+    try:
+        with _parent_lock(parent):
+            result.cleaned = clean_leftovers(parent)
+            for line in result.cleaned:
+                print(line)
+            _check_dest(dest, overwrite, src)
+            _extract_and_swap(src, fmt, dest, parent, result, name_encoding, max_ratio, progress, tqdm)
+    except BaseException:
+        for p in made:  # parents created for a destination that never came to be
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
+    return result
+
+
+def _extract_and_swap(src: Path, fmt: str, dest: Path, parent: Path, result: UnpackResult, name_encoding: str,
+                      max_ratio: float, progress: bool, tqdm: Any) -> None:
+    tmp = parent / f".{dest.name}.unpack-{os.getpid()}-tmp"
+    where = str(src)
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
+    if previous is None:  # a handler installed outside Python: restore the default
+        previous = signal.SIG_DFL
+    tmp.mkdir()
+    try:
+        size = src.stat().st_size
+        with open(src, "rb") as raw, tqdm(total=None if fmt == "zip" or fmt == "7z" else size, unit="B",
+                                           unit_scale=True, unit_divisor=1024, desc=src.name, mininterval=0.5,
+                                           delay=1.0, leave=False,
+                                           disable=None if progress else True) as bar:  # None: not in logs
+            budget = Budget(where, size, _free_bytes(parent), max_ratio, parent, bar,
+                             raw if fmt.startswith("tar") else None)
+            w = Writer(tmp, where, budget)
+            try:
+                if fmt == "zip":
+                    result.name_encoding = unpack_zip(raw, w, name_encoding)
+                elif fmt == "7z":
+                    unpack_7z(raw, w)
+                else:
+                    unpack_tar(raw, fmt, w)
+                reaches_root = w.finish()
+            except UserError:
+                raise
+            except OSError as e:
+                raise _os_error(e, where, parent) from None
+            except (tarfile.TarError, zipfile.BadZipFile, zlib.error, lzma.LZMAError, EOFError) as e:
+                raise UserError(f"{where} is damaged or truncated ({type(e).__name__}: {e}); download it "
+                                "again") from None
+            except NotImplementedError as e:
+                raise UserError(f"{where} uses a compression method Python cannot read ({e}; Windows' "
+                                "Deflate64 for big zips is one); re-pack it with 7-Zip or zip") from None
+            except RuntimeError as e:
+                if "encrypted" not in str(e) and "password" not in str(e):
+                    raise
+                raise UserError(f"{where} is encrypted; dlenv does not unpack password-protected archives: "
+                                "unpack it yourself and pass the folder") from None
+        if not w.files:
+            what = "only macOS/Windows junk files" if w.junk else "no files"
+            raise UserError(f"{where} holds {what}; nothing to unpack")
+        result.files, result.bytes, result.junk, result.links = len(w.files), budget.written, w.junk, len(w.links)
+        top = os.listdir(tmp)
+        new = tmp
+        if len(top) == 1 and top[0] in w.dirs and not reaches_root:
+            new = tmp / top[0]
+            result.flattened = top[0]
+        _swap_into_place(new, tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _os_error(e: OSError, where: str, parent: Path) -> UserError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return UserError(f"the disk holding {parent} filled up while unpacking {where}; free some space or "
+                         "unpack to another disk with --dest")
+    if e.errno is None:  # decompressors (bz2, gzip) raise OSError without an errno for bad data
+        return UserError(f"{where} is damaged or truncated ({e}); download it again")
+    return UserError(f"cannot write while unpacking {where}: {e.strerror} ({e.filename}); check the "
+                     "destination's permissions and disk")
+
+
+def main(cfg: Any) -> int:
+    """`dlenv unpack ARCHIVE [--dest DIR] [--overwrite]`: unpack, then print where and the dataset report."""
+    if not cfg.archive:
+        raise UserError("unpack needs an archive: dlenv unpack ARCHIVE [--dest DIR]")
+    r = unpack(cfg.archive, cfg.dest, overwrite=cfg.overwrite, name_encoding=cfg.name_encoding,
+               max_ratio=cfg.max_ratio)
+    print(f"unpacked {r.files} files ({_size(r.bytes)}) from {cfg.archive} into {r.dest}/")
+    if r.flattened:
+        print(f"  its single top-level folder {r.flattened}/ was flattened into {r.dest}/")
+    if r.junk:
+        print(f"  dropped {r.junk} macOS/Windows junk entries (__MACOSX, ._*, .DS_Store, Thumbs.db, desktop.ini)")
+    if r.name_encoding and r.name_encoding != "utf-8":
+        print(f"  file names decoded from {r.name_encoding} (the zip does not mark them as UTF-8); if they "
+              "look wrong, try --name-encoding")
+    if cfg.report:
+        _print_report(r.dest)
+    return 0
+
+
+def _print_report(root: Path) -> None:
+    from dlenv.data.report import dataset_report, format_report
+
+    try:
+        report = dataset_report(root)
+    except UserError as e:
+        print(f"not a dataset layout dlenv can train on yet: {e}")
+        return
+    print()
+    print(format_report(report))

@@ -1,0 +1,49 @@
+"""How the user started dlenv, so that a message can name the command to type next.
+
+A run stopped by Ctrl-C or `docker stop` says how to resume it. That command must be the one the user
+actually ran: `python train.py --resume runs/exp/last.pth` after `python train.py`,
+`invoke train --resume ...` after invoke, `dlenv train --resume ...` after dlenv. The front doors (the
+`dlenv` CLI and the invoke tasks) call `remember` once; the command is kept in the environment
+(DLENV_COMMAND), so the torchrun workers that `--gpus N` starts, whose own command line is dlenv's
+internal one, name the user's command too. `again` builds the suggestion. No torch here.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+
+ENV = "DLENV_COMMAND"
+
+
+def describe(verb: str, argv0: str, script_picks_verb: bool = False) -> str:
+    """The command that runs `verb` the way `argv0` was started.
+
+    `script_picks_verb`: the script passed its own argument list with the verb in it (a project's
+    train.py calls `dlenv.cli.main(["train", *sys.argv[1:]])`), so the user typed no verb.
+    """
+    path = Path(argv0)
+    if path.name in ("invoke", "inv") or (path.name == "__main__.py" and path.parent.name == "invoke"):
+        return f"invoke {verb}"
+    if path.name == "dlenv":
+        return f"dlenv {verb}"
+    if path.name == "__main__.py" and path.parent.name == "dlenv":
+        return f"python -m dlenv {verb}"
+    if path.parent.name == "dlenv" and path.suffix == ".py":  # python -m dlenv.cli and the like
+        return f"python -m dlenv.{path.stem} {verb}"
+    script = f"python {shlex.quote(argv0)}"
+    return script if script_picks_verb else f"{script} {verb}"
+
+
+def remember(verb: str, argv0: str | None = None, script_picks_verb: bool = False) -> None:
+    """Record how this command was started. A torchrun worker keeps what its launcher recorded."""
+    if "LOCAL_RANK" in os.environ and os.environ.get(ENV):
+        return
+    os.environ[ENV] = describe(verb, argv0 if argv0 is not None else sys.argv[0], script_picks_verb)
+
+
+def again(verb: str, args: str) -> str:
+    """The command line that runs `verb` with `args` as the user started dlenv (`dlenv VERB` when unknown)."""
+    return f"{os.environ.get(ENV) or f'dlenv {verb}'} {args}"

@@ -1,0 +1,179 @@
+"""`dlenv train --gpus N`: start the same command again as N torchrun workers per node.
+
+`launch(cfg)` runs `python -m dlenv.launch <torchrun options> -m dlenv.cli train <flags>`: torchrun
+(`torch.distributed.run`) with N processes per node, the multi-node flags going to its rendezvous,
+and forwards SIGTERM/SIGINT to it once, so rank 0 saves one checkpoint. `python -m dlenv.launch` is
+torchrun's main ending in one line that names the rank that failed, instead of a traceback.
+
+Nothing here imports torch at module level: the launching process only parses flags and waits.
+Inside each worker, `dlenv.distributed` joins the process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+from typing import Any
+
+from dlenv import config
+from dlenv.errors import UserError
+
+#: exit status of a process whose peers failed (distinct from OOM 3 and non-finite 4)
+EXIT_PEER = 5
+#: torchrun checks its workers this often (seconds): how fast a dead rank takes the job down
+MONITOR_INTERVAL_S = 1
+
+
+def in_torchrun() -> bool:
+    """Whether this process was started by torchrun (or another launcher that sets LOCAL_RANK)."""
+    return "LOCAL_RANK" in os.environ
+
+
+def needs_launch(cfg: Any) -> bool:
+    """Whether `cfg` asks for several processes and this process is not one of them yet."""
+    return (cfg.gpus > 1 or cfg.nnodes > 1) and not in_torchrun()
+
+
+def check_launch(cfg: Any) -> None:
+    """Refuse launch options that cannot work, before any process starts. Raises UserError."""
+    if cfg.node_rank >= cfg.nnodes:
+        raise UserError(f"--node-rank {cfg.node_rank} must be below --nnodes {cfg.nnodes} "
+                        f"(nodes are numbered 0..{cfg.nnodes - 1})")
+    device = cfg.device
+    if device.startswith("cuda:"):
+        raise UserError(f"--device {device} picks one GPU, but --gpus {cfg.gpus} gives each process its "
+                        "own (cuda:0..); use --device cuda, and CUDA_VISIBLE_DEVICES to choose the GPUs")
+    if device == "cpu":
+        return  # N CPU processes talking gloo: how the CI tests run, and a way to try a setup
+    if device not in ("auto", "cuda"):
+        raise UserError(f"--device {device!r} is not a device; use cuda, cpu or auto with --gpus")
+    import torch  # the one question only torch answers: how many GPUs this process sees
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible == 0:
+        raise UserError(f"--gpus {cfg.gpus}: no CUDA GPU is visible (run verify-env); use --gpus 1, or "
+                        f"--device cpu to try {cfg.gpus} CPU processes")
+    if cfg.gpus > visible:
+        raise UserError(f"--gpus {cfg.gpus}: only {visible} GPU(s) visible on this node; use --gpus {visible} "
+                        "(or check CUDA_VISIBLE_DEVICES and nvidia-smi)")
+
+
+def train_flags(cfg: Any) -> list[str]:
+    """The `dlenv train` flags that rebuild `cfg` (options at their default are left out)."""
+    flags: list[str] = []
+    for f in config.options(type(cfg)):
+        value = getattr(cfg, f.name)
+        if value == f.default or value is None:
+            continue
+        name = config.flag(f.name)
+        if isinstance(value, bool):
+            flags.append(name if value else "--no-" + name[2:])
+        elif isinstance(value, tuple):
+            flags += [name, ",".join(str(v) for v in value)]
+        else:
+            flags += [name, str(value)]
+    return flags
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the OS picks it), for a single node's rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_args(cfg: Any, port: int | None = None) -> list[str]:
+    """torchrun's options for `cfg` (underscore spellings: 1.13 knows no others).
+
+    One node: a static rendezvous on 127.0.0.1 and a free port (or `port`), so runs started side by
+    side never meet. Several nodes: --nnodes/--node_rank/--master_addr/--master_port as given.
+    """
+    if cfg.nnodes == 1:
+        addr, port = "127.0.0.1", port or free_port()
+    else:
+        addr, port = cfg.master_addr, cfg.master_port
+    return ["--nproc_per_node", str(cfg.gpus), "--nnodes", str(cfg.nnodes), "--node_rank", str(cfg.node_rank),
+            "--master_addr", addr, "--master_port", str(port), "--max_restarts", "0",
+            "--monitor_interval", str(MONITOR_INTERVAL_S)]
+
+
+def launch_command(cfg: Any, port: int | None = None) -> list[str]:
+    """The command `launch` runs: this module's torchrun wrapper, then `-m dlenv.cli train <flags>`."""
+    return [sys.executable, "-m", "dlenv.launch", *torchrun_args(cfg, port),
+            "-m", "dlenv.cli", "train", *train_flags(cfg)]
+
+
+def launch(cfg: Any) -> int:
+    """Run `dlenv train` with `cfg` as torchrun workers on this node; return the exit status.
+
+    The launcher is a process of its own session, so a Ctrl-C in the terminal reaches only this
+    process, which forwards it (and SIGTERM, SIGHUP) to torchrun, which passes it to every worker
+    once: the workers finish the step and rank 0 saves last.pth (exit 130/143). A second signal is
+    forwarded too and stops them at once. Raises UserError for options that cannot launch.
+    """
+    check_launch(cfg)
+    env = dict(os.environ)
+    # torchrun would set 1 and print a banner about it; a share of the cores is the better default
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.gpus)))
+    proc = subprocess.Popen(launch_command(cfg), env=env, start_new_session=True)
+
+    def forward(signum: int, frame: Any) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
+
+    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    old = {s: signal.signal(s, forward) for s in forwarded}
+    try:
+        rc = proc.wait()
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    return 128 - rc if rc < 0 else rc
+
+
+def _root_failure(err: Any) -> tuple[int, Any]:
+    """(rank, failure) of torchrun's ChildFailedError that caused the others: not a rank that only saw
+    its peer go (EXIT_PEER) or was stopped by torchrun (SIGTERM), where another failed differently."""
+    def key(item: tuple[int, Any]) -> tuple[bool, float, int]:
+        rank, f = item
+        return f.exitcode in (EXIT_PEER, -signal.SIGTERM, 128 + signal.SIGTERM), f.timestamp, rank
+
+    return min(err.failures.items(), key=key)
+
+
+def _failure_line(err: Any) -> str:
+    """One line for torchrun's ChildFailedError: which rank failed, and how."""
+    rank, failure = _root_failure(err)
+    who = f"dlenv train: rank {rank} (local rank {failure.local_rank}, pid {failure.pid})"
+    if failure.exitcode == EXIT_PEER:  # torchrun saw only a rank that lost its peer, not the peer itself
+        return (f"{who} stopped because another process of the run failed; the first 'dlenv train: error' "
+                "line above names the cause")
+    how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
+           else f"exited with status {failure.exitcode}")
+    hint = " (out of host memory? see dmesg)" if failure.exitcode == -signal.SIGKILL else ""
+    return f"{who} {how}{hint}; the other processes were stopped. Its own error is printed above"
+
+
+def _torchrun(argv: list[str]) -> int:
+    """torch.distributed.run's main, ending in an exit status and one line instead of a traceback."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main(argv)
+    except SignalException as e:  # the workers got the signal and are done (or were killed)
+        return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        print(_failure_line(e), file=sys.stderr, flush=True)
+        rank, failure = _root_failure(e)
+        return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+    return 0
+
+
+if __name__ == "__main__":  # `python -m dlenv.launch <torchrun options> ...`, as launch() runs it
+    raise SystemExit(_torchrun(sys.argv[1:]))

@@ -1,0 +1,104 @@
+"""What the trainer says and hears: the progress bar, the epoch line, and SIGINT/SIGTERM.
+
+A signal does not stop the run where it lands: `Stop` only notes it, and the loop asks `requested()`
+after each optimizer step, so the run stops at a step boundary, saves last.pth and exits 130 / 143.
+In a run of several processes a signal may reach some ranks only (or at another step), so the ranks
+vote at points every rank passes. A second signal stops at once (Python's default behaviour).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dlenv import distributed, invocation, progress
+
+#: exit status for each stop signal (128 + its number, as shells report it)
+SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+def printer(enabled: bool) -> Callable[[str], None]:
+    """`say(msg)`: print and flush on the main process, nothing elsewhere."""
+    def say(msg: str) -> None:
+        if enabled:
+            print(msg, flush=True)
+
+    return say
+
+
+class Stop:
+    """SIGINT/SIGTERM handlers that ask the loop to stop at the next optimizer step; a second signal
+    stops at once. A context manager: the previous handlers come back at its end."""
+
+    def __init__(self, say: Callable[[str], None], world_size: int = 1):
+        self.signum: int | None = None
+        self.say, self.world_size = say, world_size
+        self._pid = os.getpid()
+        self._old: dict[int, Any] = {}
+
+    def _handle(self, signum, frame):
+        if os.getpid() != self._pid:
+            # a DataLoader worker: it inherited this handler through fork, and a terminal's Ctrl-C reaches
+            # its whole process group; the trainer stops the workers itself once it has saved
+            return
+        if self.signum is not None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.signum = signum
+        self.say(f"\n{signal.Signals(signum).name}: saving last.pth at the end of this optimizer step "
+                 "(send it again to stop at once)")
+
+    def requested(self, check_peers: bool = True) -> bool:
+        """Whether to stop here. With several processes the ranks agree (a collective), and only where
+        `check_peers`: at points every rank passes in the same order."""
+        if self.world_size == 1:
+            return self.signum is not None
+        return check_peers and distributed.agree(self.signum is not None, "max") > 0
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in SIGNAL_EXIT:
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def stopped_line(signum: int | None, last_path: Path | None) -> str:
+    """What the run says when a signal stopped it: where it saved, and how to resume."""
+    return (f"stopped by {signal.Signals(signum).name if signum else 'a signal'}; saved {last_path}. "
+            f"Resume with: {invocation.again('train', f'--resume {last_path}')}")
+
+
+class Progress:
+    """The epoch's progress: a tqdm bar with its ETA on a terminal; in a log, a line with the time left
+    every `interval` seconds (`dlenv.progress`), whatever a step costs."""
+
+    def __init__(self, total: int, start: int, desc: str, enabled: bool, interval: float = progress.LOG_INTERVAL_S):
+        self.total = total
+        self.shown = progress.Progress(total, desc, start=start, enabled=enabled, unit="batch", interval=interval)
+
+    def update(self, done: int, loss: float, ips: float, mem_gib: float) -> None:
+        self.shown.update(done, f"loss {loss:.4f}  {ips:,.0f} img/s  {mem_gib:.1f} GiB")
+
+    def close(self) -> None:
+        self.shown.close()
+
+
+def epoch_line(row: dict[str, Any], epochs: int, improved: bool) -> str:
+    """The line printed after each epoch, from its results.csv row."""
+    val = (f"val loss {row['val_loss']:.4f}  top-1 {row['top1']:.2f}%  top-5 {row['top5']:.2f}%"
+           if row["top1"] is not None else "no validation data")
+    return (f"epoch {row['epoch']}/{epochs}: train loss {row['train_loss']:.4f}  {val}  lr {row['lr']:.3g}  "
+            f"{row['img_per_s']:,.0f} img/s  data wait {row['data_wait']:.0%}  {row['epoch_s']:.1f} s  "
+            f"peak {row['mem_alloc_gib']:.2f}/{row['mem_reserved_gib']:.2f} GiB alloc/reserved"
+            + ("  *best*" if improved else ""))

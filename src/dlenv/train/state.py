@@ -1,0 +1,223 @@
+"""A run's state in its files, saved and restored side by side.
+
+`payload` is what last.pth holds (the format: dlenv.runstate), `slim` the part of it best_model.pth
+keeps (the weights people share, with the classes and the config: no optimizer, schedule or RNG
+state); `save_last` and `save_best` write them (atomically, through runstate); `open_resume` reads a
+--resume file and the options it was trained with, and `restore` puts its state into the new run's
+objects. The RNG states are handed back rather than set: the trainer sets them last, after
+everything that draws random numbers while it is being built (model init, the --batch-size auto probe).
+
+A kill between the two saves of an improving epoch (last.pth first, then best_model.pth) leaves a
+last.pth that records a best metric best_model.pth does not hold. Its state is then exactly the best
+one (`best_epoch` is its epoch), so `settle_best`, at the start of the resumed run, writes
+best_model.pth again from it; it also removes the temporary files killed writes left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dlenv import config, runs, runstate, usermodel
+from dlenv.atomic import remove_leftover_temps, write_text
+from dlenv.config import TrainConfig
+from dlenv.errors import UserError
+from dlenv.train.loop import NonFiniteLoss, Parts, TrainState
+
+#: Options a resumed run takes from the new command: where it runs, not what it computes.
+RESUME_FROM_COMMAND = ("device", "workers", "gpus", "nnodes", "node_rank", "master_addr", "master_port",
+                       "dist_timeout", "trust_pickle")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Saving.
+
+
+def payload(parts: Parts, state: TrainState, sampler: Any, meta: dict[str, Any]) -> dict[str, Any]:
+    """Everything a resume needs, now, as tensors and plain types (loads with weights_only=True)."""
+    return {
+        "format": runstate.FORMAT,
+        "model": parts.bare.state_dict(),
+        **meta,
+        "epoch": state.epoch, "step": state.step, "batch_in_epoch": state.batch_in_epoch,
+        "best_metric": state.best_metric, "best_epoch": state.best_epoch,
+        "optimizer": parts.optimizer.state_dict(),
+        "scaler": parts.precision.state_dict(),
+        "scheduler": parts.scheduler.state_dict(),
+        "ema": parts.ema.state_dict() if parts.ema is not None else None,
+        "sampler": sampler.state_dict(state.position) if sampler is not None else None,
+        "train_state": state.saved(),
+        "rng": runstate.rng_state(),
+        "env": runstate.environment(),
+    }
+
+
+def weights_finite(model: nn.Module) -> bool:
+    flags = [torch.isfinite(p).all() for p in model.parameters()]
+    return bool(torch.stack(flags).all().item()) if flags else True
+
+
+def save_last(parts: Parts, state: TrainState, sampler: Any, meta: dict[str, Any], path: Path) -> None:
+    """Save last.pth unless the weights went non-finite (then the previous file stays the good one and
+    NonFiniteLoss is raised)."""
+    if not weights_finite(parts.bare):
+        raise NonFiniteLoss(f"the weights became non-finite (epoch {state.epoch}, step {state.step})")
+    runstate.save_checkpoint(payload(parts, state, sampler, meta), path)
+
+
+#: what best_model.pth keeps of last.pth: the weights and what it takes to use them (classes, size,
+#: config); the optimizer, schedule, EMA, sampler and RNG states (most of last.pth) only resume a run
+BEST_KEYS = ("format", "model", "model_name", "model_source", "num_classes", "class_names", "img_size", "config",
+             "world_size", "epoch", "step", "best_metric", "best_epoch", "env")
+
+
+def slim(full: dict[str, Any], weights: dict[str, Any]) -> dict[str, Any]:
+    """best_model.pth's content: `full` (a last.pth payload) cut to BEST_KEYS, holding `weights`."""
+    best = {k: full[k] for k in BEST_KEYS if k in full}
+    best["model"] = weights
+    return best
+
+
+def save_best(parts: Parts, state: TrainState, sampler: Any, meta: dict[str, Any], path: Path) -> None:
+    """Save best_model.pth: the weights that were validated (the EMA's, if any), classes and config."""
+    weights = parts.ema.module.state_dict() if parts.ema is not None else parts.bare.state_dict()
+    runstate.save_checkpoint(slim(payload(parts, state, sampler, meta), weights), path)
+
+
+def _recorded_best(path: Path) -> float | None:
+    """The best metric best_model.pth records; None when it is missing or unreadable."""
+    if not path.is_file():
+        return None
+    try:
+        ckpt = runstate.load_checkpoint(path)
+    except UserError:
+        return None
+    return ckpt.get("best_metric") if isinstance(ckpt, dict) else None
+
+
+def settle_best(run_dir: Path, resume: Resume | None, best_metric: float | None,
+                say: Callable[[str], None]) -> None:
+    """At the start of a run in `run_dir` (holding its lock): remove the temporary files of killed writes
+    and, on a resume, make best_model.pth hold the best metric last.pth records (see the module doc)."""
+    removed = remove_leftover_temps(run_dir)
+    if removed:
+        say(f"removed {len(removed)} temporary file(s) that interrupted writes left in {run_dir}: "
+            f"{', '.join(removed)}")
+    if resume is None or best_metric is None:
+        return
+    path = run_dir / "best_model.pth"
+    if _recorded_best(path) == best_metric:
+        return
+    if resume.best is None:  # the file was changed by hand: last.pth is past the best epoch
+        say(f"note: {path} does not hold the best metric ({best_metric:.2f}) that {resume.path.name} records, "
+            "and cannot be rebuilt from it; it is left as it is")
+        return
+    runstate.save_checkpoint(resume.best, path)
+    resume.best = None
+    say(f"wrote {path} again from {resume.path.name} (a stop interrupted its last save)")
+
+
+def last_good(path: Path | None) -> str:
+    """A sentence naming the last good checkpoint, for the messages of a run that stops."""
+    if path is not None and path.is_file():
+        return f"The last good checkpoint is {path}."
+    return "No checkpoint was written yet."
+
+
+def write_config_yaml(path: Path, options: dict[str, Any], notes: dict[str, Any]) -> None:
+    """config.yaml: the resolved options (reusable with --cfg) and, as comments, what they resolved to."""
+    import yaml
+
+    head = ["# dlenv train: the options of this run, resolved; rerun with: dlenv train --cfg <this file>"]
+    head += [f"# {k}: {v}" for k, v in notes.items()]
+    write_text(path, "\n".join(head) + "\n" + yaml.safe_dump(options, sort_keys=False))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Resuming.
+
+
+@dataclass
+class Resume:
+    """A --resume file being continued: its contents until `restore` took them, and where it lives."""
+
+    ckpt: dict[str, Any] | None
+    path: Path
+    ignored: list[str]          # flags given that a resume cannot change
+    best: dict[str, Any] | None = None  # best_model.pth's content when the saved state is the best one
+
+    @property
+    def run_dir(self) -> Path:
+        return self.path.parent
+
+    @property
+    def saved_world(self) -> int:
+        return int(self.ckpt.get("world_size", 1))
+
+
+def open_resume(cfg: TrainConfig) -> tuple[TrainConfig, Resume | None]:
+    """(the options to run with, the Resume or None) for --resume. A resumed run keeps its saved options
+    except where it runs (RESUME_FROM_COMMAND). Raises UserError for a file that is not a dlenv
+    training checkpoint (through runstate.load_checkpoint, for a missing or unsafe one)."""
+    if not cfg.resume:
+        return cfg, None
+    path = runs.find_resume(cfg.resume, cfg.project)
+    ckpt = runstate.load_checkpoint(path)
+    usermodel.check_resume(ckpt, cfg.model, f"--resume {path}")  # a model of your own: trust rule, changed file
+    cfg, ignored = resume_config(ckpt, cfg, path)
+    return cfg, Resume(ckpt, path, ignored)
+
+
+def resume_config(ckpt: dict[str, Any], given: TrainConfig, path: Path) -> tuple[TrainConfig, list[str]]:
+    """(the saved run's options with only where it runs taken from this command, the flags given that a
+    resume cannot change)."""
+    if not runstate.is_dlenv_checkpoint(ckpt) or "config" not in ckpt or "optimizer" not in ckpt:
+        raise UserError(f"--resume {path}: not a dlenv training checkpoint (no optimizer state); "
+                        "pass a last.pth from runs/<name>/, or start from its weights with --weights")
+    saved = config.from_dict(TrainConfig, ckpt["config"])
+    # a value given that differs from both the default and the saved run was asked for, and is ignored
+    ignored = [config.flag(f.name) for f in config.options(TrainConfig)
+               if f.name not in (*RESUME_FROM_COMMAND, "resume")
+               and getattr(given, f.name) != f.default and getattr(given, f.name) != getattr(saved, f.name)]
+    kept = {name: getattr(given, name) for name in RESUME_FROM_COMMAND}
+    return dataclasses.replace(saved, resume=str(path), **kept), ignored
+
+
+def restore(resume: Resume, parts: Parts, state: TrainState, sampler: Any) -> dict[str, Any]:
+    """Load the saved model, optimizer, schedule, scaler, EMA, counters and sampler position into this
+    run; returns the saved RNG states (for the caller to set last) and frees the file's tensors.
+
+    Raises UserError when the optimizer state does not fit this model.
+    """
+    from dlenv.optim import load_optimizer_state
+
+    ckpt = resume.ckpt
+    runstate.load_model_state(parts.bare, ckpt["model"], resume.path)
+    try:
+        load_optimizer_state(parts.optimizer, ckpt["optimizer"])
+    except (ValueError, KeyError, TypeError) as e:  # torch's own check: groups or sizes differ
+        raise UserError(f"--resume {resume.path}: its optimizer state does not fit this model ({e}); "
+                        f"start a new run from its weights with --weights {resume.path}") from None
+    parts.scheduler.load_state_dict(ckpt["scheduler"])
+    parts.precision.load_state_dict(ckpt["scaler"])
+    if parts.ema is not None and ckpt.get("ema"):
+        parts.ema.load_state_dict(ckpt["ema"])
+    ts = ckpt["train_state"]
+    state.epoch, state.step = int(ckpt["epoch"]), int(ckpt["step"])
+    state.best_metric, state.best_epoch = ckpt.get("best_metric"), ckpt.get("best_epoch")
+    if state.best_metric is not None and state.best_epoch == state.epoch and not int(ckpt["batch_in_epoch"]):
+        # saved at the end of the best epoch: what settle_best needs to write best_model.pth again
+        resume.best = slim(ckpt, ckpt["ema"]["module"] if ckpt.get("ema") else ckpt["model"])
+    state.chunks, state.oom_retries = int(ts.get("chunks", 1)), int(ts.get("oom_retries", 0))
+    if sampler is not None and ckpt.get("sampler"):
+        sampler.load_state_dict(ckpt["sampler"])
+        state.position = sampler.start
+        state.batch_in_epoch = int(ckpt["batch_in_epoch"]) if state.position else 0
+    resume.ckpt = None  # free its tensors
+    return ckpt["rng"]

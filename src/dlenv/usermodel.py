@@ -1,0 +1,499 @@
+"""Models of your own: `--model FILE.py:factory` and `--model package.module:factory`.
+
+The file is resolved against the working folder (a project mounted at /root/workspace just works).
+`factory(num_classes, **model_args)` returns an nn.Module mapping images [N, 3, H, W] to logits
+[N, num_classes]. The trainer records where the model came from ({ref, sha256, args, file}) in
+config.yaml and the run-state files, so val, prune and export rebuild it the same way.
+
+Importing a file runs its code: a reference typed on the command line is the user's choice; one read
+from a checkpoint is imported only when its file lies inside the working folder (symlinks resolved)
+or the user names it again with --model. No torch import at module level (dlenv.config imports this).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import logging
+import re
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dlenv.errors import UserError
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"[A-Za-z_]\w*\Z")
+_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\Z")
+# Given by dlenv itself: the data's class count, and --img-size to a factory that takes img_size.
+_RESERVED = {"num_classes": "it comes from the data", "img_size": "pass --img-size instead"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# References and model arguments
+
+
+def is_reference(name: Any) -> bool:
+    """Whether a --model value names a model of your own (FILE.py:factory, package.module:factory)."""
+    return isinstance(name, str) and (":" in name or name.strip().endswith(".py"))
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A parsed reference: the text as given, the file path or module name, the factory's name."""
+
+    text: str
+    target: str
+    factory: str
+    is_file: bool
+
+    def path(self) -> Path:
+        """The file, resolved against the working folder (symlinks followed)."""
+        return (Path.cwd() / Path(self.target).expanduser()).resolve()
+
+
+def parse_reference(text: str) -> Reference:
+    """Parse 'models/net.py:build' or 'mypkg.nets:build'. Raises UserError for any other form."""
+    s = str(text).strip()
+    target, sep, factory = s.rpartition(":")
+    if not sep:
+        raise UserError(f"--model {text!r} names a file but not the function that builds the model; "
+                        f"add it, e.g. --model {s}:build")
+    if not _NAME.match(factory):
+        raise UserError(f"--model {text!r}: {factory!r} is not a Python name; use FILE.py:factory or "
+                        "package.module:factory (e.g. models/net.py:build)")
+    if target.endswith(".py"):
+        return Reference(s, target, factory, True)
+    if _MODULE.match(target):
+        return Reference(s, target, factory, False)
+    raise UserError(f"--model {text!r} is neither FILE.py:factory nor package.module:factory "
+                    "(e.g. models/net.py:build or mypkg.nets:build)")
+
+
+def same_reference(a: Reference, b: Reference) -> bool:
+    """Whether two references name the same factory (files compared after resolving)."""
+    if a.is_file != b.is_file or a.factory != b.factory:
+        return False
+    return a.path() == b.path() if a.is_file else a.target == b.target
+
+
+def _value(raw: str) -> Any:
+    """'32' -> 32, '0.1' -> 0.1, 'true' -> True, 'none' -> None, "'32'" -> '32', 'gelu' -> 'gelu'."""
+    if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
+        return raw[1:-1]
+    low = raw.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for number in (int, float):
+        try:
+            return number(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def parse_model_args(value: Any) -> dict[str, Any]:
+    """'width=32,drop=0.1,act=gelu' (or a mapping, from a YAML file) -> {'width': 32, 'drop': 0.1, ...}.
+
+    Values become int, float, bool (true/false), None (none) or str; quotes keep a string ('"32"').
+    Raises ValueError naming the bad item.
+    """
+    if value is None or value == "":
+        return {}
+    if isinstance(value, dict):
+        items = list(value.items())
+        for k, v in items:
+            if not isinstance(v, (int, float, str, bool, type(None))):
+                raise ValueError(f"{k}: {v!r} is not a number, string, true/false or none")
+    else:
+        items = []
+        for part in str(value).split(","):
+            if not part.strip():
+                continue
+            key, eq, raw = part.partition("=")
+            if not eq or not raw.strip():
+                raise ValueError(f"{part.strip()!r} is not key=value (e.g. width=32,drop=0.1)")
+            items.append((key.strip(), _value(raw.strip())))
+    out: dict[str, Any] = {}
+    for k, v in items:
+        if not isinstance(k, str) or not _NAME.match(k):
+            raise ValueError(f"{k!r} is not a keyword argument name")
+        if k in _RESERVED:
+            raise ValueError(f"{k} is not a model argument: {_RESERVED[k]}")
+        if k in out:
+            raise ValueError(f"{k} is given twice")
+        out[k] = v
+    return out
+
+
+def _text(v: Any) -> str:
+    if isinstance(v, bool) or v is None:
+        return {True: "true", False: "false", None: "none"}[v]
+    if isinstance(v, str):
+        if "," in v:
+            raise ValueError(f"{v!r}: a value cannot hold a comma")
+        return v if _value(v) == v and v.strip() == v else f"'{v}'"
+    return repr(v)
+
+
+def model_args_text(value: Any) -> str:
+    """The canonical 'k=v,...' form of --model-args (what config.yaml and checkpoints hold).
+
+    Raises ValueError for a malformed value (dlenv.config turns it into a one-line UserError)."""
+    return ",".join(f"{k}={_text(v)}" for k, v in parse_model_args(value).items())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Importing the factory
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """An imported factory, its file and the file's sha256 (None for a module without a file)."""
+
+    ref: Reference
+    factory: Any
+    file: Path | None
+    sha256: str | None
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _on_path(folder: Path) -> None:
+    # As `python script.py` would: the project folder (for `from utils.x import y` and package
+    # references) and the file's own folder (for sibling modules) are importable.
+    s = str(folder)
+    if s not in sys.path:
+        sys.path.insert(0, s)
+
+
+def _shown(path: Path) -> str:
+    """A path as the user would write it: relative to the working folder where it lies inside."""
+    try:
+        return str(path.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+
+
+def _where(e: BaseException, file: Path | None) -> str:
+    """' at line N of FILE' for the deepest frame of `e` in the user's file, or ''."""
+    if file is None:
+        return ""
+    if isinstance(e, SyntaxError) and e.filename and Path(e.filename) == file and e.lineno:
+        return f" at line {e.lineno} of {_shown(file)}"
+    lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if Path(f.filename) == file]
+    return f" at line {lines[-1]} of {_shown(file)}" if lines else ""
+
+
+def _import_file(ref: Reference) -> tuple[Any, Path, str]:
+    path = ref.path()
+    if not path.is_file():
+        raise UserError(f"--model {ref.text}: {ref.target} not found in {Path.cwd()}; paths are relative to "
+                        "the working folder (your project, /root/workspace in the image)")
+    data = path.read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    # One module per file and content: a changed file is a new module, the same one is imported once.
+    key = hashlib.sha256(f"{path}\0{sha}".encode()).hexdigest()[:16]
+    name = f"_dlenv_model_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}_{key}"
+    module = sys.modules.get(name)
+    if module is None:
+        _on_path(Path.cwd())
+        _on_path(path.parent)
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before running it: dataclasses and pickling look it up there
+        try:
+            exec(compile(data, str(path), "exec"), module.__dict__)  # the bytes that were hashed
+        except (Exception, SystemExit) as e:
+            del sys.modules[name]
+            raise UserError(f"--model {ref.text}: importing {ref.target} failed{_where(e, path)}: "
+                            f"{_first_line(e)}") from None
+    return module, path, sha
+
+
+def _import_module(ref: Reference) -> tuple[Any, Path | None, str | None]:
+    _on_path(Path.cwd())
+    try:
+        module = importlib.import_module(ref.target)
+    except ModuleNotFoundError as e:
+        if e.name and (ref.target == e.name or ref.target.startswith(e.name + ".")):
+            raise UserError(f"--model {ref.text}: no module {e.name!r} in {Path.cwd()} or the installed "
+                            "packages; run from your project folder, or name a file: --model "
+                            f"path/to/file.py:{ref.factory}") from None
+        raise UserError(f"--model {ref.text}: importing {ref.target} failed: {_first_line(e)}") from None
+    except (Exception, SystemExit) as e:
+        raise UserError(f"--model {ref.text}: importing {ref.target} failed: {_first_line(e)}") from None
+    origin = getattr(module, "__file__", None)
+    file = Path(origin).resolve() if origin and Path(origin).is_file() else None
+    return module, file, file_sha256(file) if file else None
+
+
+def load(ref: Reference) -> Loaded:
+    """Import the reference's file or module and find its factory. Raises UserError for a file or
+    module that is missing or fails to import (naming the line), and a factory missing or not callable."""
+    module, file, sha = _import_file(ref) if ref.is_file else _import_module(ref)
+    factory = getattr(module, ref.factory, None)
+    if factory is None:
+        defined = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                   and getattr(v, "__module__", None) == module.__name__]
+        has = f"it defines {', '.join(defined[:8])}" if defined else "it defines no functions or classes"
+        raise UserError(f"--model {ref.text}: {ref.target} has no {ref.factory!r}; {has}")
+    if not callable(factory):
+        raise UserError(f"--model {ref.text}: {ref.factory} in {ref.target} is a {type(factory).__name__}, "
+                        "not a function or class; name the function that returns the model")
+    return Loaded(ref, factory, file, sha)
+
+
+def _signature(factory: Any) -> inspect.Signature | None:
+    try:
+        return inspect.signature(factory)
+    except (TypeError, ValueError):  # some builtins and C extensions have none
+        return None
+
+
+def _takes_img_size(factory: Any) -> bool:
+    sig = _signature(factory)
+    return sig is not None and "img_size" in sig.parameters
+
+
+# ---------------------------------------------------------------------------------------------------
+# Building the model
+
+
+def declared_img_size(name: str) -> int | None:
+    """The image size a factory declares: its `img_size` attribute, or its img_size parameter's
+    default. None for torchvision names and factories that declare none. Raises UserError for a
+    declared size that is not an integer >= 16."""
+    if not is_reference(name):
+        return None
+    factory = load(parse_reference(name)).factory
+    size = getattr(factory, "img_size", None)
+    if size is None and _takes_img_size(factory):
+        default = _signature(factory).parameters["img_size"].default
+        size = None if default is inspect.Parameter.empty else default
+    if size is None:
+        return None
+    if isinstance(size, bool) or not isinstance(size, int) or size < 16:
+        raise UserError(f"--model {name}: it declares img_size {size!r}; an image size is an integer >= 16 "
+                        "(or pass --img-size)")
+    return size
+
+
+def factory_kwargs(name: str, model_args: Any, img_size: int | None) -> dict[str, Any]:
+    """The keyword arguments the factory is called with: --model-args, plus img_size when the factory
+    has an img_size parameter. {} for a torchvision name; UserError when --model-args is given to one."""
+    args = parse_model_args(model_args)
+    if not is_reference(name):
+        if args:
+            raise UserError(f"--model-args is for models of your own (--model FILE.py:factory); {name} "
+                            "takes none")
+        return {}
+    if img_size is not None and _takes_img_size(load(parse_reference(name)).factory):
+        args["img_size"] = int(img_size)
+    return args
+
+
+def _call_text(factory: str, num_classes: int, kwargs: dict[str, Any]) -> str:
+    return f"{factory}({', '.join([str(num_classes)] + [f'{k}={v!r}' for k, v in kwargs.items()])})"
+
+
+def build(name: str, num_classes: int, **kwargs: Any) -> Any:
+    """`factory(num_classes, **kwargs)` of the reference `name`, checked to be an nn.Module.
+
+    Raises UserError for arguments the factory does not take, an exception inside it (naming the line
+    of your file) and a result that is not an nn.Module.
+    """
+    from torch import nn
+
+    loaded = load(parse_reference(name))
+    ref, call = loaded.ref, _call_text(loaded.ref.factory, num_classes, kwargs)
+    sig = _signature(loaded.factory)
+    if sig is not None:
+        try:
+            sig.bind(num_classes, **kwargs)
+        except TypeError as e:
+            raise UserError(f"--model {ref.text}: cannot call {call}: {e}; the factory takes the class count "
+                            f"first, and --model-args must name its keyword arguments ({ref.factory}{sig})"
+                            ) from None
+    try:
+        model = loaded.factory(num_classes, **kwargs)
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"--model {ref.text}: {call} failed{_where(e, loaded.file)}: {_first_line(e)}") from None
+    if not isinstance(model, nn.Module):
+        raise UserError(f"--model {ref.text}: {call} returned a {type(model).__name__}, not a torch.nn.Module; "
+                        "return the model")
+    return model
+
+
+def check_output(model: Any, name: str, num_classes: int, img_size: int) -> None:
+    """For a model of your own: one training-mode forward of 2 random images without gradients must give
+    logits [2, num_classes]; buffers (BatchNorm statistics) and the RNG are put back. Raises UserError
+    naming what came back, or the error and its line. Does nothing for torchvision names."""
+    if not is_reference(name):
+        return
+    import torch
+
+    from dlenv import compat
+
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    buffers = {k: b.clone() for k, b in model.named_buffers()}
+    shape = f"2 images of 3x{img_size}x{img_size}"
+    file = parse_reference(name).path() if parse_reference(name).is_file else None
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        try:
+            out = model(torch.randn(2, 3, img_size, img_size, device=device))
+        except Exception as e:
+            if compat.is_oom(e):
+                raise
+            raise UserError(f"--model {name}: the model's forward failed on {shape}{_where(e, file)}: "
+                            f"{_first_line(e)}") from None
+        finally:
+            for k, b in model.named_buffers():
+                if k in buffers:
+                    b.copy_(buffers[k])
+    if not (torch.is_tensor(out) and out.is_floating_point() and tuple(out.shape) == (2, num_classes)):
+        what = (f"a tensor of shape [{', '.join(map(str, out.shape))}]"
+                + ("" if out.is_floating_point() else f" of {out.dtype}")) if torch.is_tensor(out) else (
+            f"a {type(out).__name__}")
+        raise UserError(f"--model {name}: the model returned {what} for {shape}; its forward must "
+                        f"return logits of shape [N, num_classes] = [2, {num_classes}] (in training mode too)")
+
+
+def provenance(name: str, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """Where the model came from, for config.yaml and run-state files: {"ref", "sha256", "args",
+    "file"} (plain types), or None for a torchvision name."""
+    if not is_reference(name):
+        return None
+    loaded = load(parse_reference(name))
+    return {"ref": loaded.ref.text, "sha256": loaded.sha256, "args": dict(kwargs),
+            "file": str(loaded.file) if loaded.file else None}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rebuilding from a checkpoint, and the trust rule
+
+
+def _inside_cwd(path: Path) -> bool:
+    return path.resolve().is_relative_to(Path.cwd().resolve())
+
+
+def _module_inside_cwd(ref: Reference) -> bool:
+    """Whether the module's top-level package lies in the working folder. find_spec of a top-level
+    name locates it without running any of its code."""
+    _on_path(Path.cwd())
+    spec = importlib.util.find_spec(ref.target.split(".")[0])
+    if spec is None:
+        return False
+    places = [spec.origin] if spec.origin and spec.has_location else []
+    places += list(spec.submodule_search_locations or [])
+    return bool(places) and all(_inside_cwd(Path(p)) for p in places)
+
+
+def _read_source(source: Any, what: str) -> tuple[str, str | None, dict[str, Any]]:
+    if not (isinstance(source, dict) and isinstance(source.get("ref"), str)
+            and isinstance(source.get("args", {}), dict)):
+        raise UserError(f"{what}: its 'model_source' entry is malformed; pass the model again with "
+                        "--model FILE.py:factory")
+    sha = source.get("sha256")
+    return source["ref"], sha if isinstance(sha, str) else None, dict(source.get("args") or {})
+
+
+def check_source(source: Any, given: str | None, what: str) -> Reference:
+    """The trust rule for a checkpoint's model source, then the import; returns the reference to build.
+
+    A reference `given` with --model is the user's choice and used; else the checkpoint's is imported
+    only when its file (or package) lies inside the working folder. Raises UserError for a missing or
+    untrusted file; warns in one line when the file's sha256 differs from the recorded one."""
+    saved, sha, _ = _read_source(source, what)
+    if given and is_reference(given):
+        ref, trusted = parse_reference(given), True
+    else:
+        ref, trusted = parse_reference(saved), False
+    if ref.is_file and not trusted and not ref.path().is_file():
+        raise UserError(f"{what} was trained with --model {saved}, and {ref.target} is not in {Path.cwd()}; "
+                        "run from the project folder that holds it, or pass --model "
+                        f"path/to/{Path(ref.target).name}:{ref.factory}")
+    outside = not (_inside_cwd(ref.path()) if ref.is_file else _module_inside_cwd(ref))
+    if outside and not trusted:
+        where = f"{_shown(ref.path())}, " if ref.is_file else ""
+        raise UserError(f"{what} names --model {saved} ({where}outside the working folder {Path.cwd()}); "
+                        "importing it would run its code. If you trust it, pass --model "
+                        f"{saved} again, or run from the folder that holds it")
+    # The file is trusted by now; a module's file is found by importing it.
+    now = load(ref).sha256
+    if sha and now and now != sha:
+        log.warning("%s: %s differs from the file this checkpoint was trained with (sha256 %s then, %s now); "
+                    "building the model from it as it is", what, ref.target, sha[:12], now[:12])
+    return ref
+
+
+def rebuild(source: Any, name: str, num_classes: int, given: str | None, what: str) -> Any:
+    """A checkpoint's model of your own, from its factory and recorded arguments, after `check_source`.
+    Without a source (a bare state dict) `name` is built, as given with --model."""
+    if source is None:
+        return build(name, num_classes)
+    ref = check_source(source, given, what)
+    return build(ref.text, num_classes, **_read_source(source, what)[2])
+
+
+def check_resume(ckpt: Any, given: str | None, what: str) -> None:
+    """`check_source` before a resume builds the saved run's model; as a resume always builds the saved
+    reference, only that one (in any spelling) counts as given again."""
+    source = ckpt.get("model_source") if isinstance(ckpt, dict) else None
+    if not source:
+        return
+    saved, _, _ = _read_source(source, what)
+    same = bool(given) and is_reference(given) and same_reference(parse_reference(given), parse_reference(saved))
+    check_source(source, saved if same else None, what)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Blocks a model names itself
+
+
+def declared_blocks(model: Any) -> list | None:
+    """The blocks `model.checkpoint_blocks` lists (modules, or names as in named_modules), in order; None
+    without that attribute. Raises UserError for an unknown name, a non-module, or a nested block."""
+    from torch import nn
+
+    own = getattr(model, "checkpoint_blocks", None)
+    if own is None:
+        return None
+    what = f"{type(model).__name__}.checkpoint_blocks"
+    if isinstance(own, (str, nn.Module)) and not isinstance(own, (nn.ModuleList, nn.Sequential)):
+        own = [own]
+    blocks: list = []
+    for entry in own:
+        if isinstance(entry, str):
+            try:
+                entry = model.get_submodule(entry)
+            except AttributeError:
+                raise UserError(f"{what} names {entry!r}, which the model does not have; use names from "
+                                "model.named_modules(), e.g. 'blocks.0'") from None
+        if not isinstance(entry, nn.Module):
+            raise UserError(f"{what} holds a {type(entry).__name__}; list modules or their names")
+        if not any(entry is b for b in blocks):
+            blocks.append(entry)
+    for b in blocks:
+        inner = [m for m in b.modules() if m is not b and any(m is o for o in blocks)]
+        if inner:
+            raise UserError(f"{what} lists a {type(inner[0]).__name__} inside a listed {type(b).__name__}; "
+                            "list each block once, not also its parts")
+    return blocks

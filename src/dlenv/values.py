@@ -1,0 +1,83 @@
+"""Option values from what users type (or a YAML file holds): each parser returns the typed value or
+raises ValueError with a short reason, which `dlenv.config` turns into one line naming the flag.
+No torch here: `dlenv --help` and `invoke --list` import it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def parse_bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    s = str(v).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
+def parse_int(v: Any) -> int:
+    if isinstance(v, bool):
+        raise ValueError("expected an integer")
+    if isinstance(v, int):
+        return v
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise ValueError("expected an integer") from None
+    if not math.isfinite(f) or f != int(f):
+        raise ValueError("expected an integer")
+    return int(f)
+
+
+def parse_float(v: Any) -> float:
+    if isinstance(v, bool):
+        raise ValueError("expected a number")
+    try:
+        f = float(v)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError("expected a number") from None
+    if not math.isfinite(f):  # nan passes every < and > check; inf makes every schedule inf
+        raise ValueError("expected a finite number")
+    return f
+
+
+def parse_str(v: Any) -> str:
+    if isinstance(v, (list, tuple, dict, set)) or v is None:
+        raise ValueError("expected a single value, not a list or mapping")
+    s = str(v)
+    if "\0" in s:  # no path or name may hold a NUL byte
+        raise ValueError("a NUL character is not allowed")
+    return s
+
+
+def folder_name(v: Any) -> str:
+    """A plain folder name: not empty, no slashes, not '.' or '..' (checked before any work starts)."""
+    s = parse_str(v)
+    if not s.strip() or s in (".", "..") or "/" in s or "\\" in s:
+        raise ValueError("expected a plain folder name (no slashes), e.g. exp")
+    return s
+
+
+def int_or_auto(v: Any) -> int | str:
+    """An integer >= 1, or the word 'auto'."""
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        return "auto"
+    try:
+        n = parse_int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError("expected 'auto' or an integer >= 1")
+    return n
+
+
+def int_list(v: Any) -> tuple[int, ...]:
+    """'0,2,4' or [0, 2, 4] -> (0, 2, 4)."""
+    if isinstance(v, (list, tuple)):
+        return tuple(parse_int(x) for x in v)
+    return tuple(parse_int(x) for x in str(v).replace(" ", "").split(",") if x)

@@ -1,0 +1,139 @@
+"""The shape of src/dlenv itself: no import circles, and every module small enough to read in one sitting.
+
+The import graph is read with `ast`, without importing anything. Imports inside functions count as
+much as those at the top: a lazy import that closes a circle still ties the two modules together (and
+only defers the failure to the first call that takes that path), so the design must not need it.
+`import dlenv.x`, `from dlenv.x import name` and `from dlenv import x` (x a module) are edges to
+dlenv.x; `from dlenv import name` (a name the package itself defines) is an edge to the package.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = SRC / "dlenv"
+MAX_LINES = 500
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _resolve(name: str, known: dict[str, Path]) -> str | None:
+    """The dlenv module `name` refers to: itself, or its longest prefix that is a module."""
+    while name:
+        if name in known:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def imports_of(mod: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The dlenv modules `mod` imports anywhere in its file (module level and inside functions)."""
+    is_package = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from the package this module sits in
+                base = mod.split(".") if is_package else mod.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                parent = ".".join(base + ([node.module] if node.module else []))
+            else:
+                parent = node.module or ""
+            # `from pkg import sub` imports the module pkg.sub when there is one, else a name of pkg
+            targets = [f"{parent}.{a.name}" if f"{parent}.{a.name}" in known else parent for a in node.names]
+        else:
+            continue
+        for t in targets:
+            if t == "dlenv" or t.startswith("dlenv."):
+                target = _resolve(t, known)
+                if target and target != mod:
+                    out.add(target)
+    return out
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of more than one module (Tarjan), each as a sorted list."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    return {m: imports_of(m, p, known) for m, p in known.items()}
+
+
+def test_src_dlenv_has_no_import_circles():
+    cycles = find_cycles(import_graph())
+    assert not cycles, "import circles (each group imports itself through the others): " + "; ".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_no_source_file_is_over_the_limit():
+    long = {m: n for m, p in modules().items() if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them by job): {long}"
+
+
+@pytest.mark.parametrize("graph,expected", [
+    ({"a": {"b"}, "b": {"a"}}, [["a", "b"]]),
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c"]]),
+    ({"a": {"b"}, "b": {"c"}, "c": set()}, []),
+])
+def test_the_cycle_finder_finds_circles_of_any_length(graph, expected):
+    assert find_cycles(graph) == expected
+
+
+def test_the_import_reader_sees_function_level_and_package_imports(tmp_path, monkeypatch):
+    pkg = tmp_path / "dlenv"
+    (pkg / "sub").mkdir(parents=True)
+    for f in ("__init__.py", "a.py", "b.py", "sub/__init__.py", "sub/c.py"):
+        (pkg / f).write_text("")
+    (pkg / "a.py").write_text("from dlenv import b, __version__\n\ndef f():\n    from dlenv.sub.c import thing\n")
+    (pkg / "sub" / "c.py").write_text("from . import d\nfrom .. import a\nimport dlenv.b.x\n")
+    monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path)
+    known = {module_name(p): p for p in pkg.rglob("*.py")}
+    assert imports_of("dlenv.a", pkg / "a.py", known) == {"dlenv.b", "dlenv", "dlenv.sub.c"}
+    assert imports_of("dlenv.sub.c", pkg / "sub" / "c.py", known) == {"dlenv.sub", "dlenv.a", "dlenv.b"}

@@ -1,0 +1,117 @@
+"""dlenv.launch: the torchrun command a --gpus N run starts, the options it refuses, and the one line
+that names a failed rank instead of torchrun's traceback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dlenv import cli, config, launch
+from dlenv.config import TrainConfig
+from dlenv.errors import UserError
+
+WORKER = Path(__file__).resolve().parent / "_distributed_worker.py"
+
+
+def test_torchrun_wrapper_names_the_failed_rank_and_its_status(tmp_path):
+    port = launch.free_port()
+    cmd = [sys.executable, "-m", "dlenv.launch", "--nproc_per_node", "2", "--nnodes", "1",
+           "--node_rank", "0", "--master_addr", "127.0.0.1", "--master_port", str(port), "--max_restarts", "0",
+           "--monitor_interval", "1", str(WORKER), "torchrun_fail"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**env, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 3, p.stderr[-2000:]
+    assert "dlenv train: rank 1 (local rank 1" in p.stderr and "exited with status 3" in p.stderr
+    assert "Traceback" not in p.stderr.split("dlenv train: rank 1")[-1]
+    assert time.perf_counter() - t0 < 60
+
+
+def _failures(**codes):
+    from types import SimpleNamespace
+
+    fs = {int(r[1:]): SimpleNamespace(exitcode=c, local_rank=int(r[1:]), pid=100 + int(r[1:]), timestamp=0,
+                                      signal_name=lambda c=c: signal.Signals(-c).name) for r, c in codes.items()}
+    return SimpleNamespace(failures=fs)
+
+
+def test_failure_line_blames_the_cause_not_the_ranks_that_lost_it():
+    line = launch._failure_line(_failures(r0=launch.EXIT_PEER, r1=3, r2=-signal.SIGTERM))
+    assert line.startswith("dlenv train: rank 1 (local rank 1, pid 101) exited with status 3")
+    line = launch._failure_line(_failures(r0=launch.EXIT_PEER, r3=-signal.SIGKILL))
+    assert "rank 3" in line and "killed by SIGKILL (out of host memory" in line
+    line = launch._failure_line(_failures(r0=launch.EXIT_PEER))
+    assert "rank 0" in line and "stopped because another process of the run failed" in line
+
+
+# ---------------------------------------------------------------------------------------------------
+# The launch command.
+
+
+def test_train_flags_rebuild_the_same_config():
+    cfg = config.build(TrainConfig, data="d s", amp=True, channels_last=False, batch_size="auto", gpus=2,
+                       lr=0.05, clip_grad=1.0, epochs=3, max_steps=5, name="a b")
+    flags = launch.train_flags(cfg)
+    assert "--no-channels-last" in flags and "--amp" in flags and "--model" not in flags
+    args = vars(cli.build_parser().parse_args(["train", *flags]))
+    args.pop("command")
+    args.pop("cfg")
+    assert config.build(TrainConfig, **args) == cfg
+
+
+def test_launch_command_single_node_uses_a_private_port():
+    cfg = config.build(TrainConfig, gpus=4, amp=True, master_port=1234)
+    cmd = launch.launch_command(cfg, port=4321)
+    assert cmd[:3] == [sys.executable, "-m", "dlenv.launch"]
+    opts = dict(zip(cmd[3:-5:2], cmd[4:-4:2], strict=False))
+    assert opts["--nproc_per_node"] == "4" and opts["--master_port"] == "4321"
+    assert opts["--master_addr"] == "127.0.0.1" and opts["--max_restarts"] == "0"
+    assert cmd[cmd.index("-m", 3):] == ["-m", "dlenv.cli", "train", "--amp", "--gpus", "4", "--master-port", "1234"]
+
+
+def test_launch_command_several_nodes_goes_to_the_rendezvous():
+    cfg = config.build(TrainConfig, gpus=8, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29600)
+    args = launch.torchrun_args(cfg)
+    assert args[:10] == ["--nproc_per_node", "8", "--nnodes", "2", "--node_rank", "1",
+                         "--master_addr", "10.0.0.1", "--master_port", "29600"]
+
+
+@pytest.mark.parametrize("opts,match", [
+    (dict(gpus=2, nnodes=2, node_rank=2), "--node-rank 2 must be below --nnodes 2"),
+    (dict(gpus=2, device="cuda:1"), "--device cuda:1 picks one GPU"),
+    (dict(gpus=2, device="mps"), "not a device"),
+])
+def test_check_launch_refuses_what_cannot_work(opts, match):
+    with pytest.raises(UserError, match=match):
+        launch.check_launch(config.build(TrainConfig, **opts))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_check_launch_without_gpus_names_the_cpu_option():
+    with pytest.raises(UserError, match="no CUDA GPU is visible.*--device cpu"):
+        launch.check_launch(config.build(TrainConfig, gpus=2))
+    launch.check_launch(config.build(TrainConfig, gpus=2, device="cpu"))
+
+
+def test_needs_launch_only_outside_torchrun(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert launch.needs_launch(config.build(TrainConfig, gpus=2))
+    assert launch.needs_launch(config.build(TrainConfig, nnodes=2))
+    assert not launch.needs_launch(config.build(TrainConfig))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert not launch.needs_launch(config.build(TrainConfig, gpus=2))
+
+
+@pytest.mark.gpu
+def test_gpu_check_launch_counts_the_visible_gpus():
+    n = torch.cuda.device_count()
+    launch.check_launch(config.build(TrainConfig, gpus=n))
+    with pytest.raises(UserError, match=f"only {n} GPU"):
+        launch.check_launch(config.build(TrainConfig, gpus=n + 1))

@@ -1,0 +1,55 @@
+"""GPU memory of the default input path over a long run: flat, and no dearer than the CPU path.
+
+The GPU-augmentation path once took a new CUDA stream for every pass over the data; the caching
+allocator keeps freed blocks per stream, so each epoch stranded its blocks and reserved memory grew
+for ~16 epochs (until PyTorch's ring of 32 streams came round). These tests train 20 short epochs on
+real PNG and JPEG folders of small and large images and read the per-epoch peaks from results.csv.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+from imagedata import make_image_folder, make_photo_layout
+
+from dlenv import config
+
+pytestmark = pytest.mark.gpu
+EPOCHS = 20
+
+
+def _small_png(root: Path) -> Path:
+    """32x32 PNGs (like the 1,797-digit set the defect was found on)."""
+    classes = tuple(f"c{i}" for i in range(4))
+    make_image_folder(root / "train", classes=classes, per_class=24, size=(32, 32))
+    make_image_folder(root / "val", classes=classes, per_class=8, size=(32, 32), seed=1)
+    return root
+
+
+def _large_jpeg(root: Path) -> Path:
+    return make_photo_layout(root, 96, 32, 4, lambda i: (500 - 8 * (i % 6), 375))
+
+
+def _peaks(data: Path, tmp: Path, name: str, gpu_augment: str) -> list[float]:
+    from dlenv.train import train
+
+    cfg = config.build(config.TrainConfig, data=str(data), model="resnet18", img_size=224, batch_size=32,
+                       epochs=EPOCHS, amp=True, workers=2, gpu_augment=gpu_augment, name=name,
+                       project=str(tmp / "runs"))
+    out = train(cfg)
+    assert out["status"] == "done"
+    with open(tmp / "runs" / name / "results.csv", newline="") as f:
+        return [float(r["mem_reserved_gib"]) for r in csv.DictReader(f)]
+
+
+@pytest.mark.parametrize("make", [_small_png, _large_jpeg], ids=["png-32px", "jpeg-500px"])
+def test_gpu_augment_memory_is_flat_and_no_dearer_than_cpu(tmp_path, make):
+    data = make(tmp_path / "ds")
+    gpu = _peaks(data, tmp_path, "gpu", "auto")
+    cpu = _peaks(data, tmp_path, "cpu", "off")
+    assert len(gpu) == EPOCHS and len(cpu) == EPOCHS
+    steady = gpu[1:]
+    assert max(steady) <= 1.05 * min(steady), f"reserved GiB by epoch (GPU path): {gpu}"
+    assert max(gpu) <= 1.25 * max(cpu), f"GPU path {max(gpu):.3f} GiB vs CPU path {max(cpu):.3f} GiB"

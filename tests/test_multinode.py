@@ -1,0 +1,175 @@
+"""Several machines: two `dlenv train --nnodes 2` launches on 127.0.0.1 form one gloo run and end with the
+same weights; the SLURM script and the Kubernetes manifest of docs/distributed.md start it the same way.
+
+Each launch is what one node runs (its own working directory standing for its own disk): `dlenv train`
+starts torchrun with --nnodes 2 --node-rank R --master-addr --master-port, and torchrun starts one CPU
+process. To compare the weights every node ends with, not only rank 0's last.pth, a sitecustomize on
+PYTHONPATH (only in the training processes, only in this test) saves each rank's DDP module when the
+run leaves its process group.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dlenv import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+_SITECUSTOMIZE = textwrap.dedent("""
+    import os
+
+    if os.environ.get("DLENV_TEST_DUMP") and "LOCAL_RANK" in os.environ:
+        import torch
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        _wrapped = []
+        _init = DistributedDataParallel.__init__
+
+        def _record(self, module, *args, **kwargs):
+            _init(self, module, *args, **kwargs)
+            _wrapped.append(module)
+
+        _destroy = dist.destroy_process_group
+
+        def _dump(*args, **kwargs):
+            if _wrapped:
+                state = {k: v.detach().cpu().clone() for k, v in _wrapped[-1].state_dict().items()}
+                torch.save(state, os.path.join(os.environ["DLENV_TEST_DUMP"], f"rank{os.environ['RANK']}.pt"))
+            return _destroy(*args, **kwargs)
+
+        DistributedDataParallel.__init__ = _record
+        dist.destroy_process_group = _dump
+""")
+
+
+@pytest.mark.slow
+def test_two_nodes_one_process_each_train_together_to_identical_weights(tmp_path):
+    import torch
+    from imagedata import make_image_folder
+
+    from dlenv import runstate
+
+    data = tmp_path / "ds"
+    make_image_folder(data / "train", per_class=8, size=(32, 32))
+    make_image_folder(data / "val", per_class=2, size=(32, 32), seed=1)
+    site, dumps = tmp_path / "site", tmp_path / "dumps"
+    site.mkdir()
+    dumps.mkdir()
+    (site / "sitecustomize.py").write_text(_SITECUSTOMIZE)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env.update(PYTHONPATH=os.pathsep.join([str(site), str(ROOT / "src")]), DLENV_TEST_DUMP=str(dumps),
+               OMP_NUM_THREADS="1")
+    port = launch.free_port()
+    nodes = []
+    for rank in (0, 1):
+        home = tmp_path / f"node{rank}"
+        home.mkdir()
+        cmd = [sys.executable, "-m", "dlenv", "train", "--data", str(data), "--model", "squeezenet1_1",
+               "--img-size", "32", "--batch-size", "2", "--epochs", "2", "--max-steps", "3", "--workers", "0",
+               "--device", "cpu", "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
+               "--master-port", str(port), "--dist-timeout", "120"]
+        nodes.append(subprocess.Popen(cmd, cwd=home, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    try:
+        outs = [p.communicate(timeout=400)[0] for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for rank, (p, out) in enumerate(zip(nodes, outs, strict=True)):
+        assert p.returncode == 0, f"node {rank}:\n{out[-3000:]}"
+    assert "batch 2 x 1 accum x 2 GPU = 4" in outs[0], outs[0][-2000:]  # one run of world size 2
+
+    run = tmp_path / "node0" / "runs" / "exp"
+    assert not (tmp_path / "node1" / "runs").exists(), "only rank 0 writes"
+    saved = runstate.load_checkpoint(run / "last.pth")
+    assert saved["world_size"] == 2 and saved["epoch"] == 2 and saved["step"] == 6
+    ranks = [torch.load(dumps / f"rank{r}.pt", map_location="cpu") for r in (0, 1)]
+    assert set(ranks[0]) == set(ranks[1]) == set(saved["model"])
+    for name, tensor in ranks[0].items():
+        assert torch.equal(tensor, ranks[1][name]), f"{name} differs between the nodes"
+        assert torch.equal(tensor, saved["model"][name]), f"{name} differs from last.pth"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The SLURM script and the Kubernetes manifest
+
+
+def _dlenv_args(command: str) -> list[str]:
+    words = shlex.split(command)
+    return words[words.index("train"):] if "train" in words else []
+
+
+def test_the_slurm_script_starts_one_container_per_node_with_its_node_rank(tmp_path):
+    script = ROOT / "scripts" / "slurm_train.sbatch"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # stand-ins for SLURM: srun runs its command once per node, with that node's SLURM_NODEID
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'gpu-a\\ngpu-b\\n'\n")
+    (bin_dir / "srun").write_text(textwrap.dedent("""\
+        #!/bin/bash
+        while [[ "$1" == --* ]]; do echo "srun-option $1" >> "$LOG"; shift; done
+        for id in 0 1; do SLURM_NODEID=$id SLURM_PROCID=$id "$@" >> "$LOG"; done
+    """))
+    (bin_dir / "docker").write_text('#!/bin/bash\necho "docker $*"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    log = tmp_path / "log"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "LOG": str(log), "SLURM_NNODES": "2",
+           "SLURM_JOB_NODELIST": "gpu-[a-b]", "SLURM_GPUS_ON_NODE": "8", "SLURM_JOB_ID": "7"}
+    r = subprocess.run(["bash", str(script), "--amp"], env=env, capture_output=True, text=True, timeout=60,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in log.read_text().splitlines() if ln.startswith("docker ")]
+    assert len(lines) == 2, log.read_text()
+    for rank, line in enumerate(lines):
+        assert "--network host" in line and "--gpus all" in line and "--ipc=host" in line
+        args = _dlenv_args(line)
+        assert args[:1] == ["train"] and "--amp" in args
+        flags = dict(zip(args[1::2], args[2::2], strict=False))
+        assert flags["--nnodes"] == "2" and flags["--node-rank"] == str(rank)
+        assert flags["--master-addr"] == "gpu-a" and flags["--gpus"] == "8"
+    assert "srun-option --ntasks-per-node=1" in log.read_text()
+
+
+def test_the_kubernetes_manifest_runs_one_indexed_pod_per_node():
+    docs = list(yaml.safe_load_all((DOCS / "k8s-train.yaml").read_text(encoding="utf-8")))
+    service = next(d for d in docs if d["kind"] == "Service")
+    job = next(d for d in docs if d["kind"] == "Job")
+    spec = job["spec"]
+    nodes = spec["completions"]
+    assert spec["parallelism"] == nodes and spec["completionMode"] == "Indexed"
+    assert service["spec"]["clusterIP"] == "None"  # headless: each pod gets a DNS name
+    pod = spec["template"]["spec"]
+    assert pod["subdomain"] == service["metadata"]["name"] and pod["restartPolicy"] == "Never"
+    (container,) = pod["containers"]
+    args = container["args"][container["args"].index("train"):]
+    flags = dict(zip(args[1::2], args[2::2], strict=False))
+    assert flags["--nnodes"] == str(nodes)
+    # the node rank is the pod's completion index, read from the annotation the Job controller sets
+    var = flags["--node-rank"]
+    assert var.startswith("$(") and var.endswith(")")
+    (rank_env,) = [e for e in container["env"] if e["name"] == var[2:-1]]
+    assert rank_env["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']")
+    assert "command" not in container, "command would replace the image's ENTRYPOINT (tini)"
+    master = flags["--master-addr"]
+    assert master.startswith(f"{job['metadata']['name']}-0.{service['metadata']['name']}")
+    assert int(flags["--gpus"]) == container["resources"]["limits"]["nvidia.com/gpu"]
+    port = int(flags.get("--master-port", 29500))
+    assert port in [p["port"] for p in service["spec"]["ports"]]
+    shm = next(v for v in pod["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory")
+    assert any(m["mountPath"] == "/dev/shm" and m["name"] == shm["name"] for m in container["volumeMounts"])
+    assert job["spec"]["backoffLimit"] == 0  # a failed node fails the job; resume with --resume

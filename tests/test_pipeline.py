@@ -1,0 +1,124 @@
+"""dlenv.data.pipeline: every input decision once (locate, workers, path, decoder, cache), and the loaders
+and data it builds from the plan, on the CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from imagedata import make_image_folder, make_photo_layout
+
+from dlenv.data import decode, demo, pipeline
+from dlenv.data.fastpath import DeviceLoader
+from dlenv.data.loaders import SafeLoader
+from dlenv.data.pipeline import InputOptions, InputPlan
+from dlenv.distributed import DistInfo
+from dlenv.errors import UserError
+
+
+@pytest.fixture
+def photos(tmp_path):
+    return pipeline.locate(str(make_photo_layout(tmp_path / "ds", 10, 4, 2, lambda i: (30 + 2 * i, 24))))
+
+
+def test_locate_a_folder_synthetic_data_or_refuse(tmp_path):
+    located = pipeline.locate(str(make_image_folder(tmp_path / "photos")))
+    assert located.classes == ["cat", "dog"] and not located.demo and located.img_size == 224
+    synthetic = pipeline.locate(None, synthetic=True)
+    assert synthetic.layout is None and len(synthetic.classes) == 1000 and synthetic.source == "synthetic"
+    with pytest.raises(UserError, match="--data /no/such: no such folder"):
+        pipeline.locate("/no/such")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no images found under"):
+        pipeline.locate(str(tmp_path / "empty"))
+
+
+def test_input_options_pick_the_path():
+    assert InputOptions().gpu_path("cuda") and not InputOptions().gpu_path("cpu")
+    assert InputOptions(cache=True).gpu_path("cpu") and InputOptions(gpu_augment="on").gpu_path("cpu")
+    assert InputOptions(decoder="nvjpeg").gpu_path("cpu")
+    assert not InputOptions(gpu_augment="off").gpu_path("cuda")
+
+
+def test_input_options_of_a_config_takes_the_fields_it_has():
+    from dlenv import config
+
+    cfg = config.build(config.TrainConfig, decoder="pil", cache=True, workers=3, bad_images="error")
+    assert InputOptions.of(cfg) == InputOptions(decoder="pil", cache=True, workers=3, bad_images="error")
+    bench = config.build(config.BenchDataConfig, gpu_augment="off")
+    assert InputOptions.of(bench).gpu_augment == "off"
+
+
+@pytest.mark.parametrize("workers,local,expected", [(12, 4, 3), (2, 8, 1), (0, 8, 0), (5, 1, 5)])
+def test_workers_are_shared_between_the_processes_of_a_node(workers, local, expected):
+    assert pipeline.workers_per_process(workers, local) == expected
+
+
+@pytest.mark.parametrize("opts,local,expected", [
+    (dict(workers=3), 1, dict(workers=3, on_device=False, cache_mode="auto")),
+    (dict(workers=3), 4, dict(workers=3)),  # a number given is kept, however many processes share the node
+    (dict(workers=0, gpu_augment="on"), 1, dict(workers=0, on_device=True)),
+    (dict(workers=0, cache=True), 2, dict(on_device=True, cache=True, cache_mode="disk")),  # one file, shared
+    (dict(workers=0, cache=True, cache_mode="ram"), 2, dict(cache_mode="ram")),
+    (dict(workers=0, decoder="cv2"), 1, dict(decoder="cv2", cpu_decoder="cv2")),
+])
+def test_decide_resolves_every_option_to_a_plain_value(photos, opts, local, expected):
+    plan = pipeline.decide(InputOptions(**opts), photos, "cpu", 4, 16, local_world_size=local)
+    assert plan.img_size == 16 and plan.batch_size == 4 and plan.train_scale == pipeline.PHOTO_TRAIN_SCALE
+    for k, v in expected.items():
+        assert getattr(plan, k) == v, k
+
+
+def test_decide_auto_workers_are_shared_and_nvjpeg_has_a_cpu_fallback(photos, monkeypatch):
+    monkeypatch.setattr(pipeline, "resolve_workers", lambda workers, batch, size: 12)
+    assert pipeline.decide(InputOptions(), photos, "cpu", 4, 16, local_world_size=4).workers == 3
+    monkeypatch.setattr(decode, "resolve_decoder", lambda *a, **k: "nvjpeg")
+    plan = pipeline.decide(InputOptions(), photos, "cpu", 4, 16)
+    # the cache and the classic path cannot decode with nvJPEG: the best CPU decoder, chosen here once
+    assert plan.decoder == "nvjpeg" and plan.cpu_decoder in decode.CPU_DECODERS
+
+
+def test_decide_for_the_demo_and_for_synthetic_data(tmp_path):
+    root = demo.ensure_demo_data(tmp_path / "demo", train_per_class=2, val_per_class=1)
+    plan = pipeline.decide(InputOptions(workers=0), pipeline.locate(str(root)), "cpu", 4, 64)
+    assert plan.train_scale == demo.DEMO_TRAIN_SCALE  # gentler crops of its 64 px shapes
+    synthetic = pipeline.decide(InputOptions(), pipeline.locate(None, synthetic=True), "cpu", 4, 16)
+    assert synthetic.workers == 0 and synthetic.decoder == pipeline.SYNTHETIC
+    assert "synthetic" in synthetic.describe("cpu")
+
+
+def test_make_loaders_follows_the_plan(photos):
+    plan = pipeline.decide(InputOptions(workers=0, gpu_augment="off"), photos, "cpu", 4, 16)
+    train, val = pipeline.make_loaders(photos.layout, plan, "cpu")
+    assert isinstance(train, SafeLoader) and isinstance(val, SafeLoader)
+    assert "augmentation on the workers" in plan.describe("cpu")
+    on_device = dataclasses.replace(plan, on_device=True)
+    train, val = pipeline.make_loaders(photos.layout, on_device, "cpu", dtype=torch.bfloat16)
+    x, y = next(iter(train))
+    assert isinstance(train, DeviceLoader) and x.shape == (4, 3, 16, 16) and x.dtype == torch.bfloat16
+    assert "augmentation on cpu" in on_device.describe("cpu")
+
+
+def test_nvjpeg_needs_a_gpu(photos):
+    plan = InputPlan(16, 4, on_device=True, decoder="nvjpeg", cpu_decoder="pil", workers=0)
+    with pytest.raises(UserError, match="--decoder nvjpeg: the device is not a GPU; use --decoder auto"):
+        pipeline.make_loaders(photos.layout, plan, "cpu")
+
+
+@pytest.mark.parametrize("gpu_augment", ["off", "on"])
+def test_build_data_gives_each_rank_its_shard(photos, gpu_augment):
+    """Two ranks: each trains on half the training set, and their val shards cover every image once."""
+    plan = pipeline.decide(InputOptions(workers=0, gpu_augment=gpu_augment), photos, "cpu", 2, 16)
+    ranks = [pipeline.build_data(photos, plan, "cpu", DistInfo(rank=r, world_size=2), seed=1) for r in (0, 1)]
+    # 5 each in batches of 2 would end in a batch of one: that index is left out on every rank
+    assert [d.sampler.per_rank for d in ranks] == [4, 4] and [len(d.train) for d in ranks] == [2, 2]
+    val = [int(y) for d in ranks for _, ys in d.val for y in ys]
+    assert sorted(val) == sorted(y for _, y in photos.layout.val)
+
+
+def test_build_data_for_synthetic_data():
+    located = pipeline.locate(None, synthetic=True)
+    plan = pipeline.decide(InputOptions(), located, "cpu", 2, 16)
+    data = pipeline.build_data(located, plan, "cpu", DistInfo(), max_steps=3)
+    assert data.sampler is None and len(data.train) == 3 and next(iter(data.train))[0].shape == (2, 3, 16, 16)
