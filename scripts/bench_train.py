@@ -33,14 +33,26 @@ if not os.environ.get("PYTHONPATH"):
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-#: (model, batch, [(label, trainer options)])
+#: (model, batch, [(label, trainer options)]). Besides TrainConfig's options: "tf32" (False: strict
+#: FP32), "long" (plan a run long enough for --compile auto to compile, time its second epoch, then
+#: stop it as Ctrl-C would) and "cap_gib" (the card made this small with
+#: torch.cuda.set_per_process_memory_fraction: where --checkpoint-ratio auto needs most blocks).
+#: Short runs plan too few steps for --compile auto: their rows are eager unless --compile on.
+ALL = {"checkpoint_ratio": 1.0}
 CONFIGS = [
     ("resnet50", 256, [("fp32", {}), ("fp32, TF32 off", {"tf32": False}), ("--amp", {"amp": True}),
-                       ("--amp --checkpoint", {"amp": True, "checkpoint": True}),
-                       ("--amp --compile", {"amp": True, "compile": True}),
-                       ("--amp --checkpoint --compile", {"amp": True, "checkpoint": True, "compile": True})]),
+                       ("--amp, a long run: --compile auto compiles", {"amp": True, "long": True}),
+                       ("--amp --checkpoint --checkpoint-ratio 1", {"amp": True, "checkpoint": True, **ALL}),
+                       ("--amp --checkpoint (ratio auto)", {"amp": True, "checkpoint": True}),
+                       ("--amp --checkpoint (ratio auto, card capped at 6 GiB)",
+                        {"amp": True, "checkpoint": True, "cap_gib": 6.0}),
+                       ("--amp --checkpoint (ratio auto, card capped at 9 GiB)",
+                        {"amp": True, "checkpoint": True, "cap_gib": 9.0}),
+                       ("--amp --compile", {"amp": True, "compile": "on"}),
+                       ("--amp --checkpoint --checkpoint-ratio 1 --compile",
+                        {"amp": True, "checkpoint": True, "compile": "on", **ALL})]),
     ("vit_b_16", 128, [("fp32", {}), ("--amp", {"amp": True}),
-                       ("--amp --checkpoint", {"amp": True, "checkpoint": True})]),
+                       ("--amp --checkpoint --checkpoint-ratio 1", {"amp": True, "checkpoint": True, **ALL})]),
 ]
 
 
@@ -51,13 +63,41 @@ def _free() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def yardstick(name: str, batch: int, img: int, steps: int, warmup: int) -> tuple[float, float]:
-    """A plain bf16 + channels_last loop on GPU-resident data: (images/s, peak allocated GiB)."""
+class _Recompute(nn.Module):
+    """A block under torch.utils.checkpoint, as a plain loop would wrap it."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def _checkpoint_blocks(model: nn.Module) -> None:
+    """Every ResNet bottleneck / ViT encoder block recomputed in backward."""
+    import torchvision
+
+    for parent in model.modules():
+        for key, child in list(parent.named_children()):
+            if isinstance(child, (torchvision.models.resnet.Bottleneck, torchvision.models.resnet.BasicBlock,
+                                  torchvision.models.vision_transformer.EncoderBlock)):
+                setattr(parent, key, _Recompute(child))
+
+
+def yardstick(name: str, batch: int, img: int, steps: int, warmup: int,
+              checkpoint: bool = False) -> tuple[float, float]:
+    """A plain bf16 + channels_last loop on GPU-resident data (every block checkpointed if asked):
+    (images/s, peak allocated GiB)."""
     import torchvision
 
     torch.backends.cudnn.benchmark = True
     dev = torch.device("cuda")
     model = torchvision.models.get_model(name, weights=None, num_classes=1000)
+    if checkpoint:
+        _checkpoint_blocks(model)
     conv = not name.startswith(("vit", "swin"))
     fmt = torch.channels_last if conv else torch.contiguous_format
     model = model.to(dev, memory_format=fmt).train()
@@ -86,13 +126,32 @@ def yardstick(name: str, batch: int, img: int, steps: int, warmup: int) -> tuple
     return batch * steps / secs, peak
 
 
-def ours(name: str, batch: int, img: int, steps: int, options: dict, device: str = "cuda") -> tuple[float, float]:
-    """dlenv's trainer on --synthetic data: (images/s, peak allocated GiB) of its second epoch."""
+def ours(name: str, batch: int, img: int, steps: int, options: dict,
+         device: str = "cuda") -> tuple[float, float, float, str]:
+    """dlenv's trainer on --synthetic data: (images/s, peak allocated GiB) of its second epoch, the
+    seconds it compiled, and what config.yaml says its auto options chose."""
+    import signal
+
+    import yaml
+
     from dlenv import config, results
     from dlenv.config import TrainConfig
     from dlenv.train import train
+    from dlenv.train.auto import COMPILE_MIN_BATCHES
 
     options = dict(options)
+    long = options.pop("long", False)
+    cap = options.pop("cap_gib", None)
+    epochs, on_step = 2, None
+    if long:  # plan enough steps for --compile auto; after epoch 2's last step, stop as Ctrl-C does
+        epochs = -(-COMPILE_MIN_BATCHES // steps) + 2
+
+        def on_step(state):
+            if state.step == 2 * steps:
+                os.kill(os.getpid(), signal.SIGINT)
+    if cap is not None:
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, cap * 2**30 / torch.cuda.get_device_properties(0).total_memory))
     # PyTorch runs FP32 convolutions in TF32 on Ampere and later by default (cudnn.allow_tf32); the
     # "TF32 off" row is strict FP32, the baseline that "FP32" meant before TF32 existed
     tf32 = options.pop("tf32", True)
@@ -101,13 +160,19 @@ def ours(name: str, batch: int, img: int, steps: int, options: dict, device: str
     torch.backends.cuda.matmul.allow_tf32 = tf32 and saved[1]
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            cfg = config.build(TrainConfig, synthetic=True, model=name, batch_size=batch, img_size=img, epochs=2,
-                               max_steps=steps, device=device, project=tmp, workers=0, **options)
-            out = train(cfg)
-            row = results.read_results(Path(out["run_dir"]) / "results.csv").iloc[-1]
-            return float(row["img_per_s"]), float(row["mem_alloc_gib"])
+            cfg = config.build(TrainConfig, synthetic=True, model=name, batch_size=batch, img_size=img,
+                               epochs=epochs, max_steps=steps, device=device, project=tmp, workers=0, **options)
+            out = train(cfg, on_step=on_step)
+            run = Path(out["run_dir"])
+            row = results.read_results(run / "results.csv").iloc[-1]
+            said = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
+            chose = f"compile: {said.get('compile_rule')}" + (f"; checkpoint: {said['checkpoint_rule']}"
+                                                                 if said.get("checkpoint_rule") else "")
+            return float(row["img_per_s"]), float(row["mem_alloc_gib"]), float(out.get("compile_s") or 0.0), chose
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+        if cap is not None and torch.cuda.is_available():
+            torch.cuda.set_per_process_memory_fraction(1.0)
 
 
 def main() -> int:
@@ -132,24 +197,26 @@ def main() -> int:
             continue
         base = None
         if not args.no_yardstick:
-            _free()
-            ips, peak = yardstick(name, batch, args.img_size, args.steps, warmup=max(5, args.steps // 3))
-            rows.append({"model": name, "batch": batch, "config": "yardstick (plain loop, bf16)",
-                         "img_per_s": ips, "peak_gib": peak})
-            base = ips
+            for label, ckpt in (("yardstick (plain loop, bf16)", False),
+                                ("yardstick + checkpointing every block", True)):
+                _free()
+                ips, peak = yardstick(name, batch, args.img_size, args.steps, warmup=max(5, args.steps // 3),
+                                      checkpoint=ckpt)
+                rows.append({"model": name, "batch": batch, "config": label, "img_per_s": ips, "peak_gib": peak})
+                base = base or ips
         fp32_ips = fp32_peak = strict_ips = None
         for label, options in variants:
             if args.configs and label not in args.configs:
                 continue
             _free()
-            ips, peak = ours(name, batch, args.img_size, args.steps, {**options, "optimizer": args.optimizer},
-                             args.device)
+            ips, peak, compile_s, chose = ours(name, batch, args.img_size, args.steps,
+                                               {**options, "optimizer": args.optimizer}, args.device)
             if label == "fp32":
                 fp32_ips, fp32_peak = ips, peak
             if label == "fp32, TF32 off":
                 strict_ips = ips
             rows.append({"model": name, "batch": batch, "config": f"dlenv {label}", "img_per_s": ips,
-                         "peak_gib": peak})
+                         "peak_gib": peak, "compile_s": compile_s, "chose": chose})
         for r in rows:
             if r["model"] == name:
                 r["x_yardstick"] = r["img_per_s"] / base if base else None
@@ -187,9 +254,10 @@ def _checks(df) -> list[tuple[str, bool]]:
     r = _get(df, "resnet50", "dlenv --amp", "x_yardstick")
     if r is not None:
         out.append((f"ResNet-50 --amp at {r:.2f}x the yardstick (>= 0.95)", r >= 0.95))
-    p = _get(df, "resnet50", "dlenv --amp --checkpoint", "x_fp32_peak")
-    s = _get(df, "resnet50", "dlenv --amp --checkpoint", "x_fp32_speed")
-    strict = _get(df, "resnet50", "dlenv --amp --checkpoint", "x_strict_fp32_speed")
+    full = "dlenv --amp --checkpoint --checkpoint-ratio 1"
+    p = _get(df, "resnet50", full, "x_fp32_peak")
+    s = _get(df, "resnet50", full, "x_fp32_speed")
+    strict = _get(df, "resnet50", full, "x_strict_fp32_speed")
     if p is not None:
         out.append((f"ResNet-50 --amp --checkpoint peak {p:.0%} of FP32's (<= 25%)", p <= 0.25))
     if s is not None:
@@ -198,23 +266,40 @@ def _checks(df) -> list[tuple[str, bool]]:
     if strict is not None:
         out.append((f"ResNet-50 --amp --checkpoint at {strict:.2f}x strict FP32's speed (TF32 off) (>= 1.4)",
                     strict >= 1.4))
-    v = _get(df, "vit_b_16", "dlenv --amp --checkpoint", "x_fp32_peak")
+    v = _get(df, "vit_b_16", full, "x_fp32_peak")
     if v is not None:
         out.append((f"ViT-B/16 --amp --checkpoint peak {v:.0%} of FP32's (<= 20%)", v <= 0.20))
+    r = _get(df, "resnet50", "dlenv --amp, a long run: --compile auto compiles", "x_yardstick")
+    if r is not None:
+        out.append((f"ResNet-50 default --amp, long run, at {r:.2f}x the eager plain loop (>= 1.35)", r >= 1.35))
+    amp = _get(df, "resnet50", "dlenv --amp", "img_per_s")
+    a = _get(df, "resnet50", "dlenv --amp --checkpoint (ratio auto)", "img_per_s")
+    if amp and a:
+        out.append((f"ResNet-50 --amp --checkpoint (ratio auto, fits) at {a / amp:.2f}x --amp (>= 0.97)",
+                    a / amp >= 0.97))
+    plain = _get(df, "resnet50", "yardstick + checkpointing every block", "img_per_s")
+    for label in (full, "dlenv --amp --checkpoint (ratio auto, card capped at 6 GiB)"):
+        c = _get(df, "resnet50", label, "img_per_s")
+        if plain and c:
+            out.append((f"ResNet-50 {label.removeprefix('dlenv ')} at {c / plain:.2f}x the plain loop's full "
+                        "checkpointing (>= 0.95)", c / plain >= 0.95))
     return out
 
 
 def _markdown(df, head: str, checks: list[tuple[str, bool]]) -> str:
     lines = [f"Measured on {head}.", "",
-             "| model | batch | configuration | img/s | peak allocated GiB | x yardstick | peak / FP32 |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+             "| model | batch | configuration | img/s | peak allocated GiB | x yardstick | peak / FP32 | compile s |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    chose = []
     for r in df.to_dict("records"):
-        fp = r.get("x_fp32_peak")
-        xy = r.get("x_yardstick")
+        fp, xy, cs = r.get("x_fp32_peak"), r.get("x_yardstick"), r.get("compile_s")
         lines.append(f"| {r['model']} | {r['batch']} | {r['config']} | {r['img_per_s']:,.0f} | "
                      f"{r['peak_gib']:.2f} | {'' if xy is None or xy != xy else f'{xy:.2f}'} | "
-                     f"{'' if fp is None or fp != fp else f'{fp:.0%}'} |")
-    lines.append("")
+                     f"{'' if fp is None or fp != fp else f'{fp:.0%}'} | "
+                     f"{'' if not cs or cs != cs else f'{cs:.0f}'} |")
+        if isinstance(r.get("chose"), str):
+            chose.append(f"- {r['model']} {r['config']}: {r['chose']}")
+    lines += ["", "What the auto options chose (config.yaml):", *chose, ""]
     lines += [f"- {'PASS' if ok else 'FAIL'}: {text}" for text, ok in checks]
     return "\n".join(lines) + "\n"
 

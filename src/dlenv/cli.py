@@ -31,6 +31,11 @@ def _add_options(parser: argparse.ArgumentParser, cls: type) -> None:
         help_text = f"{md['help']} {default}".strip().replace("%", "%%")
         if md["positional"]:
             parser.add_argument(f.name, nargs="?", default=argparse.SUPPRESS, help=help_text)
+        elif md.get("bare"):  # `--compile` alone is `--compile on`; `--no-compile` is off
+            parser.add_argument(config.flag(f.name), dest=f.name, nargs="?", const=md["bare"],
+                                default=argparse.SUPPRESS, metavar=f.name.upper(), help=help_text)
+            parser.add_argument("--no-" + config.flag(f.name)[2:], dest=f.name, action="store_const",
+                                const="off", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         elif f.default is True or f.default is False:
             parser.add_argument(config.flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)

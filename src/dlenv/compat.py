@@ -119,6 +119,28 @@ def compile_model(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
     return torch.compile(model, **kwargs)
 
 
+def compiled_graphs() -> int:
+    """How many graphs torch.compile has compiled in this process so far (0 on 1.13): a step during
+    which it grew spent its time compiling."""
+    if not HAS_COMPILE:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def is_compile_error(exc: BaseException) -> bool:
+    """Whether an exception comes from torch.compile's machinery (dynamo, AOT autograd, inductor, a
+    backend compiler) rather than from the model's own code or the GPU: then eager mode still runs."""
+    seen = 0
+    e: BaseException | None = exc
+    while e is not None and seen < 8:  # the cause chain: dynamo wraps a backend's error
+        if type(e).__module__.startswith(("torch._dynamo", "torch._inductor", "torch._functorch")):
+            return True
+        e, seen = e.__cause__, seen + 1
+    return False
+
+
 def arch_list_supports(archs: list[str], capability: tuple[int, int]) -> bool:
     """Whether an arch list like torch.cuda.get_arch_list()'s has kernels for a compute capability."""
     want = capability[0] * 10 + capability[1]

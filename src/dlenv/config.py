@@ -22,7 +22,17 @@ from typing import Any
 
 from dlenv.errors import UserError
 from dlenv.usermodel import model_args_text
-from dlenv.values import folder_name, int_list, int_or_auto, parse_bool, parse_float, parse_int, parse_str
+from dlenv.values import (
+    folder_name,
+    int_list,
+    int_or_auto,
+    on_off_auto,
+    parse_bool,
+    parse_float,
+    parse_int,
+    parse_str,
+    ratio_or_auto,
+)
 
 # Value parsers (dlenv.values): each takes the string a user typed (or a YAML value) and returns the
 # typed value, raising ValueError with a short reason.
@@ -33,11 +43,12 @@ _PARSERS: dict[type, Callable[[Any], Any]] = {bool: _bool, int: _int, float: _fl
 
 def opt(default: Any, help: str, *, parse: Callable[[Any], Any] | None = None,
         choices: tuple[str, ...] | None = None, positional: bool = False,
-        min: float | None = None, max: float | None = None) -> Any:
+        min: float | None = None, max: float | None = None, bare: str | None = None) -> Any:
     """Declare one option: its default, its help line, and how a string becomes its value.
 
     `parse` defaults to the type of `default`; give it when the default is None or mixed ('auto'|int).
-    `min`/`max` bound numbers (inclusive); `choices` bound strings.
+    `min`/`max` bound numbers (inclusive); `choices` bound strings. `bare` is the value of the flag
+    given without one (`--compile` = `--compile on`), for options that were once plain switches.
     """
     if parse is None:
         if default is None:
@@ -45,7 +56,7 @@ def opt(default: Any, help: str, *, parse: Callable[[Any], Any] | None = None,
         parse = _PARSERS[type(default)]
     return field(default=default, metadata={
         "help": help, "parse": parse, "choices": choices, "positional": positional,
-        "min": min, "max": max,
+        "min": min, "max": max, "bare": bare,
     })
 
 
@@ -102,9 +113,14 @@ class TrainConfig:
     trust_pickle: bool = _trust_pickle()
     checkpoint: bool = opt(False, "activation checkpointing of the model's repeated blocks "
                                   "(less memory, some more compute)")
-    checkpoint_ratio: float = opt(1.0, "fraction of the repeated blocks to checkpoint", min=0.0, max=1.0)
+    checkpoint_ratio: float | str = opt("auto", "fraction of the repeated blocks that --checkpoint recomputes, "
+                                                "or auto: on a GPU the fewest that let the batch fit (probed "
+                                                "there), every block elsewhere or with --batch-size auto",
+                                        parse=ratio_or_auto)
     channels_last: bool = opt(True, "channels_last memory format for convolutional models on CUDA")
-    compile: bool = opt(False, "torch.compile the model (PyTorch 2.x only)")
+    compile: str = opt("auto", "torch.compile the model: on, off, or auto (on for a CUDA run of PyTorch 2.x "
+                               "long enough to repay the compile time; the rule is in config.yaml)",
+                       parse=on_off_auto, choices=("auto", "on", "off"), bare="on")
     sync_bn: bool = opt(False, "synchronized BatchNorm across GPUs (with --gpus > 1)")
     # precision and batch
     amp: bool = opt(False, "automatic mixed precision")

@@ -20,6 +20,7 @@ from dlenv.cli import run_command, run_tests
 
 def _make_task(cmd: config.Command) -> Task:
     fields = config.options(cmd.config)
+    bare = {f.name: f.metadata["bare"] for f in fields if f.metadata.get("bare")}
 
     def body(c, **kwargs):
         yaml_file = kwargs.pop("cfg", None)
@@ -28,6 +29,8 @@ def _make_task(cmd: config.Command) -> Task:
         defaults = {f.name: f.default for f in fields}
         given = {k: v for k, v in kwargs.items()
                  if v is not None and not (isinstance(v, bool) and v == defaults.get(k))}
+        # an optional-value flag given alone (`invoke train --compile`) arrives as True
+        given.update({k: bare[k] for k, v in given.items() if k in bare and v is True})
         invocation.remember(cmd.name, "invoke")  # "Resume with: invoke train --resume ..."
         code = run_command(cmd.name, given, yaml_file)
         if code:
@@ -50,7 +53,8 @@ def _make_task(cmd: config.Command) -> Task:
     body.__signature__ = inspect.Signature(params)
     body.__name__ = cmd.name.replace("-", "_")
     body.__doc__ = cmd.help
-    return Task(body, name=cmd.name, help=helps, positional=positional, auto_shortflags=False)
+    return Task(body, name=cmd.name, help=helps, positional=positional, optional=list(bare),
+                auto_shortflags=False)
 
 
 @task(help={"gpu": "only the GPU tests", "args": "extra pytest arguments, quoted"}, auto_shortflags=False)

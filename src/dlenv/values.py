@@ -63,6 +63,30 @@ def folder_name(v: Any) -> str:
     return s
 
 
+def on_off_auto(v: Any) -> str:
+    """'auto', 'on' or 'off'; true/false and the other spellings parse_bool takes mean on/off (a
+    config.yaml written when the option was a plain switch still reads)."""
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        return "auto"
+    try:
+        return "on" if parse_bool(v) else "off"
+    except ValueError:
+        raise ValueError("expected auto, on or off") from None
+
+
+def ratio_or_auto(v: Any) -> float | str:
+    """A fraction in [0, 1], or the word 'auto'."""
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        return "auto"
+    try:
+        f = parse_float(v)
+    except ValueError:
+        f = -1.0
+    if not 0.0 <= f <= 1.0:
+        raise ValueError("expected 'auto' or a fraction between 0 and 1")
+    return f
+
+
 def int_or_auto(v: Any) -> int | str:
     """An integer >= 1, or the word 'auto'."""
     if isinstance(v, str) and v.strip().lower() == "auto":

@@ -38,7 +38,7 @@ from dlenv.config import TrainConfig
 from dlenv.data import pipeline
 from dlenv.devices import resolve_device
 from dlenv.errors import UserError
-from dlenv.train import console, loop
+from dlenv.train import auto, console, loop
 from dlenv.train import state as saved
 from dlenv.train.loop import NonFiniteLoss, Parts, TrainState
 
@@ -91,6 +91,8 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
                                         img_size=img_size, model_kwargs=model_kwargs)
     micro, accum = _batch_split(cfg, dist, device, located, precision.mode, img_size, memory_format, resume, say,
                                 model_kwargs)
+    ratio = auto.checkpoint_ratio(cfg, model, model_kwargs, precision.mode, img_size, len(located.classes), device,
+                                  memory_format == torch.channels_last, micro, say)
     plan = pipeline.decide(pipeline.InputOptions.of(cfg), located, device, micro, img_size, dist.local_world_size)
     data = pipeline.build_data(located, plan, device, dist, seed=cfg.seed, dtype=precision.dtype,
                                memory_format=memory_format, max_steps=cfg.max_steps, say=say)
@@ -99,12 +101,16 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
     full_epoch = len(data.train) if data.sampler is None else math.ceil(data.sampler.per_rank / micro)
     batches_per_epoch = min(full_epoch, cfg.max_steps or full_epoch)
 
+    # a resumed run has its saved on/off; auto counts the whole run's micro-batches per GPU
+    compiled = auto.decide_compile(cfg.compile, device, cfg.epochs * batches_per_epoch)
+    if cfg.compile == "auto" and (compiled[0] or not compat.HAS_COMPILE) or cfg.compile == "on" and not compiled[0]:
+        say(f"--compile {compiled[1]}")  # once: when it compiles, or cannot
     parts, chosen = _build_parts(cfg, model, precision, device, memory_format, micro * accum * dist.world_size,
-                                 steps_per_epoch=math.ceil(batches_per_epoch / accum), say=say)
+                                 steps_per_epoch=math.ceil(batches_per_epoch / accum), compile_on=compiled[0])
     state = TrainState(micro_batch=micro, accum_steps=accum)
     rng = saved.restore(resume, parts, state, data.sampler) if resume is not None else None
     run = _open_run(cfg, resume, dist, device, data, precision.mode, micro, accum, chosen, state,
-                    usermodel.provenance(cfg.model, model_kwargs))
+                    usermodel.provenance(cfg.model, model_kwargs), compiled, ratio)
     say(_start_line(cfg, data, device, precision.mode, memory_format, micro, accum, dist.world_size, chosen,
                     run.dir, state))
     if rng is not None:  # last: building the model and the auto-batch probe drew from these streams
@@ -161,7 +167,9 @@ def _build_model(cfg: TrainConfig, num_classes: int, device: torch.device, fresh
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     model = model.to(device, memory_format=memory_format)
     usermodel.check_output(model, cfg.model, num_classes, img_size)  # logits [N, classes]? (own models)
-    if cfg.checkpoint and apply_checkpointing(model, cfg.checkpoint_ratio) == 0:
+    # auto starts from every block; `auto.checkpoint_ratio` narrows it once the batch is known
+    ratio = 1.0 if cfg.checkpoint_ratio == "auto" else cfg.checkpoint_ratio
+    if cfg.checkpoint and apply_checkpointing(model, ratio) == 0:
         say(f"--checkpoint: {cfg.model} has no repeated blocks to checkpoint; training without it")
     return model, memory_format
 
@@ -173,8 +181,8 @@ def _batch_split(cfg: TrainConfig, dist: distributed.DistInfo, device: torch.dev
     smallest), and on a resume with another number of GPUs the saved effective batch kept if it divides."""
     def measure() -> int:
         upper = len(located.layout.train) if located.layout is not None else 4096
-        ratio = cfg.checkpoint_ratio if cfg.checkpoint else False
-        n = _auto_batch(cfg.model, len(located.classes), mode, ratio, img_size, device,
+        ratio = (1.0 if cfg.checkpoint_ratio == "auto" else cfg.checkpoint_ratio) if cfg.checkpoint else False
+        n = auto.auto_batch(cfg.model, len(located.classes), mode, ratio, img_size, device,
                         memory_format == torch.channels_last, upper, say, model_kwargs)
         return int(distributed.agree(n, "min"))
 
@@ -185,28 +193,6 @@ def _batch_split(cfg: TrainConfig, dist: distributed.DistInfo, device: torch.dev
         if note:
             say(note)
     return micro, accum
-
-
-def _auto_batch(model_name: str, num_classes: int, precision_mode: str, checkpoint: float | bool,
-                img_size: int, device: torch.device, channels_last: bool, upper: int, say,
-                model_kwargs: dict[str, Any] | None = None) -> int:
-    """The largest micro-batch whose real training steps fit on this GPU (dlenv.autobatch)."""
-    if device.type != "cuda":
-        raise UserError("--batch-size auto measures GPU memory and needs a CUDA device; "
-                        "give a number, e.g. --batch-size 32")
-    from dlenv.autobatch import find_max_batch, make_train_step_probe
-    from dlenv.models import build_model
-
-    kwargs = model_kwargs or {}  # a model of your own: the factory's arguments, as the run builds it
-    probe = make_train_step_probe(lambda: build_model(model_name, num_classes, **kwargs), precision_mode, checkpoint,
-                                  img_size, num_classes, device, channels_last=channels_last)
-    try:
-        n = find_max_batch(probe, start=8, upper=upper, what=model_name)
-    finally:
-        probe.close()
-    say(f"--batch-size auto: {n} fits ({precision_mode}, checkpointing "
-        f"{'on' if checkpoint else 'off'}, {img_size} px)")
-    return n
 
 
 @dataclass(frozen=True)
@@ -221,7 +207,7 @@ class _Chosen:
 
 def _build_parts(cfg: TrainConfig, model: nn.Module, precision: Any, device: torch.device,
                  memory_format: torch.memory_format, effective: int, steps_per_epoch: int,
-                 say: Callable[[str], None]) -> tuple[Parts, _Chosen]:
+                 compile_on: bool) -> tuple[Parts, _Chosen]:
     """Optimizer, warmup-cosine schedule, DDP, EMA and compile around `model`; what the options chose."""
     from dlenv.optim import (
         ModelEma,
@@ -240,14 +226,12 @@ def _build_parts(cfg: TrainConfig, model: nn.Module, precision: Any, device: tor
     # DDP first (it broadcasts rank 0's weights), then compile the wrapped model, as PyTorch advises
     run_model = distributed.wrap_ddp(model, device, sync_bn=cfg.sync_bn)
     ema = ModelEma(model, cfg.ema_decay) if cfg.ema else None
-    if cfg.compile:
-        if compat.HAS_COMPILE:
-            run_model = compat.compile_model(run_model)
-        else:
-            say(f"--compile: PyTorch {torch.__version__} has no torch.compile (it arrived in 2.0); "
-                "training without it")
+    eager = run_model  # kept: a compile that fails falls back to it (dlenv.train.loop)
+    if compile_on:
+        run_model = compat.compile_model(run_model)
     parts = Parts(run_model, model, optimizer, scheduler, precision,
-                  nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing), ema, device, memory_format, cfg.clip_grad)
+                  nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing), ema, device, memory_format, cfg.clip_grad,
+                  eager=eager if compile_on else None)
     return parts, _Chosen(opt_name, lr, wd, effective)
 
 
@@ -273,14 +257,16 @@ class _Run:
 
 def _open_run(cfg: TrainConfig, resume: saved.Resume | None, dist: distributed.DistInfo, device: torch.device,
               data: pipeline.Data, mode: str, micro: int, accum: int, chosen: _Chosen, state: TrainState,
-              model_source: dict[str, Any] | None) -> _Run:
+              model_source: dict[str, Any] | None, compiled: tuple[bool, str],
+              ratio: tuple[float, str] | None) -> _Run:
     """The run folder with config.yaml in it first (rank 0), results.csv cut back to a resumed epoch, and
     the metadata every checkpoint carries."""
     plan = data.plan
     options = config.to_dict(dataclasses.replace(
         cfg, batch_size=micro, accum_steps=accum, effective_batch=None, optimizer=chosen.optimizer, lr=chosen.lr,
         weight_decay=chosen.weight_decay, img_size=plan.img_size, workers=plan.workers, resume=None,
-        amp_dtype=mode if mode != "fp32" else cfg.amp_dtype))
+        amp_dtype=mode if mode != "fp32" else cfg.amp_dtype, compile="on" if compiled[0] else "off",
+        checkpoint_ratio=ratio[0] if ratio else cfg.checkpoint_ratio))
     run_dir, lock = (resume.run_dir if resume is not None else None), None
     if dist.is_main:
         if run_dir is None:
@@ -293,6 +279,7 @@ def _open_run(cfg: TrainConfig, resume: saved.Resume | None, dist: distributed.D
             "precision": mode, "device": f"{device} ({gpu})", "world_size": dist.world_size,
             "effective_batch": chosen.effective_batch, "data": data.source, "classes": len(data.classes),
             "input": plan.describe(device).removeprefix("input: "), "torch": torch.__version__,
+            "compile_rule": compiled[1], **({"checkpoint_rule": ratio[1]} if ratio else {}),
             **({"model_source": model_source} if model_source else {})})
         if state.epoch or state.batch_in_epoch:
             results.truncate_after(run_dir / "results.csv", state.epoch)
@@ -336,7 +323,7 @@ def fit(cfg: TrainConfig, parts: Parts, state: TrainState, data: pipeline.Data, 
                                "precision": parts.precision.mode, "batch_size": state.micro_batch,
                                "accum_steps": state.accum_steps, "last": str(run.last) if run.last else None,
                                "best": str(run.best) if run.best else None, "img_per_s": None,
-                               "peak_alloc_gib": None}
+                               "peak_alloc_gib": None, "compile_s": 0.0}
     monitor = memory.MemoryMonitor(parts.device)
     retry_oom = cfg.batch_size == "auto" and dist.world_size == 1
     try:
@@ -350,6 +337,7 @@ def fit(cfg: TrainConfig, parts: Parts, state: TrainState, data: pipeline.Data, 
                         saved.save_last(parts, state, data.sampler, run.meta, run.last)
                     return _stopped(summary, stop.signum, run.last, say)
                 row = _end_epoch(cfg, parts, state, data, run, stats, monitor, t_epoch, dist.world_size, say)
+                summary["compile_s"] = summary["compile_s"] + stats.compile_s
                 summary.update(img_per_s=row["img_per_s"], peak_alloc_gib=row["mem_alloc_gib"],
                                batch_size=row["batch_size"], accum_steps=row["accum_steps"])
                 if stop.requested():
@@ -427,7 +415,7 @@ def _end_epoch(cfg: TrainConfig, parts: Parts, state: TrainState, data: pipeline
         if improved:
             saved.save_best(parts, state, data.sampler, run.meta, run.best)
         _write_memory_report(run, monitor)
-    say(console.epoch_line(row, cfg.epochs, improved and val is not None))
+    say(console.epoch_line(row, cfg.epochs, improved and val is not None, stats.compile_s))
     # the first epoch's wait includes starting the workers: judge from the second on
     if data.sampler is not None and not run.advised and (state.epoch > 1 or cfg.epochs == 1):
         from dlenv.bench.data import data_wait_advice

@@ -94,11 +94,13 @@ class Progress:
         self.shown.close()
 
 
-def epoch_line(row: dict[str, Any], epochs: int, improved: bool) -> str:
-    """The line printed after each epoch, from its results.csv row."""
+def epoch_line(row: dict[str, Any], epochs: int, improved: bool, compile_s: float = 0.0) -> str:
+    """The line printed after each epoch, from its results.csv row (and the seconds torch.compile took
+    in it, a phase apart: img/s and data wait leave it out)."""
     val = (f"val loss {row['val_loss']:.4f}  top-1 {row['top1']:.2f}%  top-5 {row['top5']:.2f}%"
            if row["top1"] is not None else "no validation data")
     return (f"epoch {row['epoch']}/{epochs}: train loss {row['train_loss']:.4f}  {val}  lr {row['lr']:.3g}  "
             f"{row['img_per_s']:,.0f} img/s  data wait {row['data_wait']:.0%}  {row['epoch_s']:.1f} s  "
+            + (f"(compile {compile_s:.1f} s)  " if compile_s else "") +
             f"peak {row['mem_alloc_gib']:.2f}/{row['mem_reserved_gib']:.2f} GiB alloc/reserved"
             + ("  *best*" if improved else ""))

@@ -9,7 +9,7 @@ plain loop. `train_step` is the same step on one batch, for everything else that
 
 The machinery around the step lives in named helpers: `_Tally` (the running numbers and their
 checks), `_Window` (the accumulation window), `_forward_backward` (the OOM retry of --batch-size
-auto) and the stop signal, which is only looked at after an optimizer step: a stop saves the state
+auto, and the fall back to eager mode when torch.compile fails) and the stop signal, which is only looked at after an optimizer step: a stop saves the state
 of a step boundary as it is, so nothing has to be rolled back and a resume continues bit for bit.
 """
 
@@ -73,7 +73,7 @@ class Parts:
     device: torch.device
     memory_format: torch.memory_format
     clip: float | None
-
+    eager: nn.Module | None = None  # the model before torch.compile: what a failed compile falls back to
 
     @classmethod
     def plain(cls, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Any,
@@ -93,9 +93,10 @@ class NonFiniteLoss(Exception):
 class EpochStats:
     loss: float                 # mean finite training loss of this process
     images: int
-    seconds: float
+    seconds: float              # training time, without compiling
     data_wait: float            # seconds spent waiting for the next batch
     interrupted: bool           # a stop signal ended the epoch early (at a step boundary)
+    compile_s: float = 0.0      # seconds of steps in which torch.compile compiled (not in `seconds`)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -124,8 +125,11 @@ def train_one_epoch(parts: Parts, batches: Iterator, state: TrainState, total: i
         targets = batch[1].to(parts.device, non_blocking=True)
         window.open(state, total)
         record = monitor if state.batch_in_epoch % CHECK_EVERY == 0 else None
+        graphs, t = (compat.compiled_graphs() if parts.eager is not None else None), time.perf_counter()
         loss = _forward_backward(parts, images, targets, state, window, total, record, retry_oom, progress)
         tally.add(loss, images.shape[0])
+        if graphs is not None and compat.compiled_graphs() != graphs:  # this micro-batch compiled a graph
+            tally.compiled(time.perf_counter() - t, images.shape[0])
         state.batch_in_epoch += 1
         state.position += images.shape[0]
         stepped = window.close_one()
@@ -184,7 +188,7 @@ class _Tally:
         self.total = torch.zeros((), device=device)
         self.finite = torch.zeros((), device=device)
         self.bad_run = torch.zeros((), device=device)
-        self.images, self.waited, self.vote_due = 0, 0.0, False
+        self.images, self.waited, self.vote_due, self.compile_s = 0, 0.0, False, 0.0
         self.t0 = self.last_check = time.perf_counter()
         self.last_images = 0
 
@@ -205,6 +209,14 @@ class _Tally:
         self.finite += ok
         self.bad_run = torch.where(ok, torch.zeros_like(self.bad_run), self.bad_run + 1)
         self.images += images
+
+    def compiled(self, seconds: float, images: int) -> None:
+        """Take a micro-batch that compiled out of the speed: compiling is a phase of its own."""
+        self.compile_s += seconds
+        self.t0 += seconds
+        self.last_check += seconds
+        self.images -= images
+        self.last_images -= images
 
     def read(self) -> tuple[float, int]:
         """(mean finite loss so far, current run of non-finite losses); waits for the GPU."""
@@ -237,7 +249,7 @@ class _Tally:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - self.t0
-        return EpochStats(self.read()[0], self.images, seconds, self.waited, interrupted)
+        return EpochStats(self.read()[0], self.images, seconds, self.waited, interrupted, self.compile_s)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -302,24 +314,38 @@ def _forward_backward(parts: Parts, images: torch.Tensor, targets: torch.Tensor,
     """`forward_backward` of a loader batch in its window. With `retry_oom` (--batch-size auto), a CUDA
     out-of-memory error splits every batch into twice as many micro-batches, and the window starts
     again at this batch: the gradients of its earlier micro-batches are dropped (a failed backward
-    leaves them partial)."""
+    leaves them partial). The same happens when torch.compile fails (it compiles at the first call,
+    and again for a new shape): the run says why in one line and goes on with the eager model."""
     while True:
         try:
             return forward_backward(parts, images, targets, 1.0 / window.size, state.chunks, sync=window.closing,
                                     monitor=monitor)
-        except RuntimeError as e:
-            if not (retry_oom and compat.is_oom(e)) or state.chunks * 2 > images.shape[0]:
+        except Exception as e:
+            oom = retry_oom and compat.is_oom(e) and state.chunks * 2 <= images.shape[0]
+            failed_compile = parts.eager is not None and not compat.is_oom(e) and compat.is_compile_error(e)
+            if not (oom or failed_compile):
                 raise
+            reason = _first_line(e)
         # here, outside the except block, the failed step's tensors are already freed
         parts.optimizer.zero_grad(set_to_none=True)
-        torch.cuda.empty_cache()  # give the fragments of the failed step back before the smaller retry
-        state.chunks *= 2
-        state.oom_retries += 1
         dropped = f"; {window.done} micro-batch(es) of this window are skipped" if window.done else ""
         progress.update(state.batch_in_epoch, float("nan"), 0.0, 0.0)
-        print(f"CUDA out of memory: continuing with micro-batch {math.ceil(state.micro_batch / state.chunks)} x "
-              f"{state.accum_steps * state.chunks} accumulation (same images per step){dropped}", flush=True)
+        if failed_compile:
+            parts.model, parts.eager = parts.eager, None
+            print(f"--compile: torch.compile failed ({reason}); training eagerly from here{dropped}", flush=True)
+        else:
+            torch.cuda.empty_cache()  # give the fragments of the failed step back before the smaller retry
+            state.chunks *= 2
+            state.oom_retries += 1
+            print(f"CUDA out of memory: continuing with micro-batch {math.ceil(state.micro_batch / state.chunks)} x "
+                  f"{state.accum_steps * state.chunks} accumulation (same images per step){dropped}", flush=True)
         window.done, window.size = 0, min(state.accum_steps, total - state.batch_in_epoch)
+
+
+def _first_line(e: BaseException) -> str:
+    """The exception's type and the first line of its message, for a one-line report."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
 
 
 # ---------------------------------------------------------------------------------------------------

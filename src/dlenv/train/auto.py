@@ -1,0 +1,121 @@
+"""What the trainer's `auto` options become on this machine: --compile, --checkpoint-ratio, --batch-size.
+
+Each decision returns the value it chose and one sentence that says why; the trainer records both in
+config.yaml, so a run says what it did and the next one can be told to do otherwise.
+
+--compile auto compiles a CUDA run of PyTorch 2.x that plans at least COMPILE_MIN_BATCHES
+micro-batches per GPU. Compiling a model takes about a minute (more for big graphs), once; after it
+each step runs 20-40% faster on a GPU for the convolutional and transformer models measured
+(docs/benchmarks.md). Below that many steps it would not pay back; on a CPU the generated code gains
+little and the compile takes longest; PyTorch 1.13 has no torch.compile at all.
+
+--checkpoint-ratio auto recomputes the fewest of the repeated blocks that let the run's micro-batch
+fit on this GPU, found by real training steps (dlenv.autobatch.fewest_checkpoint_blocks). With
+--batch-size auto the batch is chosen to fill the card with every block checkpointed, so all are;
+on a CPU there is nothing to probe, and all are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from dlenv import compat, distributed
+from dlenv.errors import UserError
+
+#: micro-batches per GPU from which --compile auto compiles. A step that compiling makes 15 ms
+#: faster (ResNet-50 b256 on an H200) repays a minute of compiling after about 4,000 steps; slower
+#: steps gain more per step; a run of fewer than this many steps is a try, where starting fast matters.
+COMPILE_MIN_BATCHES = 3000
+
+
+def decide_compile(choice: str, device: torch.device, planned_batches: int) -> tuple[bool, str]:
+    """(compile?, why) for --compile `choice` ("auto", "on", "off") and the micro-batches the run
+    plans per GPU."""
+    if choice == "off":
+        return False, "off (--compile off)"
+    if not compat.HAS_COMPILE:
+        return False, (f"off: PyTorch {torch.__version__} has no torch.compile (it arrived in 2.0)"
+                       + ("" if choice == "on" else "; auto means off here"))
+    if choice == "on":
+        return True, "on (--compile on)"
+    if device.type != "cuda":
+        return False, (f"auto: off on {device.type} (compiling pays on a GPU; --compile on to compile "
+                       "anyway)")
+    if planned_batches < COMPILE_MIN_BATCHES:
+        return False, (f"auto: off, {planned_batches:,} planned micro-batches per GPU are under the "
+                       f"{COMPILE_MIN_BATCHES:,} that repay about a minute of compiling (--compile on "
+                       "to compile anyway)")
+    return True, (f"auto: on, {planned_batches:,} planned micro-batches per GPU repay about a minute of "
+                  f"compiling (from {COMPILE_MIN_BATCHES:,}; --compile off to run eagerly)")
+
+
+def checkpoint_ratio(cfg: Any, model: nn.Module, model_kwargs: dict[str, Any], precision_mode: str, img_size: int,
+                     num_classes: int, device: torch.device, channels_last: bool, micro_batch: int,
+                     say: Callable[[str], None]) -> tuple[float, str] | None:
+    """(the fraction of blocks --checkpoint recomputes, why), None without --checkpoint. `model` is
+    already checkpointed at the fraction chosen before the batch was known (all blocks for auto);
+    auto re-applies its answer to it and says it."""
+    if not cfg.checkpoint:
+        return None
+    ratio, why = _checkpoint_ratio(cfg, model, model_kwargs, precision_mode, img_size, num_classes, device,
+                                   channels_last, micro_batch)
+    if cfg.checkpoint_ratio == "auto":
+        say(f"--checkpoint-ratio {why}")
+    return ratio, why
+
+
+def _checkpoint_ratio(cfg: Any, model: nn.Module, model_kwargs: dict[str, Any], precision_mode: str, img_size: int,
+                      num_classes: int, device: torch.device, channels_last: bool,
+                      micro_batch: int) -> tuple[float, str]:
+    from dlenv.models import apply_checkpointing, build_model, find_blocks
+
+    if cfg.checkpoint_ratio != "auto":
+        return float(cfg.checkpoint_ratio), f"--checkpoint-ratio {cfg.checkpoint_ratio:g}"
+    n = len(find_blocks(model))
+    if n == 0:
+        return 1.0, "auto: the model has no repeated blocks"
+    if device.type != "cuda":
+        return 1.0, f"auto: all {n} blocks ({device.type}: no GPU memory to fit)"
+    if cfg.batch_size == "auto":
+        return 1.0, f"auto: all {n} blocks (--batch-size auto fills the GPU with every block checkpointed)"
+    from dlenv.autobatch import fewest_checkpoint_blocks
+
+    found = fewest_checkpoint_blocks(lambda: build_model(cfg.model, num_classes, **model_kwargs), precision_mode,
+                                     img_size, num_classes, device, micro_batch, channels_last=channels_last)
+    k = int(distributed.agree(found.blocks, "max"))  # every rank recomputes the same blocks
+    apply_checkpointing(model, k / n)
+    gpu = torch.cuda.get_device_name(device)
+    if k == 0:
+        why = f"auto: 0 of {n} blocks, batch {micro_batch} fits on {gpu} without recompute"
+    elif found.fits_all or k < n:
+        why = f"auto: {k} of {n} blocks let batch {micro_batch} fit on {gpu}"
+    else:
+        why = (f"auto: all {n} blocks, and batch {micro_batch} may still not fit on {gpu}; "
+               "a smaller --batch-size or --batch-size auto would")
+    return k / n, why
+
+
+def auto_batch(model_name: str, num_classes: int, precision_mode: str, checkpoint: float | bool,
+               img_size: int, device: torch.device, channels_last: bool, upper: int, say,
+               model_kwargs: dict[str, Any] | None = None) -> int:
+    """The largest micro-batch whose real training steps fit on this GPU (dlenv.autobatch)."""
+    if device.type != "cuda":
+        raise UserError("--batch-size auto measures GPU memory and needs a CUDA device; "
+                        "give a number, e.g. --batch-size 32")
+    from dlenv.autobatch import find_max_batch, make_train_step_probe
+    from dlenv.models import build_model
+
+    kwargs = model_kwargs or {}  # a model of your own: the factory's arguments, as the run builds it
+    probe = make_train_step_probe(lambda: build_model(model_name, num_classes, **kwargs), precision_mode, checkpoint,
+                                  img_size, num_classes, device, channels_last=channels_last)
+    try:
+        n = find_max_batch(probe, start=8, upper=upper, what=model_name)
+    finally:
+        probe.close()
+    say(f"--batch-size auto: {n} fits ({precision_mode}, checkpointing "
+        f"{'on' if checkpoint else 'off'}, {img_size} px)")
+    return n
