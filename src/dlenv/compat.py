@@ -134,10 +134,10 @@ def is_compile_error(exc: BaseException) -> bool:
     backend compiler) rather than from the model's own code or the GPU: then eager mode still runs."""
     seen = 0
     e: BaseException | None = exc
-    while e is not None and seen < 8:  # the cause chain: dynamo wraps a backend's error
+    while isinstance(e, BaseException) and seen < 8:  # the cause chain: dynamo wraps a backend's error
         if type(e).__module__.startswith(("torch._dynamo", "torch._inductor", "torch._functorch")):
             return True
-        e, seen = e.__cause__, seen + 1
+        e, seen = getattr(e, "inner_exception", None) or e.__cause__, seen + 1
     return False
 
 

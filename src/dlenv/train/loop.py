@@ -343,8 +343,14 @@ def _forward_backward(parts: Parts, images: torch.Tensor, targets: torch.Tensor,
 
 
 def _first_line(e: BaseException) -> str:
-    """The exception's type and the first line of its message, for a one-line report."""
-    text = str(e).strip().splitlines()
+    """The root cause's type and the first line of its message, for a one-line report (torch.compile
+    wraps a backend's error in its own, whose first line only says which backend raised)."""
+    for _ in range(8):
+        inner = getattr(e, "inner_exception", None) or e.__cause__  # dynamo keeps the backend's error
+        if not isinstance(inner, BaseException):
+            break
+        e = inner
+    text = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
 
 

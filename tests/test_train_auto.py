@@ -1,0 +1,226 @@
+"""dlenv.train.auto and what the trainer does with it: --compile auto/on/off (the rule, the line it
+says, config.yaml, compile time kept out of img/s, the fall back to eager when compiling fails) and
+--checkpoint-ratio auto off the GPU. The probe behind the ratio on a GPU is tested in
+test_autobatch.py (against a fake memory limit) and test_train_gpu.py."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from test_train import Tiny, cfg, data, tiny  # noqa: F401  (fixtures)
+
+from dlenv import compat, config, results
+from dlenv import train as train_mod
+from dlenv.config import TrainConfig
+from dlenv.train import auto
+from dlenv.values import on_off_auto, ratio_or_auto
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+MIN = auto.COMPILE_MIN_BATCHES
+needs_compile = pytest.mark.skipif(not compat.HAS_COMPILE, reason="PyTorch 1.13 has no torch.compile")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The values and the rule.
+
+
+@pytest.mark.parametrize("given,want", [
+    ("auto", "auto"), ("AUTO", "auto"), ("on", "on"), ("off", "off"), (True, "on"), (False, "off"),
+    ("true", "on"), ("no", "off"), ("1", "on"), ("0", "off"), (" Auto ", "auto"),
+])
+def test_on_off_auto_reads_every_spelling(given, want):
+    assert on_off_auto(given) == want
+
+
+@pytest.mark.parametrize("bad", ["maybe", "", "2", None, [1], 0.5])
+def test_on_off_auto_refuses_the_rest(bad):
+    with pytest.raises(ValueError, match="auto, on or off"):
+        on_off_auto(bad)
+
+
+@pytest.mark.parametrize("given,want", [("auto", "auto"), ("0", 0.0), (1, 1.0), ("0.25", 0.25), (0.5, 0.5)])
+def test_ratio_or_auto(given, want):
+    assert ratio_or_auto(given) == want
+
+
+@pytest.mark.parametrize("bad", ["-0.1", "1.5", "nan", "inf", "half", True, None])
+def test_ratio_or_auto_refuses(bad):
+    with pytest.raises(ValueError):
+        ratio_or_auto(bad)
+
+
+@pytest.mark.parametrize("flag,value,want", [
+    ("--compile", "sometimes", "expected auto, on or off"),
+    ("--checkpoint-ratio", "2", "expected 'auto' or a fraction"),
+])
+def test_bad_values_are_one_line_naming_the_flag(flag, value, want):
+    from dlenv.errors import UserError
+
+    with pytest.raises(UserError, match=want) as e:
+        config.build(TrainConfig, **{flag[2:].replace("-", "_"): value})
+    assert flag in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["train"], "auto"), (["train", "--compile"], "on"), (["train", "--no-compile"], "off"),
+    (["train", "--compile", "off"], "off"), (["train", "--compile", "auto", "--amp"], "auto"),
+])
+def test_cli_compile_alone_means_on(argv, want):
+    from dlenv.cli import build_parser
+
+    ns = vars(build_parser().parse_args(argv))
+    given = {k: v for k, v in ns.items() if k not in ("verb", "command", "cfg", "func")}
+    assert config.build(TrainConfig, **{k: v for k, v in given.items() if k in {"compile", "amp"}}).compile == want
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["invoke", "train", "--compile"], "on"), (["invoke", "train", "--compile", "off"], "off"),
+    (["invoke", "train", "--compile", "--amp"], "on"), (["invoke", "train", "--amp"], None),
+])
+def test_invoke_compile_alone_means_on(argv, want, monkeypatch):
+    from invoke import Program
+
+    from dlenv import tasks
+
+    calls = []
+    monkeypatch.setattr(tasks, "run_command", lambda name, given, yaml_file: calls.append(given) or 0)
+    Program(namespace=tasks.ns).run(argv, exit=False)
+    assert calls and calls[0].get("compile") == want
+
+
+@pytest.mark.parametrize("choice,has,device,planned,on,says", [
+    ("off", True, CUDA, 10**6, False, "--compile off"),
+    ("on", True, CPU, 1, True, "--compile on"),
+    ("on", False, CUDA, 10**6, False, "has no torch.compile"),
+    ("auto", False, CUDA, 10**6, False, "auto means off here"),
+    ("auto", True, CPU, 10**6, False, "compiling pays on a GPU"),
+    ("auto", True, CUDA, MIN - 1, False, f"{MIN - 1:,} planned micro-batches"),
+    ("auto", True, CUDA, MIN, True, f"{MIN:,} planned micro-batches per GPU repay"),
+    ("auto", True, CUDA, 50 * MIN, True, "--compile off to run eagerly"),
+])
+def test_decide_compile(choice, has, device, planned, on, says, monkeypatch):
+    monkeypatch.setattr(compat, "HAS_COMPILE", has)
+    got, why = auto.decide_compile(choice, device, planned)
+    assert got is on and says in why
+
+
+# ---------------------------------------------------------------------------------------------------
+# The trainer.
+
+
+def _yaml(run: str | Path) -> dict:
+    """config.yaml's options, and the notes in its comments (`# key: value`) under the same keys."""
+    text = (Path(run) / "config.yaml").read_text(encoding="utf-8")
+    notes = dict(ln[2:].split(": ", 1) for ln in text.splitlines() if ln.startswith("# ") and ": " in ln)
+    return {**notes, **yaml.safe_load(text)}
+
+
+def test_auto_compile_on_a_cpu_is_off_and_recorded(tmp_path, data, tiny, capsys):  # noqa: F811
+    out = train_mod.train(cfg(tmp_path, data, epochs=1))
+    saved = _yaml(out["run_dir"])
+    assert saved["compile"] == "off"
+    assert "auto" in saved["compile_rule"] and ("cpu" in saved["compile_rule"] or "no torch.compile" in
+                                                saved["compile_rule"])
+    # config.yaml runs again as it ran: the recorded choice, not auto
+    assert config.build(TrainConfig, Path(out["run_dir"]) / "config.yaml").compile == "off"
+    said = capsys.readouterr().out
+    # on PyTorch 1.13 auto says once that it cannot compile; on 2.x a CPU run says nothing of it
+    assert said.count("no torch.compile") == (0 if compat.HAS_COMPILE else 1)
+
+
+@pytest.mark.skipif(compat.HAS_COMPILE, reason="PyTorch 2.x has torch.compile")
+def test_compile_on_without_torch_compile_says_so_and_trains(tmp_path, data, tiny, capsys):  # noqa: F811
+    out = train_mod.train(cfg(tmp_path, data, epochs=1, compile="on"))
+    assert out["exit_code"] == 0 and _yaml(out["run_dir"])["compile"] == "off"
+    assert capsys.readouterr().out.count(f"PyTorch {torch.__version__} has no torch.compile") == 1
+
+
+def _backend(calls: list, sleep: float = 0.0, fail: bool = False):
+    """A torch.compile backend that runs the captured graph as it is (no code generation: seconds on
+    this CPU, not minutes), after `sleep` seconds of "compiling", or that fails like a broken compiler."""
+    def backend(gm, example_inputs):
+        calls.append(len(gm.graph.nodes))
+        if fail:
+            raise RuntimeError("the compiler crashed (a test's broken backend)")
+        time.sleep(sleep)
+        return gm.forward
+    return backend
+
+
+@needs_compile
+def test_compile_time_is_its_own_phase_and_not_in_img_per_s(tmp_path, data, tiny, monkeypatch, capsys):  # noqa: F811
+    calls: list = []
+    monkeypatch.setattr(compat, "compile_model", lambda m, **kw: torch.compile(m, backend=_backend(calls, 1.5)))
+    out = train_mod.train(cfg(tmp_path, data, epochs=1, compile="on"))
+    assert calls, "the model was not compiled"
+    row = results.read_results(Path(out["run_dir"]) / "results.csv").iloc[-1]
+    assert out["compile_s"] >= 1.5 * len(calls)
+    # 16 images: counted at full epoch time the speed would be under 16 / epoch_s; the compile is left out
+    assert row["img_per_s"] > 2 * 16 / row["epoch_s"]
+    assert f"(compile {out['compile_s']:.1f} s)" in capsys.readouterr().out
+    assert _yaml(out["run_dir"])["compile"] == "on"
+
+
+@needs_compile
+def test_a_failing_compile_falls_back_to_eager_in_one_line(tmp_path, data, tiny, monkeypatch, capsys):  # noqa: F811
+    calls: list = []
+    monkeypatch.setattr(compat, "compile_model",
+                        lambda m, **kw: torch.compile(m, backend=_backend(calls, fail=True)))
+    out = train_mod.train(cfg(tmp_path, data, epochs=2, compile="on", accum_steps=2))
+    said = capsys.readouterr().out
+    assert out["exit_code"] == 0 and out["epochs"] == 2 and calls
+    lines = [ln for ln in said.splitlines() if "torch.compile failed" in ln]
+    assert len(lines) == 1 and "the compiler crashed" in lines[0] and "training eagerly" in lines[0]
+    assert "Traceback" not in said
+    rows = results.read_results(Path(out["run_dir"]) / "results.csv")
+    assert len(rows) == 2 and rows["train_loss"].notna().all()
+    # every step after the fall back ran: 16 images in batches of 4, 2 per step, 2 epochs
+    assert out["step"] == 4
+
+
+@needs_compile
+def test_a_model_error_under_compile_is_not_swallowed(tmp_path, data, tiny, monkeypatch):  # noqa: F811
+    """Only torch.compile's own failures fall back; the model's errors stay errors."""
+    monkeypatch.setattr(compat, "compile_model", lambda m, **kw: torch.compile(m, backend=_backend([])))
+    monkeypatch.setattr(Tiny, "forward", lambda self, x: x.view(-1, 7))  # a shape bug of the model
+    with pytest.raises(Exception) as e:
+        train_mod.train(cfg(tmp_path, data, epochs=1, compile="on"))
+    assert any(w in str(e.value) for w in ("view", "shape", "size"))
+
+
+def test_is_compile_error_follows_the_cause_chain():
+    class DynamoError(Exception):
+        pass
+
+    DynamoError.__module__ = "torch._dynamo.exc"
+    inner = DynamoError("backend failed")
+    outer = RuntimeError("wrapped")
+    outer.__cause__ = inner
+    assert compat.is_compile_error(inner) and compat.is_compile_error(outer)
+    assert not compat.is_compile_error(RuntimeError("CUDA out of memory"))
+    assert not compat.is_compile_error(ValueError("a model's own bug"))
+
+
+@pytest.mark.parametrize("given,want_ratio,says", [
+    ({}, 1.0, "auto: all"),                             # auto on a CPU: every block
+    ({"checkpoint_ratio": 0.5}, 0.5, "--checkpoint-ratio 0.5"),
+    ({"checkpoint_ratio": "0"}, 0.0, "--checkpoint-ratio 0"),
+])
+def test_checkpoint_ratio_off_the_gpu(tmp_path, data, given, want_ratio, says):
+    import dlenv.models
+
+    out = train_mod.train(cfg(tmp_path, data, epochs=1, max_steps=1, model="resnet18", checkpoint=True,
+                              deterministic=False, **given))
+    saved = _yaml(out["run_dir"])
+    assert saved["checkpoint_ratio"] == want_ratio and says in saved["checkpoint_rule"]
+    blocks = dlenv.models.find_blocks(dlenv.models.build_model("resnet18", 2))
+    assert len(blocks) == 8  # resnet18's BasicBlocks: the ratio's denominator
+
+
+def test_no_checkpoint_leaves_no_checkpoint_rule(tmp_path, data, tiny):  # noqa: F811
+    saved = _yaml(train_mod.train(cfg(tmp_path, data, epochs=1))["run_dir"])
+    assert "checkpoint_rule" not in saved and saved["checkpoint_ratio"] == "auto"
