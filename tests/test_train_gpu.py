@@ -52,7 +52,7 @@ def test_fp16_saves_the_scaler_and_cuda_rng(tmp_path):
 def test_amp_and_checkpointing_cut_the_peak(tmp_path):
     fp32 = rows(run(tmp_path / "a", model="resnet50", img_size=160, batch_size=64)).iloc[-1]
     both = rows(run(tmp_path / "b", model="resnet50", img_size=160, batch_size=64, amp=True,
-                    checkpoint=True)).iloc[-1]
+                    checkpoint=True, checkpoint_ratio=1)).iloc[-1]
     assert both["mem_alloc_gib"] < 0.5 * fp32["mem_alloc_gib"]
 
 
@@ -131,3 +131,59 @@ def test_cuda_optimizers_step_in_few_kernels_and_resume_exactly(name):
     step(net2, opt2, 2)
     for a, b in zip(net.parameters(), net2.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The auto options on the GPU: --checkpoint-ratio auto and --compile auto.
+
+
+def _notes(out) -> dict:
+    """config.yaml's options and its `# key: value` notes."""
+    import yaml
+
+    text = (Path(out["run_dir"]) / "config.yaml").read_text(encoding="utf-8")
+    notes = dict(ln[2:].split(": ", 1) for ln in text.splitlines() if ln.startswith("# ") and ": " in ln)
+    return {**notes, **yaml.safe_load(text)}
+
+
+def test_checkpoint_ratio_auto_recomputes_only_what_the_card_needs(tmp_path):
+    """Uncapped, a ResNet-50 batch of 128 at 160 px fits without recompute: no block is checkpointed.
+    With the card capped below that run's peak, auto checkpoints some blocks, the run fits, and its
+    peak is under the cap."""
+    from dlenv.models import find_blocks, build_model
+
+    n = len(find_blocks(build_model("resnet50", 10)))
+    kw = dict(model="resnet50", img_size=160, batch_size=128, amp=True, checkpoint=True, max_steps=3)
+    free = run(tmp_path / "a", **kw)
+    said = _notes(free)
+    assert said["checkpoint_ratio"] == 0.0 and f"0 of {n} blocks" in said["checkpoint_rule"]
+    peak = rows(free).iloc[-1]["mem_alloc_gib"]
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    cap = 0.75 * peak + 0.5  # the weights, optimizer state and cuDNN workspace stay; activations must shrink
+    torch.cuda.empty_cache()  # the first run's cached blocks: the cap counts what is reserved
+    torch.cuda.set_per_process_memory_fraction(cap / total)
+    try:
+        capped = run(tmp_path / "b", **kw)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    said = _notes(capped)
+    assert capped["exit_code"] == 0 and rows(capped).iloc[-1]["oom_retries"] == 0
+    assert 0 < said["checkpoint_ratio"] <= 1 and "blocks" in said["checkpoint_rule"], said["checkpoint_rule"]
+    assert rows(capped).iloc[-1]["mem_alloc_gib"] < cap
+
+
+def test_compile_auto_compiles_a_long_run_with_plain_checkpoint_keys(tmp_path, monkeypatch, capsys):
+    if not hasattr(torch, "compile"):
+        pytest.skip("PyTorch 1.13 has no torch.compile")
+    from dlenv.train import auto
+
+    monkeypatch.setattr(auto, "COMPILE_MIN_BATCHES", 6)  # 2 epochs x 3 batches is "long" here
+    out = run(tmp_path, amp=True, epochs=2, model="resnet18", img_size=32, batch_size=32)
+    said = _notes(out)
+    assert said["compile"] == "on" and "auto: on" in said["compile_rule"]
+    assert out["compile_s"] > 0 and "(compile " in capsys.readouterr().out
+    ck = runstate.load_checkpoint(Path(out["last"]))
+    assert not any(k.startswith(("_orig_mod", "module.")) for k in ck["model"])
+    again = run(tmp_path, resume=out["last"], epochs=2)  # resumes the finished run: nothing left to do
+    assert again["exit_code"] == 0
+

@@ -358,7 +358,7 @@ def test_gpu_checkpointing_still_saves_memory_when_compiled(project):
     for ckpt in (False, True):
         out = train(model="models/resnet.py:build", model_args="width=64", data=None, synthetic=True,
                     img_size=128, batch_size=256, device="cuda", deterministic=False, compile=True,
-                    checkpoint=ckpt, max_steps=3, project=f"runs-{ckpt}")
+                    checkpoint=ckpt, checkpoint_ratio=1, max_steps=3, project=f"runs-{ckpt}")
         peaks[ckpt] = results.read_results(Path(out["run_dir"]) / "results.csv")["mem_alloc_gib"].iloc[-1]
     assert peaks[True] < 0.9 * peaks[False], peaks
 
