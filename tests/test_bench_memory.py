@@ -31,11 +31,23 @@ GPU_ROWS = [
 
 def test_configurations_add_channels_last_only_for_conv_nets():
     plain = bench.configurations(convolutional=False, channels_last=True)
-    assert [c["key"] for c in plain] == ["fp32", "amp", "ckpt", "amp_ckpt"]
-    assert plain[0]["amp"] is False and plain[3]["amp"] and plain[3]["checkpoint"]
+    assert [c["key"] for c in plain] == ["fp32", "amp", "ckpt", "amp_ckpt", "amp_ckpt_auto"]
+    assert plain[0]["amp"] is False and plain[3]["amp"] and plain[3]["checkpoint"] is True
     conv = bench.configurations(convolutional=True, channels_last=True)
-    assert len(conv) == 8 and all(c["channels_last"] for c in conv[4:])
-    assert len(bench.configurations(convolutional=True, channels_last=False)) == 4
+    assert len(conv) == 9 and all(c["channels_last"] for c in conv[5:])
+    assert [c["key"] for c in conv[5:]] == ["fp32_cl", "amp_cl", "ckpt_cl", "amp_ckpt_cl"]
+    assert len(bench.configurations(convolutional=True, channels_last=False)) == 5
+
+
+def test_auto_ratio_configuration_and_its_checkpoint_label():
+    auto = bench.configurations(convolutional=True, channels_last=True)[4]
+    assert auto == dict(key="amp_ckpt_auto", label="AMP + checkpointing (auto ratio)", amp=True,
+                        checkpoint="auto", channels_last=False)
+    assert bench.checkpoint_label(dict(ckpt_blocks=3, ckpt_n_blocks=16, ckpt_fits_all=True)) == "auto: 3/16"
+    assert bench.checkpoint_label(dict(ckpt_blocks=0, ckpt_n_blocks=8, ckpt_fits_all=True)) == "auto: 0/8"
+    assert bench.checkpoint_label(dict(ckpt_blocks=16, ckpt_n_blocks=16, ckpt_fits_all=False)) == \
+        "auto: 16/16 (none fit with the margin)"
+    assert bench.checkpoint_label(dict(status="skipped")) == "auto"
 
 
 def test_allocator_settings_follow_pytorch_features():
@@ -65,6 +77,71 @@ def test_ratios_and_markdown_table():
     assert md[3] == "| AMP (bf16) | 6.50 | 8.00 | -35% | 250.0 | 2.50x | 6.5001 | 512 |"
     assert "| FP32 | 10.00 | 12.00 | +0% | 100.0 | 1.00x | 6.5000 | 300 |" in md
     assert "| AMP + checkpointing | out of memory |" in md[5]
+
+
+def test_markdown_table_shows_the_auto_ratio_rows_blocks_or_why_not():
+    found = dict(_row("amp_ckpt_auto", "AMP + checkpointing (auto ratio)", 5.0, 6.0, 200.0, 6.5),
+                 precision="bf16", ckpt_blocks=3, ckpt_n_blocks=16)
+    skipped = dict(key="amp_ckpt_auto", configuration="AMP + checkpointing (auto ratio)", status="skipped",
+                   error=bench.NO_SEARCH_ON_CPU)
+    md = bench.markdown_table(bench.add_ratios([dict(GPU_ROWS[0]), found]), steps=3, with_max_batch=False)
+    assert "| AMP + checkpointing (auto ratio) (bf16), 3/16 blocks checkpointed | 5.00 | 6.00 | -50% |" in md
+    md = bench.markdown_table([skipped], steps=3, with_max_batch=False)
+    assert "| AMP + checkpointing (auto ratio) | not measured: the checkpoint search needs a CUDA GPU" in md
+
+
+def _fake_gpu_workers(monkeypatch, search: dict) -> list[dict]:
+    """Replace run_worker as if on a GPU: the search answers `search`, every measurement "ok"."""
+    specs = []
+
+    def run(spec, alloc_conf=None, timeout=None):
+        specs.append(spec)
+        if spec["mode"] == "ckpt_search":
+            return dict(search, device="cuda")
+        return dict(status="ok", device="cuda", precision="bf16" if spec["amp"] else "fp32", peak_alloc_gib=1.0,
+                    peak_reserved_gib=1.5, img_per_s=10.0, loss_last=6.5, max_batch=64)
+
+    monkeypatch.setattr(bench, "run_worker", run)
+    return specs
+
+
+def _bench_cfg(tmp_path, **kw):
+    return config.build(config.BenchMemoryConfig, **dict(dict(model="resnet18", batch_size=32, img_size=32,
+                                                              channels_last=False, allocator=False,
+                                                              device="cuda", out=str(tmp_path)), **kw))
+
+
+def test_auto_ratio_row_measures_amp_with_the_blocks_the_search_found(monkeypatch, tmp_path):
+    specs = _fake_gpu_workers(monkeypatch, dict(status="ok", ckpt_blocks=3, ckpt_n_blocks=8, ckpt_ratio=3 / 8,
+                                                ckpt_fits_all=True, ckpt_tries=[[0, False], [8, True]]))
+    rows, _, _ = bench.run_bench(_bench_cfg(tmp_path, max_batch=True), progress=lambda m: None)
+    auto = rows[-1]
+    assert (auto["key"], auto["status"], auto["checkpoint"]) == ("amp_ckpt_auto", "ok", "auto: 3/8")
+    search = [s for s in specs if s["mode"] == "ckpt_search"]
+    assert len(search) == 1 and search[0]["amp"] is True and search[0]["batch_size"] == 32
+    # after the search: the measurement and the largest batch at the ratio found, with AMP
+    assert [(s["mode"], s["checkpoint"], s["amp"]) for s in specs[-2:]] == [("measure", 3 / 8, True),
+                                                                           ("max_batch", 3 / 8, True)]
+    assert [r["checkpoint"] for r in rows[:4]] == [False, False, True, True]  # the other rows as they were
+    path = bench.write_csv(rows, tmp_path / "memory.csv", bench.CSV_COLUMNS)
+    with path.open() as fh:
+        assert list(csv.DictReader(fh))[-1]["checkpoint"] == "auto: 3/8"
+
+
+def test_auto_ratio_row_when_the_search_fails(monkeypatch, tmp_path):
+    specs = _fake_gpu_workers(monkeypatch, dict(status="error", error="CUDA error: an illegal memory access"))
+    rows, _, _ = bench.run_bench(_bench_cfg(tmp_path), progress=lambda m: None)
+    auto = rows[-1]
+    assert auto["status"] == "error" and auto["error"] == "checkpoint search: CUDA error: an illegal memory access"
+    assert auto["checkpoint"] == "auto" and specs[-1]["mode"] == "ckpt_search"  # nothing measured after it
+
+
+def test_checkpoint_search_worker_on_cpu_says_it_cannot_search():
+    spec = dict(mode="ckpt_search", model="squeezenet1_1", batch_size=2, img_size=32, warmup=0, steps=2,
+                amp_dtype="auto", device="cpu", amp=True)
+    got = memory_worker.measure_checkpoint_search(spec)
+    assert got["status"] == "skipped" and got["error"] == bench.NO_SEARCH_ON_CPU
+    assert got["device"] == "cpu" and "ckpt_blocks" not in got
 
 
 def test_markdown_table_on_cpu_says_na():
@@ -164,8 +241,17 @@ def test_cpu_run_writes_outputs(cpu_run):
     assert "Allocator settings: not compared" in md
     with (cpu_run.out / "memory.csv").open() as fh:
         rows = list(csv.DictReader(fh))
-    assert [r["status"] for r in rows] == ["ok"] * 4
-    assert all(r["peak_alloc_gib"] == "" and float(r["img_per_s"]) > 0 for r in rows)
+    assert [r["status"] for r in rows] == ["ok"] * 4 + ["skipped"]
+    assert all(r["peak_alloc_gib"] == "" and float(r["img_per_s"]) > 0 for r in rows[:4])
+
+
+def test_cpu_run_says_why_the_auto_ratio_row_was_not_measured(cpu_run):
+    md = (cpu_run.out / "memory.md").read_text()
+    assert f"| AMP + checkpointing (auto ratio) | {bench.NO_SEARCH_ON_CPU} |" in md
+    with (cpu_run.out / "memory.csv").open() as fh:
+        auto = list(csv.DictReader(fh))[-1]
+    assert (auto["key"], auto["configuration"], auto["checkpoint"]) == \
+        ("amp_ckpt_auto", "AMP + checkpointing (auto ratio)", "auto")
     assert (cpu_run.out / "memory.png").stat().st_size > 5000
 
 

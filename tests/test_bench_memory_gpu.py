@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import re
 
 import pytest
 
@@ -30,7 +31,9 @@ def gpu_run(tmp_path_factory):
 
 def test_gpu_table_has_memory_and_the_expected_order(gpu_run):
     out, rows, _ = gpu_run
-    assert set(rows) == {"fp32", "amp", "ckpt", "amp_ckpt"}
+    assert set(rows) == {"fp32", "amp", "ckpt", "amp_ckpt", "amp_ckpt_auto"}
+    # the auto-ratio row searched this GPU: some number of resnet18's 8 blocks, then measured with them
+    assert re.fullmatch(r"auto: \d/8", rows["amp_ckpt_auto"]["checkpoint"])
     mem = {k: float(r["peak_alloc_gib"]) for k, r in rows.items()}
     assert all(r["status"] == "ok" for r in rows.values())
     assert all(float(r["peak_reserved_gib"]) >= float(r["peak_alloc_gib"]) > 0 for r in rows.values())

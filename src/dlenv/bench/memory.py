@@ -7,6 +7,10 @@ allocator start clean and no configuration inherits another's cached blocks. Eve
 starts from the same seeded weights and trains on the same seeded batch, so the loss after the same
 N steps shows what AMP and checkpointing cost in accuracy (nothing measurable, or they are wrong).
 
+The auto-ratio row is AMP with only as many of the model's repeated blocks checkpointed as this
+GPU needs for the batch: a worker first searches the fewest that fit (dlenv.autobatch.
+fewest_checkpoint_blocks, as `--checkpoint-ratio auto` does), then another measures AMP with those.
+
 Per configuration: peak memory allocated and reserved over the timed steps, images/s, both as
 ratios to FP32, the loss at step N, and with --max-batch the largest batch that fits (real training
 steps, doubling then bisection, see dlenv.autobatch). A second table compares the allocator
@@ -46,6 +50,11 @@ BASE_CONFIGS = [
     ("amp_ckpt", "AMP + checkpointing", True, True),
 ]
 
+#: AMP with the fewest checkpointed blocks that fit the batch here (checkpoint "auto": searched first).
+AUTO_CONFIG = ("amp_ckpt_auto", "AMP + checkpointing (auto ratio)", True, "auto")
+
+NO_SEARCH_ON_CPU = "not measured: the checkpoint search needs a CUDA GPU (nothing runs out of memory on a CPU)"
+
 CSV_COLUMNS = ["key", "configuration", "status", "precision", "checkpoint", "channels_last", "batch_size",
                "img_size", "steps", "peak_alloc_gib", "peak_reserved_gib", "mem_vs_fp32", "img_per_s",
                "speed_vs_fp32", "loss_first", "loss_last", "skipped_steps", "max_batch"]
@@ -57,8 +66,10 @@ ALLOC_COLUMNS = ["setting", "status", "peak_alloc_gib", "peak_reserved_gib", "fr
 
 
 def configurations(convolutional: bool, channels_last: bool) -> list[dict[str, Any]]:
-    """The configurations to run: the four base ones, then their channels_last variants for conv nets."""
-    out = [dict(key=k, label=lb, amp=a, checkpoint=c, channels_last=False) for k, lb, a, c in BASE_CONFIGS]
+    """The configurations to run: the four base ones, the auto-ratio one, then the base ones' channels_last
+    variants for conv nets."""
+    out = [dict(key=k, label=lb, amp=a, checkpoint=c, channels_last=False)
+           for k, lb, a, c in [*BASE_CONFIGS, AUTO_CONFIG]]
     if convolutional and channels_last:
         out += [dict(key=k + "_cl", label=lb + " + channels_last", amp=a, checkpoint=c, channels_last=True)
                 for k, lb, a, c in BASE_CONFIGS]
@@ -165,8 +176,11 @@ def markdown_table(rows: list[dict[str, Any]], steps: int, with_max_batch: bool)
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
     for r in rows:
         label = r["configuration"] + (f" ({r['precision']})" if r.get("precision") in ("fp16", "bf16") else "")
+        if r.get("ckpt_blocks") is not None:
+            label += f", {r['ckpt_blocks']}/{r['ckpt_n_blocks']} blocks checkpointed"
         if r.get("status") != "ok":
-            what = "out of memory" if r.get("status") == "oom" else f"failed: {r.get('error', '?')}"
+            what = {"oom": "out of memory", "skipped": r.get("error", "not measured")}.get(
+                r.get("status"), f"failed: {r.get('error', '?')}")
             cells = [label, what] + ["—"] * (len(head) - 2)
             if with_max_batch:
                 cells[-1] = _num(r.get("max_batch"), "d")
@@ -275,6 +289,13 @@ def report(cfg: Any, rows: list[dict[str, Any]], alloc_rows: list[dict[str, Any]
     if cfg.max_batch:
         notes.append("Max batch: the largest batch whose real training steps (forward, backward, SGD step) "
                      "fit, by doubling then bisection to within 1%, in a fresh process per configuration.")
+    auto = next((r for r in rows if r.get("key") == AUTO_CONFIG[0]), None)
+    if auto and auto.get("ckpt_blocks") is not None:  # on a CPU its row says why it was not searched
+        notes.append(f"{AUTO_CONFIG[1]}: AMP with only the first k of the model's n repeated blocks "
+                     "checkpointed, k the fewest whose training steps fit the batch plus the margin of "
+                     "--batch-size auto, searched on this GPU in a fresh process (none first, then all, then "
+                     "bisection), as `--checkpoint-ratio auto` does; the `checkpoint` column of memory.csv says "
+                     "\"auto: k/n\".")
     skipped = [r["configuration"] for r in rows if r.get("skipped_steps")]
     if skipped:
         notes.append("The fp16 GradScaler skipped its first step(s) while finding its scale in: "
@@ -305,6 +326,25 @@ def _spec(cfg: Any, mode: str = "measure", **extra: Any) -> dict[str, Any]:
     return spec
 
 
+def checkpoint_label(row: dict[str, Any]) -> str:
+    """The auto-ratio row's checkpoint column: "auto: k/n" blocks, or "auto" when the search did not run."""
+    if row.get("ckpt_blocks") is None:
+        return "auto"
+    label = f"auto: {row['ckpt_blocks']}/{row['ckpt_n_blocks']}"
+    return label if row.get("ckpt_fits_all", True) else label + " (none fit with the margin)"
+
+
+def _search_checkpoint(cfg: Any, c: dict[str, Any], info: dict[str, Any], progress) -> dict[str, Any]:
+    """The auto-ratio row's search, in a worker: its ckpt_* fields, or status "skipped"/"error" and why."""
+    if info and info.get("device") != "cuda":  # known to be a CPU: no worker needed to say so
+        return dict(status="skipped", error=NO_SEARCH_ON_CPU)
+    progress(f"[bench-memory] {c['label']}: fewest checkpointed blocks that fit ...")
+    res = run_worker(_spec(cfg, "ckpt_search", amp=c["amp"], checkpoint=False, channels_last=c["channels_last"]))
+    if res.get("status") == "error":
+        res["error"] = f"checkpoint search: {res.get('error', '?')}"
+    return res
+
+
 def run_bench(cfg: Any, progress=print) -> tuple[list[dict], list[dict], dict]:
     """Run every configuration (and the allocator settings) in fresh workers.
 
@@ -318,18 +358,25 @@ def run_bench(cfg: Any, progress=print) -> tuple[list[dict], list[dict], dict]:
     while i < len(todo):
         c = todo[i]
         progress(f"[bench-memory] {c['label']} ...")
-        res = run_worker(_spec(cfg, amp=c["amp"], checkpoint=c["checkpoint"], channels_last=c["channels_last"]))
+        ckpt, found = c["checkpoint"], {}
+        if ckpt == "auto":
+            found = _search_checkpoint(cfg, c, info, progress)
+            ckpt = found.get("ckpt_ratio") if found.get("status") == "ok" else None
+        # no ratio means the search did not run: the row is its answer (skipped or failed, and why)
+        res = found if ckpt is None else dict(found, **run_worker(_spec(cfg, amp=c["amp"], checkpoint=ckpt,
+                                                                         channels_last=c["channels_last"])))
         if not info and "device" in res:
             info = {k: res.get(k) for k in ("device", "gpu", "gpu_total_gib", "gpu_capped_gib", "torch", "cuda",
                                              "alloc_conf")}
             # the first worker tells whether the model is convolutional: add channels_last variants
             todo = configurations(bool(res.get("convolutional")), cfg.channels_last)
-        row = dict(res, key=c["key"], configuration=c["label"], checkpoint=c["checkpoint"],
+        row = dict(res, key=c["key"], configuration=c["label"],
+                   checkpoint=checkpoint_label(found) if found else c["checkpoint"],
                    channels_last=c["channels_last"], batch_size=cfg.batch_size, img_size=cfg.img_size,
                    steps=cfg.warmup + cfg.steps)
-        if cfg.max_batch and info.get("device") == "cuda":
+        if cfg.max_batch and info.get("device") == "cuda" and ckpt is not None:
             progress(f"[bench-memory] {c['label']}: largest batch ...")
-            mb = run_worker(_spec(cfg, "max_batch", amp=c["amp"], checkpoint=c["checkpoint"],
+            mb = run_worker(_spec(cfg, "max_batch", amp=c["amp"], checkpoint=ckpt,
                                   channels_last=c["channels_last"]))
             row["max_batch"] = mb.get("max_batch")
         rows.append(row)

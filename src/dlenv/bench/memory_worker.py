@@ -3,7 +3,8 @@
 `python -m dlenv.bench.memory_worker --worker SPEC --result FILE` (dlenv.bench.memory.run_worker
 starts it) builds the seeded model of SPEC and runs the trainer's own step (dlenv.train.loop.train_step)
 on one seeded batch: `measure` times warm-up + N steps and reads the peaks, `measure_max_batch`
-searches the largest batch that fits (dlenv.autobatch), `measure_allocator` trains on a batch and
+searches the largest batch that fits (dlenv.autobatch), `measure_checkpoint_search` the fewest
+checkpointed blocks that fit the batch (the auto-ratio row), `measure_allocator` trains on a batch and
 image size that change every step under the PYTORCH_CUDA_ALLOC_CONF the parent set. A CUDA
 out-of-memory is a result ("oom"), not a crash; a UserError goes back to the parent as one.
 """
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from dlenv.bench.memory import GIB, NUM_CLASSES, SEED, fragmentation_schedule
+from dlenv.bench.memory import GIB, NO_SEARCH_ON_CPU, NUM_CLASSES, SEED, fragmentation_schedule
 from dlenv.compat import is_oom
 from dlenv.errors import UserError
 from dlenv.train.loop import Parts, train_step
@@ -46,8 +47,8 @@ def _setup(spec: dict[str, Any]):
     torch.manual_seed(spec.get("seed", SEED))  # the same initial weights in every configuration
     model = build_model(spec["model"], spec.get("num_classes", NUM_CLASSES))
     conv = bool(is_convolutional(model))
-    if spec.get("checkpoint"):
-        apply_checkpointing(model, ratio=1.0)
+    if spec.get("checkpoint"):  # True: every block; a number: that ratio (the auto-ratio row's answer)
+        apply_checkpointing(model, ratio=1.0 if spec["checkpoint"] is True else float(spec["checkpoint"]))
     fmt = torch.channels_last if spec.get("channels_last") else torch.contiguous_format
     model = model.to(dev, memory_format=fmt).train()
     mode = resolve_precision(True, spec.get("amp_dtype", "auto"), dev) if spec.get("amp") else "fp32"
@@ -127,10 +128,20 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     return _oom_as_status(run, out)
 
 
+def _factory(spec: dict[str, Any]):
+    """A model factory for the probes: the spec's seeded model, built afresh."""
+    from dlenv.models import build_model
+
+    def factory():
+        torch.manual_seed(spec.get("seed", SEED))
+        return build_model(spec["model"], spec.get("num_classes", NUM_CLASSES))
+
+    return factory
+
+
 def measure_max_batch(spec: dict[str, Any]) -> dict[str, Any]:
     """The largest batch whose real training steps fit this configuration (run inside a worker; CUDA only)."""
     from dlenv.autobatch import make_train_step_probe, search_max_batch
-    from dlenv.models import build_model
 
     dev, model, conv, mode, fmt = _setup(spec)
     out = dict(_env_info(dev, spec), convolutional=conv, precision=mode, status="ok")
@@ -138,11 +149,7 @@ def measure_max_batch(spec: dict[str, Any]) -> dict[str, Any]:
         return dict(out, max_batch=None)
     del model
     torch.cuda.empty_cache()
-
-    def factory():
-        torch.manual_seed(spec.get("seed", SEED))
-        return build_model(spec["model"], spec.get("num_classes", NUM_CLASSES))
-
+    factory = _factory(spec)
     probe = make_train_step_probe(factory, mode, spec.get("checkpoint", False), spec["img_size"],
                                   spec.get("num_classes", NUM_CLASSES), dev,
                                   channels_last=bool(spec.get("channels_last")))
@@ -150,6 +157,27 @@ def measure_max_batch(spec: dict[str, Any]) -> dict[str, Any]:
                            what=f"{spec['model']} at {spec['img_size']} px")
     probe.close()
     return dict(out, max_batch=res.largest_fit, max_batch_tries=len(res.tries), max_batch_s=res.seconds)
+
+
+def measure_checkpoint_search(spec: dict[str, Any]) -> dict[str, Any]:
+    """The fewest of the model's repeated blocks to checkpoint for the spec's batch to fit (in a worker).
+
+    Runs `dlenv.autobatch.fewest_checkpoint_blocks` at the spec's precision: status "ok" with
+    ckpt_blocks, ckpt_n_blocks, ckpt_ratio, ckpt_fits_all, ckpt_tries and ckpt_search_s; status
+    "skipped" with the reason on a CPU.
+    """
+    from dlenv.autobatch import fewest_checkpoint_blocks
+
+    dev, model, conv, mode, fmt = _setup(dict(spec, checkpoint=False))
+    out = dict(_env_info(dev, spec), convolutional=conv, precision=mode, status="ok")
+    if dev.type != "cuda":
+        return dict(out, status="skipped", error=NO_SEARCH_ON_CPU)
+    del model  # the search trains a probe model of its own
+    torch.cuda.empty_cache()
+    res = fewest_checkpoint_blocks(_factory(spec), mode, spec["img_size"], spec.get("num_classes", NUM_CLASSES),
+                                   dev, spec["batch_size"], channels_last=bool(spec.get("channels_last")))
+    return dict(out, ckpt_blocks=res.blocks, ckpt_n_blocks=res.n_blocks, ckpt_ratio=res.ratio,
+                ckpt_fits_all=res.fits_all, ckpt_tries=res.tries, ckpt_search_s=res.seconds)
 
 
 def measure_allocator(spec: dict[str, Any]) -> dict[str, Any]:
@@ -182,7 +210,8 @@ def measure_allocator(spec: dict[str, Any]) -> dict[str, Any]:
     return _oom_as_status(run, out)
 
 
-_MODES = {"measure": measure, "max_batch": measure_max_batch, "allocator": measure_allocator}
+_MODES = {"measure": measure, "max_batch": measure_max_batch, "ckpt_search": measure_checkpoint_search,
+          "allocator": measure_allocator}
 
 
 def _worker_main(argv: list[str]) -> int:
