@@ -203,6 +203,7 @@ def main() -> int:
                 ips, peak = yardstick(name, batch, args.img_size, args.steps, warmup=max(5, args.steps // 3),
                                       checkpoint=ckpt)
                 rows.append({"model": name, "batch": batch, "config": label, "img_per_s": ips, "peak_gib": peak})
+                print(f"row: {label}: {ips:,.0f} img/s, {peak:.2f} GiB", flush=True)
                 base = base or ips
         fp32_ips = fp32_peak = strict_ips = None
         for label, options in variants:
@@ -217,6 +218,7 @@ def main() -> int:
                 strict_ips = ips
             rows.append({"model": name, "batch": batch, "config": f"dlenv {label}", "img_per_s": ips,
                          "peak_gib": peak, "compile_s": compile_s, "chose": chose})
+            print(f"row: {label}: {ips:,.0f} img/s, {peak:.2f} GiB, compile {compile_s:.0f} s; {chose}", flush=True)
         for r in rows:
             if r["model"] == name:
                 r["x_yardstick"] = r["img_per_s"] / base if base else None
