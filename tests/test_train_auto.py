@@ -210,7 +210,7 @@ def test_is_compile_error_follows_the_cause_chain():
     ({"checkpoint_ratio": 0.5}, 0.5, "--checkpoint-ratio 0.5"),
     ({"checkpoint_ratio": "0"}, 0.0, "--checkpoint-ratio 0"),
 ])
-def test_checkpoint_ratio_off_the_gpu(tmp_path, data, given, want_ratio, says):
+def test_checkpoint_ratio_off_the_gpu(tmp_path, data, given, want_ratio, says):  # noqa: F811
     import dlenv.models
 
     out = train_mod.train(cfg(tmp_path, data, epochs=1, max_steps=1, model="resnet18", checkpoint=True,

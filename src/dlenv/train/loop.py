@@ -9,8 +9,9 @@ plain loop. `train_step` is the same step on one batch, for everything else that
 
 The machinery around the step lives in named helpers: `_Tally` (the running numbers and their
 checks), `_Window` (the accumulation window), `_forward_backward` (the OOM retry of --batch-size
-auto, and the fall back to eager mode when torch.compile fails) and the stop signal, which is only looked at after an optimizer step: a stop saves the state
-of a step boundary as it is, so nothing has to be rolled back and a resume continues bit for bit.
+auto, and the fall back to eager mode when torch.compile fails) and the stop signal, which is only
+looked at after an optimizer step: a stop saves the state of a step boundary as it is, so nothing
+has to be rolled back and a resume continues bit for bit.
 """
 
 from __future__ import annotations
