@@ -165,7 +165,9 @@ def ours(name: str, batch: int, img: int, steps: int, options: dict,
             out = train(cfg, on_step=on_step)
             run = Path(out["run_dir"])
             row = results.read_results(run / "results.csv").iloc[-1]
-            said = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
+            text = (run / "config.yaml").read_text(encoding="utf-8")  # the rules are its `# key: why` notes
+            said = {**dict(ln[2:].split(": ", 1) for ln in text.splitlines() if ln.startswith("# ") and ": " in ln),
+                    **yaml.safe_load(text)}
             chose = f"compile: {said.get('compile_rule')}" + (f"; checkpoint: {said['checkpoint_rule']}"
                                                                  if said.get("checkpoint_rule") else "")
             return float(row["img_per_s"]), float(row["mem_alloc_gib"]), float(out.get("compile_s") or 0.0), chose
