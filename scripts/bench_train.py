@@ -80,11 +80,12 @@ def _checkpoint_blocks(model: nn.Module) -> None:
     """Every ResNet bottleneck / ViT encoder block recomputed in backward."""
     import torchvision
 
-    for parent in model.modules():
-        for key, child in list(parent.named_children()):
-            if isinstance(child, (torchvision.models.resnet.Bottleneck, torchvision.models.resnet.BasicBlock,
-                                  torchvision.models.vision_transformer.EncoderBlock)):
-                setattr(parent, key, _Recompute(child))
+    kinds = (torchvision.models.resnet.Bottleneck, torchvision.models.resnet.BasicBlock,
+             torchvision.models.vision_transformer.EncoderBlock)
+    found = [(parent, key, child) for parent in model.modules() for key, child in parent.named_children()
+             if isinstance(child, kinds)]  # all first: wrapping while walking would walk into the wrappers
+    for parent, key, child in found:
+        setattr(parent, key, _Recompute(child))
 
 
 def yardstick(name: str, batch: int, img: int, steps: int, warmup: int,
