@@ -91,13 +91,14 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
                                         img_size=img_size, model_kwargs=model_kwargs)
     micro, accum = _batch_split(cfg, dist, device, located, precision.mode, img_size, memory_format, resume, say,
                                 model_kwargs)
-    ratio = auto.checkpoint_ratio(cfg, model, model_kwargs, precision.mode, img_size, len(located.classes), device,
-                                  memory_format == torch.channels_last, micro, say)
     plan = pipeline.decide(pipeline.InputOptions.of(cfg), located, device, micro, img_size, dist.local_world_size)
     data = pipeline.build_data(located, plan, device, dist, seed=cfg.seed, dtype=precision.dtype,
                                memory_format=memory_format, max_steps=cfg.max_steps, say=say)
     if located.layout is not None:
         say(plan.describe(device))
+    # after the data: what it keeps on the GPU (--synthetic, --cache ram on the device) counts in the probe
+    ratio = auto.checkpoint_ratio(cfg, model, model_kwargs, precision.mode, img_size, len(located.classes), device,
+                                  memory_format == torch.channels_last, micro, say)
     full_epoch = len(data.train) if data.sampler is None else math.ceil(data.sampler.per_rank / micro)
     batches_per_epoch = min(full_epoch, cfg.max_steps or full_epoch)
 
