@@ -104,7 +104,7 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
 
     # a resumed run has its saved on/off; auto counts the whole run's micro-batches per GPU
     compiled = auto.decide_compile(cfg.compile, device, cfg.epochs * batches_per_epoch)
-    if cfg.compile == "auto" and (compiled[0] or not compat.HAS_COMPILE) or cfg.compile == "on" and not compiled[0]:
+    if (cfg.compile == "auto" and (compiled[0] or not compat.HAS_COMPILE)) or (cfg.compile == "on" and not compiled[0]):
         say(f"--compile {compiled[1]}")  # once: when it compiles, or cannot
     parts, chosen = _build_parts(cfg, model, precision, device, memory_format, micro * accum * dist.world_size,
                                  steps_per_epoch=math.ceil(batches_per_epoch / accum), compile_on=compiled[0])
