@@ -133,12 +133,11 @@ def ours(name: str, batch: int, img: int, steps: int, options: dict,
     seconds it compiled, and what config.yaml says its auto options chose."""
     import signal
 
-    import yaml
-
     from dlenv import config, results
     from dlenv.config import TrainConfig
     from dlenv.train import train
     from dlenv.train.auto import COMPILE_MIN_BATCHES
+    from dlenv.train.state import read_config_notes
 
     options = dict(options)
     long = options.pop("long", False)
@@ -166,9 +165,7 @@ def ours(name: str, batch: int, img: int, steps: int, options: dict,
             out = train(cfg, on_step=on_step)
             run = Path(out["run_dir"])
             row = results.read_results(run / "results.csv").iloc[-1]
-            text = (run / "config.yaml").read_text(encoding="utf-8")  # the rules are its `# key: why` notes
-            said = {**dict(ln[2:].split(": ", 1) for ln in text.splitlines() if ln.startswith("# ") and ": " in ln),
-                    **yaml.safe_load(text)}
+            said = read_config_notes(run / "config.yaml")  # what the auto options chose, and why
             chose = f"compile: {said.get('compile_rule')}" + (f"; checkpoint: {said['checkpoint_rule']}"
                                                                  if said.get("checkpoint_rule") else "")
             return float(row["img_per_s"]), float(row["mem_alloc_gib"]), float(out.get("compile_s") or 0.0), chose

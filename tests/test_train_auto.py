@@ -17,6 +17,7 @@ from dlenv import compat, config, results
 from dlenv import train as train_mod
 from dlenv.config import TrainConfig
 from dlenv.train import auto
+from dlenv.train.state import read_config_notes
 from dlenv.values import on_off_auto, ratio_or_auto
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
@@ -114,9 +115,8 @@ def test_decide_compile(choice, has, device, planned, on, says, monkeypatch):
 
 def _yaml(run: str | Path) -> dict:
     """config.yaml's options, and the notes in its comments (`# key: value`) under the same keys."""
-    text = (Path(run) / "config.yaml").read_text(encoding="utf-8")
-    notes = dict(ln[2:].split(": ", 1) for ln in text.splitlines() if ln.startswith("# ") and ": " in ln)
-    return {**notes, **yaml.safe_load(text)}
+    path = Path(run) / "config.yaml"
+    return {**read_config_notes(path), **yaml.safe_load(path.read_text(encoding="utf-8"))}
 
 
 def test_auto_compile_on_a_cpu_is_off_and_recorded(tmp_path, data, tiny, capsys):  # noqa: F811

@@ -141,9 +141,10 @@ def _notes(out) -> dict:
     """config.yaml's options and its `# key: value` notes."""
     import yaml
 
-    text = (Path(out["run_dir"]) / "config.yaml").read_text(encoding="utf-8")
-    notes = dict(ln[2:].split(": ", 1) for ln in text.splitlines() if ln.startswith("# ") and ": " in ln)
-    return {**notes, **yaml.safe_load(text)}
+    from dlenv.train.state import read_config_notes
+
+    path = Path(out["run_dir"]) / "config.yaml"
+    return {**read_config_notes(path), **yaml.safe_load(path.read_text(encoding="utf-8"))}
 
 
 def test_checkpoint_ratio_auto_recomputes_only_what_the_card_needs(tmp_path):

@@ -139,6 +139,12 @@ def write_config_yaml(path: Path, options: dict[str, Any], notes: dict[str, Any]
     write_text(path, "\n".join(head) + "\n" + yaml.safe_dump(options, sort_keys=False))
 
 
+def read_config_notes(path: Path) -> dict[str, str]:
+    """The `# key: value` notes `write_config_yaml` put above the options (what auto chose, and why)."""
+    text = Path(path).read_text(encoding="utf-8")
+    return dict(ln[2:].split(": ", 1) for ln in text.splitlines() if ln.startswith("# ") and ": " in ln)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Resuming.
 
