@@ -245,6 +245,7 @@ def test_batch_size_auto_probes_the_same_model(project, monkeypatch):
     """The probe builds the model as the run does: the factory with its arguments (a GPU measures it:
     tests/test_usermodel_train.py::test_gpu_...)."""
     import dlenv.autobatch as autobatch
+    from dlenv.train import auto
 
     built = []
 
@@ -255,8 +256,8 @@ def test_batch_size_auto_probes_the_same_model(project, monkeypatch):
     monkeypatch.setattr(autobatch, "make_train_step_probe", probe)
     monkeypatch.setattr(autobatch, "find_max_batch", lambda p, **k: 24)
     cuda = type("D", (), {"type": "cuda"})()
-    n = train_mod._auto_batch("models/resnet.py:build", 3, "bf16", 1.0, 16, cuda, False, 100, print,
-                              model_kwargs={"width": 4})
+    n = auto.auto_batch("models/resnet.py:build", 3, "bf16", 1.0, 16, cuda, False, 100, print,
+                        model_kwargs={"width": 4})
     assert n == 24 and built[0].fc.in_features == 8
 
 
