@@ -4,10 +4,11 @@ Each decision returns the value it chose and one sentence that says why; the tra
 config.yaml, so a run says what it did and the next one can be told to do otherwise.
 
 --compile auto compiles a CUDA run of PyTorch 2.x that plans at least COMPILE_MIN_BATCHES
-micro-batches per GPU. Compiling a model takes about a minute (more for big graphs), once; after it
-each step runs 20-40% faster on a GPU for the convolutional and transformer models measured
-(docs/benchmarks.md). Below that many steps it would not pay back; on a CPU the generated code gains
-little and the compile takes longest; PyTorch 1.13 has no torch.compile at all.
+micro-batches per GPU. Compiling costs tens of seconds once, and then every step runs faster
+(docs/benchmarks.md has the measurement the threshold comes from). Below that many steps it would
+barely pay back, and a short run is usually a try, where starting at once matters
+more; on a CPU the generated code gains little and the compile takes longest; PyTorch 1.13 has no
+torch.compile at all.
 
 --checkpoint-ratio auto recomputes the fewest of the repeated blocks that let the run's micro-batch
 fit on this GPU, found by real training steps (dlenv.autobatch.fewest_checkpoint_blocks). With
@@ -26,9 +27,8 @@ from torch import nn
 from dlenv import compat, distributed
 from dlenv.errors import UserError
 
-#: micro-batches per GPU from which --compile auto compiles. A step that compiling makes 15 ms
-#: faster (ResNet-50 b256 on an H200) repays a minute of compiling after about 4,000 steps; slower
-#: steps gain more per step; a run of fewer than this many steps is a try, where starting fast matters.
+#: micro-batches per GPU from which --compile auto compiles: above the steps in which ResNet-50 --amp
+#: on an H200 repays its compile time (docs/benchmarks.md), with room for models that gain less.
 COMPILE_MIN_BATCHES = 3000
 
 
@@ -47,10 +47,9 @@ def decide_compile(choice: str, device: torch.device, planned_batches: int) -> t
                        "anyway)")
     if planned_batches < COMPILE_MIN_BATCHES:
         return False, (f"auto: off, {planned_batches:,} planned micro-batches per GPU are under the "
-                       f"{COMPILE_MIN_BATCHES:,} that repay about a minute of compiling (--compile on "
-                       "to compile anyway)")
-    return True, (f"auto: on, {planned_batches:,} planned micro-batches per GPU repay about a minute of "
-                  f"compiling (from {COMPILE_MIN_BATCHES:,}; --compile off to run eagerly)")
+                       f"{COMPILE_MIN_BATCHES:,} that repay the compile time (--compile on to compile anyway)")
+    return True, (f"auto: on, {planned_batches:,} planned micro-batches per GPU repay the compile time "
+                  f"(from {COMPILE_MIN_BATCHES:,}; --compile off to run eagerly)")
 
 
 def checkpoint_ratio(cfg: Any, model: nn.Module, model_kwargs: dict[str, Any], precision_mode: str, img_size: int,
