@@ -224,3 +224,72 @@ def test_checkpoint_ratio_off_the_gpu(tmp_path, data, given, want_ratio, says): 
 def test_no_checkpoint_leaves_no_checkpoint_rule(tmp_path, data, tiny):  # noqa: F811
     saved = _yaml(train_mod.train(cfg(tmp_path, data, epochs=1))["run_dir"])
     assert "checkpoint_rule" not in saved and saved["checkpoint_ratio"] == "auto"
+
+
+# ---------------------------------------------------------------------------------------------------
+# --checkpoint-ratio auto on a GPU, with the probe's answer faked (the probe itself: test_autobatch.py).
+
+
+def _search(blocks, n, fits_all=True):
+    from dlenv.autobatch import CheckpointSearch
+
+    return lambda *a, **k: CheckpointSearch(blocks, n, fits_all)
+
+
+def _oom(*a, **k):
+    raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def _broken(*a, **k):
+    raise RuntimeError("a model's own bug")
+
+
+@pytest.mark.parametrize("probe,ratio,says", [
+    (_search(0, 8), 0.0, "auto: 0 of 8 blocks, batch 64 fits on Fake GPU without recompute"),
+    (_search(3, 8), 3 / 8, "auto: 3 of 8 blocks let batch 64 fit on Fake GPU"),
+    (_search(8, 8), 1.0, "auto: 8 of 8 blocks let batch 64 fit"),
+    (_search(8, 8, fits_all=False), 1.0, "auto: all 8 blocks, and batch 64 may still not fit"),
+    (_oom, 1.0, "may still not fit"),
+])
+def test_checkpoint_ratio_auto_applies_the_probes_answer(probe, ratio, says, monkeypatch):
+    import dlenv.autobatch
+    from dlenv.models import build_model, find_blocks, is_checkpointed
+
+    monkeypatch.setattr(dlenv.autobatch, "fewest_checkpoint_blocks", probe)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Fake GPU")
+    model = build_model("resnet18", 4)
+    said: list = []
+    c = config.build(TrainConfig, checkpoint=True, batch_size=64, model="resnet18")
+    got, why = auto.checkpoint_ratio(c, model, {}, "bf16", 32, 4, CUDA, True, 64, said.append)
+    assert got == ratio and says in why and said == [f"--checkpoint-ratio {why}"]
+    wrapped = [is_checkpointed(b) for b in find_blocks(model)]
+    assert wrapped == [i < round(ratio * 8) for i in range(8)]  # the first k blocks, exactly
+
+
+@pytest.mark.parametrize("given,ratio,says", [
+    ({"batch_size": "auto"}, 1.0, "--batch-size auto fills the GPU"),
+    ({"checkpoint_ratio": 0.25}, 0.25, "--checkpoint-ratio 0.25"),
+])
+def test_checkpoint_ratio_auto_does_not_probe_when_nothing_to_decide(given, ratio, says, monkeypatch):
+    import dlenv.autobatch
+    from dlenv.models import build_model
+
+    monkeypatch.setattr(dlenv.autobatch, "fewest_checkpoint_blocks", _broken)  # never called
+    c = config.build(TrainConfig, checkpoint=True, model="resnet18", **given)
+    got, why = auto.checkpoint_ratio(c, build_model("resnet18", 4), {}, "bf16", 32, 4, CUDA, True, 64, print)
+    assert got == ratio and says in why
+
+
+def test_checkpoint_ratio_auto_lets_a_real_error_through(monkeypatch):
+    import dlenv.autobatch
+    from dlenv.models import build_model
+
+    monkeypatch.setattr(dlenv.autobatch, "fewest_checkpoint_blocks", _broken)
+    c = config.build(TrainConfig, checkpoint=True, batch_size=64, model="resnet18")
+    with pytest.raises(RuntimeError, match="own bug"):
+        auto.checkpoint_ratio(c, build_model("resnet18", 4), {}, "bf16", 32, 4, CUDA, True, 64, print)
+
+
+def test_no_checkpoint_no_ratio():
+    c = config.build(TrainConfig, batch_size=64)
+    assert auto.checkpoint_ratio(c, torch.nn.Linear(2, 2), {}, "fp32", 32, 4, CUDA, False, 64, print) is None

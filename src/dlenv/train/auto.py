@@ -83,14 +83,20 @@ def _checkpoint_ratio(cfg: Any, model: nn.Module, model_kwargs: dict[str, Any], 
         return 1.0, f"auto: all {n} blocks (--batch-size auto fills the GPU with every block checkpointed)"
     from dlenv.autobatch import fewest_checkpoint_blocks
 
-    found = fewest_checkpoint_blocks(lambda: build_model(cfg.model, num_classes, **model_kwargs), precision_mode,
-                                     img_size, num_classes, device, micro_batch, channels_last=channels_last)
-    k = int(distributed.agree(found.blocks, "max"))  # every rank recomputes the same blocks
+    try:
+        found = fewest_checkpoint_blocks(lambda: build_model(cfg.model, num_classes, **model_kwargs), precision_mode,
+                                         img_size, num_classes, device, micro_batch, channels_last=channels_last)
+        blocks = found.blocks
+    except RuntimeError as e:  # the probe's own model or optimizer did not fit: the least memory, then
+        if not compat.is_oom(e):
+            raise
+        found, blocks = None, n
+    k = int(distributed.agree(blocks, "max"))  # every rank recomputes the same blocks
     apply_checkpointing(model, k / n)
     gpu = torch.cuda.get_device_name(device)
     if k == 0:
         why = f"auto: 0 of {n} blocks, batch {micro_batch} fits on {gpu} without recompute"
-    elif found.fits_all or k < n:
+    elif k < n or (found is not None and found.fits_all):
         why = f"auto: {k} of {n} blocks let batch {micro_batch} fit on {gpu}"
     else:
         why = (f"auto: all {n} blocks, and batch {micro_batch} may still not fit on {gpu}; "
