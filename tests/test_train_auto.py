@@ -69,6 +69,7 @@ def test_bad_values_are_one_line_naming_the_flag(flag, value, want):
 @pytest.mark.parametrize("argv,want", [
     (["train"], "auto"), (["train", "--compile"], "on"), (["train", "--no-compile"], "off"),
     (["train", "--compile", "off"], "off"), (["train", "--compile", "auto", "--amp"], "auto"),
+    (["train", "--compile", "--amp"], "on"), (["train", "--amp", "--compile"], "on"),
 ])
 def test_cli_compile_alone_means_on(argv, want):
     from dlenv.cli import build_parser
