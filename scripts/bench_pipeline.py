@@ -47,6 +47,10 @@ VARIANTS = {
     "classic-cv2": {"gpu_augment": "off", "decoder": "cv2"},
     "classic-tvio": {"gpu_augment": "off", "decoder": "tvio"},
     "gpu-augment": {"gpu_augment": "on"},
+    # the default path's levers (issue 17 part 4): the decoder inside the workers, and more workers
+    "gpu-augment-cv2": {"gpu_augment": "on", "decoder": "cv2"},
+    "gpu-augment-tvio": {"gpu_augment": "on", "decoder": "tvio"},
+    "gpu-augment-14w": {"gpu_augment": "on", "workers": 14},
     "nvjpeg": {"decoder": "nvjpeg"},
     "cache-ram": {"cache": True, "cache_mode": "ram"},
     "cache-disk": {"cache": True, "cache_mode": "disk"},
@@ -111,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--img-size", type=int, default=224)
     p.add_argument("--steps", type=int, default=None, help="batches per epoch (default: whole epochs)")
     p.add_argument("--loader-batches", type=int, default=20, help="batches timed per loader measurement")
-    p.add_argument("--only", default=",".join(VARIANTS), help="comma-separated variants")
+    p.add_argument("--only", default=",".join(v for v in VARIANTS if not v.startswith("gpu-augment-")),
+                   help="comma-separated variants (the gpu-augment-* levers only when named)")
     p.add_argument("--model", default="resnet50")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a quick check of the script itself")
     p.add_argument("--loader-only", action="store_true", help="measure the loaders alone, no training runs")

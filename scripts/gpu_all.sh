@@ -4,6 +4,7 @@
 #
 #   bash scripts/gpu_all.sh OUT [part ...]      parts: env tests train memory autobatch pipeline ddp
 #                                               (and the short re-runs: input ckpt-sgd ddp-accuracy;
+#                                               defaults: issue 17's rows, pipeline levers, flatness;
 #                                               parity: this tree's trainer against .bench_old/src)
 #
 # Each part writes OUT/<part>.txt (its full log); SUMMARY.md gathers the scripts' markdown tables, and
@@ -48,6 +49,17 @@ for part in $parts; do
     input) run input python3 -m pytest -q -m gpu tests/test_decode.py tests/test_fastpath_gpu.py -p no:cacheprovider
            run input python3 scripts/bench_pipeline.py --only gpu-augment,nvjpeg,cache-ram,cache-disk --out "$tmp/input"
            cat "$tmp"/input/*.md >> "$tmp/tables.md" 2>/dev/null ;;
+    defaults)  # issue 17's done-when in one call: the default path's rows, the pipeline, memory flatness
+           run defaults python3 -m pytest -q -m gpu tests/test_memory_flat_gpu.py tests/test_train_gpu.py \
+               tests/test_bench_memory_gpu.py -k "flat or auto" -p no:cacheprovider
+           run defaults python3 scripts/bench_train.py --only resnet50 --steps 20 --out "$tmp/defaults" \
+               --config="--amp" --config="--amp, a long run: --compile auto compiles" \
+               --config="--amp --checkpoint --checkpoint-ratio 1" --config="--amp --checkpoint (ratio auto)" \
+               --config="--amp --checkpoint (ratio auto, card capped at 7 GiB)" \
+               --config="--amp --checkpoint (ratio auto, card capped at 9 GiB)"
+           run defaults python3 scripts/bench_pipeline.py --out "$tmp/defaults-input" \
+               --only synthetic,gpu-augment,gpu-augment-cv2,gpu-augment-tvio,gpu-augment-14w,cache-ram
+           cat "$tmp"/defaults/*.md "$tmp"/defaults-input/*.md >> "$tmp/tables.md" 2>/dev/null ;;
     ckpt-sgd)  # the trainer's --amp --checkpoint with the yardstick's optimizer: is the gap AdamW's CPU time?
            run ckpt-sgd python3 scripts/bench_train.py --only resnet50 --optimizer sgd --steps 50 --out "$tmp/ckpt"
            cat "$tmp"/ckpt/*.md >> "$tmp/tables.md" 2>/dev/null ;;
@@ -70,7 +82,7 @@ for part in $parts; do
            else
                echo "== ddp skipped: $gpus GPU(s)" | tee -a "$out/ddp.txt"
            fi ;;
-    *)     echo "unknown part $part (env tests train memory autobatch pipeline ddp input ckpt-sgd ddp-accuracy parity)" >&2
+    *)     echo "unknown part $part (env tests train memory autobatch pipeline ddp input defaults ckpt-sgd ddp-accuracy parity)" >&2
            exit 2 ;;
     esac
 done
