@@ -51,7 +51,7 @@ for part in $parts; do
            cat "$tmp"/input/*.md >> "$tmp/tables.md" 2>/dev/null ;;
     defaults)  # issue 17's done-when in one call: the default path's rows, the pipeline, memory flatness
            run defaults python3 -m pytest -q -m gpu tests/test_memory_flat_gpu.py tests/test_train_gpu.py \
-               tests/test_bench_memory_gpu.py -k "flat or auto" -p no:cacheprovider
+               -k "flat or auto" -p no:cacheprovider
            run defaults python3 scripts/bench_train.py --only resnet50 --steps 20 --out "$tmp/defaults" \
                --config="--amp" --config="--amp, a long run: --compile auto compiles" \
                --config="--amp --checkpoint --checkpoint-ratio 1" --config="--amp --checkpoint (ratio auto)" \
