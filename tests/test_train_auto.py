@@ -294,3 +294,10 @@ def test_checkpoint_ratio_auto_lets_a_real_error_through(monkeypatch):
 def test_no_checkpoint_no_ratio():
     c = config.build(TrainConfig, batch_size=64)
     assert auto.checkpoint_ratio(c, torch.nn.Linear(2, 2), {}, "fp32", 32, 4, CUDA, False, 64, print) is None
+
+
+def test_a_model_without_blocks_is_told_once(tmp_path, data, tiny, capsys):  # noqa: F811
+    out = train_mod.train(cfg(tmp_path, data, epochs=1, checkpoint=True))
+    said = capsys.readouterr().out
+    assert said.count("no repeated blocks") == 1 and "--checkpoint-ratio" not in said
+    assert _yaml(out["run_dir"])["checkpoint_rule"] == "auto: the model has no repeated blocks"

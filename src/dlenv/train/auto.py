@@ -58,23 +58,25 @@ def checkpoint_ratio(cfg: Any, model: nn.Module, model_kwargs: dict[str, Any], p
     """(the fraction of blocks --checkpoint recomputes, why), None without --checkpoint. `model` is
     already checkpointed at the fraction chosen before the batch was known (all blocks for auto);
     auto re-applies its answer to it and says it."""
+    from dlenv.models import find_blocks
+
     if not cfg.checkpoint:
         return None
-    ratio, why = _checkpoint_ratio(cfg, model, model_kwargs, precision_mode, img_size, num_classes, device,
+    n = len(find_blocks(model))
+    ratio, why = _checkpoint_ratio(cfg, model, n, model_kwargs, precision_mode, img_size, num_classes, device,
                                    channels_last, micro_batch)
-    if cfg.checkpoint_ratio == "auto":
+    if cfg.checkpoint_ratio == "auto" and n:  # a model without blocks was already said so (_build_model)
         say(f"--checkpoint-ratio {why}")
     return ratio, why
 
 
-def _checkpoint_ratio(cfg: Any, model: nn.Module, model_kwargs: dict[str, Any], precision_mode: str, img_size: int,
-                      num_classes: int, device: torch.device, channels_last: bool,
+def _checkpoint_ratio(cfg: Any, model: nn.Module, n: int, model_kwargs: dict[str, Any], precision_mode: str,
+                      img_size: int, num_classes: int, device: torch.device, channels_last: bool,
                       micro_batch: int) -> tuple[float, str]:
-    from dlenv.models import apply_checkpointing, build_model, find_blocks
+    from dlenv.models import apply_checkpointing, build_model
 
     if cfg.checkpoint_ratio != "auto":
         return float(cfg.checkpoint_ratio), f"--checkpoint-ratio {cfg.checkpoint_ratio:g}"
-    n = len(find_blocks(model))
     if n == 0:
         return 1.0, "auto: the model has no repeated blocks"
     if device.type != "cuda":
