@@ -22,6 +22,14 @@ def make_image_folder(root: Path, classes=("cat", "dog"), per_class: int = 4, si
     return Path(root)
 
 
+def make_train_val(root: Path, per_class: int, val_per_class: int = 2, size=(16, 16),
+                   classes=("cat", "dog")) -> Path:
+    """root/train and root/val of the same classes (val drawn with another seed); return root."""
+    make_image_folder(Path(root) / "train", classes=classes, per_class=per_class, size=size)
+    make_image_folder(Path(root) / "val", classes=classes, per_class=val_per_class, size=size, seed=1)
+    return Path(root)
+
+
 def photo(path, w=120, h=90, seed=0, quality=95, **save):
     """A smooth photo-like JPEG: colour ramps and a soft disc (decoders differ only by rounding)."""
     import numpy as np

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from imagedata import make_image_folder
+from imagedata import make_train_val
 from torch import nn
 
 from dlenv import config, runstate
@@ -51,8 +51,7 @@ def wide(monkeypatch):
 @pytest.fixture(scope="module")
 def ds(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds")
-    make_image_folder(root / "train", per_class=4, size=(16, 16))
-    make_image_folder(root / "val", per_class=2, size=(16, 16), seed=1)
+    make_train_val(root, per_class=4)
     return root
 
 

@@ -113,12 +113,11 @@ def _tree(root: Path) -> set[str]:
 def test_two_processes_train_like_one_with_the_same_effective_batch(tmp_path):
     """2 ranks x micro-batch 2 x accumulation 2 against 1 process x batch 8: the ranks' shards of each
     step are the single process's batch, gradients are averaged, so weights and metrics match."""
-    from imagedata import make_image_folder
+    from imagedata import make_train_val
 
     from dlenv import results
 
-    make_image_folder(tmp_path / "ds" / "train", per_class=8, size=(16, 16))
-    make_image_folder(tmp_path / "ds" / "val", per_class=4, size=(16, 16), seed=1)
+    make_train_val(tmp_path / "ds", per_class=8, val_per_class=4)
     (tmp_path / "ds" / "val" / "dog" / "dog_3.png").unlink()  # 7 val images: shards of 4 and 3
     base = dict(data=str(tmp_path / "ds"), img_size=16, workers=0, epochs=2, device="cpu", deterministic=True,
                 model="tiny", label_smoothing=0.0, warmup_epochs=0.0, lr=0.5, seed=3)
@@ -166,12 +165,11 @@ def _read_until(proc: subprocess.Popen, marker: str, timeout: float) -> list[str
 def test_launch_sigterm_saves_once_then_resumes_on_one_process(tmp_path):
     """`dlenv train --gpus 2` through torchrun: SIGTERM to the launcher -> rank 0 saves last.pth once and
     the run exits 143; --resume on one process keeps the effective batch through accumulation."""
-    from imagedata import make_image_folder
+    from imagedata import make_train_val
 
     from dlenv import results
 
-    make_image_folder(tmp_path / "ds" / "train", per_class=8, size=(16, 16))
-    make_image_folder(tmp_path / "ds" / "val", per_class=2, size=(16, 16), seed=1)
+    make_train_val(tmp_path / "ds", per_class=8)
     project = tmp_path / "runs"
     common = ["--workers", "0", "--device", "cpu"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 from dockerfile import ROOT, host_entrypoint
-from imagedata import make_image_folder
+from imagedata import make_train_val
 
 IN_CI = bool(os.environ.get("DLENV_CI_LANE") or os.environ.get("CI"))
 
@@ -64,8 +64,7 @@ def children(pid: int) -> list[int]:
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("ds")
-    make_image_folder(root / "train", per_class=6, size=(32, 32))
-    make_image_folder(root / "val", per_class=2, size=(32, 32), seed=1)
+    make_train_val(root, per_class=6, size=(32, 32))
     return root
 
 

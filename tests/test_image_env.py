@@ -110,11 +110,10 @@ def test_cli_starts_without_torch():
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory) -> Path:
-    from imagedata import make_image_folder
+    from imagedata import make_train_val
 
     root = tmp_path_factory.mktemp("ds")
-    make_image_folder(root / "train", per_class=6, size=(32, 32))
-    make_image_folder(root / "val", per_class=2, size=(32, 32), seed=1)
+    make_train_val(root, per_class=6, size=(32, 32))
     return root
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from imagedata import make_image_folder
+from imagedata import make_train_val
 from torch import nn
 
 from dlenv import config, runstate
@@ -51,16 +51,14 @@ def recorder(monkeypatch):
 @pytest.fixture(scope="module")
 def ds80(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds80")
-    make_image_folder(root / "train", per_class=40, size=(16, 16))
-    make_image_folder(root / "val", per_class=2, size=(16, 16), seed=1)
+    make_train_val(root, per_class=40)
     return root
 
 
 @pytest.fixture(scope="module")
 def ds81(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds81")
-    make_image_folder(root / "train", classes=("a", "b", "c"), per_class=27, size=(16, 16))
-    make_image_folder(root / "val", per_class=2, classes=("a", "b", "c"), size=(16, 16), seed=1)
+    make_train_val(root, per_class=27, classes=("a", "b", "c"))
     return root
 
 

@@ -12,7 +12,7 @@ import csv
 from pathlib import Path
 
 import pytest
-from imagedata import make_image_folder, make_photo_layout
+from imagedata import make_photo_layout, make_train_val
 
 from dlenv import config
 
@@ -23,8 +23,7 @@ EPOCHS = 20
 def _small_png(root: Path) -> Path:
     """32x32 PNGs (like the 1,797-digit set the defect was found on)."""
     classes = tuple(f"c{i}" for i in range(4))
-    make_image_folder(root / "train", classes=classes, per_class=24, size=(32, 32))
-    make_image_folder(root / "val", classes=classes, per_class=8, size=(32, 32), seed=1)
+    make_train_val(root, per_class=24, val_per_class=8, size=(32, 32), classes=classes)
     return root
 
 

@@ -56,13 +56,12 @@ _SITECUSTOMIZE = textwrap.dedent("""
 @pytest.mark.slow
 def test_two_nodes_one_process_each_train_together_to_identical_weights(tmp_path):
     import torch
-    from imagedata import make_image_folder
+    from imagedata import make_train_val
 
     from dlenv import runstate
 
     data = tmp_path / "ds"
-    make_image_folder(data / "train", per_class=8, size=(32, 32))
-    make_image_folder(data / "val", per_class=2, size=(32, 32), seed=1)
+    make_train_val(data, per_class=8, size=(32, 32))
     site, dumps = tmp_path / "site", tmp_path / "dumps"
     site.mkdir()
     dumps.mkdir()

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from imagedata import make_image_folder
+from imagedata import make_train_val
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -71,8 +71,7 @@ def test_readme_cpu_main_job_runs(tmp_path):
     assert verify == "dlenv verify-env --allow-cpu" and train.startswith("dlenv train ")
     r = _run(verify, tmp_path, 120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    make_image_folder(tmp_path / "ds" / "train", per_class=8, size=(32, 32))
-    make_image_folder(tmp_path / "ds" / "val", per_class=2, size=(32, 32), seed=1)
+    make_train_val(tmp_path / "ds", per_class=8, size=(32, 32))
     r = _run(f"{train} --data ds --img-size 32 --batch-size 8 --workers 0 --model resnet18", tmp_path, 240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert (tmp_path / "runs" / "exp" / "best_model.pth").is_file()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from imagedata import make_image_folder
+from imagedata import make_train_val
 from torch import nn
 
 from dlenv import config, results, runstate
@@ -64,8 +64,7 @@ def tiny(monkeypatch):
 
 @pytest.fixture
 def data(tmp_path):
-    make_image_folder(tmp_path / "ds" / "train", per_class=8, size=(16, 16))
-    make_image_folder(tmp_path / "ds" / "val", per_class=2, size=(16, 16), seed=1)
+    make_train_val(tmp_path / "ds", per_class=8)
     return tmp_path / "ds"
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from imagedata import make_image_folder
+from imagedata import make_train_val
 from test_checkpointing import _assert_same, _compare_plain_and_checkpointed, _train_step
 from usermodels import MODELS, isolated_imports, write_project
 
@@ -37,8 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 def project(tmp_path, monkeypatch):
     """The working folder: models/{resnet,vit,named}.py and data/{train,val} of 16 px images."""
     root = write_project(tmp_path / "proj")
-    make_image_folder(root / "data" / "train", per_class=8, size=(16, 16))
-    make_image_folder(root / "data" / "val", per_class=2, size=(16, 16), seed=1)
+    make_train_val(root / "data", per_class=8)
     monkeypatch.chdir(root)
     with isolated_imports(tmp_path):
         yield root

@@ -233,11 +233,10 @@ def test_a_broken_safetensors_file_is_one_user_error(tmp_path, gate):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A real squeezenet1_1 run of one short epoch on tiny data, written by dlenv (signed)."""
-    from imagedata import make_image_folder
+    from imagedata import make_train_val
 
     root = tmp_path_factory.mktemp("w")
-    make_image_folder(root / "ds" / "train", per_class=4, size=(SIZE, SIZE))
-    make_image_folder(root / "ds" / "val", per_class=2, size=(SIZE, SIZE), seed=1)
+    make_train_val(root / "ds", per_class=4, size=(SIZE, SIZE))
     session_key = os.environ.get(weights.KEY_ENV, "")
     os.environ[weights.KEY_ENV] = str(root / ".dlenv" / "key")  # this module's project
     try:

@@ -38,12 +38,11 @@ def test_readme_trains_and_validates_the_example_model_of_ones_own(tmp_path):
     `dlenv VERB`), with flags appended that keep the run to seconds (a tiny dataset, not the demo)."""
     import shlex
 
-    from imagedata import make_image_folder
+    from imagedata import make_train_val
 
     ws = tmp_path / "workspace"
     shutil.copytree(ROOT / "workspace", ws, ignore=shutil.ignore_patterns("runs", "__pycache__"))
-    make_image_folder(ws / "data" / "tiny" / "train", per_class=8, size=(32, 32))
-    make_image_folder(ws / "data" / "tiny" / "val", per_class=4, size=(32, 32), seed=1)
+    make_train_val(ws / "data" / "tiny", per_class=8, val_per_class=4, size=(32, 32))
     readme = (ws / "README.md").read_text()
     train = next(line for line in readme.splitlines() if line.startswith("invoke train --model models/"))
     val = next(line for line in readme.splitlines() if line.startswith("invoke val --weights"))
