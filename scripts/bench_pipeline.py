@@ -43,6 +43,7 @@ from dlenv.data.loaders import resolve_workers, usable_cpus  # noqa: E402
 #: name -> train options (synthetic data has no loader to measure alone)
 VARIANTS = {
     "synthetic": {"synthetic": True},
+    "default": {},  # every input option at auto: what `invoke train --amp` does on this machine
     "classic-pil": {"gpu_augment": "off", "decoder": "pil"},
     "classic-cv2": {"gpu_augment": "off", "decoder": "cv2"},
     "classic-tvio": {"gpu_augment": "off", "decoder": "tvio"},
@@ -50,7 +51,8 @@ VARIANTS = {
     # the default path's levers (issue 17 part 4): the decoder inside the workers, and more workers
     "gpu-augment-cv2": {"gpu_augment": "on", "decoder": "cv2"},
     "gpu-augment-tvio": {"gpu_augment": "on", "decoder": "tvio"},
-    "gpu-augment-14w": {"gpu_augment": "on", "workers": 14},
+    "gpu-augment-12w": {"gpu_augment": "on", "workers": 12},  # auto's count at 16 cores until 2026-12
+    "gpu-augment-16w": {"gpu_augment": "on", "workers": 16},
     "nvjpeg": {"decoder": "nvjpeg"},
     "cache-ram": {"cache": True, "cache_mode": "ram"},
     "cache-disk": {"cache": True, "cache_mode": "disk"},

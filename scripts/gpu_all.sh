@@ -58,7 +58,7 @@ for part in $parts; do
                --config="--amp --checkpoint (ratio auto, card capped at 7 GiB)" \
                --config="--amp --checkpoint (ratio auto, card capped at 9 GiB)"
            run defaults python3 scripts/bench_pipeline.py --out "$tmp/defaults-input" \
-               --only synthetic,gpu-augment,gpu-augment-cv2,gpu-augment-tvio,gpu-augment-14w,cache-ram
+               --only synthetic,default,gpu-augment-12w,cache-ram
            cat "$tmp"/defaults/*.md "$tmp"/defaults-input/*.md >> "$tmp/tables.md" 2>/dev/null ;;
     ckpt-sgd)  # the trainer's --amp --checkpoint with the yardstick's optimizer: is the gap AdamW's CPU time?
            run ckpt-sgd python3 scripts/bench_train.py --only resnet50 --optimizer sgd --steps 50 --out "$tmp/ckpt"

@@ -173,3 +173,20 @@ def test_main_measures_the_size_training_would_use(image_folder, tmp_path, monke
                        batches=2, device="cpu", amp=False, **given)
     assert bench.main(cfg) == 0
     assert seen["size"] == px and f"{px} px" in capsys.readouterr().out
+
+
+def test_measure_loader_asks_for_the_next_epoch_between_passes():
+    """As a trainer does: a loader whose workers run ahead into the next epoch is not restarted."""
+    from dlenv.data.sampler import ResumableSampler
+
+    class Epochs:
+        def __init__(self):
+            self.sampler, self.seen = ResumableSampler(4), []
+
+        def __iter__(self):
+            self.seen.append(self.sampler.epoch)
+            return iter([torch.zeros(2, 3)] * 2)
+
+    loader = Epochs()
+    measure_loader(loader, batches=5, device=torch.device("cpu"), warmup=0)
+    assert loader.seen == [0, 1, 2]

@@ -34,6 +34,47 @@ def test_decoders_give_pillows_image_within_jpeg_rounding(tmp_path, decoder):
     assert np.abs(s_got.astype(int) - s_ref).mean() < 1.5
 
 
+def _jpeg(path, w, h, **save):
+    Image.fromarray(np.full((h, w, 3), 128, np.uint8)).save(path, **save)
+    return path.read_bytes()
+
+
+def test_jpeg_size_reads_the_frame_header_as_pillow_does(tmp_path):
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored size, not the turned one: Pillow's .size is the stored one too
+    cases = {
+        "baseline": _jpeg(tmp_path / "a.jpg", 500, 375),
+        "progressive": _jpeg(tmp_path / "p.jpg", 37, 1000, progressive=True),
+        "exif and icc in front": _jpeg(tmp_path / "e.jpg", 64, 48, exif=exif, icc_profile=b"x" * 5000),
+        "4:2:0 odd sizes": _jpeg(tmp_path / "o.jpg", 333, 77, subsampling=2),
+        "grayscale": Image.new("L", (70, 30)).save(tmp_path / "g.jpg") or (tmp_path / "g.jpg").read_bytes(),
+    }
+    for name, data in cases.items():
+        with Image.open(__import__("io").BytesIO(data)) as im:
+            assert decode.jpeg_size(data) == im.size, name
+        assert decode.jpeg_size(np.frombuffer(data, np.uint8)) == decode.jpeg_size(data), name
+
+
+@pytest.mark.parametrize("data", [b"", b"\xff\xd8", b"\x89PNG\r\n\x1a\n" + b"\0" * 40,
+                                  b"\xff\xd8\xff\xe0\x00\x10JFIF",  # cut inside the first segment
+                                  b"\xff\xd8\xff\xda\x00\x08" + b"\0" * 20,  # scan before any frame
+                                  b"\xff\xd8\x00\x00" + b"\0" * 20,  # no marker where one belongs
+                                  b"\xff\xd8\xff\xc0\x00\x11\x08\x00\x00\x00\x00\x03" + b"\0" * 9])  # 0 x 0
+def test_jpeg_size_is_none_for_bytes_without_a_readable_frame(data):
+    assert decode.jpeg_size(data) is None
+
+
+def test_cv2_reads_each_file_once(tmp_path, monkeypatch):
+    """The reduced-decode choice comes from the file's own header: no second open through Pillow."""
+    p = str(photo(tmp_path / "big.jpg", 400, 300))
+    import PIL.Image
+
+    monkeypatch.setattr(PIL.Image, "open", lambda *a, **k: pytest.fail("Pillow opened the file"))
+    assert decode._cv2_bgr(p, 70).shape == (75, 100, 3)
+    stored, wh = decode_stored(p, 64, "cv2")
+    assert stored.shape == (64, 64, 3) and wh == (100, 75)
+
+
 def test_reduced_decoding_keeps_the_short_side(tmp_path):
     p = str(photo(tmp_path / "big.jpg", 400, 300))
     full = load_rgb(p)

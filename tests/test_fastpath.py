@@ -90,3 +90,93 @@ def test_batch_seed_depends_on_seed_epoch_and_position():
     b = DeviceLoader(None, None, "cpu", 4, seed=1)
     seeds = {a.batch_seed(0, 0), a.batch_seed(0, 4), a.batch_seed(1, 0), b.batch_seed(0, 0)}
     assert len(seeds) == 4
+
+
+# --------------------------------------------------------------------------- workers across epochs
+
+
+def test_epoch_stream_follows_the_samplers_order_epoch_after_epoch():
+    from dlenv.data.fastpath import EpochStream
+
+    sampler = ResumableSampler(10, seed=7, batch_size=4)
+    sampler.set_epoch(5)
+    stream = EpochStream(sampler, 4)
+    stream.begin(1, 6)
+    it = iter(stream)
+    got = [next(it) for _ in range(1 + 3 + 3)]  # the rest of epoch 1, then epochs 2 and 3
+    want = []
+    for epoch, start in ((1, 6), (2, 0), (3, 0)):
+        ref = ResumableSampler(10, seed=7, batch_size=4)
+        ref.set_epoch(epoch, start)
+        order = list(ref)
+        want += [order[k:k + 4] for k in range(0, len(order), 4)]
+    assert got == want and sum(len(b) for b in got) == 4 + 10 + 10
+    assert (sampler.epoch, sampler.start) == (5, 0)  # the caller's sampler is left alone
+    assert list(EpochStream(ResumableSampler(0), 4)) == []  # no samples: the stream ends
+
+
+def test_worker_passes_carry_on_the_stream_and_restart_where_asked(layout, tmp_path, monkeypatch):
+    from dlenv.data import loaders
+
+    starts = []
+    real = loaders.SafeLoader.__iter__
+    monkeypatch.setattr(loaders.SafeLoader, "__iter__", lambda self: starts.append(1) or real(self))
+    sampler, train, _ = _build(layout, tmp_path, workers=2)
+    _, cached, _ = _build(layout, tmp_path, cache=True, cache_mode="ram")  # the reference batches
+    refs = {}
+    for epoch, start in ((0, 0), (1, 0), (2, 0), (1, 4), (2, 0)):
+        sampler.set_epoch(epoch, start)
+        cached.sampler.set_epoch(epoch, start)
+        refs[epoch, start] = _epoch(cached)
+        x, y = _epoch(train)
+        assert torch.equal(x, refs[epoch, start][0]) and torch.equal(y, refs[epoch, start][1]), (epoch, start)
+    # epochs 0, 1, 2 in a row: one stream; the resume at (1, 4) starts a second, which (2, 0) continues
+    assert len(starts) == 2
+    # a pass cut short: the next one cannot continue the stream
+    sampler.set_epoch(3)
+    for _ in train:
+        break
+    sampler.set_epoch(4)
+    cached.sampler.set_epoch(4)
+    assert torch.equal(_epoch(train)[0], _epoch(cached)[0]) and len(starts) == 3
+    assert (sampler.epoch, sampler.start) == (4, 0) and len(train) == 3
+
+
+class _Logged(torch.utils.data.Dataset):
+    """Records each index as a worker loads it (an appended line per load, visible across processes)."""
+
+    def __init__(self, n, log):
+        self.n, self.log = n, str(log)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        with open(self.log, "a") as f:
+            f.write(f"{i}\n")
+        return (torch.zeros(2, 2, 3, dtype=torch.uint8), torch.tensor([2, 2], dtype=torch.int32)), i
+
+
+def test_workers_decode_the_next_epoch_before_it_is_asked_for(tmp_path):
+    """The point of the stream: when an epoch ends, the workers are already on the next one."""
+    import time
+
+    from dlenv.data.fastpath import WorkerSource
+
+    log = tmp_path / "loads"
+    sampler = ResumableSampler(12, seed=1, batch_size=4)
+    source = WorkerSource(_Logged(12, log), sampler, 4, workers=2, pin=False)
+    sampler.set_epoch(0)
+    assert [b[2].tolist() for b in source] == [list(sampler)[k:k + 4] for k in (0, 4, 8)]
+    nxt = ResumableSampler(12, seed=1, batch_size=4)
+    nxt.set_epoch(1)
+    first = set(list(nxt)[:4])
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        loads = [int(v) for v in log.read_text().split()]
+        if len(loads) > 12 and first <= set(loads[12:]):
+            break
+        time.sleep(0.05)
+    assert first <= set(loads[12:]), "epoch 1's first batch was not loaded ahead"
+    sampler.set_epoch(1)
+    assert next(iter(source))[2].tolist() == list(nxt)[:4]

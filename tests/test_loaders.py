@@ -128,12 +128,33 @@ def test_resolve_workers_numbers_and_errors():
         resolve_workers("many")
 
 
+@pytest.mark.parametrize("cpus, workers", [(1, 1), (2, 2), (4, 4), (8, 8), (9, 8), (10, 8), (12, 10),
+                                            (16, 14), (24, 22), (34, 32), (96, 32)])
+def test_auto_workers_leave_the_trainer_two_cores_above_eight(cpus, workers):
+    assert loaders.auto_workers(cpus) == workers
+
+
+def test_auto_workers_never_fall_as_cores_grow():
+    counts = [loaders.auto_workers(c) for c in range(1, 80)]
+    assert counts == sorted(counts) and max(counts) == loaders.MAX_AUTO_WORKERS
+
+
 def test_resolve_workers_auto_caps_cpu_count(monkeypatch):
     monkeypatch.setattr(loaders, "usable_cpus", lambda: 96)
     monkeypatch.setattr(loaders.shutil, "disk_usage", lambda p: Usage(64 << 30, 0, 64 << 30))
     assert resolve_workers("auto", 32) == loaders.MAX_AUTO_WORKERS
     monkeypatch.setattr(loaders, "usable_cpus", lambda: 3)
     assert resolve_workers("auto", 32) == 3
+
+
+def test_resolve_workers_sizes_shm_by_what_the_workers_ship(monkeypatch):
+    """8 GiB of /dev/shm: float32 224 px batches of 256 (882 MiB in flight per worker) allow 9 workers;
+    the device path's uint8 258 px squares (a third of that) allow all 14 of 16 cores."""
+    monkeypatch.setattr(loaders, "usable_cpus", lambda: 16)
+    monkeypatch.setattr(loaders, "_said", set())
+    monkeypatch.setattr(loaders.shutil, "disk_usage", lambda p: Usage(8 << 30, 0, 8 << 30))
+    assert resolve_workers("auto", 256, 224) == 9
+    assert resolve_workers("auto", 256, 224, sample_bytes=3 * 258 * 258) == 14
 
 
 def test_resolve_workers_small_shm_reduces_and_says_so_once(monkeypatch, caplog):

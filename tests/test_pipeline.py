@@ -71,7 +71,7 @@ def test_decide_resolves_every_option_to_a_plain_value(photos, opts, local, expe
 
 
 def test_decide_auto_workers_are_shared_and_nvjpeg_has_a_cpu_fallback(photos, monkeypatch):
-    monkeypatch.setattr(pipeline, "resolve_workers", lambda workers, batch, size: 12)
+    monkeypatch.setattr(pipeline, "resolve_workers", lambda workers, batch, size, **kw: 12)
     assert pipeline.decide(InputOptions(), photos, "cpu", 4, 16, local_world_size=4).workers == 3
     monkeypatch.setattr(decode, "resolve_decoder", lambda *a, **k: "nvjpeg")
     plan = pipeline.decide(InputOptions(), photos, "cpu", 4, 16)

@@ -50,6 +50,9 @@ def measure_loader(loader: Iterable, batches: int, device: Any = None, warmup: i
     warmup += ahead
     batches = max(batches, ahead)
 
+    sampler = getattr(loader, "sampler", None)
+    advance = hasattr(sampler, "set_epoch") and hasattr(sampler, "epoch")
+
     def stream():
         while True:
             n = 0
@@ -58,6 +61,8 @@ def measure_loader(loader: Iterable, batches: int, device: Any = None, warmup: i
                 yield batch
             if n == 0:
                 raise ValueError("the loader gave no batches")
+            if advance:  # the next epoch, as a trainer asks for it: workers that run ahead carry on
+                sampler.set_epoch(sampler.epoch + 1)
 
     def sync(x: Any) -> None:
         if isinstance(x, torch.Tensor) and x.device.type == "cuda":

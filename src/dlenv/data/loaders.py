@@ -29,8 +29,14 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 #: batches each worker prepares ahead; also used to size the /dev/shm check.
 PREFETCH_FACTOR = 4
-#: most workers 'auto' picks: beyond this, more processes rarely feed one GPU faster.
-MAX_AUTO_WORKERS = 12
+#: most workers 'auto' picks: beyond this, more processes mostly cost memory and start-up time.
+MAX_AUTO_WORKERS = 32
+#: up to this many cores every one of them decodes (the loader, not the GPU, sets the pace there);
+#: above it TRAINER_CORES stay with the training process: its loop launches the GPU's work, and its
+#: pin-memory and GPU-augmentation threads receive every batch (scripts/bench_pipeline.py measured
+#: 12, 14 and 16 workers on 16 cores: docs/input-pipeline.md)
+ALL_CORES_UP_TO = 8
+TRAINER_CORES = 2
 
 
 class BadImageError(UserError):
@@ -182,7 +188,12 @@ class SafeLoader(DataLoader):
         self.bad_paths: dict[str, str] = {}
 
     def __iter__(self):
-        for batch in super().__iter__():
+        # DataLoader's iterator (and its worker processes) made now, in the caller's thread; only the
+        # checking below is deferred to the first batch
+        return self._checked(super().__iter__())
+
+    def _checked(self, batches: Any) -> Any:
+        for batch in batches:
             if isinstance(batch, _Fatal):
                 raise BadImageError(*batch.args)
             if isinstance(batch, _Flagged):
@@ -206,12 +217,20 @@ def _say_once(msg: str) -> None:
         log.warning(msg)
 
 
+def auto_workers(cpus: int) -> int:
+    """Workers 'auto' starts on `cpus` usable cores, before /dev/shm is considered: all of them up to
+    ALL_CORES_UP_TO, then all but TRAINER_CORES, at most MAX_AUTO_WORKERS (4 -> 4, 8 -> 8, 12 -> 10,
+    16 -> 14, 64 -> 32)."""
+    return max(0, min(max(min(cpus, ALL_CORES_UP_TO), cpus - TRAINER_CORES), MAX_AUTO_WORKERS))
+
+
 def resolve_workers(workers: int | str, batch_size: int | None = None, img_size: int = 224,
-                    shm: str = "/dev/shm") -> int:
-    """DataLoader worker count: an int is kept; 'auto' is the usable CPU count capped at
-    MAX_AUTO_WORKERS, then reduced so the batches in flight fit in /dev/shm (workers pass batches
-    through shared memory; Docker's default is only 64 MiB). A reduction is logged once.
-    Raises UserError for anything else.
+                    shm: str = "/dev/shm", sample_bytes: int | None = None) -> int:
+    """DataLoader worker count: an int is kept; 'auto' is `auto_workers` of the usable CPUs, then
+    reduced so the batches in flight fit in /dev/shm (workers pass batches through shared memory;
+    Docker's default is only 64 MiB). A reduction is logged once. `sample_bytes`: one sample as the
+    workers ship it (default: the classic path's float32 3 x img_size^2; the device path ships uint8
+    stored squares, a third of that). Raises UserError for anything else.
     """
     if isinstance(workers, str) and workers.strip().isdigit():
         workers = int(workers)
@@ -221,13 +240,13 @@ def resolve_workers(workers: int | str, batch_size: int | None = None, img_size:
         return workers
     if str(workers).strip().lower() != "auto":
         raise UserError(f"workers {workers!r} must be a number or auto")
-    n = min(usable_cpus(), MAX_AUTO_WORKERS)
+    n = auto_workers(usable_cpus())
     try:
         usage = shutil.disk_usage(shm)
     except OSError:  # no /dev/shm (not Linux): nothing to size against
         return n
-    # Float32 batches in flight: PREFETCH_FACTOR per worker, with 50% headroom.
-    per_worker = (batch_size or 64) * 3 * img_size * img_size * 4 * PREFETCH_FACTOR * 1.5
+    # PREFETCH_FACTOR batches in flight per worker, with 50% headroom
+    per_worker = (batch_size or 64) * (sample_bytes or 3 * img_size * img_size * 4) * PREFETCH_FACTOR * 1.5
     fit = int(usage.free // per_worker)
     if usage.total < 1 << 30:
         fit = min(fit, 2)  # a small /dev/shm is shared with everything else: stay well clear of it
@@ -248,8 +267,9 @@ def make_loader(dataset: ImageDataset, batch_size: int, workers: int, pin_memory
     extra: dict[str, Any] = {}
     if workers > 0:
         extra = {"persistent_workers": persistent, "prefetch_factor": PREFETCH_FACTOR}
-    return SafeLoader(dataset, batch_size=batch_size, num_workers=workers, pin_memory=pin_memory,
-                      **extra, **kwargs)
+    if "batch_sampler" not in kwargs:  # a batch sampler makes the batches itself
+        extra["batch_size"] = batch_size
+    return SafeLoader(dataset, num_workers=workers, pin_memory=pin_memory, **extra, **kwargs)
 
 
 def build_loaders(layout: Any, img_size: int, batch_size: int, workers: int | str, seed: int = 0,

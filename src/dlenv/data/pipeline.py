@@ -158,12 +158,13 @@ def decide(opts: InputOptions, located: Located, device: Any, batch_size: int, i
     device = torch.device(device)
     if located.layout is None:  # synthetic batches are made on the device: nothing to decode or augment
         return InputPlan(img_size, batch_size, True, SYNTHETIC, SYNTHETIC, 0)
-    workers = resolve_workers(opts.workers, batch_size, img_size)
+    on_device = opts.gpu_path(device)
+    size = decode.stored_size(img_size)
+    # the device path's workers ship uint8 stored squares, the classic path's float32 crops
+    workers = resolve_workers(opts.workers, batch_size, img_size, sample_bytes=3 * size * size if on_device else None)
     if opts.workers == "auto":  # the processes of a node share its CPUs
         workers = workers_per_process(workers, local_world_size)
-    on_device = opts.gpu_path(device)
     paths = [p for p, _ in located.layout.train]
-    size = decode.stored_size(img_size)
     decoder = decode.resolve_decoder(opts.decoder, paths, size, gpu=device if on_device and not opts.cache else None,
                                      batch=batch_size, workers=workers)
     cpu_decoder = decoder if decoder != "nvjpeg" else decode.pick_decoder(paths, size)
@@ -206,7 +207,7 @@ def _device_loaders(layout: Any, plan: InputPlan, device: torch.device, seed: in
     from dlenv.data.cache import build_cache
     from dlenv.data.fastpath import CacheSource, DeviceLoader, NvjpegSource, WorkerSource, stored_tensors
     from dlenv.data.gpu_aug import GpuAugment
-    from dlenv.data.loaders import ImageDataset, make_loader
+    from dlenv.data.loaders import ImageDataset
     from dlenv.data.sampler import ResumableSampler
 
     nvjpeg = plan.decoder == "nvjpeg" and not plan.cache
@@ -234,8 +235,7 @@ def _device_loaders(layout: Any, plan: InputPlan, device: torch.device, seed: in
         else:
             ds = ImageDataset(samples, stored_tensors, plan.bad_images,
                               load=partial(decode.decode_stored, size=size, decoder=plan.cpu_decoder))
-            source = WorkerSource(make_loader(ds, plan.batch_size, plan.workers, pin, True, shuffle=False,
-                                                   sampler=sampler))
+            source = WorkerSource(ds, sampler, plan.batch_size, plan.workers, pin)
         out.append(DeviceLoader(source, augment, device, plan.batch_size, sampler, seed))
     return out[0], (out[1] if len(out) > 1 else None)
 

@@ -111,14 +111,15 @@ def _import_version(name: str) -> tuple[Any, str | None, str | None]:
     return module, str(getattr(module, "__version__", "?")), None
 
 
-def _loader_params() -> tuple[int, int]:
-    """(batches each DataLoader worker prefetches, the most workers 'auto' picks), as the trainer uses."""
+def _loader_params(cpus: int) -> tuple[int, int]:
+    """(batches each DataLoader worker prefetches, the workers 'auto' starts on `cpus` cores), as the
+    trainer decides them."""
     try:
-        from dlenv.data.loaders import MAX_AUTO_WORKERS, PREFETCH_FACTOR
+        from dlenv.data.loaders import PREFETCH_FACTOR, auto_workers
 
-        return PREFETCH_FACTOR, MAX_AUTO_WORKERS
+        return PREFETCH_FACTOR, auto_workers(cpus)
     except Exception:  # without torch nothing trains anyway; use DataLoader's own default prefetch
-        return 2, 8
+        return 2, min(cpus, 8)
 
 
 def _driver() -> tuple[str | None, str | None, int]:
@@ -194,9 +195,9 @@ def collect(workers: int | str = "auto", workspace: str | Path | None = None) ->
     if torch is not None:
         _collect_gpus(torch, facts)
     facts.cpus, facts.host_cpus = usable_cpus(), os.cpu_count() or 1
-    prefetch, max_auto = _loader_params()
+    prefetch, auto = _loader_params(facts.cpus)
     facts.workers_auto = workers == "auto"
-    facts.workers = min(facts.cpus, max_auto) if facts.workers_auto else int(workers)
+    facts.workers = auto if facts.workers_auto else int(workers)
     facts.shm_per_worker = int(TRAIN_BATCH * 3 * TRAIN_IMG * TRAIN_IMG * 4 * prefetch * 1.5)
     try:
         shm = shutil.disk_usage("/dev/shm")
