@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from dlenv.data.cache import DecodedCache
 from dlenv.data.decode import exif_orientation, is_jpeg, load_rgb, upright
 from dlenv.data.gpu_aug import GpuAugment
-from dlenv.data.loaders import BadImageError, SafeLoader, _reason
+from dlenv.data.loaders import BadImageError, _reason
 
 log = logging.getLogger("dlenv.data")
 
