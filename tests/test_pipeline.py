@@ -79,6 +79,17 @@ def test_decide_auto_workers_are_shared_and_nvjpeg_has_a_cpu_fallback(photos, mo
     assert plan.decoder == "nvjpeg" and plan.cpu_decoder in decode.CPU_DECODERS
 
 
+def test_decide_sizes_shared_memory_by_what_the_workers_ship(photos, monkeypatch):
+    """uint8 stored squares on the device path (a third of the classic path's float32 crops)."""
+    seen = []
+    monkeypatch.setattr(pipeline, "resolve_workers",
+                        lambda workers, batch, size, **kw: seen.append(kw.get("sample_bytes")) or 2)
+    pipeline.decide(InputOptions(gpu_augment="on"), photos, "cpu", 4, 16)
+    pipeline.decide(InputOptions(gpu_augment="off"), photos, "cpu", 4, 16)
+    side = decode.stored_size(16)
+    assert seen == [3 * side * side, None]  # None: resolve_workers' float32 3 x 16 x 16 x 4
+
+
 def test_decide_for_the_demo_and_for_synthetic_data(tmp_path):
     root = demo.ensure_demo_data(tmp_path / "demo", train_per_class=2, val_per_class=1)
     plan = pipeline.decide(InputOptions(workers=0), pipeline.locate(str(root)), "cpu", 4, 64)
