@@ -175,6 +175,7 @@ class WorkerSource:
         images, sizes, labels = batch
         return images.to(device, non_blocking=True), sizes, labels.to(device, non_blocking=True)
 
+
 def _read(path: str) -> tuple[torch.Tensor, int]:
     """A file's bytes as a uint8 tensor, and its EXIF orientation (1 for not-JPEGs)."""
     with open(path, "rb") as f:
