@@ -180,3 +180,28 @@ def test_workers_decode_the_next_epoch_before_it_is_asked_for(tmp_path):
     assert first <= set(loads[12:]), "epoch 1's first batch was not loaded ahead"
     sampler.set_epoch(1)
     assert next(iter(source))[2].tolist() == list(nxt)[:4]
+
+
+def test_epoch_stream_ends_after_the_runs_last_epoch():
+    from dlenv.data.fastpath import EpochStream
+
+    stream = EpochStream(ResumableSampler(10, seed=2, batch_size=4), 4, last_epoch=1)
+    stream.begin(0, 8)
+    assert [len(b) for b in stream] == [2, 4, 4, 2]  # the rest of epoch 0, then epoch 1, then the end
+    stream.begin(3, 0)  # past the last: a caller other than the trainer, so no end
+    it = iter(stream)
+    assert [len(next(it)) for _ in range(6)] == [4, 4, 2, 4, 4, 2]
+
+
+def test_workers_stop_decoding_after_the_last_epoch(tmp_path):
+    import time
+
+    from dlenv.data.fastpath import WorkerSource
+
+    log = tmp_path / "loads"
+    sampler = ResumableSampler(12, seed=1, batch_size=4)
+    source = WorkerSource(_Logged(12, log), sampler, 4, workers=2, pin=False, last_epoch=0)
+    sampler.set_epoch(0)
+    assert sum(len(b[2]) for b in source) == 12
+    time.sleep(1.0)  # unbounded, the workers load the next epoch's first batches well within this
+    assert sorted(int(v) for v in log.read_text().split()) == list(range(12))

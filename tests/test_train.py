@@ -364,3 +364,16 @@ def test_progress_in_a_log_is_a_timed_line_with_eta(tmp_path, data, tiny, capsys
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("epoch 1/1 ")]
     assert len(lines) == 1 and lines[0].startswith("epoch 1/1 4/4 (100%)  elapsed ")
     assert ", ETA 0:00  loss " in lines[0] and " img/s " in lines[0]
+
+
+def test_workers_streaming_across_epochs_train_the_same_run(tmp_path, data, tiny):
+    """The device path's workers run on into the next epoch (fastpath.EpochStream): three epochs with
+    two workers train exactly the weights that in-process loading (no stream) gives. (Without dropout:
+    a DataLoader without workers draws its seed from the global RNG every epoch, which moves the masks.)"""
+    runs = {}
+    for workers in (0, 2):
+        out = train_mod.train(cfg(tmp_path / f"w{workers}", data, epochs=3, workers=workers, gpu_augment="on",
+                                  decoder="pil", model="tiny-nonorm"))
+        assert out["status"] == "done" and out["epochs"] == 3
+        runs[workers] = runstate.load_checkpoint(Path(out["last"]))["model"]
+    assert state_equal(runs[0], runs[2])

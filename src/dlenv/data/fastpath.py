@@ -100,11 +100,13 @@ class EpochStream:
     Over a DataLoader per epoch they sat idle there and the next epoch started from empty queues: the
     first batch took one worker's whole batch of decoding (about 0.5 s at 256 JPEGs), a tenth of
     an H200's ResNet-50 epoch over 20,000 images. The order of each epoch is the sampler's own.
+    `last_epoch`: the run's last (0-based); the stream ends after it, so the workers do not decode an
+    epoch nobody trains on during the final validation (None: no end).
     """
 
-    def __init__(self, sampler: Any, batch_size: int):
+    def __init__(self, sampler: Any, batch_size: int, last_epoch: int | None = None):
         self.sampler = copy.copy(sampler)  # its own epoch and start: the trainer's sampler is not touched
-        self.batch_size = batch_size
+        self.batch_size, self.last_epoch = batch_size, last_epoch
         self.epoch, self.start = 0, 0
 
     def begin(self, epoch: int, start: int) -> None:
@@ -113,7 +115,9 @@ class EpochStream:
 
     def __iter__(self) -> Iterator[list[int]]:
         epoch, start = self.epoch, self.start
-        while True:
+        # asked for an epoch past the last (a caller other than the trainer): no end then
+        last = self.last_epoch if self.last_epoch is not None and epoch <= self.last_epoch else None
+        while last is None or epoch <= last:
             self.sampler.set_epoch(epoch, start)
             indices = list(self.sampler)
             if not indices and start == 0:  # an empty epoch: no later one has any either
@@ -125,18 +129,19 @@ class EpochStream:
 class WorkerSource:
     """Host batches of stored-form images decoded by DataLoader workers from `dataset`.
 
-    With a ResumableSampler and workers, the workers follow an EpochStream: each pass takes the
-    sampler's current epoch and start, and when that is where the previous pass left the stream (the
-    next epoch, from its start), it carries on with batches the workers already prepared; anywhere
-    else (a resume, a pass cut short) the stream starts again there.
+    With a ResumableSampler and workers, the workers follow an EpochStream (to `last_epoch`, the
+    run's last): each pass takes the sampler's current epoch and start, and when that is where the
+    previous pass left the stream (the next epoch, from its start), it carries on with batches the
+    workers already prepared; anywhere else (a resume, a pass cut short) the stream starts again there.
     """
 
-    def __init__(self, dataset: Any, sampler: Any, batch_size: int, workers: int, pin: bool):
+    def __init__(self, dataset: Any, sampler: Any, batch_size: int, workers: int, pin: bool,
+                 last_epoch: int | None = None):
         from dlenv.data.loaders import make_loader
 
         self.sampler, self.batch_size = sampler, batch_size
         streams = workers > 0 and hasattr(sampler, "set_epoch") and hasattr(sampler, "per_rank")
-        self.stream = EpochStream(sampler, batch_size) if streams else None
+        self.stream = EpochStream(sampler, batch_size, last_epoch) if streams else None
         if self.stream is not None:
             self.loader = make_loader(dataset, batch_size, workers, pin, True, batch_sampler=self.stream)
         else:

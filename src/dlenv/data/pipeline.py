@@ -181,17 +181,20 @@ def decide(opts: InputOptions, located: Located, device: Any, batch_size: int, i
 
 def make_loaders(layout: Any, plan: InputPlan, device: Any, *, seed: int = 0, dtype: torch.dtype = torch.float32,
                  memory_format: torch.memory_format = torch.contiguous_format, train_sampler: Any = None,
-                 val_sampler: Any = None, say: Callable[[str], None] = print) -> tuple[Any, Any]:
+                 val_sampler: Any = None, say: Callable[[str], None] = print,
+                 epochs: int | None = None) -> tuple[Any, Any]:
     """(train, val) loaders of a folder.Layout as `plan` says; val is None when the layout has no val.
 
     Train goes in `train_sampler` order (default: a ResumableSampler seeded by `seed`). On the device
     path batches arrive on `device`, in `memory_format` and `dtype`, and val goes in `val_sampler`
-    order (default: sample order). Raises UserError for nvJPEG where it cannot run and a cache that
+    order (default: sample order); `epochs` (the run's, None: open-ended) tells the device path's
+    workers where to stop decoding ahead. Raises UserError for nvJPEG where it cannot run and a cache that
     does not fit.
     """
     device = torch.device(device)
     if plan.on_device:
-        return _device_loaders(layout, plan, device, seed, dtype, memory_format, train_sampler, val_sampler, say)
+        return _device_loaders(layout, plan, device, seed, dtype, memory_format, train_sampler, val_sampler, say,
+                               epochs)
     from dlenv.data.loaders import build_loaders
 
     return build_loaders(layout, plan.img_size, plan.batch_size, plan.workers, seed=seed,
@@ -201,7 +204,7 @@ def make_loaders(layout: Any, plan: InputPlan, device: Any, *, seed: int = 0, dt
 
 def _device_loaders(layout: Any, plan: InputPlan, device: torch.device, seed: int, dtype: torch.dtype,
                     memory_format: torch.memory_format, train_sampler: Any, val_sampler: Any,
-                    say: Callable[[str], None]) -> tuple[Any, Any]:
+                    say: Callable[[str], None], epochs: int | None = None) -> tuple[Any, Any]:
     """DeviceLoaders (dlenv.data.fastpath) over the plan's source: the cache, nvJPEG, or DataLoader workers."""
     from dlenv.cpus import usable_cpus
     from dlenv.data.cache import build_cache
@@ -235,7 +238,8 @@ def _device_loaders(layout: Any, plan: InputPlan, device: torch.device, seed: in
         else:
             ds = ImageDataset(samples, stored_tensors, plan.bad_images,
                               load=partial(decode.decode_stored, size=size, decoder=plan.cpu_decoder))
-            source = WorkerSource(ds, sampler, plan.batch_size, plan.workers, pin)
+            source = WorkerSource(ds, sampler, plan.batch_size, plan.workers, pin,
+                                  last_epoch=epochs - 1 if epochs else None)
         out.append(DeviceLoader(source, augment, device, plan.batch_size, sampler, seed))
     return out[0], (out[1] if len(out) > 1 else None)
 
@@ -254,12 +258,13 @@ class Data:
 
 def build_data(located: Located, plan: InputPlan, device: Any, dist: Any, *, seed: int = 0,
                dtype: torch.dtype = torch.float32, memory_format: torch.memory_format = torch.contiguous_format,
-               max_steps: int | None = None, say: Callable[[str], None] = print) -> Data:
+               max_steps: int | None = None, say: Callable[[str], None] = print, epochs: int | None = None) -> Data:
     """The training and validation batches of this process (`dist`: a distributed.DistInfo).
 
     Synthetic data (`located.layout` None) is made on the device: `max_steps` batches per epoch
     (SYNTHETIC_BATCHES without it). A real dataset trains on this rank's share of a resumable sampler
-    and validates on its own shard, without padding (the trainer's validation sums the shards).
+    and validates on its own shard, without padding (the trainer's validation sums the shards);
+    `epochs`, the run's, is where its workers stop decoding ahead.
     """
     from dlenv import distributed
     from dlenv.data.sampler import ResumableSampler
@@ -278,7 +283,7 @@ def build_data(located: Located, plan: InputPlan, device: Any, dist: Any, *, see
     sharded = layout.val and dist.world_size > 1
     val_sampler = distributed.EvalShardSampler(len(layout.val), dist.rank, dist.world_size) if sharded else None
     train, val = make_loaders(layout, plan, device, seed=seed, dtype=dtype, memory_format=memory_format,
-                              train_sampler=sampler, val_sampler=val_sampler, say=say)
+                              train_sampler=sampler, val_sampler=val_sampler, say=say, epochs=epochs)
     if not plan.on_device and val is not None:  # the classic loader: a copy that reads this rank's shard
         val = distributed.shard_eval_loader(val, dist.rank, dist.world_size)
     return Data(train, val, sampler, located.classes, located.source, plan)

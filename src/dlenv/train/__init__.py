@@ -93,7 +93,7 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
                                 model_kwargs)
     plan = pipeline.decide(pipeline.InputOptions.of(cfg), located, device, micro, img_size, dist.local_world_size)
     data = pipeline.build_data(located, plan, device, dist, seed=cfg.seed, dtype=precision.dtype,
-                               memory_format=memory_format, max_steps=cfg.max_steps, say=say)
+                               memory_format=memory_format, max_steps=cfg.max_steps, say=say, epochs=cfg.epochs)
     if located.layout is not None:
         say(plan.describe(device))
     # after the data: what it keeps on the GPU (--synthetic, --cache ram on the device) counts in the probe
