@@ -16,13 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from imagedata import make_train_val
+from imagedata import make_train_val, train_config
 from torch import nn
 
-from dlenv import config, runstate
+from dlenv import runstate
 from dlenv import train as train_mod
 from dlenv.cli import main as cli_main
-from dlenv.config import TrainConfig
 from dlenv.train import loop
 
 TESTS = Path(__file__).resolve().parent
@@ -56,10 +55,7 @@ def ds(tmp_path_factory):
 
 
 def cfg(tmp_path, data, **kw):
-    base = dict(data=str(data), project=str(tmp_path / "runs"), img_size=16, batch_size=4, workers=0,
-                epochs=2, device="cpu", deterministic=True, model="wide", optimizer="adamw")
-    base.update(kw)
-    return config.build(TrainConfig, **base)
+    return train_config(tmp_path, data, **{"model": "wide", "optimizer": "adamw", **kw})
 
 
 def metrics(monkeypatch, values):

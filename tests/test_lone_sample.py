@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from imagedata import make_train_val
+from imagedata import make_train_val, train_config
 from torch import nn
 
-from dlenv import config, runstate
+from dlenv import runstate
 from dlenv import train as train_mod
-from dlenv.config import TrainConfig
 from dlenv.data.sampler import ResumableSampler
 from dlenv.train import loop
 
@@ -63,10 +62,7 @@ def ds81(tmp_path_factory):
 
 
 def cfg(tmp_path, ds, **kw):
-    base = dict(data=str(ds), project=str(tmp_path / "runs"), img_size=16, batch_size=79, workers=0,
-                epochs=2, device="cpu", deterministic=True, model="tiny", optimizer="sgd")
-    base.update(kw)
-    return config.build(TrainConfig, **base)
+    return train_config(tmp_path, ds, **{"batch_size": 79, "model": "tiny", "optimizer": "sgd", **kw})
 
 
 @pytest.mark.parametrize("opts,batches", [

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from imagedata import make_train_val
+from imagedata import make_train_val, train_config
 from torch import nn
 
 from dlenv import config, results, runstate
@@ -69,10 +69,7 @@ def data(tmp_path):
 
 
 def cfg(tmp_path, ds, **kw):
-    base = dict(data=str(ds), project=str(tmp_path / "runs"), img_size=16, batch_size=4, workers=0,
-                epochs=2, device="cpu", deterministic=True, model="tiny", optimizer="sgd")
-    base.update(kw)
-    return config.build(TrainConfig, **base)
+    return train_config(tmp_path, ds, **{"model": "tiny", "optimizer": "sgd", **kw})
 
 
 def state_equal(a: dict, b: dict) -> bool:

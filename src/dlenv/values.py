@@ -63,41 +63,37 @@ def folder_name(v: Any) -> str:
     return s
 
 
+def _is_auto(v: Any) -> bool:
+    return isinstance(v, str) and v.strip().lower() == "auto"
+
+
+def _auto_or(v: Any, parse: Any, valid: Any, expected: str) -> Any:
+    """'auto', or `parse(v)` when `valid` of it; ValueError(`expected`) for anything else."""
+    if _is_auto(v):
+        return "auto"
+    try:
+        x = parse(v)
+    except ValueError:
+        raise ValueError(expected) from None
+    if not valid(x):
+        raise ValueError(expected)
+    return x
+
+
 def on_off_auto(v: Any) -> str:
     """'auto', 'on' or 'off'; true/false and the other spellings parse_bool takes mean on/off (a
     config.yaml written when the option was a plain switch still reads)."""
-    if isinstance(v, str) and v.strip().lower() == "auto":
-        return "auto"
-    try:
-        return "on" if parse_bool(v) else "off"
-    except ValueError:
-        raise ValueError("expected auto, on or off") from None
+    return _auto_or(v, lambda x: "on" if parse_bool(x) else "off", lambda x: True, "expected auto, on or off")
 
 
 def ratio_or_auto(v: Any) -> float | str:
     """A fraction in [0, 1], or the word 'auto'."""
-    if isinstance(v, str) and v.strip().lower() == "auto":
-        return "auto"
-    try:
-        f = parse_float(v)
-    except ValueError:
-        f = -1.0
-    if not 0.0 <= f <= 1.0:
-        raise ValueError("expected 'auto' or a fraction between 0 and 1")
-    return f
+    return _auto_or(v, parse_float, lambda f: 0.0 <= f <= 1.0, "expected 'auto' or a fraction between 0 and 1")
 
 
 def int_or_auto(v: Any) -> int | str:
     """An integer >= 1, or the word 'auto'."""
-    if isinstance(v, str) and v.strip().lower() == "auto":
-        return "auto"
-    try:
-        n = parse_int(v)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError("expected 'auto' or an integer >= 1")
-    return n
+    return _auto_or(v, parse_int, lambda n: n >= 1, "expected 'auto' or an integer >= 1")
 
 
 def int_list(v: Any) -> tuple[int, ...]:
