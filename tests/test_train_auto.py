@@ -206,6 +206,16 @@ def test_is_compile_error_follows_the_cause_chain():
     assert not compat.is_compile_error(ValueError("a model's own bug"))
 
 
+def test_cause_chain_follows_inner_exception_and_cause_and_stops_on_a_cycle():
+    root, middle, outer = ValueError("root"), RuntimeError("middle"), RuntimeError("outer")
+    middle.__cause__ = root
+    outer.inner_exception = middle  # dynamo's BackendCompilerFailed keeps the backend's error here
+    assert compat.cause_chain(outer) == [outer, middle, root]
+    a, b = RuntimeError("a"), RuntimeError("b")
+    a.__cause__, b.__cause__ = b, a
+    assert len(compat.cause_chain(a, limit=5)) == 5
+
+
 @pytest.mark.parametrize("given,want_ratio,says", [
     ({}, 1.0, "auto: all"),                             # auto on a CPU: every block
     ({"checkpoint_ratio": 0.5}, 0.5, "--checkpoint-ratio 0.5"),

@@ -129,16 +129,23 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def cause_chain(exc: BaseException, limit: int = 8) -> list[BaseException]:
+    """`exc` and what it wraps, outermost first: dynamo keeps a backend's error as `inner_exception`,
+    others chain it as `__cause__` (at most `limit`, against a cycle)."""
+    chain = [exc]
+    while len(chain) < limit:
+        inner = getattr(chain[-1], "inner_exception", None) or chain[-1].__cause__
+        if not isinstance(inner, BaseException):
+            break
+        chain.append(inner)
+    return chain
+
+
 def is_compile_error(exc: BaseException) -> bool:
     """Whether an exception comes from torch.compile's machinery (dynamo, AOT autograd, inductor, a
     backend compiler) rather than from the model's own code or the GPU: then eager mode still runs."""
-    seen = 0
-    e: BaseException | None = exc
-    while isinstance(e, BaseException) and seen < 8:  # the cause chain: dynamo wraps a backend's error
-        if type(e).__module__.startswith(("torch._dynamo", "torch._inductor", "torch._functorch")):
-            return True
-        e, seen = getattr(e, "inner_exception", None) or e.__cause__, seen + 1
-    return False
+    return any(type(e).__module__.startswith(("torch._dynamo", "torch._inductor", "torch._functorch"))
+               for e in cause_chain(exc))
 
 
 def arch_list_supports(archs: list[str], capability: tuple[int, int]) -> bool:

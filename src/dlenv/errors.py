@@ -96,6 +96,12 @@ _TORCH_WRITE = re.compile(r"unexpected pos \d+ vs \d+|PytorchStreamWriter failed
 _SHM_FILE = re.compile(r"</?torch_\d+_\d+|/dev/shm", re.I)
 
 
+def first_line(e: BaseException) -> str:
+    """'Type: the first line of its message' (at most 200 characters), for a one-line report."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+
+
 def torch_write_failure(exc: BaseException) -> bool:
     """Whether `exc` is torch's RuntimeError for a file write that failed under it (a full disk)."""
     return isinstance(exc, RuntimeError) and bool(_TORCH_WRITE.search(str(exc)))

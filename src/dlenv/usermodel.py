@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dlenv.errors import UserError
+from dlenv.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -184,11 +184,6 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
-
-
 def _where(e: BaseException, file: Path | None) -> str:
     """' at line N of FILE' for the deepest frame of `e` in the user's file, or ''."""
     if file is None:
@@ -221,7 +216,7 @@ def _import_file(ref: Reference) -> tuple[Any, Path, str]:
         except (Exception, SystemExit) as e:
             del sys.modules[name]
             raise UserError(f"--model {ref.text}: importing {ref.target} failed{_where(e, path)}: "
-                            f"{_first_line(e)}") from None
+                            f"{first_line(e)}") from None
     return module, path, sha
 
 
@@ -234,9 +229,9 @@ def _import_module(ref: Reference) -> tuple[Any, Path | None, str | None]:
             raise UserError(f"--model {ref.text}: no module {e.name!r} in {Path.cwd()} or the installed "
                             "packages; run from your project folder, or name a file: --model "
                             f"path/to/file.py:{ref.factory}") from None
-        raise UserError(f"--model {ref.text}: importing {ref.target} failed: {_first_line(e)}") from None
+        raise UserError(f"--model {ref.text}: importing {ref.target} failed: {first_line(e)}") from None
     except (Exception, SystemExit) as e:
-        raise UserError(f"--model {ref.text}: importing {ref.target} failed: {_first_line(e)}") from None
+        raise UserError(f"--model {ref.text}: importing {ref.target} failed: {first_line(e)}") from None
     origin = getattr(module, "__file__", None)
     file = Path(origin).resolve() if origin and Path(origin).is_file() else None
     return module, file, file_sha256(file) if file else None
@@ -334,7 +329,7 @@ def build(name: str, num_classes: int, **kwargs: Any) -> Any:
     except UserError:
         raise
     except Exception as e:
-        raise UserError(f"--model {ref.text}: {call} failed{_where(e, loaded.file)}: {_first_line(e)}") from None
+        raise UserError(f"--model {ref.text}: {call} failed{_where(e, loaded.file)}: {first_line(e)}") from None
     if not isinstance(model, nn.Module):
         raise UserError(f"--model {ref.text}: {call} returned a {type(model).__name__}, not a torch.nn.Module; "
                         "return the model")
@@ -363,7 +358,7 @@ def check_output(model: Any, name: str, num_classes: int, img_size: int) -> None
             if compat.is_oom(e):
                 raise
             raise UserError(f"--model {name}: the model's forward failed on {shape}{_where(e, file)}: "
-                            f"{_first_line(e)}") from None
+                            f"{first_line(e)}") from None
         finally:
             for k, b in model.named_buffers():
                 if k in buffers:

@@ -168,9 +168,7 @@ def _build_model(cfg: TrainConfig, num_classes: int, device: torch.device, fresh
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     model = model.to(device, memory_format=memory_format)
     usermodel.check_output(model, cfg.model, num_classes, img_size)  # logits [N, classes]? (own models)
-    # auto starts from every block; `auto.checkpoint_ratio` narrows it once the batch is known
-    ratio = 1.0 if cfg.checkpoint_ratio == "auto" else cfg.checkpoint_ratio
-    if cfg.checkpoint and apply_checkpointing(model, ratio) == 0:
+    if cfg.checkpoint and apply_checkpointing(model, auto.start_ratio(cfg)) == 0:
         say(f"--checkpoint: {cfg.model} has no repeated blocks to checkpoint; training without it")
     return model, memory_format
 
@@ -182,9 +180,9 @@ def _batch_split(cfg: TrainConfig, dist: distributed.DistInfo, device: torch.dev
     smallest), and on a resume with another number of GPUs the saved effective batch kept if it divides."""
     def measure() -> int:
         upper = len(located.layout.train) if located.layout is not None else 4096
-        ratio = (1.0 if cfg.checkpoint_ratio == "auto" else cfg.checkpoint_ratio) if cfg.checkpoint else False
+        ratio = auto.start_ratio(cfg) if cfg.checkpoint else False
         n = auto.auto_batch(cfg.model, len(located.classes), mode, ratio, img_size, device,
-                        memory_format == torch.channels_last, upper, say, model_kwargs)
+                            memory_format == torch.channels_last, upper, say, model_kwargs)
         return int(distributed.agree(n, "min"))
 
     micro, accum = autobatch.resolve_batch(cfg.batch_size, cfg.accum_steps, cfg.effective_batch, dist.world_size,

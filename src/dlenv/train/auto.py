@@ -52,6 +52,12 @@ def decide_compile(choice: str, device: torch.device, planned_batches: int) -> t
                   f"(from {COMPILE_MIN_BATCHES:,}; --compile off to run eagerly)")
 
 
+def start_ratio(cfg: Any) -> float:
+    """The fraction of blocks checkpointed before the batch is known: every block for auto (what
+    `checkpoint_ratio` then narrows, and what --batch-size auto fills the card with)."""
+    return 1.0 if cfg.checkpoint_ratio == "auto" else float(cfg.checkpoint_ratio)
+
+
 def checkpoint_ratio(cfg: Any, model: nn.Module, model_kwargs: dict[str, Any], precision_mode: str, img_size: int,
                      num_classes: int, device: torch.device, channels_last: bool, micro_batch: int,
                      say: Callable[[str], None]) -> tuple[float, str] | None:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlenv import compat, distributed
+from dlenv.errors import first_line
 from dlenv.memory import MemoryMonitor
 
 #: consecutive non-finite losses (or skipped fp16 steps) that stop a run
@@ -326,7 +327,7 @@ def _forward_backward(parts: Parts, images: torch.Tensor, targets: torch.Tensor,
             failed_compile = parts.eager is not None and not compat.is_oom(e) and compat.is_compile_error(e)
             if not (oom or failed_compile):
                 raise
-            reason = _first_line(e)
+            reason = first_line(compat.cause_chain(e)[-1])  # the root: compile wraps a backend's error
         # here, outside the except block, the failed step's tensors are already freed
         parts.optimizer.zero_grad(set_to_none=True)
         dropped = f"; {window.done} micro-batch(es) of this window are skipped" if window.done else ""
@@ -341,18 +342,6 @@ def _forward_backward(parts: Parts, images: torch.Tensor, targets: torch.Tensor,
             print(f"CUDA out of memory: continuing with micro-batch {math.ceil(state.micro_batch / state.chunks)} x "
                   f"{state.accum_steps * state.chunks} accumulation (same images per step){dropped}", flush=True)
         window.done, window.size = 0, min(state.accum_steps, total - state.batch_in_epoch)
-
-
-def _first_line(e: BaseException) -> str:
-    """The root cause's type and the first line of its message, for a one-line report (torch.compile
-    wraps a backend's error in its own, whose first line only says which backend raised)."""
-    for _ in range(8):
-        inner = getattr(e, "inner_exception", None) or e.__cause__  # dynamo keeps the backend's error
-        if not isinstance(inner, BaseException):
-            break
-        e = inner
-    text = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
 
 
 # ---------------------------------------------------------------------------------------------------
