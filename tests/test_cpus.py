@@ -1,8 +1,10 @@
-"""dlenv.cpus: the CPUs a container really gives us."""
+"""dlenv.cpus: the CPUs a container really gives us, and the DataLoader workers auto starts on them."""
 
 from __future__ import annotations
 
 import os
+
+import pytest
 
 from dlenv import cpus
 
@@ -24,3 +26,30 @@ def test_usable_cpus_is_the_affinity_mask_capped_by_the_quota(monkeypatch, tmp_p
     assert cpus.usable_cpus() == 1          # never below one
     quota.unlink()
     assert cpus.usable_cpus() == 8          # no cgroup v2 file: the mask
+
+
+@pytest.mark.parametrize("n_cpus, workers", [(1, 1), (2, 2), (4, 4), (8, 8), (9, 8), (10, 8), (12, 10),
+                                              (16, 14), (24, 22), (34, 32), (96, 32)])
+def test_auto_workers_leave_the_trainer_two_cores_above_eight(n_cpus, workers):
+    assert cpus.auto_workers(n_cpus) == workers
+
+
+def test_auto_workers_never_fall_as_cores_grow():
+    counts = [cpus.auto_workers(c) for c in range(1, 80)]
+    assert counts == sorted(counts) and max(counts) == cpus.MAX_AUTO_WORKERS
+
+
+MiB, GiB = 2**20, 2**30
+
+
+@pytest.mark.parametrize("n, total, free, per_worker, kept", [
+    (14, 64 * GiB, 64 * GiB, 100 * MiB, 14),   # --ipc=host: room for all
+    (14, 8 * GiB, 8 * GiB, 882 * MiB, 9),      # as many as have room for their batches
+    (14, 8 * GiB, 1 * GiB, 882 * MiB, 1),      # free, not total, is what is left
+    (14, 512 * MiB, 512 * MiB, 10 * MiB, 2),   # a small /dev/shm: at most two, even when more would fit
+    (14, 64 * MiB, 64 * MiB, 100 * MiB, 0),    # Docker's default with big batches: none
+    (1, 512 * MiB, 512 * MiB, 10 * MiB, 1),    # never more than asked for
+    (4, 8 * GiB, 8 * GiB, 0, 4),               # nothing to size by
+])
+def test_workers_that_fit_shm(n, total, free, per_worker, kept):
+    assert cpus.workers_that_fit(n, total, free, per_worker) == kept

@@ -112,6 +112,33 @@ def test_small_shm_with_auto_workers_says_how_many_auto_keeps():
     assert shm.status == "warn" and "auto drops to 2 workers" in shm.detail
 
 
+@pytest.mark.parametrize("gpu", [True, False], ids=["device-path", "classic-path"])
+@pytest.mark.parametrize("cpus,shm_mib", [(16, 64), (16, 512), (16, 1024), (16, 2048), (16, 65536), (4, 512),
+                                          (64, 4096)])
+def test_shm_verdict_says_the_workers_the_trainer_starts(monkeypatch, gpu, cpus, shm_mib):
+    """verify-env's /dev/shm line and the trainer's `--workers auto` size the same batches in flight:
+    uint8 stored squares with a GPU (the default path there), float32 crops without one."""
+    from collections import namedtuple
+
+    from dlenv.cpus import auto_workers
+    from dlenv.data import loaders
+    from dlenv.envcheck.facts import TRAIN_BATCH, TRAIN_IMG, _shm_per_worker
+
+    auto = auto_workers(cpus)
+    facts = gpu_facts(workers=auto, workers_auto=True, shm_per_worker=_shm_per_worker(gpu), shm_total=shm_mib * MiB,
+                      shm_free=shm_mib * MiB)
+    shm = by_name(judge(facts)[0], "/dev/shm")
+    monkeypatch.setattr(loaders, "usable_cpus", lambda: cpus)
+    monkeypatch.setattr(loaders.shutil, "disk_usage",
+                        lambda p: namedtuple("Usage", "total used free")(shm_mib * MiB, 0, shm_mib * MiB))
+    started = loaders.resolve_workers("auto", TRAIN_BATCH, TRAIN_IMG,
+                                      sample_bytes=loaders.shipped_bytes(TRAIN_IMG, True) if gpu else None)
+    if started == auto:
+        assert shm.status == "ok", shm.detail
+    else:
+        assert shm.status == "warn" and f"auto drops to {started} worker" in shm.detail, (started, shm.detail)
+
+
 def test_host_ipc_shm_is_fine_and_zero_workers_need_none():
     assert by_name(judge(gpu_facts())[0], "/dev/shm").status == "ok"
     facts = gpu_facts(shm_total=64 * MiB, shm_free=64 * MiB, workers=0, workers_auto=False)

@@ -12,6 +12,7 @@ import torch
 from imagedata import make_image_folder
 from PIL import Image
 
+from dlenv import cpus
 from dlenv.data import loaders
 from dlenv.data.folder import find_layout
 from dlenv.data.loaders import (
@@ -128,21 +129,10 @@ def test_resolve_workers_numbers_and_errors():
         resolve_workers("many")
 
 
-@pytest.mark.parametrize("cpus, workers", [(1, 1), (2, 2), (4, 4), (8, 8), (9, 8), (10, 8), (12, 10),
-                                            (16, 14), (24, 22), (34, 32), (96, 32)])
-def test_auto_workers_leave_the_trainer_two_cores_above_eight(cpus, workers):
-    assert loaders.auto_workers(cpus) == workers
-
-
-def test_auto_workers_never_fall_as_cores_grow():
-    counts = [loaders.auto_workers(c) for c in range(1, 80)]
-    assert counts == sorted(counts) and max(counts) == loaders.MAX_AUTO_WORKERS
-
-
 def test_resolve_workers_auto_caps_cpu_count(monkeypatch):
     monkeypatch.setattr(loaders, "usable_cpus", lambda: 96)
     monkeypatch.setattr(loaders.shutil, "disk_usage", lambda p: Usage(64 << 30, 0, 64 << 30))
-    assert resolve_workers("auto", 32) == loaders.MAX_AUTO_WORKERS
+    assert resolve_workers("auto", 32) == cpus.MAX_AUTO_WORKERS
     monkeypatch.setattr(loaders, "usable_cpus", lambda: 3)
     assert resolve_workers("auto", 32) == 3
 

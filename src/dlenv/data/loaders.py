@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from dlenv.cpus import usable_cpus
-from dlenv.data.decode import decode_rgb, load_rgb
+from dlenv.cpus import auto_workers, usable_cpus, workers_that_fit
+from dlenv.data.decode import decode_rgb, load_rgb, stored_size
 from dlenv.data.sampler import lone_last
 from dlenv.errors import UserError
 
@@ -29,14 +29,6 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 #: batches each worker prepares ahead; also used to size the /dev/shm check.
 PREFETCH_FACTOR = 4
-#: most workers 'auto' picks: beyond this, more processes mostly cost memory and start-up time.
-MAX_AUTO_WORKERS = 32
-#: up to this many cores every one of them decodes (the loader, not the GPU, sets the pace there);
-#: above it TRAINER_CORES stay with the training process: its loop launches the GPU's work, and its
-#: pin-memory and GPU-augmentation threads receive every batch (scripts/bench_pipeline.py measured
-#: 12, 14 and 16 workers on 16 cores: docs/input-pipeline.md)
-ALL_CORES_UP_TO = 8
-TRAINER_CORES = 2
 
 
 class BadImageError(UserError):
@@ -217,11 +209,17 @@ def _say_once(msg: str) -> None:
         log.warning(msg)
 
 
-def auto_workers(cpus: int) -> int:
-    """Workers 'auto' starts on `cpus` usable cores, before /dev/shm is considered: all of them up to
-    ALL_CORES_UP_TO, then all but TRAINER_CORES, at most MAX_AUTO_WORKERS (4 -> 4, 8 -> 8, 12 -> 10,
-    16 -> 14, 64 -> 32)."""
-    return max(0, min(max(min(cpus, ALL_CORES_UP_TO), cpus - TRAINER_CORES), MAX_AUTO_WORKERS))
+def shipped_bytes(img_size: int, on_device: bool) -> int:
+    """One sample as DataLoader workers ship it: a uint8 stored square on the device path
+    (dlenv.data.fastpath crops it on the GPU), a float32 crop on the classic path."""
+    side = stored_size(img_size)
+    return 3 * side * side if on_device else 3 * img_size * img_size * 4
+
+
+def shm_per_worker(batch_size: int, sample_bytes: int) -> int:
+    """Bytes of /dev/shm one DataLoader worker's batches in flight take: PREFETCH_FACTOR batches of
+    `sample_bytes` samples (as the workers ship them), with 50% headroom."""
+    return int(batch_size * sample_bytes * PREFETCH_FACTOR * 1.5)
 
 
 def resolve_workers(workers: int | str, batch_size: int | None = None, img_size: int = 224,
@@ -245,11 +243,8 @@ def resolve_workers(workers: int | str, batch_size: int | None = None, img_size:
         usage = shutil.disk_usage(shm)
     except OSError:  # no /dev/shm (not Linux): nothing to size against
         return n
-    # PREFETCH_FACTOR batches in flight per worker, with 50% headroom
-    per_worker = (batch_size or 64) * (sample_bytes or 3 * img_size * img_size * 4) * PREFETCH_FACTOR * 1.5
-    fit = int(usage.free // per_worker)
-    if usage.total < 1 << 30:
-        fit = min(fit, 2)  # a small /dev/shm is shared with everything else: stay well clear of it
+    per_worker = shm_per_worker(batch_size or 64, sample_bytes or shipped_bytes(img_size, False))
+    fit = workers_that_fit(n, usage.total, usage.free, per_worker)
     if fit < n:
         _say_once(f"{shm} has {usage.free / 2**20:.0f} MiB free of {usage.total / 2**20:.0f} MiB; "
                   f"using {fit} DataLoader workers instead of {n}. Start the container with "

@@ -26,7 +26,7 @@ import torch
 
 from dlenv.data import decode
 from dlenv.data.demo import DEMO_IMG_SIZE, DEMO_TRAIN_SCALE
-from dlenv.data.loaders import resolve_workers
+from dlenv.data.loaders import resolve_workers, shipped_bytes
 from dlenv.errors import UserError
 
 #: micro-batches per epoch of --synthetic data without --max-steps
@@ -161,7 +161,8 @@ def decide(opts: InputOptions, located: Located, device: Any, batch_size: int, i
     on_device = opts.gpu_path(device)
     size = decode.stored_size(img_size)
     # the device path's workers ship uint8 stored squares, the classic path's float32 crops
-    workers = resolve_workers(opts.workers, batch_size, img_size, sample_bytes=3 * size * size if on_device else None)
+    workers = resolve_workers(opts.workers, batch_size, img_size,
+                              sample_bytes=shipped_bytes(img_size, True) if on_device else None)
     if opts.workers == "auto":  # the processes of a node share its CPUs
         workers = workers_per_process(workers, local_world_size)
     paths = [p for p, _ in located.layout.train]

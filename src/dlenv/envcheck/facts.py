@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dlenv import __version__
-from dlenv.cpus import usable_cpus
+from dlenv.cpus import auto_workers, usable_cpus
 from dlenv.envcheck.kernels import Kernel, first_line
 
 #: The trainer's default batch and image size, to size the /dev/shm the DataLoader workers need.
@@ -111,15 +111,15 @@ def _import_version(name: str) -> tuple[Any, str | None, str | None]:
     return module, str(getattr(module, "__version__", "?")), None
 
 
-def _loader_params(cpus: int) -> tuple[int, int]:
-    """(batches each DataLoader worker prefetches, the workers 'auto' starts on `cpus` cores), as the
-    trainer decides them."""
+def _shm_per_worker(gpu: bool) -> int:
+    """The /dev/shm bytes each DataLoader worker's batches in flight take, as the trainer sizes them
+    for its default batch and size: with a GPU its workers ship uint8 stored squares (the device path,
+    the default there), without one float32 crops."""
     try:
-        from dlenv.data.loaders import PREFETCH_FACTOR, auto_workers
-
-        return PREFETCH_FACTOR, auto_workers(cpus)
-    except Exception:  # without torch nothing trains anyway; use DataLoader's own default prefetch
-        return 2, min(cpus, 8)
+        from dlenv.data.loaders import shipped_bytes, shm_per_worker
+    except Exception:  # without torch nothing trains (that is reported): nothing to size /dev/shm for
+        return 0
+    return shm_per_worker(TRAIN_BATCH, shipped_bytes(TRAIN_IMG, gpu))
 
 
 def _driver() -> tuple[str | None, str | None, int]:
@@ -195,10 +195,9 @@ def collect(workers: int | str = "auto", workspace: str | Path | None = None) ->
     if torch is not None:
         _collect_gpus(torch, facts)
     facts.cpus, facts.host_cpus = usable_cpus(), os.cpu_count() or 1
-    prefetch, auto = _loader_params(facts.cpus)
+    facts.shm_per_worker = _shm_per_worker(bool(facts.gpus))
     facts.workers_auto = workers == "auto"
-    facts.workers = auto if facts.workers_auto else int(workers)
-    facts.shm_per_worker = int(TRAIN_BATCH * 3 * TRAIN_IMG * TRAIN_IMG * 4 * prefetch * 1.5)
+    facts.workers = auto_workers(facts.cpus) if facts.workers_auto else int(workers)
     try:
         shm = shutil.disk_usage("/dev/shm")
         facts.shm_total, facts.shm_free = shm.total, shm.free

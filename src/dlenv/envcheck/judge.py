@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dlenv.cpus import SMALL_SHM, workers_that_fit
 from dlenv.envcheck.facts import Facts
 from dlenv.envcheck.kernels import TOLERANCE
 from dlenv.envcheck.pins import MODERN_ENV_FILE, pin_matches
@@ -204,15 +205,17 @@ def _shm_check(facts: Facts) -> Check:
     need = facts.workers * facts.shm_per_worker
     who = f"{facts.workers} DataLoader worker{'s' if facts.workers != 1 else ''}" + (
         " (auto)" if facts.workers_auto else "")
-    if facts.workers == 0 or free >= need:
+    # 'auto' keeps what the trainer keeps; a number given is started as it is, room or not
+    fit = workers_that_fit(facts.workers, facts.shm_total, free, facts.shm_per_worker)
+    if facts.workers == 0 or (fit == facts.workers if facts.workers_auto else free >= need):
         return Check("ok", "/dev/shm", f"{_size(free)} free of {_size(facts.shm_total)} for {who}")
-    fit = int(free // facts.shm_per_worker) if facts.shm_per_worker else 0
-    if facts.shm_total < 1 << 30:
-        fit = min(fit, 2)  # what the trainer's 'auto' leaves itself on a small /dev/shm
-    effect = (f"auto drops to {fit} workers (slower input)" if facts.workers_auto
-              else "workers die with 'bus error'")
-    return Check("warn", "/dev/shm", f"{_size(free)} free of {_size(facts.shm_total)}; {who} need "
-                 f"~{_size(need)}: {effect}",
+    if facts.workers_auto:
+        why = (f"{who} need ~{_size(need)}" if free < need
+               else f"one under {_size(SMALL_SHM)} is shared with everything else")
+        what = f"{why}: auto drops to {fit} worker{'s' if fit != 1 else ''} (slower input)"
+    else:
+        what = f"{who} need ~{_size(need)}: workers die with 'bus error'"
+    return Check("warn", "/dev/shm", f"{_size(free)} free of {_size(facts.shm_total)}; {what}",
                  "start the container with --ipc=host (or --shm-size=8g)")
 
 
