@@ -5,6 +5,8 @@ much as those at the top: a lazy import that closes a circle still ties the two 
 only defers the failure to the first call that takes that path), so the design must not need it.
 `import dlenv.x`, `from dlenv.x import name` and `from dlenv import x` (x a module) are edges to
 dlenv.x; `from dlenv import name` (a name the package itself defines) is an edge to the package.
+Importing dlenv.x.y first runs dlenv/x/__init__.py, so it is an edge to the package dlenv.x too
+(unless the importer sits inside dlenv.x, whose __init__ has then already run).
 """
 
 from __future__ import annotations
@@ -63,6 +65,20 @@ def imports_of(mod: str, path: Path, known: dict[str, Path]) -> set[str]:
                 target = _resolve(t, known)
                 if target and target != mod:
                     out.add(target)
+                    out |= _packages_run_by(target, mod, is_package, known)
+    return out
+
+
+def _packages_run_by(target: str, mod: str, is_package: bool, known: dict[str, Path]) -> set[str]:
+    """The packages whose __init__ importing `target` runs first, leaving out those `mod` sits in
+    (their __init__ has already run when `mod` runs)."""
+    own = mod if is_package else mod.rpartition(".")[0]
+    out = set()
+    package = target.rpartition(".")[0]
+    while package and package in known:
+        if package != own and not own.startswith(package + "."):
+            out.add(package)
+        package = package.rpartition(".")[0]
     return out
 
 
@@ -135,5 +151,21 @@ def test_the_import_reader_sees_function_level_and_package_imports(tmp_path, mon
     (pkg / "sub" / "c.py").write_text("from . import d\nfrom .. import a\nimport dlenv.b.x\n")
     monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path)
     known = {module_name(p): p for p in pkg.rglob("*.py")}
-    assert imports_of("dlenv.a", pkg / "a.py", known) == {"dlenv.b", "dlenv", "dlenv.sub.c"}
+    # dlenv.sub.c's import runs dlenv/sub/__init__.py first: that is an edge to dlenv.sub as well
+    assert imports_of("dlenv.a", pkg / "a.py", known) == {"dlenv.b", "dlenv", "dlenv.sub.c", "dlenv.sub"}
     assert imports_of("dlenv.sub.c", pkg / "sub" / "c.py", known) == {"dlenv.sub", "dlenv.a", "dlenv.b"}
+
+
+def test_a_circle_through_a_package_init_is_found(tmp_path, monkeypatch):
+    """dlenv.pkg's __init__ imports dlenv.a, and dlenv.a imports (inside a function) dlenv.pkg.leaf, which
+    imports nothing: importing leaf runs pkg's __init__, so a, pkg and back is a circle."""
+    pkg = tmp_path / "dlenv"
+    (pkg / "pkg").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "pkg" / "__init__.py").write_text("from dlenv import a\n")
+    (pkg / "pkg" / "leaf.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from dlenv.pkg.leaf import g\n")
+    monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path)
+    known = {module_name(p): p for p in pkg.rglob("*.py")}
+    graph = {m: imports_of(m, p, known) for m, p in known.items()}
+    assert find_cycles(graph) == [["dlenv.a", "dlenv.pkg"]]
