@@ -3,10 +3,11 @@
 Parses flags generated from `dlenv.config`, builds the frozen config, imports the one function that
 does the work and calls it. `run_command` is the one place every verb's failures end, for `dlenv VERB`
 and the invoke tasks alike: a `UserError`, or a fault of the machine (full disk, read-only folder,
-permission, ...: `dlenv.errors.environment_fault`), becomes one line on stderr and exit 2 (bad input)
-or 5 (the machine); Ctrl-C exits 130; anything else is a bug and shows its traceback, then one line
-saying so (exit 1). Set DLENV_TRACEBACK=1 to see the traceback of a fault too. Nothing here imports
-torch until a command actually runs.
+permission, ...: `dlenv.errors.environment_fault`), becomes one line on stderr and its status from
+the one table, `dlenv.errors.EXIT_CODES` (2 bad input, 5 the machine, ...); Ctrl-C exits 130;
+anything else is a bug and shows its traceback, then one line saying so (exit 1). Set
+DLENV_TRACEBACK=1 to see the traceback of a fault too. Nothing here imports torch until a command
+actually runs.
 """
 
 from __future__ import annotations
@@ -21,7 +22,16 @@ from pathlib import Path
 from typing import Any
 
 from dlenv import __version__, config, invocation, weights
-from dlenv.errors import BUG_REPORT, FAULT_EXIT, UserError, environment_fault, printable
+from dlenv.errors import (
+    BUG_REPORT,
+    EXIT_BUG,
+    EXIT_FAULT,
+    EXIT_INPUT,
+    EXIT_SIGINT,
+    UserError,
+    environment_fault,
+    printable,
+)
 
 
 def _add_options(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -90,16 +100,16 @@ def run_command(name: str, given: dict[str, Any], yaml_file: str | None = None) 
         return e.exit_code
     except KeyboardInterrupt:
         print(f"dlenv {name}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_SIGINT
     except Exception as e:
         fault = environment_fault(e)
         if fault is None or os.environ.get("DLENV_TRACEBACK"):
             traceback.print_exc()
         if fault is not None:
             print(f"dlenv {name}: error: {printable(fault)}", file=sys.stderr)
-            return FAULT_EXIT
+            return EXIT_FAULT
         print(f"dlenv {name}: {BUG_REPORT.format(version=__version__)}", file=sys.stderr)
-        return 1
+        return EXIT_BUG
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     name = args.pop("command")
     if name is None:
         parser.print_help()
-        return 2
+        return EXIT_INPUT
     if name == "test":  # not a config-built verb: the rest of the line is pytest's
         return run_tests(args["gpu"], extra)
     if extra:

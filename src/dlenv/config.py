@@ -64,6 +64,8 @@ def opt(default: Any, help: str, *, parse: Callable[[Any], Any] | None = None,
 # The commands' options.
 
 _DEVICE_HELP = "cuda, cuda:N, cpu or auto (the first GPU if there is one)"
+#: the largest --seed: torch, NumPy and the samplers take 64-bit seeds, and each rank adds its number
+SEED_MAX = 2**63 - 1
 _DECODERS = ("auto", "pil", "cv2", "tvio", "nvjpeg")
 
 
@@ -148,7 +150,7 @@ class TrainConfig:
                                   parse=_float, min=0.0)
     ema: bool = opt(False, "keep an exponential moving average of the weights; validate with it")
     ema_decay: float = opt(0.9998, "EMA decay per optimizer step", min=0.0, max=1.0)
-    seed: int = opt(0, "random seed")
+    seed: int = opt(0, "random seed", min=0, max=SEED_MAX)
     deterministic: bool = opt(False, "deterministic algorithms (bit-for-bit reproducible CPU runs)")
     max_steps: int | None = opt(None, "stop each epoch after this many micro-batches (quick tries, "
                                       "benchmarks)", parse=_int, min=1)
@@ -236,7 +238,7 @@ class DemoDataConfig:
     train_per_class: int = opt(300, "training images per class", min=1)
     val_per_class: int = opt(60, "validation images per class", min=1)
     size: int = opt(64, "image size in pixels", min=16)
-    seed: int = opt(0, "random seed (the same seed gives the same images)")
+    seed: int = opt(0, "random seed (the same seed gives the same images)", min=0, max=SEED_MAX)
     overwrite: bool = opt(False, "replace an existing demo dataset")
 
 
@@ -406,21 +408,64 @@ def _parse_one(cls: type, f: dataclasses.Field, value: Any) -> Any:
     return v
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML mapping of options; a bad file is a UserError naming it."""
+#: the largest --cfg file read: a file of options is a few KiB; /dev/zero or a 40 GB file is a mistake
+CONFIG_FILE_LIMIT = 1 << 20
+#: YAML nodes a --cfg file may hold, anchors resolved: far above any file of options, far below a bomb
+YAML_NODE_LIMIT = 100_000
+
+
+def _options_loader() -> type:
+    """yaml.SafeLoader that refuses aliases (`*name`) and counts nodes.
+
+    A "billion laughs" file is a few hundred bytes of anchors and aliases that expand to 10^9 nodes
+    when the result is walked (`epochs: *lol9`, or `model_args: *lol9` turned into text); safe_load
+    itself only builds shared references, so the blow-up comes later, in our own code. No option needs
+    an alias, so an alias is refused where it is composed, before anything is expanded.
+    """
     import yaml
 
+    class OptionsLoader(yaml.SafeLoader):
+        nodes = 0
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            event = self.peek_event()
+            if isinstance(event, yaml.AliasEvent):
+                raise _Refused(f"line {event.start_mark.line + 1}: an alias (*{event.anchor}) repeats another "
+                               "value, which a file of options never needs; write each value out")
+            self.nodes += 1
+            if self.nodes > YAML_NODE_LIMIT:
+                raise _Refused(f"line {event.start_mark.line + 1}: more than {YAML_NODE_LIMIT:,} values, far more "
+                               "than a file of options holds")
+            return super().compose_node(parent, index)
+
+    return OptionsLoader
+
+
+class _Refused(Exception):
+    """A YAML file of options refused by `_options_loader`; str() says where and why."""
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping of options; a bad file is a UserError naming it.
+
+    Only a regular file of at most CONFIG_FILE_LIMIT bytes is read (`dlenv.safeio`: a FIFO or
+    /dev/zero is refused at once instead of hanging), and aliases are refused (`_options_loader`).
+    """
+    import yaml
+
+    from dlenv.safeio import read_text
+
     p = Path(path)
-    if p.is_dir():
-        raise UserError(f"config file {p} is a folder; pass a YAML file, e.g. runs/exp/config.yaml")
     try:
-        data = yaml.safe_load(p.read_bytes().decode("utf-8"))
+        text = read_text(p, CONFIG_FILE_LIMIT, what="config file")
     except FileNotFoundError:
         raise UserError(f"config file {p} not found") from None
-    except UnicodeDecodeError as e:
-        raise UserError(f"config file {p} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
-                        f"{e.start}); pass a YAML file of option: value lines, e.g. runs/exp/config.yaml"
-                        ) from None
+    except UserError as e:
+        raise UserError(f"{e}, e.g. runs/exp/config.yaml") from None
+    try:
+        data = yaml.load(text, Loader=_options_loader())  # noqa: S506 (a SafeLoader subclass)
+    except _Refused as e:
+        raise UserError(f"config file {p}, {e}") from None
     except yaml.YAMLError as e:
         raise UserError(f"config file {p} is not valid YAML ({str(e).splitlines()[0]})") from None
     except RecursionError:  # thousands of nested brackets

@@ -14,9 +14,33 @@ import errno
 import os
 import re
 
-#: the exit status of a fault of the machine (full disk, read-only folder, permission, ...); a bad
-#: input exits 2, a bug 1
-FAULT_EXIT = 5
+# Every exit status a dlenv command ends with, in this one table (docs/faults.md shows it; a test
+# checks that the two agree and that no two meanings share a value). A launcher reads them: torchrun's
+# wrapper (dlenv.launch) must tell the rank that failed (a full disk: EXIT_FAULT) from the ranks that
+# only saw it go (EXIT_PEER), so no two meanings may share a number.
+EXIT_OK = 0
+EXIT_BUG = 1             #: an error dlenv did not expect: traceback, then BUG_REPORT
+EXIT_INPUT = 2           #: a bad flag, file, folder or dataset (UserError's default)
+EXIT_OOM = 3             #: CUDA out of memory in train, with advice
+EXIT_NONFINITE = 4       #: non-finite losses in train; non-finite outputs in val
+EXIT_FAULT = 5           #: the machine: full disk, read-only folder, permission, /dev/shm, a killed worker
+EXIT_PEER = 6            #: another process of a multi-GPU run failed; this one stopped because of it
+EXIT_SIGINT = 130        #: Ctrl-C (128 + SIGINT), after saving
+EXIT_SIGTERM = 143       #: docker stop / kill (128 + SIGTERM), after saving
+
+#: status -> what it means, for docs/faults.md and `dlenv --help`-free lookups
+EXIT_CODES: dict[int, str] = {
+    EXIT_OK: "done",
+    EXIT_BUG: "a bug in dlenv (the traceback, then a line asking for a report)",
+    EXIT_INPUT: "a bad flag, file, folder or dataset you gave",
+    EXIT_OOM: "CUDA out of memory (train)",
+    EXIT_NONFINITE: "non-finite numbers: losses (train), outputs of the weights (val)",
+    EXIT_FAULT: "the machine: a full disk or /dev/shm, a read-only or foreign-owned folder, a worker the system "
+                "killed",
+    EXIT_PEER: "another process of the multi-GPU run failed (its own line names the cause)",
+    EXIT_SIGINT: "interrupted by Ctrl-C (train saves first)",
+    EXIT_SIGTERM: "stopped by docker stop / SIGTERM (train saves first)",
+}
 
 #: printed after the traceback of an error dlenv did not expect
 BUG_REPORT = ("this is a bug in dlenv {version}, not a problem with your input; please report it to "
@@ -49,7 +73,7 @@ def printable(text: object) -> str:
 class UserError(Exception):
     """A problem the user can fix. `str(err)` is the one line to print; `exit_code` the status."""
 
-    def __init__(self, message: str, exit_code: int = 2):
+    def __init__(self, message: str, exit_code: int = EXIT_INPUT):
         super().__init__(message)
         self.exit_code = exit_code
 

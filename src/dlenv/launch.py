@@ -20,10 +20,8 @@ import sys
 from typing import Any
 
 from dlenv import config
-from dlenv.errors import UserError
+from dlenv.errors import EXIT_PEER, UserError
 
-#: exit status of a process whose peers failed (distinct from OOM 3 and non-finite 4)
-EXIT_PEER = 5
 #: torchrun checks its workers this often (seconds): how fast a dead rank takes the job down
 MONITOR_INTERVAL_S = 1
 

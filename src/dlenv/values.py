@@ -6,6 +6,7 @@ No torch here: `dlenv --help` and `invoke --list` import it.
 from __future__ import annotations
 
 import math
+import unicodedata
 from typing import Any
 
 
@@ -25,6 +26,8 @@ def parse_int(v: Any) -> int:
         raise ValueError("expected an integer")
     if isinstance(v, int):
         return v
+    if isinstance(v, str) and v.strip().lstrip("+-").isdigit() and len(v) < 100:
+        return int(v)  # exactly: through float, 9223372036854775807 would become ...808
     try:
         f = float(v)
     except (TypeError, ValueError):
@@ -56,10 +59,16 @@ def parse_str(v: Any) -> str:
 
 
 def folder_name(v: Any) -> str:
-    """A plain folder name: not empty, no slashes, not '.' or '..' (checked before any work starts)."""
+    """A plain folder name: not empty, no slashes, not '.' or '..', and nothing that acts on a terminal
+    (a newline or ESC in a run name would print as a fake line in every message that names the run)."""
     s = parse_str(v)
     if not s.strip() or s in (".", "..") or "/" in s or "\\" in s:
         raise ValueError("expected a plain folder name (no slashes), e.g. exp")
+    # C*: controls (newline, ESC), format characters (bidi overrides), surrogates; Z[lp]: line breaks
+    bad = next((c for c in s if unicodedata.category(c)[0] == "C" or unicodedata.category(c) in ("Zl", "Zp")), None)
+    if bad is not None:
+        raise ValueError(f"a folder name may not hold the control character {ascii(bad)}; use letters, digits, "
+                         "- and _, e.g. exp")
     return s
 
 
