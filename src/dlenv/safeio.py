@@ -22,6 +22,9 @@ GIB = 1024 * MIB
 #: bounds for the small files dlenv reads: a --cfg YAML, a signing key, a sidecar, a JSON report
 SMALL_FILE = 4 * MIB
 KEY_FILE = 4 * KIB
+#: the largest image file a decoder is handed (a 100-megapixel TIFF is ~300 MB; Pillow's own
+#: decompression-bomb check bounds the pixels)
+IMAGE_FILE = 1 * GIB
 
 
 def _kind(mode: int) -> str:
@@ -60,7 +63,9 @@ def open_regular(path: str | os.PathLike, what: str = "file", limit: int | None 
                             f"{limit:,} such a file may have; pass the right file")
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
+        f = os.fdopen(fd, "rb")
+        f.raw.name = os.fspath(path)  # messages (Pillow's among them) name the path, as after open()
+        return f
     except BaseException:
         os.close(fd)
         raise

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from dlenv.errors import UserError
+from dlenv.safeio import IMAGE_FILE, open_regular
 
 #: CPU decoders, and the one 'auto' picks: measured fastest per core in scripts/bench_pipeline.py.
 CPU_DECODERS = ("pil", "cv2", "tvio")
@@ -166,7 +167,7 @@ def mean_pixels(paths: Sequence[str]) -> float:
     sizes = []
     for p in paths:
         try:
-            with Image.open(p) as im:
+            with open_regular(p, "image", IMAGE_FILE) as f, Image.open(f) as im:
                 sizes.append(im.size[0] * im.size[1])
         except Exception:  # a broken file is the loaders' business, not this estimate's
             continue
@@ -231,13 +232,14 @@ def load_rgb(path: str | os.PathLike, min_size: int | None = None) -> Any:
     EXIF orientation is applied. Grayscale and CMYK are converted; 16-bit images are scaled to 8
     bits; transparency (RGBA, LA, palette with a transparent colour) is composited on WHITE, the
     way a viewer shows it, rather than dropped, which would expose whatever colour the transparent
-    pixels happen to store (often black). Raises whatever PIL raises for a broken file.
+    pixels happen to store (often black). Raises whatever PIL raises for a broken file, and
+    UserError for a FIFO, device or file over IMAGE_FILE (`safeio`: opened without blocking).
     """
     from PIL import Image, ImageOps
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # EXIF and palette warnings are noise for training
-        with Image.open(path) as im:
+        with open_regular(path, "image", IMAGE_FILE) as f, Image.open(f) as im:
             if min_size and im.format == "JPEG":
                 im.draft(im.mode, (min_size, min_size))
             im.load()
@@ -307,7 +309,8 @@ def _cv2_bgr(path: str, min_side: int | None) -> np.ndarray | None:
     """OpenCV decode to BGR (EXIF orientation applied) at the largest 1/2, 1/4 or 1/8 reduction that
     keeps min_side; None on failure. The file is read once: the size comes from its own header."""
     cv2 = _cv2()
-    data = np.fromfile(path, np.uint8)
+    with open_regular(path, "image", IMAGE_FILE) as f:
+        data = np.fromfile(f, np.uint8)
     flag = cv2.IMREAD_COLOR
     size = jpeg_size(data) if min_side else None
     if size:
@@ -332,11 +335,15 @@ def _cv2_rgb(path: str, min_side: int | None) -> np.ndarray | None:
 def _tvio_rgb(path: str) -> Any:
     """torchvision.io decode to a (3, H, W) uint8 tensor; None on failure, or for a rotated photo
     when this torchvision cannot apply EXIF orientation (Pillow then decodes it)."""
-    import torchvision.io
+    import torch
 
     from dlenv import compat
 
-    data = torchvision.io.read_file(path)
+    with open_regular(path, "image", IMAGE_FILE) as f:
+        raw = bytearray(f.read())
+    if not raw:
+        return None
+    data = torch.frombuffer(raw, dtype=torch.uint8)
     if not compat.decode_jpeg_applies_exif() and exif_orientation(data.numpy().data) != 1:
         return None
     try:

@@ -35,6 +35,8 @@ from dlenv.data.cache import DecodedCache
 from dlenv.data.decode import exif_orientation, is_jpeg, load_rgb, upright
 from dlenv.data.gpu_aug import GpuAugment
 from dlenv.data.loaders import BadImageError, _reason
+from dlenv.errors import UserError
+from dlenv.safeio import IMAGE_FILE, open_regular
 
 log = logging.getLogger("dlenv.data")
 
@@ -182,9 +184,12 @@ class WorkerSource:
 
 
 def _read(path: str) -> tuple[torch.Tensor, int]:
-    """A file's bytes as a uint8 tensor, and its EXIF orientation (1 for not-JPEGs)."""
-    with open(path, "rb") as f:
+    """A file's bytes as a uint8 tensor, and its EXIF orientation (1 for not-JPEGs). A FIFO or device
+    is refused without blocking (`safeio`), as a UserError the batch reports as a bad image."""
+    with open_regular(path, "image", IMAGE_FILE) as f:
         raw = bytearray(f.read())
+    if not raw:  # torch.frombuffer refuses an empty buffer; the decoders then name the empty file
+        return torch.empty(0, dtype=torch.uint8), 1
     return torch.frombuffer(raw, dtype=torch.uint8), exif_orientation(raw) if is_jpeg(path) else 1
 
 
@@ -220,7 +225,7 @@ class NvjpegSource(_Sampled):
         for f in reads:
             try:
                 raw, orientation = f.result()
-            except OSError as e:
+            except (OSError, UserError) as e:
                 raw, orientation = e, 1
             data.append(raw)
             turns.append(orientation)

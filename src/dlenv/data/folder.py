@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import stat
 import unicodedata
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -48,6 +49,8 @@ class Layout:
     val: list[Sample]
     test: list[Sample] = field(default_factory=list)
     split: str = "folders"
+    #: image-named entries left out because they are not regular files (FIFOs, devices, sockets)
+    special: list[str] = field(default_factory=list)
 
 
 def is_image(name: str) -> bool:
@@ -64,22 +67,49 @@ def _subdirs(d: Path) -> dict[str, Path]:
         return {e.name: Path(e.path) for e in it if e.is_dir() and not _skip_dir(e.name)}
 
 
-def _images_under(d: Path, other: list[str]) -> list[str]:
-    """Image paths under d (recursively, sorted); other files (not junk) are appended to `other`."""
+def _special(entry: os.DirEntry) -> bool:
+    """Whether a directory entry is a FIFO, device or socket, or a link to one. Opening a FIFO blocks
+    until a writer comes and /dev/zero never ends: such a file named x.jpg must never reach a decoder.
+    A plain file costs nothing here (the type comes with the directory listing); a link costs a stat."""
+    try:
+        if entry.is_file():
+            return False
+        return not stat.S_ISREG(entry.stat().st_mode)
+    except OSError:  # a broken link: the decoder reports it as unreadable, with its reason
+        return False
+
+
+def _images_under(d: Path, other: list[str], special: list[str]) -> list[str]:
+    """Image paths under d (recursively, sorted, links to folders not followed, as os.walk does);
+    other files (not junk) are appended to `other`, FIFOs, devices and sockets to `special`."""
     found = []
-    for dirpath, dirnames, filenames in os.walk(d):
-        dirnames[:] = [n for n in dirnames if not _skip_dir(n)]
-        for n in filenames:
-            if is_image(n):
-                found.append(os.path.join(dirpath, n))
-            elif not n.startswith(".") and n.lower() not in _JUNK_FILES:
-                other.append(os.path.join(dirpath, n))
+    stack = [os.fspath(d)]
+    while stack:
+        try:
+            entries = os.scandir(stack.pop())
+        except OSError:  # an unreadable folder is skipped, as os.walk does
+            continue
+        with entries:
+            for e in entries:
+                try:
+                    is_dir = e.is_dir()
+                except OSError:
+                    is_dir = False
+                if is_dir:
+                    if not _skip_dir(e.name) and not e.is_symlink():
+                        stack.append(e.path)
+                elif e.name.startswith(".") or e.name.lower() in _JUNK_FILES:
+                    continue
+                elif _special(e):
+                    special.append(e.path)
+                else:
+                    (found if is_image(e.name) else other).append(e.path)
     return sorted(found)
 
 
-def _class_folders(d: Path, other: list[str]) -> dict[str, list[str]]:
+def _class_folders(d: Path, other: list[str], special: list[str]) -> dict[str, list[str]]:
     """{class name: its image paths} for the subfolders of d that hold images."""
-    found = {name: _images_under(p, other) for name, p in sorted(_subdirs(d).items())}
+    found = {name: _images_under(p, other, special) for name, p in sorted(_subdirs(d).items())}
     loose = [n for n in os.listdir(d) if is_image(n)]
     if loose and not any(found.values()):
         raise UserError(f"{d} holds images directly ({loose[0]}, ...) but no class folders; {_EXPECTED}")
@@ -117,22 +147,23 @@ def _scan(root: str | Path, val_split: float, seed: int) -> tuple[Layout, list[s
     if not 0.0 <= val_split < 1.0:
         raise UserError(f"val_split {val_split} must be in [0, 1)")
     other: list[str] = []
+    special: list[str] = []
     dirs = {name.lower(): p for name, p in _subdirs(root).items()}
     val_dir = next((dirs[n] for n in _VAL_NAMES if n in dirs), None)
 
     if "train" in dirs:
-        train = _class_folders(dirs["train"], other)
+        train = _class_folders(dirs["train"], other, special)
         if not train:
             raise UserError(f"{dirs['train']} has no class folders with images; {_EXPECTED}")
         classes = sorted(train)
         if val_dir is not None:
-            val = _class_folders(val_dir, other)
+            val = _class_folders(val_dir, other, special)
             _same_classes(classes, sorted(val), dirs["train"], val_dir)
             split = "folders"
         else:
             train, val = _split_per_class(train, val_split, seed)
             split = "val_split"
-        test = _class_folders(dirs["test"], other) if "test" in dirs else {}
+        test = _class_folders(dirs["test"], other, special) if "test" in dirs else {}
         unknown = sorted(set(test) - set(classes))
         if unknown:
             raise UserError(f"{dirs['test']} has classes that train/ lacks: {', '.join(unknown)}; "
@@ -140,7 +171,7 @@ def _scan(root: str | Path, val_split: float, seed: int) -> tuple[Layout, list[s
     elif val_dir is not None:
         raise UserError(f"{root} has {val_dir.name}/ but no train/; {_EXPECTED}")
     else:
-        per_class = _class_folders(root, other)
+        per_class = _class_folders(root, other, special)
         if not per_class:
             raise UserError(f"no images found under {root}; {_EXPECTED} "
                             f"(extensions: {' '.join(sorted(IMAGE_EXTS))})")
@@ -149,12 +180,23 @@ def _scan(root: str | Path, val_split: float, seed: int) -> tuple[Layout, list[s
         test, split = {}, "val_split"
 
     if len(classes) < 2:
-        raise UserError(f"{root} has one class ({classes[0]}); a classifier needs two or more. If "
-                        f"{classes[0]}/ is a wrapper folder, point at it instead: {root / classes[0]}")
+        raise UserError(_one_class(root, dirs.get("train", root), classes[0]))
     index = {c: i for i, c in enumerate(classes)}
     layout = Layout(root=root, classes=classes, train=_samples(train, index), val=_samples(val, index),
-                    test=_samples(test, index), split=split)
+                    test=_samples(test, index), split=split, special=sorted(special))
     return layout, sorted(other)
+
+
+def _one_class(root: Path, parent: Path, name: str) -> str:
+    """The line for a dataset of one class: where its class folders may really be, if anywhere."""
+    line = f"{printable(root)} has one class ({printable(name)}); a classifier needs two or more"
+    folder = parent / name
+    inner = sorted(n for n in _subdirs(folder) if _images_under(folder / n, [], []))
+    if len(inner) >= 2:  # a wrapper: its subfolders are the classes (data/x/images/{cat,dog}/...)
+        return (f"{line}. {printable(name)}/ holds the class folders ({', '.join(printable(n) for n in inner[:3])}"
+                f"{', ...' if len(inner) > 3 else ''}): pass --data {printable(folder)}")
+    where = f"{parent.name}/" if parent != root else ""
+    return f"{line}; add a folder of images per class under {printable(root)}/{where} (e.g. {where}cat/, {where}dog/)"
 
 
 def _same_classes(train: list[str], val: list[str], train_dir: Path, val_dir: Path) -> None:
@@ -207,4 +249,14 @@ def find_layout(root: str | Path, val_split: float = 0.2, seed: int = 0) -> Layo
     layout = _scan(root, val_split, seed)[0]
     for line in similar_classes(layout.classes):
         log.warning("%s: %s", printable(layout.root), printable(line))
+    if layout.special:
+        log.warning("%s: %s", printable(layout.root), special_line(layout.special))
     return layout
+
+
+def special_line(special: list[str]) -> str:
+    """One line for the dataset entries left out because they are not regular files."""
+    n = len(special)
+    return (f"left out {n} entr{'y' if n == 1 else 'ies'} that {'is' if n == 1 else 'are'} not a regular file "
+            "(a named pipe, device or socket; reading one would hang or never end), e.g. "
+            f"{printable(special[0])}; only regular files are read")

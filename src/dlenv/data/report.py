@@ -7,6 +7,7 @@ by default; `check_images=True` decodes every image in a pool of processes. No t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -21,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from dlenv.cpus import usable_cpus
-from dlenv.data.folder import _scan, similar_classes
+from dlenv.data.folder import _scan, similar_classes, special_line
 from dlenv.errors import UserError, printable
+from dlenv.safeio import IMAGE_FILE, open_regular
 
 # ---------------------------------------------------------------------------------------------------
 # Cheap per-file checks: size, magic bytes, and a format's end marker (a truncated file lacks it).
@@ -36,15 +38,17 @@ _MAGIC = (
 def _quick_check(path: str) -> tuple[int, str | None]:
     """(size in bytes, None or why the file looks broken), from its first and last bytes only."""
     try:
-        size = os.path.getsize(path)
-        if size == 0:
-            return 0, "zero-byte file"
-        with open(path, "rb") as f:
+        with open_regular(path, "image", IMAGE_FILE) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                return 0, "zero-byte file"
             head = f.read(16)
             f.seek(max(0, size - 32))
             tail = f.read(32)
     except OSError as e:
         return 0, f"cannot read ({e.strerror or e})"
+    except UserError as e:  # a file over IMAGE_FILE (FIFOs and devices never get here: folder.py)
+        return 0, str(e)
     kind = next((k for m, k in _MAGIC if head.startswith(m)), None)
     if kind is None and head[:4] == b"RIFF" and head[8:12] == b"WEBP":
         kind = "webp"
@@ -66,15 +70,18 @@ def decode_problem(path: str) -> str | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with Image.open(path) as im:
+            with open_regular(path, "image", IMAGE_FILE) as f, Image.open(f) as im:
                 im.load()
         return None
     except UnidentifiedImageError:
         return "not an image"
+    except UserError as e:  # not a regular file, or too big to be an image
+        return str(e)
     except Exception as e:  # any decoder failure means the trainer could not use this file
         msg = " ".join(str(e).split()) or type(e).__name__
-        if os.path.getsize(path) == 0:
-            return "zero-byte file"
+        with contextlib.suppress(OSError):
+            if os.path.getsize(path) == 0:
+                return "zero-byte file"
         return f"truncated ({msg})" if "truncat" in msg.lower() else f"cannot decode ({msg})"
 
 
@@ -113,7 +120,7 @@ def _size_summary(paths: list[str], limit: int, seed: int) -> dict[str, Any]:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                with Image.open(p) as im:  # reads the header; pixels are not decoded
+                with open_regular(p, "image", IMAGE_FILE) as f, Image.open(f) as im:  # the header only
                     sizes.append(im.size)
                     modes[im.mode] += 1
         except Exception:  # broken files are reported by the checks; sizes are a summary
@@ -132,7 +139,7 @@ def _size_summary(paths: list[str], limit: int, seed: int) -> dict[str, Any]:
 
 def _hash(path: str, limit: int | None = None) -> str:
     h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
+    with open_regular(path, "image", IMAGE_FILE) as f:
         if limit is not None:
             h.update(f.read(limit))
         else:
@@ -224,6 +231,7 @@ def dataset_report(root: str | Path, val_split: float = 0.2, seed: int = 0, chec
         "unreadable": [{"path": p, "split": split_of[p], "reason": problems[p]} for p in sorted(problems)],
         "duplicates": _cross_duplicates(splits, sizes),
         "other_files": {"count": len(other), "examples": other[:5]},
+        "not_regular": layout.special,
     }
 
 
@@ -284,6 +292,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append("  " + "  =  ".join(same[:LEAK_PATHS_SHOWN]) + more)
     if len(dups) > 10:
         lines.append(f"  ... and {len(dups) - 10} more (--json lists all)")
+    if report.get("not_regular"):
+        lines.append(f"warning   {special_line(report['not_regular'])}")
     other = report["other_files"]
     if other["count"]:
         lines.append(f"ignored   {other['count']} non-image file(s), e.g. {other['examples'][0]}")
