@@ -108,6 +108,10 @@ _FAULTS: dict[int, tuple[str, str]] = {
     errno.ENFILE: ("the system ran out of open files (while opening {path})", "use fewer --workers"),
     errno.EPIPE: ("the output was closed before dlenv finished writing to it (piped into head?)",
                   "let the command write all of its output"),
+    errno.EBUSY: ("{path} is busy: a mount point (docker run -v ...:{path}) or in use, so it cannot be renamed "
+                  "or removed", "write into a folder inside it, or mount its parent folder instead"),
+    errno.EXDEV: ("{path} would move across file systems (a mount point on the way)",
+                  "write into a folder inside the mount, or mount its parent folder instead"),
     errno.ENOMEM: ("out of memory (while working on {path})", "use a smaller --batch-size or fewer --workers"),
 }
 

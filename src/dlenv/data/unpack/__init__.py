@@ -45,13 +45,14 @@ from dlenv.data.unpack.guard import Budget, Writer, _free_bytes, _size
 from dlenv.data.unpack.names import archive_stem, detect_format, guess_name_codec
 from dlenv.data.unpack.swap import (
     _check_dest,
+    _move_into,
     _on_sigterm,
     _parent_lock,
     _swap_into_place,
     clean_leftovers,
     refuse_unsafe_dest,
 )
-from dlenv.errors import UserError
+from dlenv.errors import UserError, printable
 
 __all__ = ["UnpackResult", "archive_stem", "clean_leftovers", "detect_format", "guess_name_codec", "main", "unpack"]
 
@@ -106,13 +107,17 @@ def unpack(archive: str | Path, dest: str | Path | None = None, overwrite: bool 
     made = [p for p in (parent, *parent.parents) if not p.exists()]
     parent.mkdir(parents=True, exist_ok=True)
     result = UnpackResult(dest=dest, format=fmt)
+    # a mount point (docker run -v HOST:/root/workspace/data/x) cannot be renamed or removed (EBUSY):
+    # the extraction then happens inside it, on its own file system, and is moved into it at the end
+    mounted = dest.is_dir() and not dest.is_symlink() and os.path.ismount(dest)
     try:
         with _parent_lock(parent):
-            result.cleaned = clean_leftovers(parent)
+            result.cleaned = clean_leftovers(parent) + (clean_leftovers(dest) if mounted else [])
             for line in result.cleaned:
-                print(line)
-            _check_dest(dest, overwrite, src)
-            _extract_and_swap(src, fmt, dest, parent, result, name_encoding, max_ratio, progress, tqdm)
+                print(printable(line))
+            _check_dest(dest, overwrite, src, mounted)
+            _extract_and_swap(src, fmt, dest, dest if mounted else parent, result, name_encoding, max_ratio,
+                              progress, tqdm, mounted)
     except BaseException:
         for p in made:  # parents created for a destination that never came to be
             with contextlib.suppress(OSError):
@@ -122,7 +127,9 @@ def unpack(archive: str | Path, dest: str | Path | None = None, overwrite: bool 
 
 
 def _extract_and_swap(src: Path, fmt: str, dest: Path, parent: Path, result: UnpackResult, name_encoding: str,
-                      max_ratio: float, progress: bool, tqdm: Any) -> None:
+                      max_ratio: float, progress: bool, tqdm: Any, mounted: bool = False) -> None:
+    """Extract into a temporary folder in `parent` (the destination's parent, or the destination itself
+    when it is a mount point), then swap (or, into a mount point, move) it into place."""
     tmp = parent / f".{dest.name}.unpack-{os.getpid()}-tmp"
     where = str(src)
     in_main = threading.current_thread() is threading.main_thread()
@@ -133,7 +140,8 @@ def _extract_and_swap(src: Path, fmt: str, dest: Path, parent: Path, result: Unp
     try:
         size = src.stat().st_size
         with open(src, "rb") as raw, tqdm(total=None if fmt == "zip" or fmt == "7z" else size, unit="B",
-                                           unit_scale=True, unit_divisor=1024, desc=src.name, mininterval=0.5,
+                                           unit_scale=True, unit_divisor=1024, desc=printable(src.name),
+                                           mininterval=0.5,
                                            delay=1.0, leave=False,
                                            disable=None if progress else True) as bar:  # None: not in logs
             budget = Budget(where, size, _free_bytes(parent), max_ratio, parent, bar,
@@ -171,7 +179,10 @@ def _extract_and_swap(src: Path, fmt: str, dest: Path, parent: Path, result: Unp
         if len(top) == 1 and top[0] in w.dirs and not reaches_root:
             new = tmp / top[0]
             result.flattened = top[0]
-        _swap_into_place(new, tmp, dest)
+        if mounted:
+            _move_into(new, tmp, dest)
+        else:
+            _swap_into_place(new, tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -196,9 +207,11 @@ def main(cfg: Any) -> int:
         raise UserError("unpack needs an archive: dlenv unpack ARCHIVE [--dest DIR]")
     r = unpack(cfg.archive, cfg.dest, overwrite=cfg.overwrite, name_encoding=cfg.name_encoding,
                max_ratio=cfg.max_ratio)
-    print(f"unpacked {r.files} files ({_size(r.bytes)}) from {cfg.archive} into {r.dest}/")
+    # every name below came from the archive or its file name: escaped, so ESC or CR cannot act
+    dest, archive = printable(r.dest), printable(cfg.archive)
+    print(f"unpacked {r.files} files ({_size(r.bytes)}) from {archive} into {dest}/")
     if r.flattened:
-        print(f"  its single top-level folder {r.flattened}/ was flattened into {r.dest}/")
+        print(f"  its single top-level folder {printable(r.flattened)}/ was flattened into {dest}/")
     if r.junk:
         print(f"  dropped {r.junk} macOS/Windows junk entries (__MACOSX, ._*, .DS_Store, Thumbs.db, desktop.ini)")
     if r.name_encoding and r.name_encoding != "utf-8":
@@ -215,7 +228,7 @@ def _print_report(root: Path) -> None:
     try:
         report = dataset_report(root)
     except UserError as e:
-        print(f"not a dataset layout dlenv can train on yet: {e}")
+        print(f"not a dataset layout dlenv can train on yet: {printable(e)}")
         return
     print()
     print(format_report(report))

@@ -31,6 +31,10 @@ def unpack_zip(raw: BinaryIO, w: Writer, encoding: str) -> str | None:
         zf = zipfile.ZipFile(raw)
     except zipfile.BadZipFile as e:
         raise UserError(f"{w.where} is a damaged or truncated zip ({e}); download it again") from None
+    except UnicodeDecodeError as e:  # zipfile decodes a name flagged UTF-8 strictly, while listing
+        raise UserError(f"{w.where}: a member name is marked as UTF-8 but holds bytes that are not UTF-8 "
+                        f"({e.object[max(0, e.start - 20):e.end + 20]!r}); the zip was written by a broken "
+                        "tool or damaged: re-pack it (7-Zip, zip) or download it again") from None
     with zf:
         infos = zf.infolist()
         names, used = _zip_names(infos, encoding, w.where)

@@ -185,6 +185,9 @@ class Writer:
             shutil.copyfile(self._path(target), path)
 
     def symlink(self, name: str, target: str) -> None:
+        if "\x00" in target:  # no file system stores one; os.symlink would raise ValueError
+            raise UserError(f"{self.where}: link {name!r} points to a name holding a NUL byte ({target[:60]!r}); "
+                            "the archive is damaged or hostile, refusing to unpack")
         self._guard(name)
         if name in self.files or name in self.dirs:
             raise UserError(f"{self.where}: link {name!r} has the name of another member; refusing to unpack")

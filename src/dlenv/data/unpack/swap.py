@@ -77,16 +77,20 @@ def refuse_unsafe_dest(dest: Path, data_root: Path) -> None:
         raise UserError(f"destination {dest} is {what}, which --overwrite would replace; {hint}")
 
 
-def _check_dest(dest: Path, overwrite: bool, archive: Path) -> None:
+def _check_dest(dest: Path, overwrite: bool, archive: Path, mounted: bool = False) -> None:
     if dest.is_symlink():
         raise UserError(f"destination {dest} is a symbolic link; pass the folder it points to as --dest")
     if dest.exists():
         if not dest.is_dir():
             raise UserError(f"destination {dest} exists and is not a folder; choose another --dest")
-        if any(dest.iterdir()):
+        if any(not _LEFTOVER.match(p.name) for p in dest.iterdir()):
             if not overwrite:
                 raise UserError(f"destination {dest} already exists and is not empty; pass --overwrite to "
                                 "replace it (only after the new extraction succeeded) or choose another --dest")
+            if mounted:  # its old content cannot be swapped out in one rename, so it is not touched
+                raise UserError(f"destination {dest} is a mount point (docker run -v ...:{dest}) that holds files; "
+                                "--overwrite cannot swap a mount point out whole. Empty it first, or pass "
+                                f"--dest {dest}/NAME")
             if archive.resolve().is_relative_to(dest.resolve()):
                 raise UserError(f"the archive {archive} lies inside {dest}, which --overwrite would delete; "
                                 "move the archive out first")
@@ -121,6 +125,37 @@ def _swap_into_place(new: Path, tmp: Path, dest: Path) -> None:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
     if moved:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _move_into(new: Path, tmp: Path, dest: Path) -> None:
+    """Move what `new` holds into `dest`, an empty mount point (it cannot be renamed itself: EBUSY);
+    `tmp` is inside it, on its file system, so each move is a rename. Ctrl-C and SIGTERM wait for the
+    renames, as in `_swap_into_place`."""
+    in_main = threading.current_thread() is threading.main_thread()
+    blocked = {signal.SIGINT, signal.SIGTERM}
+    if in_main:
+        signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:
+        names = sorted(os.listdir(new))
+        clash = [n for n in names if os.path.lexists(dest / n)]
+        if clash:  # the archive's own top-level name is the temporary folder's: never merge
+            raise UserError(f"destination {dest} already holds {clash[0]!r}; choose another --dest")
+        moved = []
+        try:
+            for n in names:
+                os.rename(new / n, dest / n)
+                moved.append(n)
+        except BaseException:
+            for n in moved:  # put back what was moved: the mount point stays as it was
+                with contextlib.suppress(OSError):
+                    os.rename(dest / n, new / n)
+            raise
+        if new != tmp:
+            new.rmdir()
+        tmp.rmdir()
+    finally:
+        if in_main:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
