@@ -28,7 +28,7 @@ import torch
 
 from dlenv.atomic import check_output, write_bytes
 from dlenv.devices import resolve_device
-from dlenv.errors import UserError
+from dlenv.errors import EXIT_NONFINITE, UserError
 
 #: the report files `main` writes, in the order it writes them
 REPORT_FILES = ("metrics.json", "per_class.csv", "confusion_matrix.csv", "confusion_matrix.png", "errors.csv")
@@ -156,6 +156,32 @@ def compute_metrics(logits: torch.Tensor, targets: torch.Tensor, class_names: li
         "weighted_avg": _avg(*weighted[:3], n),
         "confusion_matrix": confusion_matrix(y, preds, labels=labels).tolist(),
     }
+
+
+def refuse_non_finite(logits: torch.Tensor, model: torch.nn.Module, mode: str, weights: Any) -> None:
+    """Raise UserError (exit EXIT_NONFINITE) when any output is NaN or inf.
+
+    torch.argmax over a row of NaNs returns 0, so weights that are all NaN "predict" the first class
+    for every image and score its share of the data (33% on three balanced classes): a number that
+    looks like a result. The line names the non-finite weight tensors, when there are any, or else
+    the precision (fp16 overflows to inf where fp32 does not).
+    """
+    finite = torch.isfinite(logits).all(dim=1) if logits.numel() else torch.ones(0, dtype=torch.bool)
+    if bool(finite.all()):
+        return
+    n_bad, n = int((~finite).sum()), len(finite)
+    broken = [name for name, t in model.state_dict().items()
+              if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    what = f"{n_bad} of {n} images" if n_bad < n else f"every one of the {n} images"
+    if broken:
+        cause = (f"{len(broken)} of its weight tensors hold NaN or inf (e.g. {broken[0]}): the run that saved it "
+                 "diverged or the file is damaged; validate an earlier checkpoint (last.pth, best_model.pth)")
+    elif mode != "fp32":
+        cause = f"its weights are finite, so {mode} overflowed; validate with --precision fp32"
+    else:
+        cause = "its weights are finite but the model's outputs are not; check the model (--model) and its inputs"
+    raise UserError(f"{weights} gives NaN or inf outputs for {what}, so no accuracy can be reported; {cause}",
+                    exit_code=EXIT_NONFINITE)
 
 
 def error_rows(logits: torch.Tensor, targets: torch.Tensor, paths: list[str],
@@ -403,6 +429,7 @@ def main(cfg: Any) -> int:
     if len(targets) == 0:
         raise UserError(f"none of the images in {root} could be read; check them with "
                         f"invoke data-report {root} --check-images")
+    refuse_non_finite(logits, model, mode, weights)  # before any report: argmax of NaN is class 0
     metrics = compute_metrics(logits, targets, class_names)
     metrics.update({"weights": str(weights), "data": str(root), "img_size": int(size),
                     "device": str(device), "amp": mode != "fp32", "precision": mode})
