@@ -1,5 +1,6 @@
-# syntax=docker/dockerfile:1.7
-# (1.7: ADD --checksum with build-arg expansion, COPY --chmod, RUN --mount; BuildKit is Docker's default.)
+# No `# syntax=` line: the Dockerfile frontend built into the engine parses this file, so it builds offline
+# and with Docker 20.10's BuildKit (DOCKER_BUILDKIT=1 on 20.10-22.x; the default from 23.0) as with current
+# Docker, and no frontend image is pulled. Hence RUN + sha256sum instead of ADD --checksum (1.6+ syntax).
 #
 # dlenv: a GPU training image with the conda env `dl` and the dlenv toolkit. One file, two profiles
 # (docs/docker.md has both commands and the GPU generations each one serves):
@@ -25,26 +26,27 @@
 # builds carry cuDNN), so the build check below still proves torch.version.cuda == "11.6"; the host
 # driver comes in through the NVIDIA Container Toolkit either way. Pin it by digest as above.
 ARG BASE_IMAGE=nvidia/cuda:11.6.2-cudnn8-runtime-ubuntu20.04@sha256:ea2af6ed2bc770f83ed30235f7369b8c83a49b58cdb0bfd55f1227d89edfad8f
+# Where /opt/conda comes from: the builder stage below (conda), or an image that holds it (see "env").
+ARG ENV_IMAGE=builder
 
 # ---------------------------------------------------------------------------------------------------
 # Miniforge, one installer per architecture: conda with conda-forge as its only channel, so no Anaconda
 # defaults channel (whose terms of service need an acceptance an unattended build cannot give). Version
 # and checksums change together: take them from https://github.com/conda-forge/miniforge/releases (the
-# .sha256 file beside each .sh). BuildKit builds only the stage TARGETARCH selects.
+# .sha256 file beside each .sh). BuildKit builds only the stage TARGETARCH selects; the builder checks the
+# download against its architecture's checksum (`sha256sum -c`) before it runs a byte of it.
 ARG MINIFORGE_VERSION=24.11.3-0
+ARG MINIFORGE_SHA256_AMD64=2e1ad2188fe69fcdd522c2b20c08c800a5c7411b775eca768318b1540ed32e53
+ARG MINIFORGE_SHA256_ARM64=d3f2b771857009ec804faeeef191352186194cb5737a831e55c6347a5f47cb8f
 
 FROM scratch AS miniforge-amd64
 ARG MINIFORGE_VERSION
-ARG MINIFORGE_SHA256_AMD64=2e1ad2188fe69fcdd522c2b20c08c800a5c7411b775eca768318b1540ed32e53
-ADD --checksum=sha256:${MINIFORGE_SHA256_AMD64} \
-    https://github.com/conda-forge/miniforge/releases/download/${MINIFORGE_VERSION}/Miniforge3-${MINIFORGE_VERSION}-Linux-x86_64.sh \
+ADD https://github.com/conda-forge/miniforge/releases/download/${MINIFORGE_VERSION}/Miniforge3-${MINIFORGE_VERSION}-Linux-x86_64.sh \
     /miniforge.sh
 
 FROM scratch AS miniforge-arm64
 ARG MINIFORGE_VERSION
-ARG MINIFORGE_SHA256_ARM64=d3f2b771857009ec804faeeef191352186194cb5737a831e55c6347a5f47cb8f
-ADD --checksum=sha256:${MINIFORGE_SHA256_ARM64} \
-    https://github.com/conda-forge/miniforge/releases/download/${MINIFORGE_VERSION}/Miniforge3-${MINIFORGE_VERSION}-Linux-aarch64.sh \
+ADD https://github.com/conda-forge/miniforge/releases/download/${MINIFORGE_VERSION}/Miniforge3-${MINIFORGE_VERSION}-Linux-aarch64.sh \
     /miniforge.sh
 
 # TARGETARCH is set by BuildKit (amd64, arm64) and usable in FROM; the "image" is one of the two stages
@@ -62,8 +64,14 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # Strict channel priority: a package the pytorch or nvidia channel has is never taken from conda-forge
 # (conda-forge has its own, incompatible pytorch and CUDA builds). tini, the image's PID 1, lives in the
 # base env so the `dl` env holds only what training needs. Clean in the same RUN, or the layer keeps it.
+ARG TARGETARCH
+ARG MINIFORGE_SHA256_AMD64
+ARG MINIFORGE_SHA256_ARM64
 RUN --mount=type=bind,from=miniforge,source=/miniforge.sh,target=/tmp/miniforge.sh \
-    bash /tmp/miniforge.sh -b -p /opt/conda \
+    case "${TARGETARCH}" in arm64) sum="${MINIFORGE_SHA256_ARM64}" ;; *) sum="${MINIFORGE_SHA256_AMD64}" ;; esac \
+    && { echo "${sum}  /tmp/miniforge.sh" | sha256sum --check --status - \
+         || { echo "the Miniforge installer does not match its sha256 ${sum}: a changed or broken download" >&2; exit 1; }; } \
+    && bash /tmp/miniforge.sh -b -p /opt/conda \
     && /opt/conda/bin/conda config --system --set channel_priority strict \
     && /opt/conda/bin/conda install --yes --name base tini=0.19.0 \
     && /opt/conda/bin/conda clean -afy
@@ -73,7 +81,6 @@ RUN --mount=type=bind,from=miniforge,source=/miniforge.sh,target=/tmp/miniforge.
 # conda-meta/pinned gets every conda pin of the env file (scripts/lock_env.py), so a `conda install`
 # inside the image cannot swap Python, PyTorch, NumPy or MKL.
 ARG ENV_FILE=environment.yml
-ARG TARGETARCH
 COPY ${ENV_FILE} requirements.txt /tmp/env/
 RUN --mount=type=bind,source=scripts/lock_env.py,target=/tmp/lock_env.py \
     if [ "${TARGETARCH}" = arm64 ] && [ "${ENV_FILE}" = environment.yml ]; then \
@@ -87,6 +94,13 @@ RUN --mount=type=bind,source=scripts/lock_env.py,target=/tmp/lock_env.py \
     && rm -rf /tmp/env
 
 # ---------------------------------------------------------------------------------------------------
+# env: where /opt/conda comes from. The builder above, unless ENV_IMAGE names an image that holds a ready
+# /opt/conda (CI's image lane, where conda's channels are out of reach, passes its pip-built env: see
+# docker/ci/make-bases.sh and docs/docker.md, "The CI image lane"); BuildKit then skips the builder.
+# hadolint ignore=DL3006
+FROM ${ENV_IMAGE} AS env
+
+# ---------------------------------------------------------------------------------------------------
 # runtime: the CUDA base plus /opt/conda, the toolkit and its tests.
 FROM ${BASE_IMAGE} AS runtime
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
@@ -94,13 +108,17 @@ ARG BASE_IMAGE
 ARG ENV_FILE=environment.yml
 # The CUDA version torch must be built for: 11.6 for environment.yml, 12.8 for environment.modern.yml.
 ARG TORCH_CUDA=11.6
+# How the `dl` env was made: conda (the builder) or pip (an ENV_IMAGE without conda). The lock and the
+# shell setup follow it, and the image says it (label, DLENV_ENV_KIND) so its tests know what to expect.
+ARG ENV_KIND=conda
 
 LABEL org.opencontainers.image.title="dlenv" \
       org.opencontainers.image.description="GPU training environment for image classifiers: conda env dl with PyTorch and the dlenv toolkit" \
       org.opencontainers.image.licenses="MIT" \
       org.opencontainers.image.base.name="${BASE_IMAGE}" \
       dlenv.env-file="${ENV_FILE}" \
-      dlenv.torch-cuda="${TORCH_CUDA}"
+      dlenv.torch-cuda="${TORCH_CUDA}" \
+      dlenv.env-kind="${ENV_KIND}"
 
 # The `dl` env's bin first: `docker run IMAGE dlenv ...` uses it without `conda activate`; conda itself
 # and tini come after it. NVIDIA_*: which GPUs and driver parts the NVIDIA runtime mounts (compute for
@@ -111,28 +129,36 @@ ENV PATH=/opt/conda/envs/dl/bin:/opt/conda/bin:${PATH} \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     DLENV_IMAGE=1 \
     DLENV_ENV_FILE=/opt/dlenv/${ENV_FILE} \
+    DLENV_ENV_KIND=${ENV_KIND} \
+    DLENV_TORCH_CUDA=${TORCH_CUDA} \
     PYTHONUNBUFFERED=1 \
     MPLBACKEND=Agg
 
-COPY --from=builder /opt/conda /opt/conda
+COPY --from=env /opt/conda /opt/conda
 
 # Fail the build, not the first training run (scripts/check_build.py): a CPU build of torch or one for
 # another CUDA, NumPy or OpenCV that don't load with it, torchvision's or torchaudio's native libraries
-# missing. Then record the lock in /opt/dlenv/lock: conda's explicit list (URLs and MD5s), the packages
-# pip installed, and the constraints that keep `pip install` from replacing the PyTorch stack
-# (docs/docker.md, "The lock", rebuilds from them).
+# missing. Then record the lock in /opt/dlenv/lock: conda's explicit list (URLs and MD5s; a conda env
+# without conda fails here, a pip-built env has none), the packages pip installed, and the constraints
+# that keep `pip install` from replacing the PyTorch stack (docs/docker.md, "The lock", rebuilds from them).
 RUN --mount=type=bind,source=scripts,target=/tmp/scripts \
     python /tmp/scripts/check_build.py --cuda "${TORCH_CUDA}" --env-file "${DLENV_ENV_FILE}" \
     && mkdir -p /opt/dlenv/lock \
-    && conda list --name dl --explicit --md5 > /opt/dlenv/lock/conda-explicit.txt \
+    && python /tmp/scripts/lock_env.py conda "${ENV_KIND}" /opt/dlenv/lock/conda-explicit.txt \
     && python /tmp/scripts/lock_env.py pip > /opt/dlenv/lock/pip.txt \
     && python /tmp/scripts/lock_env.py constraints > /opt/dlenv/lock/constraints.txt
 ENV PIP_CONSTRAINT=/opt/dlenv/lock/constraints.txt
 
-# `conda activate dl` in every interactive bash (any user: /etc/bash.bashrc, not only /root/.bashrc).
-# /root readable by all: with `docker run --user UID:GID` the user must still reach /root/workspace.
-RUN printf '\n# dlenv: the dl env in interactive shells\n. /opt/conda/etc/profile.d/conda.sh && conda activate dl\n' \
-        >> /etc/bash.bashrc \
+# `conda activate dl` in every interactive bash (any user: /etc/bash.bashrc, not only /root/.bashrc); a
+# pip-built env has no conda, and its bin goes first on PATH instead. /root readable by all: with
+# `docker run --user UID:GID` the user must still reach /root/workspace. ($PATH is for bash to expand later.)
+# hadolint ignore=SC2016
+RUN if [ "${ENV_KIND}" = conda ]; then \
+        line='. /opt/conda/etc/profile.d/conda.sh && conda activate dl'; \
+    else \
+        line='export PATH=/opt/conda/envs/dl/bin:$PATH'; \
+    fi \
+    && printf '\n# dlenv: the dl env in interactive shells\n%s\n' "${line}" >> /etc/bash.bashrc \
     && chmod 755 /root
 
 COPY --chmod=755 scripts/entrypoint.sh /usr/local/bin/dlenv-entrypoint
@@ -145,9 +171,10 @@ COPY --chmod=644 docker/etc/invoke.yaml /etc/invoke.yaml
 COPY workspace/ /root/workspace/
 COPY . /opt/dlenv/
 WORKDIR /root/workspace
-# Editable, so `invoke test` finds /opt/dlenv/tests beside the package; --no-deps: the env has them all.
+# Editable, so `invoke test` finds /opt/dlenv/tests beside the package; --no-deps: the env has them all;
+# --no-build-isolation: built with the env's own setuptools, so this step needs no network.
 # Then prove the tasks are found from the workspace (grep without -q reads all, so invoke gets no SIGPIPE).
-RUN pip install --no-cache-dir --no-deps -e /opt/dlenv \
+RUN pip install --no-cache-dir --no-deps --no-build-isolation -e /opt/dlenv \
     && dlenv --version \
     && invoke --list | grep verify-env
 

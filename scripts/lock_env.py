@@ -11,13 +11,18 @@ what it writes):
                                   --no-deps -r` of it reinstalls exactly these
     lock_env.py constraints       torch, torchvision, torchaudio == the installed versions, for
                                   PIP_CONSTRAINT: a `pip install` cannot replace the stack either
-
-(`conda list --explicit --md5`, the conda half of the lock, is conda's own.)
+    lock_env.py conda KIND FILE   the conda half of the lock, conda's own `conda list --name dl
+                                  --explicit --md5`, into FILE. KIND is the Dockerfile's ENV_KIND: for
+                                  `conda` a missing conda fails the build with one line; for `pip` (an
+                                  env built without conda, CI's image lane) there is no conda half and
+                                  no FILE, and it says so
 """
 
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 import sys
 from importlib import metadata
 
@@ -79,7 +84,29 @@ def constraint_lines() -> list[str]:
     return out
 
 
+def conda_lock(kind: str, path: str) -> int:
+    """Write conda's explicit list of the `dl` env to `path` (kind 'conda'); 0, or 1 with one line why."""
+    if kind == "pip":
+        print("lock: the dl env was built by pip (ENV_KIND=pip): no conda packages to lock; pip.txt is the lock")
+        return 0
+    conda = shutil.which("conda")
+    if conda is None:
+        print("lock: ENV_KIND=conda but this image has no conda on PATH; an env built without conda "
+              "takes --build-arg ENV_KIND=pip", file=sys.stderr)
+        return 1
+    r = subprocess.run([conda, "list", "--name", "dl", "--explicit", "--md5"], capture_output=True, text=True)
+    if r.returncode != 0 or "@EXPLICIT" not in r.stdout:
+        last = (r.stderr.strip().splitlines() or ["no @EXPLICIT list"])[-1]
+        print(f"lock: conda list --name dl --explicit --md5 failed: {last}", file=sys.stderr)
+        return 1
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(r.stdout)
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["conda"] and len(argv) == 3 and argv[1] in ("conda", "pip"):
+        return conda_lock(argv[1], argv[2])
     if argv[:1] == ["pinned"] and len(argv) == 2:
         import yaml
 
@@ -90,7 +117,7 @@ def main(argv: list[str]) -> int:
     elif argv == ["constraints"]:
         lines = constraint_lines()
     else:
-        print("usage: lock_env.py pinned ENV_FILE | pip | constraints", file=sys.stderr)
+        print("usage: lock_env.py pinned ENV_FILE | pip | constraints | conda conda|pip FILE", file=sys.stderr)
         return 2
     print("\n".join(lines))
     return 0

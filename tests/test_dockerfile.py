@@ -18,7 +18,7 @@ import sys
 
 import pytest
 import yaml
-from dockerfile import DIRECTIVES, DOCKERFILE, ROOT, STAGES, entrypoint
+from dockerfile import DIRECTIVES, DOCKERFILE, INSTRUCTIONS, ROOT, STAGES, entrypoint
 
 DIGEST = re.compile(r"^[\w./-]+:[\w.-]+@sha256:[0-9a-f]{64}$")
 DOCS = ROOT / "docs" / "docker.md"
@@ -41,10 +41,14 @@ def arg_default(stage: list, name: str) -> str:
     return args[0].split("=", 1)[1]
 
 
-def test_syntax_directive_allows_add_checksum_and_run_mounts():
-    (directive,) = [d for d in DIRECTIVES if d.startswith("syntax=")]
-    version = re.search(r"dockerfile:(\d+)\.(\d+)", directive)
-    assert version and (int(version.group(1)), int(version.group(2))) >= (1, 6)
+def test_no_syntax_directive_so_the_engines_own_frontend_builds_it_offline():
+    # `# syntax=` pulls a frontend image (no registry, no build); the frontend built into Docker 20.10
+    # rejects ADD --checksum, COPY --link and heredocs, so none of them may appear either
+    assert not [d for d in DIRECTIVES if d.lower().startswith("syntax=")], DIRECTIVES
+    for instr, args in INSTRUCTIONS:
+        assert not (instr == "ADD" and "--checksum" in args), args
+        assert not (instr == "COPY" and "--link" in args), args
+        assert "<<" not in args, f"a heredoc in {instr}: Docker 20.10's frontend does not parse it"
 
 
 def test_base_image_is_pinned_by_tag_and_digest_with_a_refresh_recipe():
@@ -68,37 +72,62 @@ def test_plain_ubuntu_fallback_for_when_the_cuda_tag_is_gone_is_documented(path)
 
 def test_stages_installer_per_architecture_then_builder_and_runtime_on_the_same_base():
     names = [n for n in STAGES if n]
-    assert names == ["miniforge-amd64", "miniforge-arm64", "miniforge", "builder", "runtime"]
+    assert names == ["miniforge-amd64", "miniforge-arm64", "miniforge", "builder", "env", "runtime"]
     assert STAGES["miniforge"][0][1] == "miniforge-${TARGETARCH}"
     assert all(STAGES[n][0][1] == "${BASE_IMAGE}" for n in ("builder", "runtime"))
+    # /opt/conda comes from the builder unless ENV_IMAGE names a ready env (CI's image lane)
+    assert STAGES["env"] == [("FROM", "${ENV_IMAGE}")] and arg_default(STAGES[""], "ENV_IMAGE") == "builder"
     runtime = STAGES["runtime"]
-    i_copy = index(runtime, "COPY", r"--from=builder\s+/opt/conda\s+/opt/conda")
+    i_copy = index(runtime, "COPY", r"--from=env\s+/opt/conda\s+/opt/conda")
     assert all(not (i == "COPY" and "--from" in a) for i, a in runtime[i_copy + 1:])
 
 
 @pytest.mark.parametrize("arch, uname", [("amd64", "x86_64"), ("arm64", "aarch64")])
-def test_each_architecture_gets_its_own_checksummed_miniforge(arch, uname):
+def test_each_architecture_gets_its_own_installer_and_checksum(arch, uname):
     stage = STAGES[f"miniforge-{arch}"]
     assert stage[0][1] == "scratch"
-    add = stage[index(stage, "ADD", r"--checksum=sha256:")][1]
-    var = f"MINIFORGE_SHA256_{arch.upper()}"
-    assert f"--checksum=sha256:${{{var}}}" in add
-    assert re.fullmatch(r"[0-9a-f]{64}", arg_default(stage, var))
+    add = stage[index(stage, "ADD", r"github\.com/conda-forge/miniforge")][1]
     assert f"Linux-{uname}.sh" in add and "${MINIFORGE_VERSION}" in add
     assert arg_default(STAGES[""], "MINIFORGE_VERSION")
+    var = f"MINIFORGE_SHA256_{arch.upper()}"
+    assert re.fullmatch(r"[0-9a-f]{64}", arg_default(STAGES[""], var))
+    assert ("ARG", var) in STAGES["builder"]
 
 
 def test_the_two_installers_have_different_checksums():
-    sums = {arg_default(STAGES[f"miniforge-{a}"], f"MINIFORGE_SHA256_{a.upper()}") for a in ("amd64", "arm64")}
+    sums = {arg_default(STAGES[""], f"MINIFORGE_SHA256_{a.upper()}") for a in ("amd64", "arm64")}
     assert len(sums) == 2
 
 
-def test_miniforge_is_mounted_not_copied_and_cleaned_in_the_same_run():
+def test_miniforge_is_checked_mounted_not_copied_and_cleaned_in_the_same_run():
     builder = STAGES["builder"]
     run = builder[index(builder, "RUN", r"miniforge\.sh -b -p /opt/conda")][1]
     assert "--mount=type=bind,from=miniforge," in run, "the installer must not become a layer"
     assert "conda clean -afy" in run and "channel_priority strict" in run
     assert "tini=" in run  # the ENTRYPOINT's binary comes from here
+    # the checksum is checked before the installer runs, with the one of the architecture being built
+    assert run.index("sha256sum --check") < run.index("bash /tmp/miniforge.sh")
+    assert 'arm64) sum="${MINIFORGE_SHA256_ARM64}"' in run and '*) sum="${MINIFORGE_SHA256_AMD64}"' in run
+    assert ("ARG", "TARGETARCH") in builder[:index(builder, "RUN", r"miniforge\.sh -b -p")]
+
+
+def test_the_checksum_check_fails_a_wrong_download(tmp_path):
+    # the RUN's own check, run by bash on a file that is not the installer
+    builder = STAGES["builder"]
+    run = builder[index(builder, "RUN", r"miniforge\.sh -b -p /opt/conda")][1]
+    check = run[run.index("case "):run.index("&& bash /tmp/miniforge.sh")].replace("/tmp/miniforge.sh",
+                                                                                     str(tmp_path / "m.sh"))
+    (tmp_path / "m.sh").write_text("echo not miniforge\n")
+    env = {**os.environ, "TARGETARCH": "amd64",
+           "MINIFORGE_SHA256_AMD64": arg_default(STAGES[""], "MINIFORGE_SHA256_AMD64"),
+           "MINIFORGE_SHA256_ARM64": arg_default(STAGES[""], "MINIFORGE_SHA256_ARM64")}
+    r = subprocess.run(["bash", "-o", "pipefail", "-c", check], capture_output=True, text=True, env=env)
+    assert r.returncode == 1 and "does not match its sha256 2e1ad218" in r.stderr, r.stderr
+    import hashlib
+
+    env["MINIFORGE_SHA256_AMD64"] = hashlib.sha256((tmp_path / "m.sh").read_bytes()).hexdigest()
+    r = subprocess.run(["bash", "-o", "pipefail", "-c", check], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
 
 
 def test_env_is_created_from_the_env_file_alone_pinned_and_cleaned_in_the_same_run():
@@ -134,10 +163,12 @@ def test_the_lock_is_recorded_after_the_check_and_constrains_pip():
     runtime = STAGES["runtime"]
     i_run = index(runtime, "RUN", r"check_build\.py")
     run = runtime[i_run][1]
-    assert run.index("check_build.py") < run.index("conda list")
-    assert "conda list --name dl --explicit --md5 > /opt/dlenv/lock/conda-explicit.txt" in run
+    assert run.index("check_build.py") < run.index("lock_env.py conda")
     assert "lock_env.py pip > /opt/dlenv/lock/pip.txt" in run
     assert "lock_env.py constraints > /opt/dlenv/lock/constraints.txt" in run
+    # conda's half follows how the env was made (ENV_KIND): never skipped for a conda env
+    assert 'lock_env.py conda "${ENV_KIND}" /opt/dlenv/lock/conda-explicit.txt' in run
+    assert arg_default(runtime, "ENV_KIND") == "conda"
     i_env = index(runtime, "ENV", r"PIP_CONSTRAINT=/opt/dlenv/lock/constraints\.txt")
     assert i_env > i_run, "PIP_CONSTRAINT before the file exists would break the build's own pip"
 
@@ -164,13 +195,29 @@ def test_runtime_env_activates_dl_and_sets_the_nvidia_variables():
     assert set(values["NVIDIA_DRIVER_CAPABILITIES"].split(",")) >= {"compute", "utility"}
     assert values["DLENV_IMAGE"] == "1"  # tests/conftest.py's `image` marker
     assert values["DLENV_ENV_FILE"] == "/opt/dlenv/${ENV_FILE}"
+    # what the image's own tests read to know how it was built (tests/test_image_env.py)
+    assert values["DLENV_ENV_KIND"] == "${ENV_KIND}" and values["DLENV_TORCH_CUDA"] == "${TORCH_CUDA}"
     bashrc = runtime[index(runtime, "RUN", r"bash\.bashrc")][1]
     assert "conda activate dl" in bashrc and "chmod 755 /root" in bashrc
+    assert '[ "${ENV_KIND}" = conda ]' in bashrc
+
+
+@pytest.mark.parametrize("kind", ["conda", "pip"])
+def test_the_bashrc_line_for_each_env_kind(tmp_path, kind):
+    runtime = STAGES["runtime"]
+    run = runtime[index(runtime, "RUN", r"bash\.bashrc")][1].replace("/etc/bash.bashrc", str(tmp_path / "rc"))
+    run = run[:run.index("&& chmod 755 /root")]
+    r = subprocess.run(["bash", "-c", run], capture_output=True, text=True, env={**os.environ, "ENV_KIND": kind})
+    assert r.returncode == 0, r.stderr
+    last = (tmp_path / "rc").read_text().splitlines()[-1]
+    want = {"conda": ". /opt/conda/etc/profile.d/conda.sh && conda activate dl",
+            "pip": "export PATH=/opt/conda/envs/dl/bin:$PATH"}[kind]
+    assert last == want
 
 
 def test_code_is_copied_after_the_env_and_the_tasks_come_from_a_system_invoke_config():
     runtime = STAGES["runtime"]
-    i_env = index(runtime, "COPY", r"--from=builder")
+    i_env = index(runtime, "COPY", r"--from=env")
     i_check = index(runtime, "RUN", r"check_build\.py")
     i_conf = index(runtime, "COPY", r"docker/etc/invoke\.yaml\s+/etc/invoke\.yaml$")
     i_pkg = index(runtime, "COPY", r"^\.\s+/opt/dlenv/?$")
@@ -182,6 +229,7 @@ def test_code_is_copied_after_the_env_and_the_tasks_come_from_a_system_invoke_co
     assert not any(i == "COPY" and "/root/tasks.py" in a for i, a in runtime), "a second tasks file would drift"
     install = runtime[index(runtime, "RUN", r"pip install")][1]
     assert "-e /opt/dlenv" in install and "--no-deps" in install and "--no-cache-dir" in install
+    assert "--no-build-isolation" in install  # isolation would fetch setuptools: no network at this step
     assert index(runtime, "RUN", r"pip install") > i_pkg
     assert "invoke --list" in install
 
