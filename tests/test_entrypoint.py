@@ -173,7 +173,13 @@ def user_run(entry_cmd: list[str], tmp_path: Path, dataset: Path) -> None:
         pwd.getpwuid(UID)  # the point of the test: no passwd entry
     mount = tmp_path / "workspace"
     mount.mkdir()
-    os.chown(mount, UID, GID)  # as a host folder of that user, mounted at /root/workspace
+    # As a host folder of that user, mounted at /root/workspace, with the user's data in it. Every path the
+    # user's commands take is relative to it: pytest's temporary folder above it is root's alone (0700),
+    # and a user in a container reaches nothing above its mount either.
+    shutil.copytree(dataset, mount / "data")
+    for p in [mount, *mount.rglob("*")]:
+        os.chown(p, UID, GID)
+    data = set(mount.rglob("*"))
     env = {k: v for k, v in os.environ.items() if k not in ("USER", "LOGNAME")}
     env.update(HOME="/", PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1", DLENV_KEY_FILE="")
     probe = [sys.executable, "-c", "import getpass, os; print(getpass.getuser(), os.environ['HOME'])"]
@@ -182,7 +188,7 @@ def user_run(entry_cmd: list[str], tmp_path: Path, dataset: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [f"user{UID}", f"/tmp/home-{UID}"]
 
-    r = subprocess.run([*_setpriv(), *entry_cmd, *dlenv_cmd(), "train", "--data", str(dataset), "--model",
+    r = subprocess.run([*_setpriv(), *entry_cmd, *dlenv_cmd(), "train", "--data", "data", "--model",
                         "squeezenet1_1", "--img-size", "32", "--batch-size", "2", "--workers", "0", "--epochs", "1",
                         "--max-steps", "1", "--device", "cpu", "--tensorboard"],
                        stdin=subprocess.DEVNULL, capture_output=True, text=True, env={**env, "TINI_SUBREAPER": "1"},
@@ -190,13 +196,13 @@ def user_run(entry_cmd: list[str], tmp_path: Path, dataset: Path) -> None:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     run = mount / "runs" / "exp"
     # the same user validates (val reports, figures) and plots (PNGs) what it trained
-    for verb in (["val", "--weights", str(run / "best_model.pth"), "--workers", "0", "--device", "cpu"],
+    for verb in (["val", "--weights", "runs/exp/best_model.pth", "--workers", "0", "--device", "cpu"],
                  ["plot"]):
         r = subprocess.run([*_setpriv(), *entry_cmd, *dlenv_cmd(), *verb], stdin=subprocess.DEVNULL,
                            capture_output=True, text=True, env={**env, "TINI_SUBREAPER": "1"}, cwd=mount,
                            timeout=600)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    written = [p for p in mount.rglob("*") if p.is_file()]
+    written = [p for p in mount.rglob("*") if p.is_file() and p not in data]
     names = {p.name for p in written}
     assert {"config.yaml", "results.csv", "last.pth", "best_model.pth", "last.pth.hmac", "metrics.json",
             "results.png"} <= names, names

@@ -2,7 +2,7 @@
 
 conda names become their PyPI names (pytorch::pytorch=1.13.1 -> torch==1.13.1); what only conda has
 (python, pip, pytorch-cuda, pytorch-mutex, mkl: the wheels bring their own CUDA and BLAS) is left out;
-the env file's own pip part is kept as written (its `-r requirements.txt` made relative to the env
+the env file's own pip part is kept as written (its `-r requirements.txt` resolved against the env
 file). Prints one requirement a line.
 """
 
@@ -25,7 +25,7 @@ def requirements(env_file: Path) -> list[str]:
         if isinstance(dep, dict):  # the pip: part
             for line in dep.get("pip", []):
                 if line.startswith("-r "):
-                    line = f"-r {env_file.parent / line[3:].strip()}"
+                    line = f"-r {(env_file.parent / line[3:].strip()).resolve()}"
                 out.append(line)
             continue
         m = re.fullmatch(r"\s*(?:[\w.-]+::)?([\w.-]+)\s*(.*?)\s*", dep)

@@ -113,5 +113,10 @@ DOCKERFILE
     ) || { "$docker" rmi "$env" >/dev/null 2>&1; die "the env image does not run on the base (see above)"; }
     "$docker" rmi "$probe" >/dev/null 2>&1 || true
 fi
+# Older stamps are older inputs: their images only fill the disk (the env is a few GB).
+for name in $("$docker" image ls --format '{{.Repository}}:{{.Tag}}' dlenv-ci-base) \
+            $("$docker" image ls --format '{{.Repository}}:{{.Tag}}' dlenv-ci-env); do
+    [ "$name" = "$base" ] || [ "$name" = "$env" ] || "$docker" rmi "$name" >/dev/null 2>&1 || true
+done
 echo "BASE_IMAGE=$base"
 echo "ENV_IMAGE=$env"
