@@ -48,10 +48,11 @@ def auto_workers(cpus: int) -> int:
     return max(0, min(max(min(cpus, ALL_CORES_UP_TO), cpus - TRAINER_CORES), MAX_AUTO_WORKERS))
 
 
-def workers_that_fit(n: int, shm_total: int, shm_free: int, per_worker: int) -> int:
-    """Of `n` workers, how many 'auto' keeps with this /dev/shm (workers pass their batches through
-    it): as many as have room for `per_worker` bytes each, at most SMALL_SHM_WORKERS on a small one."""
+def workers_that_fit(n: int, shm_total: int, shm_free: int, per_worker: int, given: bool = False) -> int:
+    """Of `n` workers, how many this /dev/shm holds (workers pass their batches through it): as many
+    as have room for `per_worker` bytes each; for 'auto' (not `given`), at most SMALL_SHM_WORKERS on a
+    small one, which the rest of the container shares. A number the user gave is only held to what fits."""
     fit = int(shm_free // per_worker) if per_worker else n
-    if shm_total < SMALL_SHM:
+    if shm_total < SMALL_SHM and not given:
         fit = min(fit, SMALL_SHM_WORKERS)
     return max(0, min(n, fit))

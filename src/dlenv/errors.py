@@ -124,6 +124,45 @@ _TORCH_WRITE = re.compile(r"unexpected pos \d+ vs \d+|PytorchStreamWriter failed
 _SHM_FILE = re.compile(r"</?torch_\d+_\d+|/dev/shm", re.I)
 
 
+# A DataLoader worker that died: torch's message in the main process ("DataLoader worker (pid 123) is
+# killed by signal: Bus error. ..."), raised as the cause of "DataLoader worker (pid(s) 123) exited
+# unexpectedly".
+_WORKER_SIGNAL = re.compile(r"DataLoader worker \(pid[^)]*\) is killed by signal: ([\w ]+)")
+_SHM_LINE = ("shared memory (/dev/shm) is full: the DataLoader workers pass batches through it; start the "
+             "container with --ipc=host or --shm-size=8g, or use fewer --workers (0 needs none)")
+_KILLED_LINE = ("a DataLoader worker was killed by the system (SIGKILL; out of host memory? see dmesg or docker "
+                "stats); use fewer --workers or a smaller --batch-size, or give the container more memory "
+                "(docker run --memory)")
+
+
+def _chain(exc: BaseException, limit: int = 8) -> list[BaseException]:
+    """`exc` and the errors it was raised from, newest first."""
+    out: list[BaseException] = []
+    while exc is not None and len(out) < limit and exc not in out:
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return out
+
+
+def shm_full(exc: BaseException) -> bool:
+    """Whether `exc` is /dev/shm running out under a DataLoader: a write into a shared-memory segment
+    that failed (ENOSPC), or a worker killed by SIGBUS (the signal a full tmpfs sends)."""
+    for e in _chain(exc):
+        text = str(e)
+        if (isinstance(e, (RuntimeError, OSError)) and _SHM_FILE.search(text)
+                and ("No space left" in text or getattr(e, "errno", None) == errno.ENOSPC)):
+            return True
+        m = _WORKER_SIGNAL.search(text)
+        if m and m.group(1).strip() == "Bus error":
+            return True
+    return False
+
+
+def worker_killed(exc: BaseException) -> bool:
+    """Whether `exc` says a DataLoader worker was killed by SIGKILL (the OOM killer, or a person)."""
+    return any((m := _WORKER_SIGNAL.search(str(e))) and m.group(1).strip() == "Killed" for e in _chain(exc))
+
+
 def first_line(e: BaseException) -> str:
     """'Type: the first line of its message' (at most 200 characters), for a one-line report."""
     text = str(e).strip().splitlines()
@@ -141,10 +180,11 @@ def environment_fault(exc: BaseException) -> str | None:
     Knows OSError by its errno (no space, quota, read-only, permission, name too long, a file where a
     folder is expected, ...) and torch's messages for a write that failed under it.
     """
+    if shm_full(exc):
+        return _SHM_LINE
+    if worker_killed(exc):
+        return _KILLED_LINE
     if torch_write_failure(exc):
-        if _SHM_FILE.search(str(exc)):
-            return ("shared memory (/dev/shm) is full: the DataLoader workers pass batches through it; "
-                    "start the container with --ipc=host or --shm-size=16g, or use fewer --workers")
         return ("writing a file failed: no space left on the device (PyTorch: "
                 f"{str(exc).strip().splitlines()[0][:100]}); free some space " + _ELSEWHERE + ", then run again")
     if not isinstance(exc, OSError) or exc.errno not in _FAULTS:

@@ -9,9 +9,13 @@ logs the path once and carries on with a substitute sample (`bad_images="skip"`)
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import shutil
+import signal
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -224,33 +228,72 @@ def shm_per_worker(batch_size: int, sample_bytes: int) -> int:
 
 def resolve_workers(workers: int | str, batch_size: int | None = None, img_size: int = 224,
                     shm: str = "/dev/shm", sample_bytes: int | None = None) -> int:
-    """DataLoader worker count: an int is kept; 'auto' is `auto_workers` of the usable CPUs, then
-    reduced so the batches in flight fit in /dev/shm (workers pass batches through shared memory;
-    Docker's default is only 64 MiB). A reduction is logged once. `sample_bytes`: one sample as the
-    workers ship it (default: the classic path's float32 3 x img_size^2; the device path ships uint8
-    stored squares, a third of that). Raises UserError for anything else.
+    """DataLoader worker count: a number given, or 'auto' (`auto_workers` of the usable CPUs), reduced
+    so the batches in flight fit in /dev/shm. Workers pass every batch through shared memory, and a
+    worker that writes past a full /dev/shm dies of SIGBUS mid-run (Docker's default is 64 MiB: two
+    workers' float32 batches of 64 x 224 px need ~300 MiB), so a number given is held to what fits
+    too (`workers_that_fit`); 0 loads in the main process, which needs no shared memory. A reduction
+    is said once, naming --ipc=host / --shm-size. `sample_bytes`: one sample as the workers ship it
+    (default: the classic path's float32 3 x img_size^2; the device path ships uint8 stored squares,
+    a third of that). Raises UserError for anything else.
     """
     if isinstance(workers, str) and workers.strip().isdigit():
         workers = int(workers)
-    if isinstance(workers, int) and not isinstance(workers, bool):
+    given = isinstance(workers, int) and not isinstance(workers, bool)
+    if given:
         if workers < 0:
             raise UserError(f"workers {workers} must be 0 or more (or auto)")
-        return workers
-    if str(workers).strip().lower() != "auto":
+        n = workers
+    elif str(workers).strip().lower() != "auto":
         raise UserError(f"workers {workers!r} must be a number or auto")
-    n = auto_workers(usable_cpus())
+    else:
+        n = auto_workers(usable_cpus())
+    if n == 0:
+        return 0
     try:
         usage = shutil.disk_usage(shm)
     except OSError:  # no /dev/shm (not Linux): nothing to size against
         return n
     per_worker = shm_per_worker(batch_size or 64, sample_bytes or shipped_bytes(img_size, False))
-    fit = workers_that_fit(n, usage.total, usage.free, per_worker)
+    fit = workers_that_fit(n, usage.total, usage.free, per_worker, given=given)
     if fit < n:
-        _say_once(f"{shm} has {usage.free / 2**20:.0f} MiB free of {usage.total / 2**20:.0f} MiB; "
-                  f"using {fit} DataLoader workers instead of {n}. Start the container with "
-                  "--ipc=host or --shm-size=8g for more")
+        asked = f"--workers {n}" if given else f"{n} DataLoader workers (auto)"
+        instead = f"{fit} workers" if fit else "0 workers (loading in the main process, slower)"
+        _say_once(f"{shm} has {usage.free / 2**20:.0f} MiB free of {usage.total / 2**20:.0f} MiB, too little for "
+                  f"{asked} (~{per_worker / 2**20:.0f} MiB of batches in flight each); using {instead}. "
+                  "Start the container with --ipc=host or --shm-size=8g for more")
         n = fit
     return n
+
+
+def _worker_start(then: Callable[[int], None] | None, worker_id: int) -> None:
+    """In each DataLoader worker, before `then`: a worker that runs out of /dev/shm dies quietly by
+    SIGBUS, and the main process says so in one line (`errors.environment_fault`).
+
+    Out of shared memory, a worker either touches a page of a tensor tmpfs cannot back (SIGBUS: torch's
+    handler prints its own ERROR line first, hence the default action) or fails to pickle the batch
+    into a new segment (ENOSPC), which multiprocessing's feeder thread prints as a traceback and then
+    drops the batch: the main process would wait for it forever. Both now end the worker the same way;
+    its core dump, of no use to anyone, is switched off.
+    """
+    import multiprocessing.queues
+    import resource
+
+    from dlenv.errors import shm_full
+
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+    signal.signal(signal.SIGBUS, signal.SIG_DFL)
+    printed = multiprocessing.queues.Queue._on_queue_feeder_error
+
+    def on_feeder_error(e: BaseException, obj: Any) -> None:
+        if shm_full(e):
+            os.kill(os.getpid(), signal.SIGBUS)
+        printed(e, obj)
+
+    multiprocessing.queues.Queue._on_queue_feeder_error = staticmethod(on_feeder_error)
+    if then is not None:
+        then(worker_id)
 
 
 def make_loader(dataset: ImageDataset, batch_size: int, workers: int, pin_memory: bool | None,
@@ -261,7 +304,8 @@ def make_loader(dataset: ImageDataset, batch_size: int, workers: int, pin_memory
         pin_memory = torch.cuda.is_available()
     extra: dict[str, Any] = {}
     if workers > 0:
-        extra = {"persistent_workers": persistent, "prefetch_factor": PREFETCH_FACTOR}
+        extra = {"persistent_workers": persistent, "prefetch_factor": PREFETCH_FACTOR,
+                 "worker_init_fn": partial(_worker_start, kwargs.pop("worker_init_fn", None))}
     if "batch_sampler" not in kwargs:  # a batch sampler makes the batches itself
         extra["batch_size"] = batch_size
     return SafeLoader(dataset, num_workers=workers, pin_memory=pin_memory, **extra, **kwargs)
@@ -317,6 +361,4 @@ def _decode_fn(decoder: str, min_side: int | None) -> Callable[[str], Any]:
     downscaled to at least this shorter side, so JPEGs may be decoded at reduced scale."""
     if decoder == "pil" and min_side is None:
         return load_rgb
-    from functools import partial
-
     return partial(decode_rgb, decoder=decoder, min_side=min_side)
