@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dlenv.errors import UserError
+from dlenv.pretrained import parse_pretrained
 from dlenv.usermodel import model_args_text
 from dlenv.values import (
     folder_name,
@@ -106,13 +107,22 @@ class TrainConfig:
     synthetic: bool = opt(False, "random tensors already on the device instead of a dataset "
                                  "(for speed and memory measurements)")
     # model
-    model: str = opt("resnet18", "a torchvision classification model name (resnet50, vit_b_16, ...), or your "
-                                 "own: FILE.py:factory or package.module:factory (see docs/training.md)")
-    model_args: str | None = opt(None, "keyword arguments for your model's factory: k=v,... (e.g. "
-                                       "width=64,drop=0.1)", parse=model_args_text)
+    model: str = opt("resnet18", "a torchvision classification model name (resnet50, vit_b_16, ...), a timm "
+                                 "one (timm/convnext_atto), or your own: FILE.py:factory or "
+                                 "package.module:factory (see docs/training.md)")
+    model_args: str | None = opt(None, "keyword arguments for your model's factory or timm's create_model: "
+                                       "k=v,... (e.g. width=64,drop=0.1)", parse=model_args_text)
     weights: str | None = opt(None, "local state dict or checkpoint to start from, .safetensors or .pth "
                                     "(nothing is downloaded)", parse=_str)
     trust_pickle: bool = _trust_pickle()
+    pretrained: str | None = opt(None, "start from the model's pretrained weights: alone the architecture's "
+                                       "default, or a name (IMAGENET1K_V2; a timm tag such as a1_in1k); "
+                                       "downloaded once into .cache/ (TORCH_HOME, HF_HOME; docs/training.md)",
+                                 parse=parse_pretrained, bare="DEFAULT")
+    freeze_epochs: int = opt(0, "with --pretrained: train only the new head for this many epochs (the "
+                                "backbone's BatchNorm statistics frozen), then the whole model", min=0)
+    backbone_lr: float = opt(0.1, "with --pretrained: the backbone's learning rate as a fraction of --lr "
+                                  "(the new head gets --lr)", min=0.0, max=1.0)
     checkpoint: bool = opt(False, "activation checkpointing of the model's repeated blocks "
                                   "(less memory, some more compute)")
     checkpoint_ratio: float | str = opt("auto", "fraction of the repeated blocks that --checkpoint recomputes, "
@@ -453,15 +463,19 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     """
     import yaml
 
-    from dlenv.safeio import read_text
+    from dlenv.safeio import read_regular
 
     p = Path(path)
     try:
-        text = read_text(p, CONFIG_FILE_LIMIT, what="config file")
+        text = read_regular(p, CONFIG_FILE_LIMIT, what="config file").decode("utf-8")
     except FileNotFoundError:
         raise UserError(f"config file {p} not found") from None
     except UserError as e:
         raise UserError(f"{e}, e.g. runs/exp/config.yaml") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"config file {p} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                        f"{e.start}); pass a YAML file of option: value lines, e.g. runs/exp/config.yaml"
+                        ) from None
     try:
         data = yaml.load(text, Loader=_options_loader())  # noqa: S506 (a SafeLoader subclass)
     except _Refused as e:
