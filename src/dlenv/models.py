@@ -1,8 +1,10 @@
 """Models by name, and exact activation checkpointing of their repeated blocks.
 
 `build_model("resnet50", num_classes)` gives any torchvision classification model with its head sized
-to the data, optionally starting from a local weights file; nothing is ever downloaded.
-`build_model("models/net.py:build", num_classes)` builds a model of your own (dlenv.usermodel).
+to the data, optionally starting from a local weights file or a pretrained state dict (dlenv.pretrained
+fetched it; nothing is downloaded here). `build_model("timm/convnext_atto", num_classes, **args)` is
+timm's `create_model` with the same head rule; `build_model("models/net.py:build", num_classes)`
+builds a model of your own (dlenv.usermodel).
 
 `apply_checkpointing(model, ratio)` makes the model's repeated blocks (ResNet bottlenecks, ViT encoder
 blocks, ...) recompute their activations in backward instead of storing them. It is exact: gradients,
@@ -30,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlenv import compat, runstate, usermodel
+from dlenv import compat, pretrained, runstate, usermodel
 from dlenv.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -73,35 +75,33 @@ def list_model_names() -> list[str]:
     return sorted(tvm.list_models(module=tvm))
 
 
-def _download_hint(name: str) -> str:
-    return (f"on a machine with internet run: python -c \"import torch, torchvision; "
-            f"m = torchvision.models.{name}(weights='DEFAULT'); torch.save(m.state_dict(), '{name}.pth')\" "
-            f"then copy {name}.pth here and pass --weights {name}.pth")
-
-
 def _check_name(name: str) -> None:
+    if pretrained.is_timm(name):
+        return  # timm answers for its own names (pretrained.timm_model)
     names = list_model_names()
     if name in names:
         return
     base = re.split(r"[._-]?(pretrained|weights)", name, flags=re.I)[0].lower()
     if base != name.lower() or "_Weights" in name:
         arch = next((n for n in names if n.replace("_", "") == base.replace("_", "")), "resnet50")
-        raise UserError(f"--model {name!r} asks for pretrained weights; nothing is downloaded at run time. "
-                        f"Use --model {arch} --weights FILE; {_download_hint(arch)}")
+        raise UserError(f"--model {name!r} asks for pretrained weights; use --model {arch} --pretrained "
+                        "(downloaded once into .cache/, see docs/training.md)")
     close = difflib.get_close_matches(name.lower(), names, n=4, cutoff=0.5)
     hint = (f"did you mean {', '.join(close)}?" if close else "list the names with: python -c "
             "\"from dlenv.models import list_model_names; print(list_model_names())\"")
     raise UserError(f"--model {name!r} is not a torchvision classification model; {hint}")
 
 
-def build_model(name: str, num_classes: int, weights: str | Path | None = None, **kwargs: Any) -> nn.Module:
-    """A torchvision classification model with its head sized to `num_classes`; never downloads.
+def build_model(name: str, num_classes: int, weights: str | Path | None = None,
+                pretrained_state: dict[str, Any] | None = None, **kwargs: Any) -> nn.Module:
+    """A classification model with its head sized to `num_classes`; never downloads.
 
-    `weights` is a local file: a dlenv checkpoint (its "model" entry) or a bare state dict. A head
-    whose class count differs from `num_classes` is skipped (fine-tuning starts it fresh). `kwargs` go
-    to the torchvision builder (e.g. image_size=32 for a ViT, stochastic_depth_prob). GoogLeNet and
-    Inception v3 are built without auxiliary classifiers. Raises UserError for an unknown name, a
-    request that would need a download, or weights that don't fit.
+    `name` is a torchvision name, timm/<arch> or a model of your own. `weights` is a local file: a dlenv
+    checkpoint (its "model" entry) or a bare state dict; `pretrained_state` a state dict dlenv.pretrained
+    fetched. A head whose class count differs from `num_classes` is skipped (fine-tuning starts it
+    fresh). `kwargs` go to the builder (e.g. image_size=32 for a torchvision ViT, --model-args for timm's
+    create_model). GoogLeNet and Inception v3 are built without auxiliary classifiers. Raises UserError for
+    an unknown name, a request that would need a download, or weights that don't fit.
     """
     from torchvision import models as tvm
 
@@ -113,12 +113,17 @@ def build_model(name: str, num_classes: int, weights: str | Path | None = None, 
     _check_name(name)
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise UserError(f"num_classes {num_classes!r} for {name}: need an integer >= 1")
-    if name in AUX_HEADS:
-        kwargs.setdefault("aux_logits", False)
-        kwargs.setdefault("init_weights", True)  # the explicit choice silences torchvision's FutureWarning
-    # weights=None always: a weights enum would download; the builder's num_classes sizes every head
-    # (fc, classifier, squeezenet's final conv, ...) consistently.
-    model = tvm.get_model(name, weights=None, num_classes=num_classes, **kwargs)
+    if pretrained.is_timm(name):
+        model = pretrained.timm_model(name, num_classes, pretrained_state, kwargs)
+    else:
+        if name in AUX_HEADS:
+            kwargs.setdefault("aux_logits", False)
+            kwargs.setdefault("init_weights", True)  # the explicit choice silences torchvision's FutureWarning
+        # weights=None always: a weights enum would download; the builder's num_classes sizes every head
+        # (fc, classifier, squeezenet's final conv, ...) consistently.
+        model = tvm.get_model(name, weights=None, num_classes=num_classes, **kwargs)
+        if pretrained_state is not None:
+            _load_state(model, runstate.strip_prefixes(pretrained_state), name, num_classes, "--pretrained")
     if weights is not None:
         load_weights(model, weights, name=name, num_classes=num_classes)
     return model
@@ -127,8 +132,8 @@ def build_model(name: str, num_classes: int, weights: str | Path | None = None, 
 def _weights_file(weights: Any, name: str) -> Path:
     if isinstance(weights, bool) or (isinstance(weights, str) and not Path(weights).exists()
                                      and _ENUM_WEIGHTS.match(weights.strip())):
-        raise UserError(f"--weights {weights!r} would need a download; dlenv never downloads at run time. "
-                        + _download_hint(name))
+        raise UserError(f"--weights {weights!r} names no local file; for {name}'s pretrained weights use "
+                        f"--model {name} --pretrained {weights if isinstance(weights, str) else 'DEFAULT'}")
     path = Path(weights)
     if not path.exists():  # a folder or a wrong file: dlenv.runstate.load_checkpoint says what it is
         raise UserError(f"--weights {str(path)!r} not found; pass the path of a local .pth state dict "
@@ -158,7 +163,10 @@ def load_weights(model: nn.Module, weights: str | Path, name: str, num_classes: 
     is missing, unexpected, or of another shape.
     """
     path = _weights_file(weights, name)
-    sd = _state_dict_of(runstate.load_checkpoint(path), path)
+    _load_state(model, _state_dict_of(runstate.load_checkpoint(path), path), name, num_classes, f"--weights {path}")
+
+
+def _load_state(model: nn.Module, sd: dict[str, Any], name: str, num_classes: int, what: str) -> None:
     own = model.state_dict()
     aux = AUX_HEADS.get(name, ())
     head, wrong = [], []
@@ -172,13 +180,13 @@ def load_weights(model: nn.Module, weights: str | Path, name: str, num_classes: 
     missing = [k for k in own if k not in sd]
     if wrong or unexpected or missing:
         some = ", ".join((wrong + unexpected + missing)[:3])
-        raise UserError(f"--weights {path} does not fit {name} ({len(missing)} missing, {len(unexpected)} "
+        raise UserError(f"{what} does not fit {name} ({len(missing)} missing, {len(unexpected)} "
                         f"unexpected, {len(wrong)} of another shape, e.g. {some}); pass the --model "
                         "these weights were trained as")
     model.load_state_dict({k: v for k, v in sd.items() if k in own and k not in head}, strict=False)
     if head:
-        log.warning("--weights %s: head %s has %d classes, the data has %d; it starts fresh (fine-tuning)",
-                    path, ", ".join(head), sd[head[0]].shape[0], num_classes)
+        log.warning("%s: head %s has %d classes, the data has %d; it starts fresh (fine-tuning)",
+                    what, ", ".join(head), sd[head[0]].shape[0], num_classes)
 
 
 def is_convolutional(model: nn.Module) -> bool:

@@ -53,26 +53,35 @@ def default_weight_decay(optimizer: str) -> float:
     return {"sgd": 1e-4, "adamw": 0.05}[optimizer]
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: decayed weights (ndim >= 2) and everything else (norms, biases, tokens) without decay."""
-    decay, no_decay = [], []
+def param_groups(model: nn.Module, weight_decay: float, lr_scales: dict[str, float] | None = None,
+                 lr: float | None = None) -> list[dict]:
+    """Decayed weights (ndim >= 2) and everything else (norms, biases, tokens) without decay.
+
+    With `lr_scales` ({parameter name: factor}, dlenv.finetune) each factor gets its own pair of groups,
+    the largest factor first (the new head: results.csv's lr column reads the first group), with
+    lr = factor x `lr`; the schedule then scales each group from its own start. A frozen parameter
+    (requires_grad False) stays in its group: unfrozen later, it is stepped without a new optimizer.
+    """
+    scales = lr_scales or {}
+    buckets: dict[float, tuple[list, list]] = {}
     for name, p in model.named_parameters():
-        if not p.requires_grad:
+        if not p.requires_grad and not scales:
             continue
-        if p.ndim <= 1 or name.endswith(_NO_DECAY_NAMES):
-            no_decay.append(p)
-        else:
-            decay.append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+        decay, no_decay = buckets.setdefault(float(scales.get(name, 1.0)), ([], []))
+        (no_decay if p.ndim <= 1 or name.endswith(_NO_DECAY_NAMES) else decay).append(p)
+    groups = []
+    for scale in sorted(buckets, reverse=True):
+        extra = {"lr": lr * scale} if scales and lr is not None else {}
+        groups += [{"params": buckets[scale][0], "weight_decay": weight_decay, **extra},
+                   {"params": buckets[scale][1], "weight_decay": 0.0, **extra}]
     return [g for g in groups if g["params"]]
 
 
 def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, momentum: float = 0.9,
-                    nesterov: bool = False) -> torch.optim.Optimizer:
-    """SGD or AdamW over `param_groups(model)`, stepping in few kernels on CUDA
+                    nesterov: bool = False, lr_scales: dict[str, float] | None = None) -> torch.optim.Optimizer:
+    """SGD or AdamW over `param_groups(model, weight_decay, lr_scales)`, stepping in few kernels on CUDA
     (`compat.optimizer_kernels`). Raises ValueError for an unknown name."""
-    groups = param_groups(model, weight_decay)
+    groups = param_groups(model, weight_decay, lr_scales, lr)
     on_cuda = all(p.is_cuda for g in groups for p in g["params"])
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0,

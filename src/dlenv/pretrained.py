@@ -1,0 +1,370 @@
+"""Pretrained weights: torchvision's and timm's, downloaded once into a cache that outlives the container.
+
+`--pretrained` (the architecture's DEFAULT weights) or `--pretrained NAME` (IMAGENET1K_V2,
+ResNet50_Weights.IMAGENET1K_V2; for timm a tag such as a1_in1k) picks the weights through the libraries'
+own registries: torchvision's weights enums (`get_model_weights`) and timm's pretrained configs. Nothing
+is ever downloaded without --pretrained.
+
+Where the files go. torchvision's in `$TORCH_HOME/hub/checkpoints` (torch.hub's layout), timm's in
+`$HF_HOME/hub` (Hugging Face's layout). Unset, they default to `.cache/torch` and `.cache/huggingface`
+in the working folder: the mounted project (/root/workspace in the image), so a `docker run --rm`
+downloads each file once, not once per container. Set TORCH_HOME / HF_HOME to share one cache between
+projects.
+
+Mirrors. DLENV_TORCHVISION_URL replaces https://download.pytorch.org/models (the file name is appended);
+HF_ENDPOINT replaces https://huggingface.co for the hub (huggingface_hub reads it).
+
+Checksums. torchvision's file names carry the first hex digits of the file's sha256
+(resnet18-f37072fd.pth; torch.hub's check_hash); a Hugging Face LFS file is stored as a blob named by
+its sha256. Each is checked after the download and again before each use; a mismatch is refused.
+
+Offline (DLENV_OFFLINE=1, HF_HUB_OFFLINE=1, or no connection) and not cached: one line naming the file,
+where it goes, and the command that fetches it on a machine with internet.
+
+Trust. Every file is read through dlenv.weights like a --weights file: a torchvision .pth is a plain
+state dict the pickle allowlist passes (no consent needed, from any host or mirror; an 8-digit hash
+prefix is a check against corruption, not against a forger); timm's are safetensors where the hub has
+them, which run no code.
+
+No torch or timm import at module level: dlenv.config imports `parse_pretrained` for --help.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dlenv.errors import UserError
+
+TIMM_PREFIX = "timm/"
+TORCHVISION_HOST = "https://download.pytorch.org/models"
+MIRROR_ENV = "DLENV_TORCHVISION_URL"
+OFFLINE_ENV = "DLENV_OFFLINE"
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+_OFF = ("off", "none", "false", "no", "0")
+_DEFAULT = ("default", "true", "on", "yes", "1")
+_HASH = re.compile(r"-([a-f0-9]{8,64})\.")
+
+
+def parse_pretrained(value: Any) -> str | None:
+    """--pretrained's value: None (off), 'DEFAULT', or a weights name as typed. Raises ValueError."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "DEFAULT"
+    s = str(value).strip()
+    if s.lower() in _OFF:
+        return None
+    if s.lower() in _DEFAULT:
+        return "DEFAULT"
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", s):
+        raise ValueError("a weights name is letters, digits, '_', '.' and '-' (e.g. IMAGENET1K_V2)")
+    return s
+
+
+def is_timm(name: Any) -> bool:
+    """Whether a --model value names a timm model: timm/<arch>."""
+    return isinstance(name, str) and name.startswith(TIMM_PREFIX)
+
+
+def timm_arch(name: str) -> str:
+    return name[len(TIMM_PREFIX):]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Where files live
+
+
+def _project_cache(kind: str) -> Path:
+    return Path.cwd() / ".cache" / kind
+
+
+def torch_home() -> Path:
+    """$TORCH_HOME, else .cache/torch in the working folder (the mounted project)."""
+    return Path(os.environ["TORCH_HOME"]).expanduser() if os.environ.get("TORCH_HOME") else _project_cache("torch")
+
+
+def hf_cache() -> Path:
+    """$HF_HUB_CACHE, else $HF_HOME/hub, else .cache/huggingface/hub in the working folder."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = Path(os.environ["HF_HOME"]).expanduser() if os.environ.get("HF_HOME") else _project_cache("huggingface")
+    return home / "hub"
+
+
+def _offline() -> bool:
+    return any(os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on")
+               for k in (OFFLINE_ENV, "HF_HUB_OFFLINE"))
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Which weights: resolved from the libraries' registries, no network
+
+
+@dataclass(frozen=True)
+class Weights:
+    """One set of pretrained weights and what fine-tuning needs from it (plain values, for config.yaml)."""
+
+    model: str                  # the --model value: resnet50, timm/convnext_atto
+    name: str                   # ResNet50_Weights.IMAGENET1K_V2, timm/convnext_atto.d2_in1k
+    source: str                 # "torchvision" or "timm"
+    file: str                   # the file name in the cache
+    url: str                    # where it is fetched from (a mirror applied)
+    num_classes: int            # of the pretrained head
+    img_size: int               # the input size the weights were trained or evaluated at
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
+    interpolation: str = "bilinear"
+    hash_prefix: str | None = None      # torchvision: the sha256 prefix in the file name
+    repo: str | None = None             # timm: the hub repository (timm/convnext_atto.d2_in1k)
+    classifier: tuple[str, ...] = field(default_factory=tuple)  # timm: the head's module names
+
+    def record(self) -> dict[str, Any]:
+        """What config.yaml notes: the weights and the preprocessing they bring."""
+        return {"weights": self.name, "source": self.source, "file": self.file, "url": self.url,
+                "img_size": self.img_size, "mean": list(self.mean), "std": list(self.std),
+                "interpolation": self.interpolation}
+
+
+def resolve(model: str, pretrained: str) -> Weights:
+    """The weights `--pretrained` names for `--model` (no network). Raises UserError for a model that has
+    no pretrained weights or a weights name it does not have, listing the ones it has."""
+    return _resolve_timm(model, pretrained) if is_timm(model) else _resolve_torchvision(model, pretrained)
+
+
+def _resolve_torchvision(model: str, pretrained: str) -> Any:
+    from torchvision import models as tvm
+
+    try:
+        enum = tvm.get_model_weights(model)
+    except (ValueError, KeyError):
+        raise UserError(f"--pretrained: torchvision has no weights for --model {model!r}; list the models with "
+                        "python -c \"import torchvision; print(torchvision.models.list_models())\"") from None
+    names = [w.name for w in enum]
+    want = pretrained.split(".")[-1]
+    if want.upper() == "DEFAULT":
+        w = enum.DEFAULT
+    elif want in names or want.upper() in names:
+        w = enum[want if want in names else want.upper()]
+    else:
+        raise UserError(f"--pretrained {pretrained}: {model} has no such weights; it has {', '.join(names)} "
+                        "(or DEFAULT)")
+    tf = w.transforms()
+    crop = tf.crop_size[0] if isinstance(tf.crop_size, (list, tuple)) else int(tf.crop_size)
+    file = w.url.rsplit("/", 1)[-1]
+    prefix = _HASH.search(file)
+    return Weights(model=model, name=f"{type(w).__name__}.{w.name}", source="torchvision", file=file,
+                   url=f"{torchvision_base()}/{file}", num_classes=len(w.meta["categories"]), img_size=int(crop),
+                   mean=tuple(float(x) for x in tf.mean), std=tuple(float(x) for x in tf.std),
+                   interpolation=str(tf.interpolation.value), hash_prefix=prefix.group(1) if prefix else None)
+
+
+def torchvision_base() -> str:
+    """torchvision's download folder, or the mirror DLENV_TORCHVISION_URL names."""
+    return (os.environ.get(MIRROR_ENV) or TORCHVISION_HOST).rstrip("/")
+
+
+def _resolve_timm(model: str, pretrained: str) -> Weights:
+    timm = _import_timm(model)
+    arch = timm_arch(model)
+    base, tag = timm.models.split_model_name_tag(arch)
+    if not timm.is_model(base):
+        close = timm.list_models(f"*{base[:6]}*")[:5]
+        hint = f"; close: {', '.join(close)}" if close else "; list them with timm.list_models()"
+        raise UserError(f"--model {model}: timm has no model {base!r}{hint}")
+    if pretrained.upper() != "DEFAULT":
+        if tag and tag != pretrained:
+            raise UserError(f"--model {model} --pretrained {pretrained}: two tags; give one")
+        tag = pretrained
+    full = f"{base}.{tag}" if tag else base
+    try:
+        cfg = timm.models.get_pretrained_cfg(full, allow_unregistered=True)
+    except RuntimeError:  # a tag the architecture does not have
+        cfg = None
+    tags = [n.split(".", 1)[1] for n in timm.list_pretrained(f"{base}.*")]
+    if cfg is None or not getattr(cfg, "hf_hub_id", None):
+        have = f"it has {', '.join(tags)}" if tags else "timm has no pretrained weights for it"
+        raise UserError(f"--pretrained {pretrained}: no hub weights for timm/{full}; {have}")
+    classifier = cfg.classifier if isinstance(cfg.classifier, (list, tuple)) else (cfg.classifier,)
+    repo = cfg.hf_hub_id
+    file = getattr(cfg, "hf_hub_filename", None) or "model.safetensors"
+    return Weights(model=model, name=f"timm/{repo.split('/', 1)[-1]}", source="timm", file=file,
+                   url=f"{hf_endpoint()}/{repo}/resolve/main/{file}", num_classes=int(cfg.num_classes),
+                   img_size=int(cfg.input_size[-1]), mean=tuple(float(x) for x in cfg.mean),
+                   std=tuple(float(x) for x in cfg.std), interpolation=str(cfg.interpolation or "bilinear"),
+                   repo=repo, classifier=tuple(c for c in classifier if c))
+
+
+def hf_endpoint() -> str:
+    return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+
+
+def _import_timm(model: str) -> Any:
+    try:
+        import timm
+        import timm.models
+    except ImportError:
+        raise UserError(f"--model {model} needs timm (in requirements.txt): pip install -r requirements.txt"
+                        ) from None
+    return timm
+
+
+def timm_fixed_size(model: str) -> bool:
+    """Whether a timm architecture's input size is built into it (a ViT's position embedding)."""
+    timm = _import_timm(model)
+    cfg = timm.models.get_pretrained_cfg(timm.models.split_model_name_tag(timm_arch(model))[0])
+    return bool(cfg is not None and getattr(cfg, "fixed_input_size", False))
+
+
+def timm_model(model: str, num_classes: int, state: dict[str, Any] | None, kwargs: dict[str, Any]) -> Any:
+    """timm's `create_model(arch, num_classes=..., **kwargs)`; with `state` (fetched by `fetch`, read by
+    `load_state`) it goes through timm's own pretrained loading (its filters, e.g. a ViT's position
+    embedding resized to img_size; the classifier dropped when the class count differs). Never
+    downloads: timm is handed the state dict. Raises UserError for an unknown name or bad arguments."""
+    timm = _import_timm(model)
+    arch = timm_arch(model)
+    if not timm.is_model(timm.models.split_model_name_tag(arch)[0]):
+        close = timm.list_models(f"*{arch[:5]}*")[:5]
+        raise UserError(f"--model {model}: timm has no model {arch!r}" + (f"; close: {', '.join(close)}" if close else
+                                                                         "; list them with timm.list_models()"))
+    extra = {"pretrained": True, "pretrained_cfg_overlay": {"state_dict": state}} if state is not None else {}
+    try:
+        return timm.create_model(arch, num_classes=num_classes, **extra, **kwargs)
+    except TypeError as e:
+        raise UserError(f"--model {model} --model-args: {e}") from None
+    except RuntimeError as e:  # a state dict that does not fit (strict load)
+        if state is None:
+            raise
+        raise UserError(f"--pretrained: the weights do not fit timm's {arch} "
+                        f"({str(e).strip().splitlines()[0][:160]})") from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fetching: at most once, checked
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fetch(w: Weights, progress: bool = True) -> Path:
+    """The weights' file in the cache, downloaded first if it is not there (with a progress bar).
+
+    Raises UserError (one line) when it is not cached and cannot be fetched, or when its checksum
+    does not match."""
+    return _fetch_torchvision(w, progress) if w.source == "torchvision" else _fetch_hub(w, progress)
+
+
+def _fetch_torchvision(w: Weights, progress: bool) -> Path:
+    import torch.hub
+
+    folder = torch_home() / "hub" / "checkpoints"
+    dest = folder / w.file
+    if dest.is_file():
+        _check_prefix(dest, w)
+        return dest
+    if _offline():
+        raise UserError(_not_cached(w, dest, "offline: " + OFFLINE_ENV + " or HF_HUB_OFFLINE is set"))
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        # torch.hub's own downloader: a temporary file beside `dest`, a tqdm bar, the hash prefix checked
+        # before the file is moved into place (a bad download never lands in the cache)
+        torch.hub.download_url_to_file(w.url, str(dest), hash_prefix=w.hash_prefix, progress=progress)
+    except RuntimeError as e:
+        if "invalid hash value" in str(e):
+            raise UserError(f"{w.url} does not match its checksum (sha256 should start {w.hash_prefix}); "
+                            "refusing it, nothing was saved. Check the mirror (" + MIRROR_ENV + ") or try again"
+                            ) from None
+        raise
+    except OSError as e:  # URLError, HTTPError, connection refused, DNS: all mean "cannot reach it"
+        raise UserError(_not_cached(w, dest, _reason(e))) from None
+    return dest
+
+
+def _check_prefix(path: Path, w: Weights) -> None:
+    if w.hash_prefix and not sha256_of(path).startswith(w.hash_prefix):
+        raise UserError(f"{_shown(path)} does not match its checksum (sha256 should start {w.hash_prefix}): "
+                        "it is corrupt or was changed; delete it and run again to download it anew")
+
+
+def _reason(e: BaseException) -> str:
+    reason = getattr(e, "reason", None) or getattr(e, "strerror", None) or str(e) or type(e).__name__
+    return str(reason).strip().splitlines()[0][:120] if str(reason).strip() else type(e).__name__
+
+
+def _not_cached(w: Weights, dest: Path, why: str) -> str:
+    if w.source == "torchvision":
+        return (f"--pretrained: {w.file} is not in {_shown(dest.parent)}/ and {w.url} cannot be reached ({why}); "
+                f"where there is internet run `curl -L -o {w.file} {w.url}` and copy {w.file} into "
+                f"{_shown(dest.parent)}/ (or set TORCH_HOME to a cache that has it, or {MIRROR_ENV} to a mirror)")
+    return (f"--pretrained: {w.repo}/{w.file} is not in {_shown(dest)}/ and {hf_endpoint()} cannot be reached "
+            f"({why}); where there is internet run `HF_HOME=hf hf download {w.repo} {w.file}` and copy "
+            f"hf/hub/ to {_shown(dest)}/ (or set HF_HOME to a cache that has it, or HF_ENDPOINT to a mirror)")
+
+
+def _fetch_hub(w: Weights, progress: bool) -> Path:
+    import huggingface_hub as hub
+    from huggingface_hub import utils as hub_utils
+
+    cache = hf_cache()
+    # a cached file is used without asking the hub: a cache hit makes no request at all
+    found = hub.try_to_load_from_cache(w.repo, w.file, cache_dir=str(cache))
+    if isinstance(found, str):
+        path = Path(found)
+    else:
+        if _offline():
+            raise UserError(_not_cached(w, cache, "offline: " + OFFLINE_ENV + " or HF_HUB_OFFLINE is set"))
+        if not progress:
+            hub_utils.disable_progress_bars()
+        try:
+            path = Path(hub.hf_hub_download(w.repo, w.file, cache_dir=str(cache), endpoint=hf_endpoint()))
+        except hub_utils.EntryNotFoundError:
+            raise UserError(f"--pretrained: {w.repo} on {hf_endpoint()} has no {w.file}") from None
+        except hub_utils.RepositoryNotFoundError:
+            raise UserError(f"--pretrained: {hf_endpoint()} has no repository {w.repo} (or it needs a login: "
+                            "HF_TOKEN)") from None
+        except (hub_utils.LocalEntryNotFoundError, OSError) as e:
+            raise UserError(_not_cached(w, cache, _reason(e))) from None
+    _check_blob(path, w)
+    return path
+
+
+def _check_blob(path: Path, w: Weights) -> None:
+    """A hub file is a link to a blob named by its ETag, which for LFS files is the sha256."""
+    blob = path.resolve()
+    if re.fullmatch(r"[a-f0-9]{64}", blob.name) and sha256_of(blob) != blob.name:
+        raise UserError(f"{_shown(path)} ({w.repo}) does not match its checksum (sha256 {blob.name[:12]}...): "
+                        f"it is corrupt or was changed; delete {_shown(blob)} and run again")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading: through dlenv.weights' safe path
+
+
+def load_state(w: Weights, path: Path, trust_pickle: bool = False) -> dict[str, Any]:
+    """The state dict in the fetched file, read through dlenv.weights' checks like any --weights file
+    (`trust_pickle`: --trust-pickle as typed). Raises UserError for a refused or unreadable file."""
+    from dlenv import runstate, weights
+
+    obj = runstate.load_checkpoint(path, weights.LoadPolicy(trust_pickle=trust_pickle))
+    if isinstance(obj, dict) and runstate.is_bare_state_dict(obj.get("state_dict")):
+        obj = obj["state_dict"]
+    if not runstate.is_bare_state_dict(obj):
+        raise UserError(f"{_shown(path)} ({w.name}) holds no state dict; delete it and run again")
+    return dict(obj)
