@@ -9,7 +9,8 @@ import torch
 
 from dlenv import config
 from dlenv.bench import data as bench
-from dlenv.bench.data import data_wait_advice, measure_loader, prefetched, verdict
+from dlenv.bench.data import measure_loader, prefetched, verdict
+from dlenv.train.console import data_wait_advice
 
 
 class SlowLoader:

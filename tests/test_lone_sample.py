@@ -15,10 +15,9 @@ import torch
 from imagedata import make_train_val, train_config
 from torch import nn
 
-from dlenv import runstate
+from dlenv import runstate, step
 from dlenv import train as train_mod
 from dlenv.data.sampler import ResumableSampler
-from dlenv.train import loop
 
 
 class Recorder(nn.Module):
@@ -129,5 +128,5 @@ def test_rank_shares_never_end_in_a_batch_of_one(n, world, batch, per_rank):
     (5, 4, [3, 2]), (4, 4, [2, 2]), (79, 2, [40, 39]), (7, 2, [4, 3]), (3, 2, [3]), (1, 4, [1]), (8, 1, [8]),
 ])
 def test_oom_pieces_never_end_in_one_sample(n, chunks, sizes):
-    pieces = loop._pieces(torch.zeros(n, 1), torch.zeros(n), chunks)
+    pieces = step.pieces(torch.zeros(n, 1), torch.zeros(n), chunks)
     assert [len(x) for x, _ in pieces] == sizes

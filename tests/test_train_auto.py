@@ -21,6 +21,13 @@ from dlenv.train.state import read_config_notes
 from dlenv.values import on_off_auto, ratio_or_auto
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+
+
+def _probe(precision: str = "bf16", channels_last: bool = True) -> auto.Probe:
+    """What --checkpoint-ratio auto probes with: resnet18 of 4 classes at 32 px on a (fake) GPU."""
+    from dlenv.models import build_model
+
+    return auto.Probe("resnet18", lambda: build_model("resnet18", 4), 4, 32, precision, CUDA, channels_last)
 MIN = auto.COMPILE_MIN_BATCHES
 needs_compile = pytest.mark.skipif(not compat.HAS_COMPILE, reason="PyTorch 1.13 has no torch.compile")
 
@@ -271,7 +278,7 @@ def test_checkpoint_ratio_auto_applies_the_probes_answer(probe, ratio, says, mon
     model = build_model("resnet18", 4)
     said: list = []
     c = config.build(TrainConfig, checkpoint=True, batch_size=64, model="resnet18")
-    got, why = auto.checkpoint_ratio(c, model, {}, "bf16", 32, 4, CUDA, True, 64, said.append)
+    got, why = auto.checkpoint_ratio(c, model, _probe(), 64, said.append)
     assert got == ratio and says in why and said == [f"--checkpoint-ratio {why}"]
     wrapped = [is_checkpointed(b) for b in find_blocks(model)]
     assert wrapped == [i < round(ratio * 8) for i in range(8)]  # the first k blocks, exactly
@@ -287,7 +294,7 @@ def test_checkpoint_ratio_auto_does_not_probe_when_nothing_to_decide(given, rati
 
     monkeypatch.setattr(dlenv.autobatch, "fewest_checkpoint_blocks", _broken)  # never called
     c = config.build(TrainConfig, checkpoint=True, model="resnet18", **given)
-    got, why = auto.checkpoint_ratio(c, build_model("resnet18", 4), {}, "bf16", 32, 4, CUDA, True, 64, print)
+    got, why = auto.checkpoint_ratio(c, build_model("resnet18", 4), _probe(), 64, print)
     assert got == ratio and says in why
 
 
@@ -298,12 +305,12 @@ def test_checkpoint_ratio_auto_lets_a_real_error_through(monkeypatch):
     monkeypatch.setattr(dlenv.autobatch, "fewest_checkpoint_blocks", _broken)
     c = config.build(TrainConfig, checkpoint=True, batch_size=64, model="resnet18")
     with pytest.raises(RuntimeError, match="own bug"):
-        auto.checkpoint_ratio(c, build_model("resnet18", 4), {}, "bf16", 32, 4, CUDA, True, 64, print)
+        auto.checkpoint_ratio(c, build_model("resnet18", 4), _probe(), 64, print)
 
 
 def test_no_checkpoint_no_ratio():
     c = config.build(TrainConfig, batch_size=64)
-    assert auto.checkpoint_ratio(c, torch.nn.Linear(2, 2), {}, "fp32", 32, 4, CUDA, False, 64, print) is None
+    assert auto.checkpoint_ratio(c, torch.nn.Linear(2, 2), _probe("fp32", False), 64, print) is None
 
 
 def test_a_model_without_blocks_is_told_once(tmp_path, data, tiny, capsys):  # noqa: F811

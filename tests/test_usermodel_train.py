@@ -254,9 +254,11 @@ def test_batch_size_auto_probes_the_same_model(project, monkeypatch):
 
     monkeypatch.setattr(autobatch, "make_train_step_probe", probe)
     monkeypatch.setattr(autobatch, "find_max_batch", lambda p, **k: 24)
+    from dlenv.train.plan import ModelSpec
+
     cuda = type("D", (), {"type": "cuda"})()
-    n = auto.auto_batch("models/resnet.py:build", 3, "bf16", 1.0, 16, cuda, False, 100, print,
-                        model_kwargs={"width": 4})
+    spec = ModelSpec("models/resnet.py:build", 3, {"width": 4}, auto.Decision(16, "--img-size 16"), None)
+    n = auto.auto_batch(spec.probe("bf16", cuda, channels_last=False), 1.0, 100, print)
     assert n == 24 and built[0].fc.in_features == 8
 
 

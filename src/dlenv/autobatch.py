@@ -278,7 +278,7 @@ class TrainStepProbe:
     """A `try_step` for `find_max_batch`: real training steps on random data at a given batch size.
 
     Call it with a batch size: it runs `steps` of the trainer's own training step
-    (dlenv.train.loop.train_step: forward, backward, optimizer step) and returns True, or False on CUDA
+    (dlenv.step.train_step: forward, backward, optimizer step) and returns True, or False on CUDA
     out of memory; other errors propagate. The optimizer's state (momentum; AdamW's two moments) is
     made by the first step that succeeds and then kept, as in training, so one step per try meets the
     same peak as a training step. After each call the
@@ -298,7 +298,7 @@ class TrainStepProbe:
 
         from dlenv.models import apply_checkpointing
         from dlenv.precision import Precision
-        from dlenv.train.loop import Parts
+        from dlenv.step import Parts
 
         if optimizer not in ("sgd", "adamw"):
             raise ValueError(f"optimizer {optimizer!r} is not sgd or adamw")
@@ -317,7 +317,7 @@ class TrainStepProbe:
     def _train(self, batch: int) -> None:
         import torch
 
-        from dlenv.train.loop import train_step
+        from dlenv.step import train_step
 
         # every tensor of a try is local to this frame, so an OOM's traceback frees them with it;
         # until the optimizer has state, one more step makes it (its memory is part of every later peak)

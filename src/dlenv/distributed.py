@@ -334,13 +334,13 @@ def shard_eval_loader(loader: Any, rank: int, world_size: int) -> Any:
         return loader
     from torch.utils.data import DataLoader
 
-    from dlenv.data.loaders import SafeLoader
-
     kwargs: dict[str, Any] = dict(batch_size=loader.batch_size, num_workers=loader.num_workers,
                                   pin_memory=loader.pin_memory,
                                   sampler=EvalShardSampler(len(loader.dataset), rank, world_size))
     if loader.num_workers > 0:
         kwargs.update(persistent_workers=loader.persistent_workers, prefetch_factor=loader.prefetch_factor)
-    if isinstance(loader, SafeLoader):  # it brings its own collate function
-        return SafeLoader(loader.dataset, **kwargs)
+    if type(loader) is not DataLoader:
+        # a subclass brings its own collate function (dlenv.data.loaders.SafeLoader): built as itself, so
+        # this module needs no import of the data package above it
+        return type(loader)(loader.dataset, **kwargs)
     return DataLoader(loader.dataset, collate_fn=loader.collate_fn, **kwargs)

@@ -4,7 +4,7 @@ Two numbers decide it. The loader's images/s alone (decode, augment, copy to the
 at several worker counts; and the model's training images/s on synthetic data already on the device
 (no loader at all). Training can only go as fast as the slower of the two; a loader that is not
 comfortably faster than the model (HEADROOM) leaves the GPU waiting. The trainer says the same thing
-during a run when the data-wait share of an epoch passes WAIT_LIMIT (`data_wait_advice`).
+during a run when the data-wait share of an epoch passes a limit (dlenv.train.console.data_wait_advice).
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from typing import Any
 
 #: the loader must deliver this many times the model's speed: batches arrive unevenly
 HEADROOM = 1.1
-#: data-wait share of an epoch above which the trainer explains the bottleneck
-WAIT_LIMIT = 0.2
 
 
 def prefetched(loader: Any) -> int:
@@ -89,12 +87,12 @@ def measure_loader(loader: Iterable, batches: int, device: Any = None, warmup: i
 def measure_model(model_name: str, num_classes: int, batch_size: int, img_size: int, device: Any,
                   precision_mode: str, batches: int, warmup: int = 3) -> float:
     """Training images/s of a torchvision model on one random batch kept on `device` (no loader), with
-    the trainer's own step (dlenv.train.loop.train_step)."""
+    the trainer's own step (dlenv.step.train_step)."""
     import torch
 
     from dlenv.models import build_model, is_convolutional
     from dlenv.precision import Precision
-    from dlenv.train.loop import Parts, train_step
+    from dlenv.step import Parts, train_step
 
     device = torch.device(device)
     torch.backends.cudnn.benchmark = device.type == "cuda"
@@ -141,22 +139,6 @@ def verdict(loader_rates: dict[str, float], model_rate: float, cache_measured: b
     return "model", (f"The model ({'GPU' if on_gpu else 'CPU'}) is the bottleneck, as it should be: the loader "
                      f"gives up to {best:,.0f} img/s, more than the {model_rate:,.0f} img/s the model trains "
                      "at. Fast enough: " + ", ".join(enough) + ".")
-
-
-def data_wait_advice(share: float, cache: bool, gpu_augment: bool, workers: int) -> str | None:
-    """The trainer's one-time explanation when `share` of an epoch was spent waiting for data, or None
-    below WAIT_LIMIT."""
-    if share <= WAIT_LIMIT:
-        return None
-    tips = []
-    if not cache:
-        tips.append("--cache (decode the dataset once; crops and flips then run on the GPU)")
-    if not gpu_augment:
-        tips.append("--gpu-augment on (uint8 batches, augmented on the GPU)")
-    tips.append(f"more --workers than {workers} if CPU cores are idle")
-    tips.append("`invoke bench-data` to measure loader and model speed apart")
-    return (f"the GPU waited for data {share:.0%} of this epoch: the input pipeline, not the model, sets the "
-            "pace. Try: " + "; ".join(tips) + ".")
 
 
 def _table(rows: list[tuple[str, str, str]]) -> str:

@@ -1,7 +1,7 @@
 """Inside a bench-memory worker process: one configuration measured, written as JSON for the parent.
 
 `python -m dlenv.bench.memory_worker --worker SPEC --result FILE` (dlenv.bench.memory.run_worker
-starts it) builds the seeded model of SPEC and runs the trainer's own step (dlenv.train.loop.train_step)
+starts it) builds the seeded model of SPEC and runs the trainer's own step (dlenv.step.train_step)
 on one seeded batch: `measure` times warm-up + N steps and reads the peaks, `measure_max_batch`
 searches the largest batch that fits (dlenv.autobatch), `measure_checkpoint_search` the fewest
 checkpointed blocks that fit the batch (the auto-ratio row), `measure_allocator` trains on a batch and
@@ -23,7 +23,7 @@ import torch
 from dlenv.bench.memory import GIB, NO_SEARCH_ON_CPU, NUM_CLASSES, SEED, fragmentation_schedule
 from dlenv.compat import is_oom
 from dlenv.errors import UserError
-from dlenv.train.loop import Parts, train_step
+from dlenv.step import Parts, train_step
 
 
 def _parts(model: Any, mode: str, dev: torch.device, fmt: torch.memory_format) -> Parts:

@@ -102,7 +102,7 @@ def finetune(model: nn.Module, loader: Any, device: torch.device, epochs: int, l
     mean loss of each epoch. Masked weights stay zero: their gradient is zero and the forward
     multiplies by the mask anyway."""
     from dlenv.precision import Precision
-    from dlenv.train.loop import Parts, train_step
+    from dlenv.step import Parts, train_step
 
     model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -161,7 +161,7 @@ def main(cfg: Any) -> int:
     from dlenv.devices import resolve_device
 
     amount = check_amount(cfg.amount)
-    src = common.load_source(cfg.weights, "prune", cfg.model)
+    src = common.load_source(cfg.weights, "prune", cfg.model, common.policy(cfg))
     out = _output_path(cfg, src.path)
     device = resolve_device(cfg.device)
     root, loader = common.eval_loader(cfg.data, src, cfg.batch_size, cfg.workers)

@@ -19,7 +19,8 @@ on a CPU there is nothing to probe, and all are.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -32,24 +33,45 @@ from dlenv.errors import UserError
 COMPILE_MIN_BATCHES = 3000
 
 
-def decide_compile(choice: str, device: torch.device, planned_batches: int) -> tuple[bool, str]:
-    """(compile?, why) for --compile `choice` ("auto", "on", "off") and the micro-batches the run
-    plans per GPU."""
+class Decision(NamedTuple):
+    """A choice the trainer made: the value it chose, and one sentence that says why (config.yaml)."""
+
+    value: Any
+    why: str
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What the auto probes train on this machine: the run's model built afresh (`build`, without
+    --weights), its classes and image size, the precision, the device and the memory format."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    num_classes: int
+    img_size: int
+    precision: str
+    device: torch.device
+    channels_last: bool
+
+
+def decide_compile(choice: str, device: torch.device, planned_batches: int) -> Decision:
+    """Whether to compile, and why, for --compile `choice` ("auto", "on", "off") and the micro-batches
+    the run plans per GPU."""
     if choice == "off":
-        return False, "off (--compile off)"
+        return Decision(False, "off (--compile off)")
     if not compat.HAS_COMPILE:
-        return False, (f"off: PyTorch {torch.__version__} has no torch.compile (it arrived in 2.0)"
-                       + ("" if choice == "on" else "; auto means off here"))
+        return Decision(False, f"off: PyTorch {torch.__version__} has no torch.compile (it arrived in 2.0)"
+                        + ("" if choice == "on" else "; auto means off here"))
     if choice == "on":
-        return True, "on (--compile on)"
+        return Decision(True, "on (--compile on)")
     if device.type != "cuda":
-        return False, (f"auto: off on {device.type} (compiling pays on a GPU; --compile on to compile "
-                       "anyway)")
+        return Decision(False, f"auto: off on {device.type} (compiling pays on a GPU; --compile on to compile "
+                        "anyway)")
     if planned_batches < COMPILE_MIN_BATCHES:
-        return False, (f"auto: off, {planned_batches:,} planned micro-batches per GPU are under the "
-                       f"{COMPILE_MIN_BATCHES:,} that repay the compile time (--compile on to compile anyway)")
-    return True, (f"auto: on, {planned_batches:,} planned micro-batches per GPU repay the compile time "
-                  f"(from {COMPILE_MIN_BATCHES:,}; --compile off to run eagerly)")
+        return Decision(False, f"auto: off, {planned_batches:,} planned micro-batches per GPU are under the "
+                        f"{COMPILE_MIN_BATCHES:,} that repay the compile time (--compile on to compile anyway)")
+    return Decision(True, f"auto: on, {planned_batches:,} planned micro-batches per GPU repay the compile time "
+                    f"(from {COMPILE_MIN_BATCHES:,}; --compile off to run eagerly)")
 
 
 def start_ratio(cfg: Any) -> float:
@@ -58,10 +80,9 @@ def start_ratio(cfg: Any) -> float:
     return 1.0 if cfg.checkpoint_ratio == "auto" else float(cfg.checkpoint_ratio)
 
 
-def checkpoint_ratio(cfg: Any, model: nn.Module, model_kwargs: dict[str, Any], precision_mode: str, img_size: int,
-                     num_classes: int, device: torch.device, channels_last: bool, micro_batch: int,
-                     say: Callable[[str], None]) -> tuple[float, str] | None:
-    """(the fraction of blocks --checkpoint recomputes, why), None without --checkpoint. `model` is
+def checkpoint_ratio(cfg: Any, model: nn.Module, probe: Probe, micro_batch: int,
+                     say: Callable[[str], None]) -> Decision | None:
+    """The fraction of blocks --checkpoint recomputes, and why; None without --checkpoint. `model` is
     already checkpointed at the fraction chosen before the batch was known (all blocks for auto);
     auto re-applies its answer to it and says it."""
     from dlenv.models import find_blocks
@@ -69,31 +90,29 @@ def checkpoint_ratio(cfg: Any, model: nn.Module, model_kwargs: dict[str, Any], p
     if not cfg.checkpoint:
         return None
     n = len(find_blocks(model))
-    ratio, why = _checkpoint_ratio(cfg, model, n, model_kwargs, precision_mode, img_size, num_classes, device,
-                                   channels_last, micro_batch)
-    if cfg.checkpoint_ratio == "auto" and n:  # a model without blocks was already said so (_build_model)
-        say(f"--checkpoint-ratio {why}")
-    return ratio, why
+    ratio = _checkpoint_ratio(cfg, model, n, probe, micro_batch)
+    if cfg.checkpoint_ratio == "auto" and n:  # a model without blocks was already said so (plan.build_model)
+        say(f"--checkpoint-ratio {ratio.why}")
+    return ratio
 
 
-def _checkpoint_ratio(cfg: Any, model: nn.Module, n: int, model_kwargs: dict[str, Any], precision_mode: str,
-                      img_size: int, num_classes: int, device: torch.device, channels_last: bool,
-                      micro_batch: int) -> tuple[float, str]:
-    from dlenv.models import apply_checkpointing, build_model
+def _checkpoint_ratio(cfg: Any, model: nn.Module, n: int, probe: Probe, micro_batch: int) -> Decision:
+    from dlenv.models import apply_checkpointing
 
     if cfg.checkpoint_ratio != "auto":
-        return float(cfg.checkpoint_ratio), f"--checkpoint-ratio {cfg.checkpoint_ratio:g}"
+        return Decision(float(cfg.checkpoint_ratio), f"--checkpoint-ratio {cfg.checkpoint_ratio:g}")
     if n == 0:
-        return 1.0, "auto: the model has no repeated blocks"
+        return Decision(1.0, "auto: the model has no repeated blocks")
+    device = probe.device
     if device.type != "cuda":
-        return 1.0, f"auto: all {n} blocks ({device.type}: no GPU memory to fit)"
+        return Decision(1.0, f"auto: all {n} blocks ({device.type}: no GPU memory to fit)")
     if cfg.batch_size == "auto":
-        return 1.0, f"auto: all {n} blocks (--batch-size auto fills the GPU with every block checkpointed)"
+        return Decision(1.0, f"auto: all {n} blocks (--batch-size auto fills the GPU with every block checkpointed)")
     from dlenv.autobatch import fewest_checkpoint_blocks
 
     try:
-        found = fewest_checkpoint_blocks(lambda: build_model(cfg.model, num_classes, **model_kwargs), precision_mode,
-                                         img_size, num_classes, device, micro_batch, channels_last=channels_last)
+        found = fewest_checkpoint_blocks(probe.build, probe.precision, probe.img_size, probe.num_classes, device,
+                                         micro_batch, channels_last=probe.channels_last)
         blocks = found.blocks
     except RuntimeError as e:  # the probe's own model or optimizer did not fit: the least memory, then
         if not compat.is_oom(e):
@@ -109,26 +128,22 @@ def _checkpoint_ratio(cfg: Any, model: nn.Module, n: int, model_kwargs: dict[str
     else:
         why = (f"auto: all {n} blocks, and batch {micro_batch} may still not fit on {gpu}; "
                "a smaller --batch-size or --batch-size auto would")
-    return k / n, why
+    return Decision(k / n, why)
 
 
-def auto_batch(model_name: str, num_classes: int, precision_mode: str, checkpoint: float | bool,
-               img_size: int, device: torch.device, channels_last: bool, upper: int, say,
-               model_kwargs: dict[str, Any] | None = None) -> int:
+def auto_batch(probe: Probe, checkpoint: float | bool, upper: int, say: Callable[[str], None]) -> int:
     """The largest micro-batch whose real training steps fit on this GPU (dlenv.autobatch)."""
-    if device.type != "cuda":
+    if probe.device.type != "cuda":
         raise UserError("--batch-size auto measures GPU memory and needs a CUDA device; "
                         "give a number, e.g. --batch-size 32")
     from dlenv.autobatch import find_max_batch, make_train_step_probe
-    from dlenv.models import build_model
 
-    kwargs = model_kwargs or {}  # a model of your own: the factory's arguments, as the run builds it
-    probe = make_train_step_probe(lambda: build_model(model_name, num_classes, **kwargs), precision_mode, checkpoint,
-                                  img_size, num_classes, device, channels_last=channels_last)
+    trial = make_train_step_probe(probe.build, probe.precision, checkpoint, probe.img_size, probe.num_classes,
+                                  probe.device, channels_last=probe.channels_last)
     try:
-        n = find_max_batch(probe, start=8, upper=upper, what=model_name)
+        n = find_max_batch(trial, start=8, upper=upper, what=probe.name)
     finally:
-        probe.close()
-    say(f"--batch-size auto: {n} fits ({precision_mode}, checkpointing "
-        f"{'on' if checkpoint else 'off'}, {img_size} px)")
+        trial.close()
+    say(f"--batch-size auto: {n} fits ({probe.precision}, checkpointing "
+        f"{'on' if checkpoint else 'off'}, {probe.img_size} px)")
     return n

@@ -1,4 +1,5 @@
-"""What the trainer says and hears: the progress bar, the epoch line, and SIGINT/SIGTERM.
+"""What the trainer says and hears: the progress bar, the epoch line, the data-wait advice, and
+SIGINT/SIGTERM.
 
 A signal does not stop the run where it lands: `Stop` only notes it, and the loop asks `requested()`
 after each optimizer step, so the run stops at a step boundary, saves last.pth and exits 130 / 143.
@@ -19,6 +20,8 @@ from dlenv import distributed, invocation, progress
 
 #: exit status for each stop signal (128 + its number, as shells report it)
 SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+#: data-wait share of an epoch above which the trainer explains the bottleneck
+WAIT_LIMIT = 0.2
 
 
 def printer(enabled: bool) -> Callable[[str], None]:
@@ -104,3 +107,19 @@ def epoch_line(row: dict[str, Any], epochs: int, improved: bool, compile_s: floa
             + (f"(compile {compile_s:.1f} s)  " if compile_s else "") +
             f"peak {row['mem_alloc_gib']:.2f}/{row['mem_reserved_gib']:.2f} GiB alloc/reserved"
             + ("  *best*" if improved else ""))
+
+
+def data_wait_advice(share: float, cache: bool, gpu_augment: bool, workers: int) -> str | None:
+    """The trainer's one-time explanation when `share` of an epoch was spent waiting for data, or None
+    below WAIT_LIMIT."""
+    if share <= WAIT_LIMIT:
+        return None
+    tips = []
+    if not cache:
+        tips.append("--cache (decode the dataset once; crops and flips then run on the GPU)")
+    if not gpu_augment:
+        tips.append("--gpu-augment on (uint8 batches, augmented on the GPU)")
+    tips.append(f"more --workers than {workers} if CPU cores are idle")
+    tips.append("`invoke bench-data` to measure loader and model speed apart")
+    return (f"the GPU waited for data {share:.0%} of this epoch: the input pipeline, not the model, sets the "
+            "pace. Try: " + "; ".join(tips) + ".")

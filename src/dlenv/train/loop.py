@@ -1,26 +1,29 @@
-"""The epoch and the step: `train_one_epoch`, `forward_backward`, `optimizer_step`, `validate`.
+"""The epoch: `train_one_epoch` (forward and backward of each batch, the optimizer step at the end of
+each accumulation window) and `validate`.
 
 Each micro-batch is an autocast forward and a backward of loss / (micro-batches in the accumulation
 window); at the window's end the optimizer steps through the one `Precision` object (unscale, clip,
-step or skip on fp16 overflow), then the schedule and the EMA. The loop reads the GPU's numbers
-(loss, finiteness) only every CHECK_EVERY micro-batches, so the CPU stays ahead of the GPU as in a
-plain loop. `train_step` is the same step on one batch, for everything else that trains: the
---batch-size auto probe, bench-memory, bench-data and prune's fine-tuning.
+step or skip on fp16 overflow), then the schedule and the EMA. The step itself is dlenv.step's, the
+one the --batch-size auto probe, bench-memory, bench-data and prune's fine-tuning train with too.
+The loop reads the GPU's numbers (loss, finiteness) only every CHECK_EVERY micro-batches, so the CPU
+stays ahead of the GPU as in a plain loop.
 
 The machinery around the step lives in named helpers: `_Tally` (the running numbers and their
-checks), `_Window` (the accumulation window), `_forward_backward` (the OOM retry of --batch-size
-auto, and the fall back to eager mode when torch.compile fails) and the stop signal, which is only
-looked at after an optimizer step: a stop saves the state of a step boundary as it is, so nothing
-has to be rolled back and a resume continues bit for bit.
+checks), `_Window` (the accumulation window), `Rescue` (the rare paths: the OOM retry of
+--batch-size auto, and the fall back to eager mode when torch.compile fails), `_CompileWatch` (the
+time of a step that compiled, taken out of img/s; only looked at for a batch shape not seen yet) and
+the stop signal, which is only looked at after an optimizer step: a stop saves the state of a step
+boundary as it is, so nothing has to be rolled back and a resume continues bit for bit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +32,7 @@ from torch import nn
 from dlenv import compat, distributed
 from dlenv.errors import first_line
 from dlenv.memory import MemoryMonitor
+from dlenv.step import Parts, forward_backward, optimizer_step
 
 #: consecutive non-finite losses (or skipped fp16 steps) that stop a run
 NONFINITE_LIMIT = 20
@@ -61,32 +65,6 @@ class TrainState:
                 "oom_retries": self.oom_retries}
 
 
-@dataclass
-class Parts:
-    """The objects a step needs, passed explicitly instead of the whole config."""
-
-    model: nn.Module            # what runs forward (compiled / wrapped for DDP)
-    bare: nn.Module             # the plain module: state dicts, EMA, checkpoints
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    precision: Any
-    criterion: nn.Module
-    ema: Any
-    device: torch.device
-    memory_format: torch.memory_format
-    clip: float | None
-    eager: nn.Module | None = None  # the model before torch.compile: what a failed compile falls back to
-
-    @classmethod
-    def plain(cls, model: nn.Module, optimizer: torch.optim.Optimizer, precision: Any,
-              memory_format: torch.memory_format = torch.contiguous_format, scheduler: Any = None) -> Parts:
-        """The parts of a plain training step: cross-entropy, no EMA, no clipping, no DDP (the bench
-        commands, the --batch-size auto probe, prune's fine-tuning)."""
-        device = next(model.parameters()).device
-        return cls(model, model, optimizer, scheduler, precision, nn.CrossEntropyLoss(), None, device, memory_format,
-                   None)
-
-
 class NonFiniteLoss(Exception):
     """A run of non-finite losses or skipped steps; the trainer turns it into exit 4."""
 
@@ -106,34 +84,39 @@ class EpochStats:
 
 
 def train_one_epoch(parts: Parts, batches: Iterator, state: TrainState, total: int, stop: Any, progress: Any,
-                    monitor: MemoryMonitor, on_step: Callable[[TrainState], None] | None = None,
-                    retry_oom: bool = False) -> EpochStats:
+                    monitor: MemoryMonitor, rescue: Rescue,
+                    on_step: Callable[[TrainState], None] | None = None) -> EpochStats:
     """Train on `batches` until `total` loader batches of this epoch are done, or a stop signal.
 
     Updates `state` in place. A stop (`stop.requested()`) is honoured after an optimizer step only,
     so the state it leaves is a step boundary's. Raises NonFiniteLoss for a run of non-finite losses
-    or skipped steps; CUDA out-of-memory errors propagate unless `retry_oom` (then the batch is split
-    in more micro-batches and redone).
+    or skipped steps; CUDA out-of-memory and compile errors propagate unless `rescue` takes them.
     """
     parts.model.train()
     tally = _Tally(parts.device, monitor, progress)
     window = _Window()
+    watch = _CompileWatch(parts, tally)
     interrupted = False
     while state.batch_in_epoch < total:
         batch = tally.wait_for(batches)
         if batch is None:
             break
-        images = batch[0].to(parts.device, non_blocking=True, memory_format=parts.memory_format)
-        targets = batch[1].to(parts.device, non_blocking=True)
+        images, targets = batch
+        images = images.to(parts.device, non_blocking=True, memory_format=parts.memory_format)
+        targets = targets.to(parts.device, non_blocking=True)
+        n = images.shape[0]
         window.open(state, total)
         record = monitor if state.batch_in_epoch % CHECK_EVERY == 0 else None
-        graphs, t = (compat.compiled_graphs() if parts.eager is not None else None), time.perf_counter()
-        loss = _forward_backward(parts, images, targets, state, window, total, record, retry_oom, progress)
-        tally.add(loss, images.shape[0])
-        if graphs is not None and compat.compiled_graphs() != graphs:  # this micro-batch compiled a graph
-            tally.compiled(time.perf_counter() - t, images.shape[0])
+        # forward and backward of loss / window size (in state.chunks pieces); a rescued failure redoes it
+        # (the lambda runs within this iteration, so its batch is this one's)
+        with watch(images.shape, state.chunks):
+            loss = rescue.run(lambda: forward_backward(parts, images, targets, 1.0 / window.size,  # noqa: B023
+                                                       state.chunks, sync=window.closing, monitor=record),  # noqa: B023
+                              n, window, total)
+        tally.add(loss, n)
         state.batch_in_epoch += 1
-        state.position += images.shape[0]
+        state.position += n
+        # the optimizer step, at the end of the accumulation window
         stepped = window.close_one()
         if stepped:
             _step(parts, state, record, on_step)
@@ -171,6 +154,10 @@ class _Window:
     def closing(self) -> bool:
         """Whether the coming micro-batch is the window's last (DDP then all-reduces the gradients)."""
         return self.done + 1 == self.size
+
+    def restart(self, state: TrainState, total: int) -> None:
+        """Start the window again at the current batch (its earlier micro-batches' gradients are gone)."""
+        self.done, self.size = 0, min(state.accum_steps, total - state.batch_in_epoch)
 
     def close_one(self) -> bool:
         """Count a micro-batch done; True when that ended the window (time for the optimizer step)."""
@@ -255,104 +242,94 @@ class _Tally:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The step.
+# The rare paths around the step.
 
 
-def _pieces(images: torch.Tensor, targets: torch.Tensor, chunks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The batch in `chunks` near-equal pieces of at least two samples each: BatchNorm in train mode
-    raises on a single sample (5 images in 4 chunks are 3 + 2, not 2 + 2 + 1)."""
-    k = max(1, min(chunks, images.shape[0] // 2))
-    return list(zip(images.tensor_split(k), targets.tensor_split(k), strict=True))
+class _CompileWatch:
+    """Takes the time of a micro-batch in which torch.compile compiled a graph out of the speed. A graph
+    is compiled at the first call and again for a new input shape (the short last batch, a batch split
+    after an OOM), so only a shape this epoch has not seen yet is watched; the rest pass untouched."""
+
+    _nothing = contextlib.nullcontext()
+
+    def __init__(self, parts: Parts, tally: _Tally):
+        self.parts, self.tally, self.seen = parts, tally, set()
+
+    def __call__(self, shape: torch.Size, chunks: int) -> Any:
+        if self.parts.eager is None or (shape, chunks) in self.seen:
+            return self._nothing
+        self.seen.add((shape, chunks))
+        return self._timed(shape[0])
+
+    @contextlib.contextmanager
+    def _timed(self, images: int):
+        graphs, t = compat.compiled_graphs(), time.perf_counter()
+        yield
+        if compat.compiled_graphs() != graphs:  # this micro-batch compiled a graph
+            self.tally.compiled(time.perf_counter() - t, images)
 
 
-def forward_backward(parts: Parts, images: torch.Tensor, targets: torch.Tensor, weight: float, chunks: int,
-                     sync: bool, monitor: MemoryMonitor | None = None) -> torch.Tensor:
-    """Forward and backward of one loader batch (in `chunks` pieces), gradients scaled by `weight`.
+class Rescue:
+    """What a batch's failed forward and backward can be rescued from; anything else propagates.
 
-    Returns the batch's loss (detached). `sync=False` skips the DDP gradient all-reduce (accumulation).
+    With `retry_oom` (--batch-size auto on one GPU), a CUDA out-of-memory error splits every batch into
+    twice as many micro-batches. When torch.compile fails (it compiles at the first call, and again for
+    a new shape), the run says why in one line and goes on with the eager model. Either way the window
+    starts again at this batch: the gradients of its earlier micro-batches are dropped (a failed
+    backward leaves them partial). Only the main process says so (`say`).
     """
-    n = images.shape[0]
-    total = torch.zeros((), device=images.device)
-    pieces = _pieces(images, targets, chunks)
-    for i, (x, y) in enumerate(pieces):
-        last = sync and i == len(pieces) - 1
-        with distributed.no_sync_context(parts.model, last):
-            with parts.precision.autocast():
-                loss = parts.criterion(parts.model(x), y)
-            if monitor is not None:
-                monitor.record_memory("forward")
-            share = x.shape[0] / n
-            scale = weight * share
-            parts.precision.backward(loss if scale == 1.0 else loss * scale)
-        if monitor is not None:
-            monitor.record_memory("backward")
-        total = total + loss.detach().float() * share
-    return total
 
+    def __init__(self, parts: Parts, state: TrainState, progress: Any, say: Callable[[str], None],
+                 retry_oom: bool = False):
+        self.parts, self.state, self.progress, self.say, self.retry_oom = parts, state, progress, say, retry_oom
 
-def optimizer_step(parts: Parts) -> bool:
-    """Unscale, clip, step (or skip on fp16 overflow), then schedule and EMA; True if it stepped."""
-    params = parts.bare.parameters() if parts.clip else None
-    stepped = parts.precision.step(parts.optimizer, clip=parts.clip, parameters=params)
-    parts.optimizer.zero_grad(set_to_none=True)
-    if parts.scheduler is not None:
-        parts.scheduler.step()
-    if parts.ema is not None and stepped is not False:
-        parts.ema.update(parts.bare)
-    return stepped is not False
-
-
-def train_step(parts: Parts, images: torch.Tensor, targets: torch.Tensor,
-               monitor: MemoryMonitor | None = None) -> tuple[torch.Tensor, bool]:
-    """One optimizer step on one batch, the trainer's own (`forward_backward` then `optimizer_step`):
-    (the batch's loss, detached; whether the optimizer stepped: False when fp16 skipped it)."""
-    loss = forward_backward(parts, images, targets, 1.0, 1, sync=True, monitor=monitor)
-    return loss, optimizer_step(parts)
-
-
-def _forward_backward(parts: Parts, images: torch.Tensor, targets: torch.Tensor, state: TrainState,
-                      window: _Window, total: int, monitor: MemoryMonitor | None, retry_oom: bool,
-                      progress: Any) -> torch.Tensor:
-    """`forward_backward` of a loader batch in its window. With `retry_oom` (--batch-size auto), a CUDA
-    out-of-memory error splits every batch into twice as many micro-batches, and the window starts
-    again at this batch: the gradients of its earlier micro-batches are dropped (a failed backward
-    leaves them partial). The same happens when torch.compile fails (it compiles at the first call,
-    and again for a new shape): the run says why in one line and goes on with the eager model."""
-    while True:
-        try:
-            return forward_backward(parts, images, targets, 1.0 / window.size, state.chunks, sync=window.closing,
-                                    monitor=monitor)
-        except Exception as e:
-            oom = retry_oom and compat.is_oom(e) and state.chunks * 2 <= images.shape[0]
-            failed_compile = parts.eager is not None and not compat.is_oom(e) and compat.is_compile_error(e)
-            if not (oom or failed_compile):
-                raise
-            reason = first_line(compat.cause_chain(e)[-1])  # the root: compile wraps a backend's error
-        # here, outside the except block, the failed step's tensors are already freed
-        parts.optimizer.zero_grad(set_to_none=True)
-        dropped = f"; {window.done} micro-batch(es) of this window are skipped" if window.done else ""
-        progress.update(state.batch_in_epoch, float("nan"), 0.0, 0.0)
-        if failed_compile:
-            parts.model, parts.eager = parts.eager, None
-            print(f"--compile: torch.compile failed ({reason}); training eagerly from here{dropped}", flush=True)
-        else:
-            torch.cuda.empty_cache()  # give the fragments of the failed step back before the smaller retry
-            state.chunks *= 2
-            state.oom_retries += 1
-            print(f"CUDA out of memory: continuing with micro-batch {math.ceil(state.micro_batch / state.chunks)} x "
-                  f"{state.accum_steps * state.chunks} accumulation (same images per step){dropped}", flush=True)
-        window.done, window.size = 0, min(state.accum_steps, total - state.batch_in_epoch)
+    def run(self, forward_backward: Callable[[], torch.Tensor], batch: int, window: _Window,
+            total: int) -> torch.Tensor:
+        """`forward_backward()` of a batch of `batch` images, redone after each rescued failure."""
+        parts, state = self.parts, self.state
+        while True:
+            try:
+                return forward_backward()
+            except Exception as e:
+                oom = self.retry_oom and compat.is_oom(e) and state.chunks * 2 <= batch
+                failed_compile = parts.eager is not None and not compat.is_oom(e) and compat.is_compile_error(e)
+                if not (oom or failed_compile):
+                    raise
+                reason = first_line(compat.cause_chain(e)[-1])  # the root: compile wraps a backend's error
+            # here, outside the except block, the failed step's tensors are already freed
+            parts.optimizer.zero_grad(set_to_none=True)
+            dropped = f"; {window.done} micro-batch(es) of this window are skipped" if window.done else ""
+            self.progress.update(state.batch_in_epoch, float("nan"), 0.0, 0.0)
+            if failed_compile:
+                parts.model, parts.eager = parts.eager, None
+                self.say(f"--compile: torch.compile failed ({reason}); training eagerly from here{dropped}")
+            else:
+                torch.cuda.empty_cache()  # give the fragments of the failed step back before the smaller retry
+                state.chunks *= 2
+                state.oom_retries += 1
+                micro = math.ceil(state.micro_batch / state.chunks)
+                accum = state.accum_steps * state.chunks
+                self.say(f"CUDA out of memory: continuing with micro-batch {micro} x {accum} "
+                         f"accumulation (same images per step){dropped}")
+            window.restart(state, total)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Validation.
 
 
+class Scores(NamedTuple):
+    """Validation over every rank's shard: mean loss, top-1 and top-5 accuracy in %."""
+
+    loss: float
+    top1: float
+    top5: float
+
+
 @torch.no_grad()
 def validate(model: nn.Module, batches: Any, precision: Any, device: torch.device,
-             memory_format: torch.memory_format) -> tuple[float, float, float] | None:
-    """(loss, top-1 %, top-5 %) over `batches` of every rank (top-5 is top-k for k = min(5, classes));
-    None if empty."""
+             memory_format: torch.memory_format) -> Scores | None:
+    """The Scores over `batches` of every rank (top-5 is top-k for k = min(5, classes)); None if empty."""
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
@@ -375,4 +352,4 @@ def validate(model: nn.Module, batches: Any, precision: Any, device: torch.devic
     t = distributed.reduce_metrics({"loss": loss_sum, "top1": correct[0], "top5": correct[1], "n": n})
     if t["n"] == 0:
         return None
-    return t["loss"] / t["n"], 100.0 * t["top1"] / t["n"], 100.0 * t["top5"] / t["n"]
+    return Scores(t["loss"] / t["n"], 100.0 * t["top1"] / t["n"], 100.0 * t["top5"] / t["n"])

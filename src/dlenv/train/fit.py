@@ -1,0 +1,202 @@
+"""The epochs of a run: `fit` trains, validates, records and saves until the plan's epochs are done or
+a signal stops the run.
+
+Each epoch: the training part (dlenv.train.loop.train_one_epoch) from where the state says, then
+validation, one results.csv row, last.pth (best_model.pth when the metric improved) and memory.md,
+all written by rank 0 only. The fixed objects of a run (plan, parts, data, run folder, memory
+monitor) sit in one `_Epochs`, so each epoch's functions take only what changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlenv import compat, distributed, finetune, memory, results
+from dlenv.data import pipeline
+from dlenv.errors import UserError
+from dlenv.step import Parts
+from dlenv.train import console, loop
+from dlenv.train import state as saved
+from dlenv.train.loop import NonFiniteLoss, TrainState
+from dlenv.train.plan import TrainPlan
+
+EXIT_OOM, EXIT_NONFINITE = 3, 4
+
+
+@dataclass
+class Run:
+    """Where a run writes (only the main process writes) and what every save carries."""
+
+    dir: Path | None            # None on other ranks of a new run
+    meta: dict[str, Any]
+    tb: Any                     # a TensorBoard SummaryWriter, or None
+    is_main: bool
+    lock: Any = None            # runs.RunLock: a second run in this folder is refused while it lives
+    advised: bool = False       # the data-wait explanation is given once per run
+
+    @property
+    def last(self) -> Path | None:
+        return self.dir / "last.pth" if self.dir else None
+
+    @property
+    def best(self) -> Path | None:
+        return self.dir / "best_model.pth" if self.dir else None
+
+
+def fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Data, run: Run,
+        say: Callable[[str], None], on_step: Callable[[TrainState], None] | None = None) -> dict[str, Any]:
+    """Epochs until the plan's are done or a signal stops the run; returns the summary (see `train`).
+
+    A stop saves last.pth at the step boundary the loop stopped at. Non-finite losses and CUDA out of
+    memory become one UserError each (exit 4 and 3) naming the last good checkpoint; a failed peer
+    becomes dlenv.distributed.PeerFailure.
+    """
+    summary: dict[str, Any] = {"run_dir": str(run.dir) if run.dir else None, "status": "done", "exit_code": 0,
+                               "precision": parts.precision.mode, "batch_size": state.micro_batch,
+                               "accum_steps": state.accum_steps, "last": str(run.last) if run.last else None,
+                               "best": str(run.best) if run.best else None, "img_per_s": None,
+                               "peak_alloc_gib": None, "compile_s": 0.0}
+    epochs = _Epochs(decided, parts, data, run, memory.MemoryMonitor(parts.device), say)
+    try:
+        with console.Stop(say, decided.world_size) as stop:
+            while state.epoch < decided.epochs:
+                t_epoch = time.perf_counter()
+                stats = epochs.train(state, stop, on_step)
+                if stats.interrupted:
+                    if run.is_main:
+                        saved.save_last(parts, state, data.sampler, run.meta, run.last)
+                    return _stopped(summary, stop.signum, run.last, say)
+                row = epochs.end(state, stats, t_epoch)
+                summary["compile_s"] = summary["compile_s"] + stats.compile_s
+                summary.update(img_per_s=row["img_per_s"], peak_alloc_gib=row["mem_alloc_gib"],
+                               batch_size=row["batch_size"], accum_steps=row["accum_steps"])
+                if stop.requested():
+                    return _stopped(summary, stop.signum, run.last, say)
+    except NonFiniteLoss as e:
+        raise UserError(f"training stopped: {e}. {saved.last_good(run.last)} Try a lower --lr, --clip-grad 1.0, "
+                        "or --amp-dtype bf16 instead of fp16", exit_code=EXIT_NONFINITE) from None
+    except RuntimeError as e:
+        if decided.world_size > 1 and distributed.is_peer_error(e):  # e.g. in DDP's gradient all-reduce
+            raise distributed.peer_failure(e, "a training step") from None
+        if not compat.is_oom(e):
+            raise
+        raise UserError(epochs.oom_advice(state), exit_code=EXIT_OOM) from None
+    finally:
+        if run.tb is not None:
+            run.tb.close()
+    best = run.best if run.best is not None and run.best.is_file() else None
+    summary.update(epochs=state.epoch, step=state.step, best_metric=state.best_metric,
+                   best=str(best) if best else None)
+    say(f"done: {state.epoch} epochs; best {'top-1' if data.val is not None else '-loss'} "
+        f"{state.best_metric:.2f}; " + (f"weights in {best}" if best else "no best_model.pth was written"))
+    return summary
+
+
+def _stopped(summary: dict[str, Any], signum: int | None, last_path: Path | None, say) -> dict[str, Any]:
+    say(console.stopped_line(signum, last_path))
+    summary.update(status="interrupted", exit_code=console.SIGNAL_EXIT.get(signum, 130))
+    return summary
+
+
+@dataclass
+class _Epochs:
+    """What stays the same from epoch to epoch of one run."""
+
+    plan: TrainPlan
+    parts: Parts
+    data: pipeline.Data
+    run: Run
+    monitor: memory.MemoryMonitor
+    say: Callable[[str], None]
+
+    def train(self, state: TrainState, stop: console.Stop,
+              on_step: Callable[[TrainState], None] | None) -> loop.EpochStats:
+        """The training part of an epoch, from where `state` says (a resumed epoch starts mid-way)."""
+        parts, data = self.parts, self.data
+        if data.sampler is not None:
+            data.sampler.set_epoch(state.epoch, start=state.position)
+        finetune.set_epoch(parts.bare, state.epoch)  # --freeze-epochs: the head alone, then everything
+        total = min(state.batch_in_epoch + len(data.train), self.plan.batches_per_epoch)
+        batches = iter(data.train)
+        if parts.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(parts.device)
+        progress = console.Progress(total, state.batch_in_epoch, f"epoch {state.epoch + 1}/{self.plan.epochs}",
+                                    self.run.is_main)
+        rescue = loop.Rescue(parts, state, progress, self.say, retry_oom=self.plan.oom_retry)
+        try:
+            return loop.train_one_epoch(parts, batches, state, total, stop, progress, self.monitor, rescue, on_step)
+        finally:
+            progress.close()
+
+    def end(self, state: TrainState, stats: loop.EpochStats, t_epoch: float) -> dict[str, Any]:
+        """Validate, count the epoch, append its results.csv row, save last.pth (best_model.pth when the
+        metric improved) and memory.md; returns the row."""
+        parts, data, run, world = self.parts, self.data, self.run, self.plan.world_size
+        peak_alloc, peak_reserved = self.monitor.peak()
+        evaluated = parts.ema.module if parts.ema is not None else parts.bare
+        val = (loop.validate(evaluated, data.val, parts.precision, parts.device, parts.memory_format)
+               if data.val is not None else None)
+        state.epoch += 1
+        state.batch_in_epoch, state.position = 0, 0
+        if world > 1:  # the mean over all ranks' batches, as one process would report
+            stats.loss = distributed.reduce_metrics({"loss": stats.loss})["loss"] / world
+        metric = val.top1 if val is not None else -stats.loss
+        improved = state.best_metric is None or metric > state.best_metric
+        if improved:
+            state.best_metric, state.best_epoch = metric, state.epoch
+        row = {"epoch": state.epoch, "train_loss": stats.loss,
+               "val_loss": val.loss if val else None, "top1": val.top1 if val else None,
+               "top5": val.top5 if val else None, "lr": parts.optimizer.param_groups[0]["lr"],
+               "img_per_s": stats.images * world / max(stats.seconds, 1e-9),
+               "data_wait": stats.data_wait / max(stats.seconds, 1e-9),
+               "epoch_s": time.perf_counter() - t_epoch, "mem_alloc_gib": peak_alloc,
+               "mem_reserved_gib": peak_reserved, "batch_size": math.ceil(state.micro_batch / state.chunks),
+               "accum_steps": state.accum_steps * state.chunks, "oom_retries": state.oom_retries}
+        if run.is_main:
+            results.append_row(run.dir / "results.csv", row)
+            if run.tb is not None:
+                for k, v in row.items():
+                    if isinstance(v, (int, float)) and k != "epoch":
+                        run.tb.add_scalar(k, v, state.epoch)
+                run.tb.flush()
+            saved.save_last(parts, state, data.sampler, run.meta, run.last)
+            if improved:
+                saved.save_best(parts, state, data.sampler, run.meta, run.best)
+            self.write_memory_report()
+        self.say(console.epoch_line(row, self.plan.epochs, improved and val is not None, stats.compile_s))
+        # the first epoch's wait includes starting the workers: judge from the second on
+        if data.sampler is not None and not run.advised and (state.epoch > 1 or self.plan.epochs == 1):
+            advice = console.data_wait_advice(row["data_wait"], data.plan.cache, data.plan.on_device,
+                                              data.plan.workers)
+            if advice:
+                self.say(advice)
+                run.advised = True
+        return row
+
+    def write_memory_report(self) -> None:
+        """memory.md in the run folder (GPU runs): memory per phase of the step, and the allocator's state."""
+        if self.run.is_main and self.monitor.enabled:
+            from dlenv.atomic import write_text
+
+            # a report is a help, never a reason to fail: a run that just ran out of memory writes it too
+            with contextlib.suppress(OSError, RuntimeError):
+                write_text(self.run.dir / "memory.md", memory.run_report(self.monitor))
+
+    def oom_advice(self, state: TrainState) -> str:
+        """The CUDA out-of-memory message (dlenv.memory.oom_message); memory.md then holds the allocator's
+        state."""
+        device = self.parts.device
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+        card = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else 0.0
+        self.write_memory_report()
+        return memory.oom_message(math.ceil(state.micro_batch / state.chunks), state.accum_steps * state.chunks,
+                                  peak, card, amp=self.parts.precision.mode != "fp32",
+                                  checkpoint=self.plan.checkpoint_ratio is not None)

@@ -1,0 +1,164 @@
+"""`train(cfg)`: plan, parts, fit.
+
+    cfg, resume = state.open_resume(cfg)            # a resumed run continues with its saved options
+    setup = plan.resolve(cfg, resume, ...)          # every decision once, with the model and data it built
+    parts = build_parts(cfg, setup.plan, ...)       # optimizer, schedule, DDP, EMA, compile, one Precision
+    run = open_run(cfg, setup.plan, ...)            # the run folder, config.yaml first
+    fit(...)                                        # the epochs (dlenv.train.fit)
+
+Each epoch validates, appends a row to results.csv, saves last.pth (and best_model.pth on
+improvement) atomically, and on a GPU writes memory.md (memory per phase of the step and the
+allocator's state, dlenv.memory). Nothing is lost: SIGINT/SIGTERM end the current optimizer step,
+save last.pth (with sampler position and RNG states) and exit 130/143; `--resume` continues there,
+bit for bit on a CPU with --deterministic and --workers 0. CUDA out of memory stops with advice
+(exit 3; with --batch-size auto the batch is split and retried instead); a run of non-finite losses
+or skipped fp16 steps stops with exit 4. Neither overwrites the last good checkpoint.
+
+With --gpus N, `main` launches N processes through torchrun (dlenv.launch): each trains its share
+under DDP (dlenv.distributed), validation sums are reduced over all of them, and only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dlenv import compat, distributed, finetune, launch, results, runs, runstate
+from dlenv.config import TrainConfig
+from dlenv.devices import resolve_device
+from dlenv.precision import Precision
+from dlenv.step import Parts
+from dlenv.train import console, plan
+from dlenv.train import state as saved
+from dlenv.train.fit import Run, fit
+from dlenv.train.loop import TrainState
+
+
+def main(cfg: TrainConfig) -> int:
+    """`dlenv train`: run `train(cfg)`, or with --gpus N launch N of them through torchrun; return the
+    exit code (UserError propagates to the CLI)."""
+    if launch.needs_launch(cfg):
+        return launch.launch(cfg)
+    return int(train(cfg)["exit_code"])
+
+
+def train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None = None) -> dict[str, Any]:
+    """Train as `cfg` says; returns a summary dict.
+
+    Summary keys: run_dir, status ("done" or "interrupted"), exit_code (0, 130, 143), epochs (completed),
+    step, best_metric, last, best, precision, batch_size, accum_steps, img_per_s and peak_alloc_gib
+    (of the last epoch). `on_step(state)` is called after every optimizer step (tests, tools).
+    Raises UserError for bad input, CUDA out of memory (exit_code 3) and a run of non-finite losses
+    (exit_code 4); the last good checkpoint is intact in each case.
+    """
+    with _GlobalSettings():
+        summary = _train(cfg, on_step)
+    distributed.cleanup()  # after a normal end only: with a dead peer, teardown could wait for it
+    return summary
+
+
+def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> dict[str, Any]:
+    cfg, resume = saved.open_resume(cfg)
+    dist = distributed.join(cfg)
+    say = console.printer(dist.is_main)
+    if resume is not None and resume.ignored:
+        say(f"--resume continues {resume.run_dir} with its saved options; ignoring {', '.join(resume.ignored)} "
+            f"(to change them, start a new run from its weights: --weights {cfg.resume})")
+    device = resolve_device(cfg.device, dist.local_rank)
+    _seed_everything(cfg.seed + dist.rank, cfg.deterministic, device)
+
+    setup = plan.resolve(cfg, resume, dist, device, say)
+    decided = setup.plan
+    parts = build_parts(cfg, decided, setup.model, device)
+    state = TrainState(micro_batch=decided.micro_batch, accum_steps=decided.accum_steps)
+    rng = saved.restore(resume, parts, state, setup.data.sampler) if resume is not None else None
+    run = open_run(cfg, decided, resume, dist, device, setup.data, state)
+    say(decided.start_line(setup.data, device, bool(state.epoch or state.batch_in_epoch), run.dir))
+    if rng is not None:  # last: building the model and the auto-batch probe drew from these streams
+        runstate.set_rng_state(rng)
+    return fit(decided, parts, state, setup.data, run, say, on_step)
+
+
+class _GlobalSettings:
+    """Restores the process-wide torch settings a run changes, so train() can be called repeatedly."""
+
+    def __enter__(self):
+        self.det = torch.are_deterministic_algorithms_enabled()
+        self.warn = torch.is_deterministic_algorithms_warn_only_enabled()
+        self.bench = torch.backends.cudnn.benchmark
+        return self
+
+    def __exit__(self, *exc):
+        torch.use_deterministic_algorithms(self.det, warn_only=self.warn)
+        torch.backends.cudnn.benchmark = self.bench
+
+
+def _seed_everything(seed: int, deterministic: bool, device: torch.device) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # CPU and every GPU
+    if deterministic:
+        # cuBLAS needs a fixed workspace for reproducible matmuls (read when cuBLAS starts)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        # warn_only: a few CUDA backward kernels have no deterministic version; warn, don't stop
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+    else:
+        # cuDNN autotuning picks the fastest convolution for the fixed training shape
+        torch.backends.cudnn.benchmark = device.type == "cuda"
+
+
+def build_parts(cfg: TrainConfig, decided: plan.TrainPlan, model: nn.Module, device: torch.device) -> Parts:
+    """Optimizer, warmup-cosine schedule, DDP, EMA, compile and one Precision around `model`, as planned."""
+    from dlenv.optim import ModelEma, build_optimizer, warmup_cosine
+
+    chosen, steps = decided.optimizer, decided.steps_per_epoch
+    optimizer = build_optimizer(model, chosen.name, chosen.lr, chosen.weight_decay, cfg.momentum, cfg.nesterov,
+                                lr_scales=finetune.lr_scales(model))  # --pretrained: the backbone's lower rate
+    scheduler = warmup_cosine(optimizer, round(cfg.warmup_epochs * steps), cfg.epochs * steps)
+    # DDP first (it broadcasts rank 0's weights), then compile the wrapped model, as PyTorch advises
+    run_model = distributed.wrap_ddp(model, device, sync_bn=cfg.sync_bn)
+    ema = ModelEma(model, cfg.ema_decay) if cfg.ema else None
+    eager = run_model  # kept: a compile that fails falls back to it (dlenv.train.loop.Rescue)
+    if decided.compile.value:
+        run_model = compat.compile_model(run_model)
+    return Parts(run_model, model, optimizer, scheduler, Precision(decided.precision.value, device),
+                 nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing), ema, device, decided.memory_format,
+                 cfg.clip_grad, eager=eager if decided.compile.value else None)
+
+
+def open_run(cfg: TrainConfig, decided: plan.TrainPlan, resume: saved.Resume | None, dist: distributed.DistInfo,
+             device: torch.device, data: Any, state: TrainState) -> Run:
+    """The run folder with config.yaml in it first (rank 0), results.csv cut back to a resumed epoch, and
+    the metadata every checkpoint carries."""
+    options = decided.options(cfg)
+    run_dir, lock = (resume.run_dir if resume is not None else None), None
+    if dist.is_main:
+        if run_dir is None:
+            run_dir = runs.new_run_dir(cfg.project, cfg.name, cfg.exist_ok)
+        options["name"] = run_dir.name  # the folder it got (exp2), not the name asked for (exp)
+        lock = runs.lock_run_dir(run_dir)  # held for the run's life: a second run here is refused
+        saved.settle_best(run_dir, resume, state.best_metric, print)
+        saved.write_config_yaml(run_dir / "config.yaml", options, decided.notes(device, data))
+        if state.epoch or state.batch_in_epoch:
+            results.truncate_after(run_dir / "results.csv", state.epoch)
+    meta = {"model_name": cfg.model, "num_classes": len(data.classes), "class_names": data.classes,
+            "img_size": decided.input.img_size, "config": options, "world_size": dist.world_size,
+            "model_source": decided.model.provenance}
+    tb = _tensorboard(run_dir) if cfg.tensorboard and dist.is_main else None
+    return Run(run_dir, meta, tb, dist.is_main, lock)
+
+
+def _tensorboard(run_dir: Path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(run_dir))
