@@ -9,6 +9,7 @@ check and the open), and read up to a limit. No torch here: config and the CLI u
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from typing import BinaryIO
@@ -53,6 +54,17 @@ def open_regular(path: str | os.PathLike, what: str = "file", limit: int | None 
         fd = os.open(path, flags)
     except IsADirectoryError:
         raise UserError(f"{what} {printable(os.fspath(path))} is a folder, not a file; pass a file path") from None
+    except OSError as e:
+        # a socket cannot be opened at all (ENXIO), nor a device with no driver behind it (ENODEV):
+        # name what the path is instead of the kernel's "No such device or address"
+        if e.errno not in (errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):
+            raise
+        try:
+            kind = _kind(os.stat(path).st_mode)
+        except OSError:
+            kind = "not a regular file"
+        raise UserError(f"{what} {printable(os.fspath(path))} is {kind}, not a regular file; pass a regular file"
+                        ) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
