@@ -118,3 +118,102 @@ def test_a_user_error_naming_a_hostile_file_stays_one_line(monkeypatch, capsys):
     monkeypatch.setattr("dlenv.plots.main", _boom(UserError("bad file a\nfake line\x1b[2J")))
     assert cli.main(["plot"]) == 2
     assert capsys.readouterr().err == "dlenv plot: error: bad file a\\nfake line\\x1b[2J\n"
+
+
+# ---------------------------------------------------------------------------------------------------
+# One table of exit codes (issue 25 item 8: 5 meant both "the machine" and "lost its peer").
+
+
+def test_exit_codes_are_one_table_of_distinct_values():
+    from dlenv import errors
+
+    names = {n: getattr(errors, n) for n in dir(errors) if n.startswith("EXIT_") and n != "EXIT_CODES"}
+    assert len(set(names.values())) == len(names), names  # no two meanings share a number
+    assert set(names.values()) == set(errors.EXIT_CODES)
+    assert errors.EXIT_FAULT != errors.EXIT_PEER
+
+
+@pytest.mark.parametrize(("where", "name"), [
+    ("dlenv.launch", "EXIT_PEER"),
+    ("dlenv.train", "EXIT_OOM"),
+    ("dlenv.train", "EXIT_NONFINITE"),
+])
+def test_every_module_takes_its_exit_codes_from_the_table(where, name):
+    import importlib
+
+    from dlenv import errors
+
+    assert getattr(importlib.import_module(where), name) == getattr(errors, name)
+
+
+def test_a_peer_failure_exits_differently_from_a_fault_of_the_machine():
+    pytest.importorskip("torch")
+    from dlenv import errors
+    from dlenv.distributed import PeerFailure
+
+    assert PeerFailure("x").exit_code == errors.EXIT_PEER != errors.EXIT_FAULT
+
+
+def test_docs_faults_table_lists_every_exit_code():
+    """docs/faults.md's table has a row ending in each code of EXIT_CODES, and no other codes."""
+    import re
+    from pathlib import Path
+
+    from dlenv.errors import EXIT_CODES, EXIT_OK, EXIT_SIGINT, EXIT_SIGTERM
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "faults.md").read_text()
+    table = text[text.index("| what went wrong | you see | exit |"):].split("\n\n")[0]
+    shown = {int(c) for row in table.splitlines()[2:] for c in re.findall(r"\d+", row.rsplit("|", 2)[1])}
+    assert shown == set(EXIT_CODES) - {EXIT_OK}, shown
+    assert {EXIT_SIGINT, EXIT_SIGTERM} <= shown
+
+
+# ---------------------------------------------------------------------------------------------------
+# DataLoader workers that die (issue 24 item 2, issue 25 item 6): torch's messages, as raised.
+
+_DIED = "DataLoader worker (pid(s) 4242) exited unexpectedly"
+WORKER_DEATHS = [
+    ("bus-error", "DataLoader worker (pid 4242) is killed by signal: Bus error. It is possible that dataloader's "
+                  "workers are out of shared memory. Please try to raise your shared memory limit.", "--ipc=host"),
+    ("shm-write-1.13", "unable to write to file </torch_17880_634821884_1>: No space left on device (28)",
+     "--shm-size"),
+    ("shm-write-2.x", "unable to write to file </torch_1_2_3>: No space left on device", "/dev/shm"),
+    ("oom-killer", "DataLoader worker (pid 4242) is killed by signal: Killed. ", "killed by the system"),
+    ("oom-killer-pids", "DataLoader worker (pid 1, 2) is killed by signal: Killed.", "docker run --memory"),
+]
+
+
+@pytest.mark.parametrize(("message", "expect"), [c[1:] for c in WORKER_DEATHS], ids=[c[0] for c in WORKER_DEATHS])
+@pytest.mark.parametrize("wrapped", [False, True], ids=["bare", "as-cause"])
+def test_a_dead_worker_is_one_fault_line(message, expect, wrapped):
+    """As torch raises it in the main process: the signal message, or "exited unexpectedly" raised
+    from it (the traceback's "direct cause")."""
+    exc = RuntimeError(message)
+    if wrapped:
+        outer = RuntimeError(_DIED)
+        outer.__cause__ = exc
+        exc = outer
+    line = environment_fault(exc)
+    assert line is not None and expect in line and "\n" not in line
+
+
+@pytest.mark.parametrize("message", [
+    _DIED,  # the cause unknown: not blamed on the machine
+    "DataLoader worker (pid 4242) is killed by signal: Segmentation fault.",
+    "Caught RuntimeError in DataLoader worker process 0.",
+])
+def test_other_worker_deaths_are_not_blamed_on_the_machine(message):
+    assert environment_fault(RuntimeError(message)) is None
+
+
+@pytest.mark.parametrize(("message", "expect"), [c[1:] for c in WORKER_DEATHS], ids=[c[0] for c in WORKER_DEATHS])
+def test_a_dead_worker_through_the_cli_is_one_line_and_exit_5(monkeypatch, capsys, message, expect):
+    from dlenv.errors import EXIT_FAULT
+
+    outer = RuntimeError(_DIED)
+    outer.__cause__ = RuntimeError(message)
+    monkeypatch.setattr("dlenv.plots.main", _boom(outer))
+    assert cli.main(["plot"]) == EXIT_FAULT
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and "bug in dlenv" not in err
+    assert expect in err

@@ -110,8 +110,6 @@ _FAULTS: dict[int, tuple[str, str]] = {
                   "let the command write all of its output"),
     errno.EBUSY: ("{path} is busy: a mount point (docker run -v ...:{path}) or in use, so it cannot be renamed "
                   "or removed", "write into a folder inside it, or mount its parent folder instead"),
-    errno.EXDEV: ("{path} would move across file systems (a mount point on the way)",
-                  "write into a folder inside the mount, or mount its parent folder instead"),
     errno.ENOMEM: ("out of memory (while working on {path})", "use a smaller --batch-size or fewer --workers"),
 }
 
