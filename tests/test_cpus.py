@@ -53,3 +53,15 @@ MiB, GiB = 2**20, 2**30
 ])
 def test_workers_that_fit_shm(n, total, free, per_worker, kept):
     assert cpus.workers_that_fit(n, total, free, per_worker) == kept
+
+
+@pytest.mark.parametrize("n, total, free, per_worker, kept", [
+    (14, 512 * MiB, 512 * MiB, 10 * MiB, 14),  # a number given is not capped at two on a small /dev/shm ...
+    (8, 64 * MiB, 64 * MiB, 5 * MiB, 8),
+    (14, 64 * MiB, 64 * MiB, 100 * MiB, 0),    # ... only held to what fits: batches past it kill a worker
+    (2, 64 * MiB, 64 * MiB, 220 * MiB, 0),     # the issue's --workers 2 at 224 px, batch 64
+    (3, 8 * GiB, 1 * GiB, 300 * MiB, 3),
+    (3, 8 * GiB, 500 * MiB, 300 * MiB, 1),
+])
+def test_workers_that_fit_shm_for_a_number_given(n, total, free, per_worker, kept):
+    assert cpus.workers_that_fit(n, total, free, per_worker, given=True) == kept
