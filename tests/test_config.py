@@ -130,3 +130,15 @@ def test_a_cfg_file_that_is_not_a_yaml_mapping_is_one_line(tmp_path, content, me
 def test_a_cfg_folder_is_one_line(tmp_path):
     with pytest.raises(UserError, match="is a folder"):
         config.build(config.TrainConfig, tmp_path)
+
+
+@pytest.mark.parametrize("name", [n for n, c in config.COMMANDS.items()
+                                  if any(f.name == "workers" and f.type != "tuple"
+                                         for f in dataclasses.fields(c.config))])
+def test_every_workers_option_takes_0_auto_and_refuses_negatives(name):
+    cls = config.COMMANDS[name].config
+    assert config.build(cls, workers="0").workers == 0  # 0: the work runs in the main process
+    assert config.build(cls, workers="auto").workers == "auto"
+    assert config.build(cls, workers="3").workers == 3
+    with pytest.raises(UserError, match="integer >= 0"):
+        config.build(cls, workers="-1")

@@ -33,6 +33,7 @@ from dlenv.values import (
     parse_int,
     parse_str,
     ratio_or_auto,
+    workers_or_auto,
 )
 
 # Value parsers (dlenv.values): each takes the string a user typed (or a YAML value) and returns the
@@ -89,7 +90,7 @@ class TrainConfig:
     img_size: int | None = opt(None, "training image size in pixels; default 224, or 64 for the demo data",
                                parse=_int, min=16)
     workers: int | str = opt("auto", "DataLoader worker processes: a number, or auto (from CPU count and "
-                                     "/dev/shm)", parse=lambda v: 0 if str(v) == "0" else int_or_auto(v))
+                                     "/dev/shm)", parse=workers_or_auto)
     bad_images: str = opt("skip", "an image that fails to decode: skip it (reported once) or stop the run",
                           choices=("skip", "error"))
     cache: bool = opt(False, "decode the dataset once to uint8 at a fixed size and augment on the GPU")
@@ -195,7 +196,7 @@ class ValConfig:
     batch_size: int = opt(64, "batch size", min=1)
     img_size: int | None = opt(None, "image size; default: the checkpoint's", parse=_int, min=16)
     workers: int | str = opt("auto", "DataLoader worker processes: a number (0: load in the main "
-                                     "process), or auto", parse=lambda v: 0 if str(v) == "0" else int_or_auto(v))
+                                     "process), or auto", parse=workers_or_auto)
     amp: bool = opt(False, "validate under AMP even if the checkpoint was trained in fp32")
     precision: str = opt("auto", "auto: the precision the checkpoint was trained in (its AMP dtype, or fp32); "
                                  "or fp32, fp16, bf16", choices=("auto", "fp32", "fp16", "bf16"))
@@ -237,7 +238,8 @@ class DataReportConfig:
     check_images: bool = opt(False, "decode every image (in parallel) to find unreadable ones")
     val_split: float = opt(0.2, "fraction held out for validation when the data has no val/ folder",
                            min=0.0, max=0.9)
-    workers: int | str = opt("auto", "processes for --check-images, or auto", parse=int_or_auto)
+    workers: int | str = opt("auto", "processes for --check-images (0: in this process), or auto",
+                             parse=workers_or_auto)
 
 
 @dataclass(frozen=True)
@@ -259,7 +261,7 @@ class VerifyEnvConfig:
     json: bool = opt(False, "print JSON instead of text")
     allow_cpu: bool = opt(False, "pass on a machine without a GPU")
     workers: int | str = opt("auto", "DataLoader workers the trainer would use (for the /dev/shm check)",
-                             parse=int_or_auto)
+                             parse=workers_or_auto)
 
 
 @dataclass(frozen=True)
@@ -320,7 +322,7 @@ class PruneConfig:
     finetune_lr: float = opt(0.01, "SGD learning rate of the fine-tuning", min=0.0)
     batch_size: int = opt(64, "batch size", min=1)
     workers: int | str = opt("auto", "DataLoader worker processes, or auto",
-                             parse=lambda v: 0 if str(v) == "0" else int_or_auto(v))
+                             parse=workers_or_auto)
     device: str = opt("auto", _DEVICE_HELP)
     out: str | None = opt(None, "output checkpoint; default <stem>_pruned.pth beside the input", parse=_str)
 
@@ -343,7 +345,7 @@ class ExportConfig:
     calib_batches: int = opt(8, "calibration batches for --quantize static", min=1)
     batch_size: int = opt(32, "batch size for checks and calibration", min=1)
     workers: int | str = opt("auto", "DataLoader worker processes, or auto",
-                             parse=lambda v: 0 if str(v) == "0" else int_or_auto(v))
+                             parse=workers_or_auto)
     opset: int = opt(17, "ONNX opset", min=7)
     out: str | None = opt(None, "output file; default beside the checkpoint", parse=_str)
 

@@ -105,6 +105,12 @@ def int_or_auto(v: Any) -> int | str:
     return _auto_or(v, parse_int, lambda n: n >= 1, "expected 'auto' or an integer >= 1")
 
 
+def workers_or_auto(v: Any) -> int | str:
+    """A count of worker processes: an integer >= 0 (0: the work runs in the main process), or 'auto'."""
+    return _auto_or(v, parse_int, lambda n: n >= 0,
+                    "expected 'auto' or an integer >= 0 (0: load in the main process)")
+
+
 def int_list(v: Any) -> tuple[int, ...]:
     """'0,2,4' or [0, 2, 4] -> (0, 2, 4)."""
     if isinstance(v, (list, tuple)):

@@ -199,7 +199,7 @@ def dataset_report(root: str | Path, val_split: float = 0.2, seed: int = 0, chec
     if check_images:
         problems = {p: why for p, (_, why) in quick.items() if why and not why.startswith("suspect")}
         todo = [p for p in paths if p not in problems]
-        problems.update(_decode_all(todo, workers or usable_cpus()))
+        problems.update(_decode_all(todo, usable_cpus() if workers is None else workers))  # 0: in this process
     else:
         problems = {}
         for p, (_, why) in quick.items():
