@@ -8,7 +8,7 @@ import os
 import pytest
 
 from dlenv import cli
-from dlenv.errors import environment_fault, printable, torch_write_failure, with_path
+from dlenv.errors import environment_fault, first_line, printable, torch_write_failure, with_path
 
 # errno -> words the line must hold besides the path
 FAULTS = [
@@ -217,3 +217,12 @@ def test_a_dead_worker_through_the_cli_is_one_line_and_exit_5(monkeypatch, capsy
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err and "bug in dlenv" not in err
     assert expect in err
+
+
+def test_first_line_is_the_one_rule_for_a_one_line_report():
+    e = RuntimeError("  first\nsecond  ")
+    assert first_line(e) == "RuntimeError: first"
+    assert first_line(e, named=False) == "first"
+    assert first_line(RuntimeError("x" * 300), 10, named=False) == "x" * 10
+    assert first_line(ValueError()) == first_line(ValueError(), named=False) == "ValueError"
+    assert first_line("a warning\nits detail") == "a warning" and first_line("") == ""

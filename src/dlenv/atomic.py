@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from dlenv.errors import UserError, torch_write_failure, with_path
+from dlenv.errors import UserError, first_line, torch_write_failure, with_path
 
 
 def umask() -> int:
@@ -136,7 +136,7 @@ def write_failure(path: str | Path, exc: BaseException) -> OSError:
         full = False
     if full:
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-    return OSError(errno.EIO, f"PyTorch could not write it: {str(exc).strip().splitlines()[0][:120]}", str(path))
+    return OSError(errno.EIO, f"PyTorch could not write it: {first_line(exc, 120, named=False)}", str(path))
 
 
 def write_bytes(path: str | Path, data: bytes, durable: bool = False) -> Path:

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import Sampler
 
 from dlenv import compat
-from dlenv.errors import UserError
+from dlenv.errors import UserError, first_line
 from dlenv.launch import EXIT_PEER, needs_launch
 
 #: seconds a process waits in a collective before the run is declared dead (see --dist-timeout)
@@ -131,8 +131,8 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
         except RuntimeError as e:
             where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
             raise PeerFailure(f"rank {rank}: could not join the run's rendezvous at {where} within "
-                              f"{timeout_s:g} s ({_first_line(e)}); check --master-addr/--master-port, that "
-                              "every node was started and that the port is open") from None
+                              f"{timeout_s:g} s ({first_line(e, 300, named=False)}); check --master-addr/"
+                              "--master-port, that every node was started and that the port is open") from None
     return DistInfo(rank, local_rank, world, dev, local_world)
 
 
@@ -171,11 +171,6 @@ def is_main() -> bool:
 # Collectives with a clear message when a peer is gone.
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:300] if text else type(e).__name__
-
-
 def is_peer_error(e: BaseException) -> bool:
     """Whether an exception from a collective (or from DDP's backward) means a peer failed or timed out."""
     if type(e).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError"):
@@ -190,7 +185,7 @@ def peer_failure(e: BaseException, what: str) -> PeerFailure:
     """The PeerFailure that explains `e` (raised by `what`) to the user."""
     waited = f" or did not answer within {_timeout_s:g} s" if _timeout_s else ""
     return PeerFailure(f"rank {rank()}: {what} failed: another process of this run stopped{waited} "
-                       f"({_first_line(e)}); its own error is printed above (or in its node's log)")
+                       f"({first_line(e, 300, named=False)}); its own error is printed above (or in its node's log)")
 
 
 @contextlib.contextmanager

@@ -161,10 +161,17 @@ def worker_killed(exc: BaseException) -> bool:
     return any((m := _WORKER_SIGNAL.search(str(e))) and m.group(1).strip() == "Killed" for e in _chain(exc))
 
 
-def first_line(e: BaseException) -> str:
-    """'Type: the first line of its message' (at most 200 characters), for a one-line report."""
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+def first_line(e: BaseException | str, limit: int = 200, named: bool = True) -> str:
+    """The first line of an exception's message (at most `limit` characters), for a one-line report:
+    'Type: line', or the line alone with `named=False`; the type's name where the message is empty. A
+    str (a warning's text) gives its own first line, or ''. The one copy of this rule in dlenv."""
+    lines = str(e).strip().splitlines()
+    line = lines[0][:limit] if lines else ""
+    if isinstance(e, str):
+        return line
+    if not line:
+        return type(e).__name__
+    return f"{type(e).__name__}: {line}" if named else line
 
 
 def torch_write_failure(exc: BaseException) -> bool:

@@ -22,7 +22,7 @@ import torch
 
 from dlenv.bench.memory import GIB, NO_SEARCH_ON_CPU, NUM_CLASSES, SEED, fragmentation_schedule
 from dlenv.compat import is_oom
-from dlenv.errors import UserError
+from dlenv.errors import UserError, first_line
 from dlenv.step import Parts, train_step
 
 
@@ -86,7 +86,7 @@ def _oom_as_status(run: Any, out: dict[str, Any]) -> dict[str, Any]:
     except Exception as e:
         if not is_oom(e):
             raise
-        out.update(status="oom", error=str(e).splitlines()[0][:200])
+        out.update(status="oom", error=first_line(e, named=False))
     return out
 
 

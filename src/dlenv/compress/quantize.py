@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from dlenv import compat
-from dlenv.errors import UserError
+from dlenv.errors import UserError, first_line
 
 
 def check_available(mode: str) -> None:
@@ -66,11 +66,6 @@ def untraceable_layer(model: nn.Module) -> str | None:
     return f"{worst[0]} ({worst[1]})" if worst else None
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return (text.splitlines()[0] if text else type(e).__name__)[:200]
-
-
 def quantize_static(model: nn.Module, calibration: Iterable[torch.Tensor], example: torch.Tensor) -> nn.Module:
     """A static int8 copy of `model` calibrated on the `calibration` batches, on the CPU in eval mode.
 
@@ -86,7 +81,7 @@ def quantize_static(model: nn.Module, calibration: Iterable[torch.Tensor], examp
         layer = untraceable_layer(m)
         where = f"layer {layer}" if layer else f"model {type(m).__name__}"
         raise UserError(f"--quantize static: {where} is not supported for static quantization: torch.fx "
-                        f"cannot trace it ({_first_line(e)}); use --quantize dynamic, or export in float"
+                        f"cannot trace it ({first_line(e, named=False)}); use --quantize dynamic, or export in float"
                         ) from None
     seen = 0
     with torch.no_grad():
@@ -100,7 +95,8 @@ def quantize_static(model: nn.Module, calibration: Iterable[torch.Tensor], examp
     if failed:
         where, e = failed
         raise UserError(f"--quantize static: {where} has no int8 CPU kernel for its input in PyTorch "
-                        f"{torch.__version__} ({_first_line(e)}); use --quantize dynamic, or export in float")
+                        f"{torch.__version__} ({first_line(e, named=False)}); use --quantize dynamic, or export in "
+                        "float")
     return q
 
 

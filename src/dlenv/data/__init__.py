@@ -1,4 +1,4 @@
 """Datasets and input: safe unpacking (`unpack`), layout detection and the dataset report (`folder`), the
 built-in demo dataset (`demo`), every input decision (`pipeline`) and the pieces it composes: decoding
-(`decode`), the classic loaders (`loaders`), the device path (`fastpath`, `gpu_aug`, `cache`), the
+(`decode`), the CPU path (`loaders`), the device path (`fastpath`, `gpu_aug`, `cache`), the
 resumable sampler (`sampler`) and synthetic batches (`synthetic`)."""

@@ -34,7 +34,7 @@ import numpy as np
 
 from dlenv.atomic import write_atomic, write_bytes, write_file
 from dlenv.data.decode import decode_stored
-from dlenv.data.loaders import BadImageError, _reason
+from dlenv.data.loaders import BadImageError, bad_image_reason
 from dlenv.errors import UserError
 
 log = logging.getLogger("dlenv.data")
@@ -144,7 +144,7 @@ def _fill(images: np.ndarray, sizes: np.ndarray, samples: Sequence[tuple[str, in
             try:
                 images[i], sizes[i] = decode_stored(samples[i][0], size, decoder)
             except Exception as e:  # any decoder error: the file is what's wrong
-                bad[i] = _reason(e)
+                bad[i] = bad_image_reason(e)
 
     starts = range(0, len(samples), _CHUNK)
     from tqdm import tqdm

@@ -260,7 +260,7 @@ def load_rgb(path: str | os.PathLike, min_size: int | None = None) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Decoding a whole image (the classic path: torchvision transforms on a PIL image).
+# Decoding a whole image (the CPU path: torchvision transforms on a PIL image).
 
 
 def _cv2() -> Any:

@@ -1,6 +1,6 @@
 """The device input path: uint8 batches to the GPU, cropped, flipped and normalized there.
 
-The classic path (`loaders.build_loaders`) decodes, crops, resizes, converts to float and normalizes
+The CPU path (`loaders.build_loaders`) decodes, crops, resizes, converts to float and normalizes
 every image in DataLoader workers, and ships float32 batches through shared memory. Here the CPU
 only produces the stored form of `decode` (uint8, 4x smaller), from one of three sources:
 
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from dlenv.data.cache import DecodedCache
 from dlenv.data.decode import exif_orientation, is_jpeg, load_rgb, upright
 from dlenv.data.gpu_aug import GpuAugment
-from dlenv.data.loaders import BadImageError, _reason
+from dlenv.data.loaders import BadImageError, bad_image_reason
 from dlenv.errors import UserError
 from dlenv.safeio import IMAGE_FILE, open_regular
 
@@ -255,7 +255,7 @@ class NvjpegSource(_Sampled):
                 try:
                     images[k] = self._one(paths[k], data[k], turns[k], device)
                 except Exception as e:  # the file is what's wrong
-                    bad.append((k, _reason(e)))
+                    bad.append((k, bad_image_reason(e)))
         good = [k for k in range(len(chunk)) if images[k] is not None]
         for k, reason in bad:
             if self.bad_images == "error" or not good:

@@ -1,4 +1,5 @@
-"""Images to batches: transforms, the dataset and its DataLoaders (the classic input path).
+"""Images to batches on the CPU path: torchvision transforms in DataLoader workers, the dataset and its
+DataLoaders (`fastpath` is the device path).
 
 Every image comes out as 3-channel 8-bit RGB whatever it was on disk (`decode.load_rgb`). A file that fails
 to decode is handled by `ImageDataset` and the loaders built here without ever showing a DataLoader
@@ -88,7 +89,9 @@ class _Flagged:
         return _Flagged(type(self.batch)(pinned), self.bad)
 
 
-def _reason(e: BaseException) -> str:
+def bad_image_reason(e: BaseException) -> str:
+    """Why an image could not be read: its whole message on one line (the type's name if empty), for the
+    one log line and the BadImageError each bad file gets, on the CPU path and the device path alike."""
     return " ".join(str(e).split()) or type(e).__name__
 
 
@@ -133,7 +136,7 @@ class ImageDataset(Dataset):
             try:
                 item = self._load(i)
             except Exception as e:  # any decoder error; the file is what's wrong, not the code
-                self._known_bad[i] = _reason(e)
+                self._known_bad[i] = bad_image_reason(e)
                 bad.append((self.samples[i][0], self._known_bad[i]))
                 if self.bad_images == "error":
                     break
@@ -215,7 +218,7 @@ def _say_once(msg: str) -> None:
 
 def shipped_bytes(img_size: int, on_device: bool) -> int:
     """One sample as DataLoader workers ship it: a uint8 stored square on the device path
-    (dlenv.data.fastpath crops it on the GPU), a float32 crop on the classic path."""
+    (dlenv.data.fastpath crops it on the GPU), a float32 crop on the CPU path."""
     side = stored_size(img_size)
     return 3 * side * side if on_device else 3 * img_size * img_size * 4
 
@@ -234,7 +237,7 @@ def resolve_workers(workers: int | str, batch_size: int | None = None, img_size:
     workers' float32 batches of 64 x 224 px need ~300 MiB), so a number given is held to what fits
     too (`workers_that_fit`); 0 loads in the main process, which needs no shared memory. A reduction
     is said once, naming --ipc=host / --shm-size. `sample_bytes`: one sample as the workers ship it
-    (default: the classic path's float32 3 x img_size^2; the device path ships uint8 stored squares,
+    (default: the CPU path's float32 3 x img_size^2; the device path ships uint8 stored squares,
     a third of that). Raises UserError for anything else.
     """
     if isinstance(workers, str) and workers.strip().isdigit():

@@ -9,7 +9,7 @@ the cache and the workers.
 --workers, --bad-images) into an `InputPlan` of plain values: the trainer prints it and writes it to
 config.yaml, and everything after reads the plan instead of deciding again. `make_loaders` builds
 the (train, val) loaders a plan describes: the device path (`fastpath`: uint8 batches augmented on
-the device, from DataLoader workers, a decoded `cache` or nvJPEG) or the classic path (`loaders`:
+the device, from DataLoader workers, a decoded `cache` or nvJPEG) or the CPU path (`loaders`:
 torchvision transforms in the workers). bench-data measures variants of the same plan.
 """
 
@@ -122,7 +122,7 @@ class InputPlan:
     batch_size: int
     on_device: bool             # augmentation on the device (fastpath), else in the workers (loaders)
     decoder: str                # 'pil', 'cv2', 'tvio' or 'nvjpeg'
-    cpu_decoder: str            # where nvJPEG cannot decode (the cache, the classic path): the best CPU one
+    cpu_decoder: str            # where nvJPEG cannot decode (the cache, the CPU path): the best CPU one
     workers: int
     cache: bool = False
     cache_mode: str = "auto"    # 'ram', 'disk', or 'auto' (the cache picks by size, see data.cache)
@@ -160,7 +160,7 @@ def decide(opts: InputOptions, located: Located, device: Any, batch_size: int, i
         return InputPlan(img_size, batch_size, True, SYNTHETIC, SYNTHETIC, 0)
     on_device = opts.gpu_path(device)
     size = decode.stored_size(img_size)
-    # the device path's workers ship uint8 stored squares, the classic path's float32 crops
+    # the device path's workers ship uint8 stored squares, the CPU path's float32 crops
     workers = resolve_workers(opts.workers, batch_size, img_size,
                               sample_bytes=shipped_bytes(img_size, True) if on_device else None)
     if opts.workers == "auto":  # the processes of a node share its CPUs
@@ -285,6 +285,6 @@ def build_data(located: Located, plan: InputPlan, device: Any, dist: Any, *, see
     val_sampler = distributed.EvalShardSampler(len(layout.val), dist.rank, dist.world_size) if sharded else None
     train, val = make_loaders(layout, plan, device, seed=seed, dtype=dtype, memory_format=memory_format,
                               train_sampler=sampler, val_sampler=val_sampler, say=say, epochs=epochs)
-    if not plan.on_device and val is not None:  # the classic loader: a copy that reads this rank's shard
+    if not plan.on_device and val is not None:  # the CPU path's loader: a copy that reads this rank's shard
         val = distributed.shard_eval_loader(val, dist.rank, dist.world_size)
     return Data(train, val, sampler, located.classes, located.source, plan)

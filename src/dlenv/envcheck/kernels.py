@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dlenv.errors import first_line
+
 #: Worst relative error allowed against the CPU fp32 reference, max|out - ref| / max|ref|, over the
 #: output and both gradients. fp32 leaves room for TF32, which Ampere+ convolutions use by default
 #: (10-bit mantissa); fp16 and bf16 round every output to 11 and 8 significant bits.
@@ -22,11 +24,6 @@ class Kernel:
     passed: bool
     error: float | None = None  # worst relative error; None when the op raised
     message: str = ""  # the exception's first line, when it raised
-
-
-def first_line(e: BaseException | str) -> str:
-    text = e if isinstance(e, str) else f"{type(e).__name__}: {e}"
-    return text.strip().splitlines()[0] if text.strip() else ""
 
 
 def relative_error(out: Any, ref: Any) -> float:
