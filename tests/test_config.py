@@ -142,3 +142,86 @@ def test_every_workers_option_takes_0_auto_and_refuses_negatives(name):
     assert config.build(cls, workers="3").workers == 3
     with pytest.raises(UserError, match="integer >= 0"):
         config.build(cls, workers="-1")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Numbers and names that used to pass into the run (issue 25 items 6 and 7).
+
+SEEDS_REFUSED = [
+    ("2**64", str(2**64), "above its maximum"),
+    ("2**63", str(2**63), "above its maximum"),
+    ("a-hundred-digits", "9" * 99, "above its maximum"),
+    ("a-thousand-digits", "9" * 1000, "expected an integer"),
+    ("1e30", "1e30", "above its maximum"),
+    ("1e400", "1e400", "expected an integer"),
+    ("negative", "-1", "below its minimum"),
+    ("negative-huge", str(-(2**70)), "below its minimum"),
+    ("float", "1.5", "expected an integer"),
+    ("hex", "0x10", "expected an integer"),
+    ("yaml-int", 2**80, "above its maximum"),
+]
+
+
+@pytest.mark.parametrize(("value", "expect"), [c[1:] for c in SEEDS_REFUSED], ids=[c[0] for c in SEEDS_REFUSED])
+@pytest.mark.parametrize("cls", [config.TrainConfig, config.DemoDataConfig])
+def test_a_seed_beyond_64_bits_is_one_line(cls, value, expect):
+    with pytest.raises(UserError) as e:
+        config.build(cls, seed=value)
+    assert "--seed" in str(e.value) and expect in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("value", ["0", "42", str(2**32), str(2**63 - 1), 2**63 - 1, " 7 ", "+3"])
+def test_seeds_up_to_64_bits_are_kept_exactly(value):
+    assert config.build(config.TrainConfig, seed=value).seed == int(str(value).strip())
+
+
+def test_the_largest_seed_reaches_every_generator():
+    """seed + rank, as the trainer seeds torch, NumPy and the sampler: all take it."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    seed = config.build(config.TrainConfig, seed=str(config.SEED_MAX)).seed
+    torch.manual_seed(seed + 7)
+    torch.Generator().manual_seed(seed + 7)
+    np.random.default_rng([seed, 7])
+    np.random.seed((seed + 7) % 2**32)
+
+
+NAMES_REFUSED = [
+    ("newline", "exp\nINFO: all good"),
+    ("carriage-return", "exp\rfake"),
+    ("escape", "exp\x1b[2J"),
+    ("osc", "\x1b]0;title\x07"),
+    ("tab", "a\tb"),
+    ("nul", "a\x00b"),
+    ("del", "a\x7fb"),
+    ("c1-nel", "a\x85b"),
+    ("bidi-override", "exp\u202egnp.exe"),
+    ("bidi-isolate", "exp\u2066x"),
+    ("line-separator", "a\u2028b"),
+    ("paragraph-separator", "a\u2029b"),
+    ("zero-width-space-format", "a\u200bb"),
+    ("lone-surrogate", "a\udcffb"),
+    ("slash", "a/b"),
+    ("dot-dot", ".."),
+    ("blank", "   "),
+]
+
+
+@pytest.mark.parametrize("name", [n for _, n in NAMES_REFUSED], ids=[i for i, _ in NAMES_REFUSED])
+def test_a_run_name_that_would_act_on_a_terminal_is_refused(name, capsys):
+    with pytest.raises(UserError) as e:
+        config.build(config.TrainConfig, name=name)
+    assert "--name" in str(e.value) and "\n" not in str(e.value)
+    from dlenv import cli
+
+    assert cli.main(["train", "--name", name, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("dlenv train: error: --name") and "Traceback" not in err
+    assert not any(ord(c) < 32 and c != "\n" or 0x7f <= ord(c) <= 0x9f or c in "\u202e\u2066\u2028\u2029"
+                   for c in err), ascii(err)
+
+
+@pytest.mark.parametrize("name", ["exp", "exp-2", "resnet50_amp", "café", "实验一", "run.v2", "a b", "🐱"])
+def test_plain_run_names_are_kept(name):
+    assert config.build(config.TrainConfig, name=name).name == name
