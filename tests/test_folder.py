@@ -100,3 +100,44 @@ def test_bad_layouts_say_what_is_expected(tmp_path, case):
     assert str(root) in msg and "\n" not in msg
     if case != "one_class":
         assert "train/<class>/<image>" in msg
+
+
+# A dataset of one class: the line must never point at a folder that does not exist (issue 25 item 7:
+# with train/ and val/ it suggested root/<class>, which is root/train/<class>), and names the inner
+# class folders of a wrapper.
+ONE_CLASS = [
+    # (id, folders of images under root, the --data the line suggests or None)
+    ("flat", ["only"], None),
+    ("train-val", ["train/only", "val/only"], None),
+    ("train-only", ["train/only"], None),
+    ("wrapper", ["images/cat", "images/dog"], "images"),
+    ("wrapper-of-three", ["images/cat", "images/dog", "images/fox"], "images"),
+    ("train-val-wrapper", ["train/all/cat", "train/all/dog", "val/all/cat", "val/all/dog"], "train/all"),
+    ("train-wrapper", ["train/all/cat", "train/all/dog"], "train/all"),
+    ("wrapper-with-one-inner", ["images/cat"], None),
+    ("escape-in-name", ["\x1b[2Jonly"], None),
+]
+
+
+@pytest.mark.parametrize(("folders", "suggested"), [c[1:] for c in ONE_CLASS], ids=[c[0] for c in ONE_CLASS])
+def test_one_class_names_only_folders_that_exist(tmp_path, folders, suggested):
+    import re
+
+    root = tmp_path / "ds"
+    for f in folders:
+        make_image_folder(root / Path(f).parent, classes=(Path(f).name,), per_class=2)
+    with pytest.raises(UserError) as e:
+        find_layout(root)
+    msg = str(e.value)
+    assert "one class" in msg and "\n" not in msg and "\x1b" not in msg
+    m = re.search(r"--data (\S+)$", msg)
+    if suggested is None:
+        assert m is None, msg
+        assert "add a folder of images per class" in msg
+    else:
+        assert m is not None and Path(m.group(1)) == root / suggested, msg
+        assert Path(m.group(1)).is_dir()
+        assert find_layout(m.group(1)).classes  # and the suggestion is a dataset
+    for word in msg.split():  # every path it names exists
+        if str(tmp_path) in word:
+            assert Path(word.strip("(),;:.").rstrip("/")).exists(), (word, msg)
