@@ -15,12 +15,15 @@ So a flag added to tini or a line added to the entrypoint is tested here as the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -160,24 +163,42 @@ def _setpriv() -> list[str]:
     return [*cmd, "--"]
 
 
+@contextlib.contextmanager
+def user_folder() -> Iterator[Path]:
+    """A folder of UID:GID that the user reaches by its absolute path, as it reaches a mount point: under
+    the system's temporary folder (searchable by all), not under pytest's, which is root's alone (0700)
+    and would stop every absolute path the trainer opens. Removed afterwards."""
+    base = Path(tempfile.mkdtemp(prefix="dlenv-user-"))
+    try:
+        base.chmod(0o755)
+        mount = base / "workspace"
+        mount.mkdir()
+        os.chown(mount, UID, GID)
+        yield mount
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 @pytest.mark.slow
-def test_an_unknown_user_trains_into_a_mount_and_the_files_are_theirs_and_group_readable(tmp_path, dataset):
-    user_run(entry(), tmp_path, dataset)
+def test_an_unknown_user_trains_into_a_mount_and_the_files_are_theirs_and_group_readable(dataset):
+    user_run(entry(), dataset)
 
 
-def user_run(entry_cmd: list[str], tmp_path: Path, dataset: Path) -> None:
+def user_run(entry_cmd: list[str], dataset: Path) -> None:
     """Train, validate and plot as UID 4321 (no passwd entry) under `entry_cmd`; check the files."""
+    with user_folder() as mount:
+        _user_run(entry_cmd, mount, dataset)
+
+
+def _user_run(entry_cmd: list[str], mount: Path, dataset: Path) -> None:
     import pwd
 
     with pytest.raises(KeyError):
         pwd.getpwuid(UID)  # the point of the test: no passwd entry
-    mount = tmp_path / "workspace"
-    mount.mkdir()
-    # As a host folder of that user, mounted at /root/workspace, with the user's data in it. Every path the
-    # user's commands take is relative to it: pytest's temporary folder above it is root's alone (0700),
-    # and a user in a container reaches nothing above its mount either.
+    # The user's data in its own folder (mounted at /root/workspace), as users keep it: pytest's dataset
+    # lies in root's temporary folder, which this user cannot read.
     shutil.copytree(dataset, mount / "data")
-    for p in [mount, *mount.rglob("*")]:
+    for p in mount.rglob("*"):
         os.chown(p, UID, GID)
     data = set(mount.rglob("*"))
     env = {k: v for k, v in os.environ.items() if k not in ("USER", "LOGNAME")}
