@@ -41,6 +41,19 @@ def test_python_and_the_tools_come_from_the_dl_env():
         assert found and Path(found).parent == ENV_PREFIX / "bin", f"{tool} resolves to {found}"
 
 
+def test_pythons_own_native_modules_load_and_its_build_data_names_the_env():
+    # a Python copied from elsewhere (CI's pip-built env) or relocated by conda must find its libraries
+    # here and write its own prefix into what sysconfig tells compilers
+    import importlib
+    import sysconfig
+
+    for name in ("ssl", "sqlite3", "ctypes", "bz2", "lzma", "zlib", "readline", "curses", "uuid", "pyexpat",
+                 "decimal", "hashlib"):
+        importlib.import_module(name)
+    build = importlib.import_module(sysconfig._get_sysconfigdata_name()).build_time_vars
+    assert build["prefix"] == str(ENV_PREFIX), build["prefix"]
+
+
 def test_installed_versions_are_the_profile_pins():
     from packaging.version import Version
 
@@ -153,10 +166,10 @@ def test_stop_with_workers_through_the_images_own_entrypoint(tmp_path, tiny_data
 
 
 @pytest.mark.slow
-def test_an_unknown_user_writes_group_readable_files_through_the_images_entrypoint(tmp_path, tiny_data):
+def test_an_unknown_user_writes_group_readable_files_through_the_images_entrypoint(tiny_data):
     from test_entrypoint import user_run
 
-    user_run(_image_entrypoint(), tmp_path, tiny_data)
+    user_run(_image_entrypoint(), tiny_data)
 
 
 @pytest.mark.parametrize("kind", ["tasks.py", "tasks/", "no tasks (mounted at /workspace)"])
@@ -214,15 +227,19 @@ def test_nvjpeg_decodes_on_the_gpu_like_the_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_compile_as_a_user_without_a_passwd_entry(tmp_path):
+def test_compile_as_a_user_without_a_passwd_entry():
+    from test_entrypoint import user_folder
+
+    with user_folder() as mount:
+        _compile_as_an_unknown_user(mount)
+
+
+def _compile_as_an_unknown_user(mount: Path) -> None:
     import torch
     from test_entrypoint import UID, _setpriv
 
     from dlenv import compat
 
-    mount = tmp_path / "workspace"
-    mount.mkdir()
-    os.chown(mount, UID, UID)
     env = {k: v for k, v in os.environ.items() if k not in ("USER", "LOGNAME", "TORCHINDUCTOR_CACHE_DIR")}
     env["HOME"] = "/"
     r = subprocess.run([*_setpriv(), *_image_entrypoint(), "dlenv", "train", "--synthetic", "--model", "resnet18",

@@ -239,7 +239,7 @@ def check_stopped_then_resume(docker_client, image, folder: Path, status: int, o
     assert output.count(f"{name}: saving last.pth") == 1, output[-3000:]
     assert "DataLoader worker" not in output and "Traceback" not in output, output[-3000:]
     assert re.search(r"Resume with: (dlenv|invoke) train --resume \S*last\.pth", output), output[-2000:]
-    assert last.is_file() and (folder / "runs" / "exp" / "last.pth.hmac").is_file()
+    assert last.is_file()
     done = epochs_done(folder)
     assert 1 <= len(done) < 6, done
     status, output = run(docker_client, image, ["dlenv", "train", "--resume", "runs/exp/last.pth", "--device", "cpu"],
