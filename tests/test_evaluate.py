@@ -369,3 +369,85 @@ def test_val_of_an_amp_checkpoint_runs_in_its_dtype_and_shows_progress(tmp_path,
     else:
         assert m["precision"] == "fp32" and "no bf16 autocast" in printed
     assert "validating 3/3 (100%)" in printed and "ETA" in printed  # not a terminal: the plain line
+
+
+# ---------------------------------------------------------------------------------------------------
+# Non-finite weights (issue 25 item 7): argmax of a NaN row is 0, so all-NaN weights "scored" the
+# first class's share (33%) and exit 0. Now: one line naming the tensors, exit 4, no report written.
+
+
+def _poison(state: dict, how: str) -> dict:
+    nan, inf = float("nan"), float("inf")
+    state = {k: v.clone() for k, v in state.items()}
+    if how == "all-nan":
+        for v in state.values():
+            if v.is_floating_point():
+                v.fill_(nan)
+    elif how == "head-weight-nan":
+        state["fc.weight"].fill_(nan)
+    elif how == "head-bias-inf":
+        state["fc.bias"][1] = inf
+    elif how == "head-bias-minus-inf":
+        state["fc.bias"][0] = -inf
+    elif how == "one-conv-weight-nan":
+        state["conv1.weight"].view(-1)[0] = nan
+    elif how == "bn-running-var-nan":
+        state["bn1.running_var"].fill_(nan)
+    return state
+
+
+POISONS = ["all-nan", "head-weight-nan", "head-bias-inf", "head-bias-minus-inf", "one-conv-weight-nan",
+           "bn-running-var-nan"]
+
+
+@pytest.mark.parametrize("how", POISONS)
+def test_val_of_non_finite_weights_is_refused_with_exit_4(tmp_path, val_data, capsys, how):
+    from dlenv.errors import EXIT_NONFINITE
+
+    weights = _dlenv_ckpt(tmp_path / "runs" / "exp" / "best_model.pth")
+    from dlenv.runstate import load_checkpoint
+
+    state = dict(load_checkpoint(weights))
+    state["model"] = _poison(state["model"], how)
+    save_checkpoint(state, weights)
+    out = tmp_path / "runs" / "exp" / "val"
+    out.mkdir()
+    (out / "metrics.json").write_text('{"top1": 91.0}')  # an earlier report: kept as it was
+    code = cli_main(["val", "--weights", str(weights), "--data", str(val_data / "val"), "--workers", "0",
+                     "--device", "cpu"])
+    captured = capsys.readouterr()
+    assert code == EXIT_NONFINITE, captured.err
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    assert "NaN or inf outputs" in lines[0] and "no accuracy can be reported" in lines[0]
+    assert "hold NaN or inf (e.g. " in lines[0] and "earlier checkpoint" in lines[0]
+    assert "top-1" not in captured.out
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.json"]
+    assert (out / "metrics.json").read_text() == '{"top1": 91.0}'
+
+
+@pytest.mark.parametrize(("rows", "mode", "weights_ok", "expect"), [
+    ("all", "fp32", False, ["every one of the 4 images", "weight tensors hold NaN", "earlier checkpoint"]),
+    ("one", "fp32", False, ["1 of 4 images", "weight tensors hold NaN"]),
+    ("one", "fp16", True, ["1 of 4 images", "fp16 overflowed", "--precision fp32"]),
+    ("all", "bf16", True, ["every one", "bf16 overflowed"]),
+    ("one", "fp32", True, ["outputs are not", "check the model"]),
+], ids=["all-bad-weights", "one-bad-weights", "fp16-overflow", "bf16-all", "fp32-finite-weights"])
+def test_refuse_non_finite_names_the_cause(rows, mode, weights_ok, expect):
+    from dlenv.errors import EXIT_NONFINITE
+
+    model = torch.nn.Linear(2, 3)
+    if not weights_ok:
+        with torch.no_grad():
+            model.weight[0, 0] = float("nan")
+    logits = torch.zeros(4, 3)
+    logits[0 if rows == "one" else slice(None), 1] = float("inf") if mode != "fp32" else float("nan")
+    with pytest.raises(UserError) as e:
+        evaluate.refuse_non_finite(logits, model, mode, "w.pth")
+    assert e.value.exit_code == EXIT_NONFINITE and "\n" not in str(e.value)
+    assert all(x in str(e.value) for x in expect), str(e.value)
+
+
+def test_finite_outputs_pass():
+    evaluate.refuse_non_finite(torch.randn(5, 3) * 1e30, torch.nn.Linear(2, 3), "fp32", "w.pth")
+    evaluate.refuse_non_finite(torch.zeros(0, 0), torch.nn.Linear(2, 3), "fp32", "w.pth")
