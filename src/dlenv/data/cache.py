@@ -36,6 +36,7 @@ from dlenv.atomic import write_atomic, write_bytes, write_file
 from dlenv.data.decode import decode_stored
 from dlenv.data.loaders import BadImageError, bad_image_reason
 from dlenv.errors import UserError
+from dlenv.safeio import SMALL_FILE, read_regular
 
 log = logging.getLogger("dlenv.data")
 
@@ -114,9 +115,11 @@ def _paths(cache_dir: Path, key: str) -> tuple[Path, Path, Path]:
 def _complete(cache_dir: Path, key: str, n: int, size: int) -> dict | None:
     """The meta of a complete disk cache for `key`, or None."""
     data, sizes, meta = _paths(cache_dir, key)
-    try:
-        m = json.loads(meta.read_text())
-    except (OSError, ValueError):
+    try:  # only a small regular file: a FIFO or /dev/zero put there must not hang or fill memory
+        m = json.loads(read_regular(meta, SMALL_FILE, "cache meta"))
+    except (OSError, ValueError, UserError):
+        return None
+    if not isinstance(m, dict):
         return None
     ok = (m.get("key") == key and m.get("n") == n and m.get("size") == size and sizes.is_file()
           and data.is_file() and data.stat().st_size == nbytes(n, size))
@@ -258,7 +261,8 @@ def _disk_cache(samples: Sequence[tuple[str, int]], size: int, decoder: str, cac
         meta = {"key": key, "n": n, "size": size, "version": VERSION, "decoder": decoder,
                 "bad": {str(i): r for i, r in bad.items()}}
         write_bytes(meta_path, json.dumps(meta).encode(), durable=True)
-    bad = {int(k): v for k, v in meta.get("bad", {}).items()}
+    # indices read from a file: only those of this dataset (a bad one would index past the arrays)
+    bad = {int(k): str(v) for k, v in dict(meta.get("bad") or {}).items() if str(k).isdigit() and int(k) < n}
     images = np.memmap(data, np.uint8, "c", shape=(n, size, size, 3))  # "c": writable view, file untouched
     return images, np.load(sizes_path), bad, str(data), reused
 
