@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dlenv.cfgfile import load_yaml
 from dlenv.errors import UserError
 from dlenv.pretrained import parse_pretrained
 from dlenv.usermodel import model_args_text
@@ -418,80 +419,6 @@ def _parse_one(cls: type, f: dataclasses.Field, value: Any) -> Any:
         if md["max"] is not None and v > md["max"]:
             raise UserError(f"{flag(f.name)} {value!r} is above its maximum {md['max']}")
     return v
-
-
-#: the largest --cfg file read: a file of options is a few KiB; /dev/zero or a 40 GB file is a mistake
-CONFIG_FILE_LIMIT = 1 << 20
-#: YAML nodes a --cfg file may hold, anchors resolved: far above any file of options, far below a bomb
-YAML_NODE_LIMIT = 100_000
-
-
-def _options_loader() -> type:
-    """yaml.SafeLoader that refuses aliases (`*name`) and counts nodes.
-
-    A "billion laughs" file is a few hundred bytes of anchors and aliases that expand to 10^9 nodes
-    when the result is walked (`epochs: *lol9`, or `model_args: *lol9` turned into text); safe_load
-    itself only builds shared references, so the blow-up comes later, in our own code. No option needs
-    an alias, so an alias is refused where it is composed, before anything is expanded.
-    """
-    import yaml
-
-    class OptionsLoader(yaml.SafeLoader):
-        nodes = 0
-
-        def compose_node(self, parent: Any, index: Any) -> Any:
-            event = self.peek_event()
-            if isinstance(event, yaml.AliasEvent):
-                raise _Refused(f"line {event.start_mark.line + 1}: an alias (*{event.anchor}) repeats another "
-                               "value, which a file of options never needs; write each value out")
-            self.nodes += 1
-            if self.nodes > YAML_NODE_LIMIT:
-                raise _Refused(f"line {event.start_mark.line + 1}: more than {YAML_NODE_LIMIT:,} values, far more "
-                               "than a file of options holds")
-            return super().compose_node(parent, index)
-
-    return OptionsLoader
-
-
-class _Refused(Exception):
-    """A YAML file of options refused by `_options_loader`; str() says where and why."""
-
-
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML mapping of options; a bad file is a UserError naming it.
-
-    Only a regular file of at most CONFIG_FILE_LIMIT bytes is read (`dlenv.safeio`: a FIFO or
-    /dev/zero is refused at once instead of hanging), and aliases are refused (`_options_loader`).
-    """
-    import yaml
-
-    from dlenv.safeio import read_regular
-
-    p = Path(path)
-    try:
-        text = read_regular(p, CONFIG_FILE_LIMIT, what="config file").decode("utf-8")
-    except FileNotFoundError:
-        raise UserError(f"config file {p} not found") from None
-    except UserError as e:
-        raise UserError(f"{e}, e.g. runs/exp/config.yaml") from None
-    except UnicodeDecodeError as e:
-        raise UserError(f"config file {p} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
-                        f"{e.start}); pass a YAML file of option: value lines, e.g. runs/exp/config.yaml"
-                        ) from None
-    try:
-        data = yaml.load(text, Loader=_options_loader())  # noqa: S506 (a SafeLoader subclass)
-    except _Refused as e:
-        raise UserError(f"config file {p}, {e}") from None
-    except yaml.YAMLError as e:
-        raise UserError(f"config file {p} is not valid YAML ({str(e).splitlines()[0]})") from None
-    except RecursionError:  # thousands of nested brackets
-        raise UserError(f"config file {p} nests too deeply to be a file of options") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise UserError(f"config file {p} must hold a mapping of option: value, not a "
-                        f"{type(data).__name__}")
-    return data
 
 
 def build(cls: type, yaml_file: str | Path | None = None, /, **given: Any) -> Any:
