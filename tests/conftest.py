@@ -6,33 +6,18 @@
 
 from __future__ import annotations
 
-import atexit
 import importlib.util
 import os
-import shutil
-import tempfile
 
 import pytest
 from imagedata import make_image_folder
 
-# The project key that signs the checkpoints dlenv writes (dlenv.weights): one per test session, in a
-# temporary folder, so no test writes .dlenv/key into the checkout; subprocesses inherit it.
-_KEY_DIR = tempfile.mkdtemp(prefix="dlenv-key-")
-os.environ["DLENV_KEY_FILE"] = os.path.join(_KEY_DIR, "key")
-atexit.register(shutil.rmtree, _KEY_DIR, ignore_errors=True)
-
 
 @pytest.fixture(autouse=True)
-def _consent_to_the_tests_own_pickles(monkeypatch):
-    """Tests write .pth files with torch.save to stand for files from other tools; they consent to
-    unpickling them, as a user passes --trust-pickle (in-process only: subprocesses see the real gate).
-    tests/test_weights.py switches the consent off to test the gate itself. Also forget how a previous
-    test started dlenv (dlenv.invocation keeps it in the environment)."""
-    try:
-        from dlenv import weights
-    except ImportError:  # tests/container on a host without the package
-        return
-    monkeypatch.setattr(weights, "_trust", True)
+def _fresh_invocation(monkeypatch):
+    """Forget how a previous test started dlenv (dlenv.invocation keeps it in the environment). No
+    consent to unpickle is given here: loads take an explicit dlenv.weights.LoadPolicy, and the files the
+    tests write (state dicts, dlenv checkpoints) pass its allowlist as users' files do."""
     monkeypatch.setenv("DLENV_COMMAND", "")
 
 
@@ -67,3 +52,42 @@ def image_folder(tmp_path):
     make_image_folder(tmp_path / "ds" / "train", per_class=6)
     make_image_folder(tmp_path / "ds" / "val", per_class=3, seed=1)
     return tmp_path / "ds"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The tiny models (tests/tinymodels.py) in place of torchvision's, and the data they train on.
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    """dlenv.models.build_model builds tinymodels.Tiny (`build_tiny`); returns the list of models built."""
+    from tinymodels import build_tiny
+
+    import dlenv.models
+
+    built = []
+
+    def build(name, num_classes, weights=None, **kw):
+        built.append(build_tiny(name, num_classes))
+        return built[-1]
+
+    monkeypatch.setattr(dlenv.models, "build_model", build)
+    return built
+
+
+@pytest.fixture
+def wide(monkeypatch):
+    """dlenv.models.build_model builds tinymodels.Wide."""
+    from tinymodels import build_wide
+
+    import dlenv.models
+
+    monkeypatch.setattr(dlenv.models, "build_model", build_wide)
+
+
+@pytest.fixture
+def data(tmp_path):
+    """train/ and val/ of two classes, 8 and 2 images of 16 px each: what the tiny models train on."""
+    from imagedata import make_train_val
+
+    return make_train_val(tmp_path / "ds", per_class=8)

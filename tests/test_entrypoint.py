@@ -89,7 +89,7 @@ def test_stop_with_dataloader_workers_saves_once_and_resumes(tmp_path, dataset, 
 def stop_and_resume(entry_cmd: list[str], tmp_path: Path, dataset: Path, target: str, signum: int,
                     code: int) -> None:
     """Train with 2 workers under `entry_cmd`, stop as `target` receives `signum`, check, resume."""
-    from dlenv import results, runstate, weights
+    from dlenv import results, runstate
 
     project = tmp_path / "runs"
     last = project / "exp" / "last.pth"
@@ -125,8 +125,7 @@ def stop_and_resume(entry_cmd: list[str], tmp_path: Path, dataset: Path, target:
     # the command the user ran: the dlenv console script here (python -m dlenv where there is none)
     typed = "dlenv train" if len(dlenv_cmd()) == 1 else "python -m dlenv train"
     assert f"stopped by {name}; saved {last}. Resume with: {typed} --resume {last}" in out, out[-2000:]
-    with weights.trust_pickle(False):  # dlenv wrote it: it loads without consent on any PyTorch
-        saved = runstate.load_checkpoint(last)
+    saved = runstate.load_checkpoint(last)  # dlenv wrote it: it loads without consent on any PyTorch
     assert saved["format"] == runstate.FORMAT and 1 <= saved["epoch"] < 8
 
     resumed = subprocess.run([*entry_cmd, *dlenv_cmd(), "train", "--resume", str(last), "--device", "cpu"],
@@ -202,7 +201,7 @@ def _user_run(entry_cmd: list[str], mount: Path, dataset: Path) -> None:
         os.chown(p, UID, GID)
     data = set(mount.rglob("*"))
     env = {k: v for k, v in os.environ.items() if k not in ("USER", "LOGNAME")}
-    env.update(HOME="/", PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1", DLENV_KEY_FILE="")
+    env.update(HOME="/", PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
     probe = [sys.executable, "-c", "import getpass, os; print(getpass.getuser(), os.environ['HOME'])"]
     r = subprocess.run([*_setpriv(), *entry_cmd, *probe], stdin=subprocess.DEVNULL, capture_output=True, text=True,
                        env={**env, "TINI_SUBREAPER": "1"}, cwd=mount, timeout=60)
@@ -225,8 +224,7 @@ def _user_run(entry_cmd: list[str], mount: Path, dataset: Path) -> None:
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     written = [p for p in mount.rglob("*") if p.is_file() and p not in data]
     names = {p.name for p in written}
-    assert {"config.yaml", "results.csv", "last.pth", "best_model.pth", "last.pth.hmac", "metrics.json",
-            "results.png"} <= names, names
+    assert {"config.yaml", "results.csv", "last.pth", "best_model.pth", "metrics.json", "results.png"} <= names, names
     assert any(n.endswith(".png") for n in {p.name for p in (run / "val").iterdir()})
     for p in written:
         st = p.stat()

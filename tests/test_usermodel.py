@@ -290,59 +290,148 @@ def _source(ref, path=None, args=None):
     return {"ref": ref, "sha256": sha, "args": args or {}, "file": str(path) if path else None}
 
 
-def test_trust_rule_inside_outside_symlink_and_given_again(project, tmp_path, monkeypatch):
-    inside = project / "models" / "resnet.py"
-    assert usermodel.check_source(_source("models/resnet.py:build", inside), None, "ck").target == "models/resnet.py"
-    other = tmp_path / "elsewhere"
-    other.mkdir()
-    monkeypatch.chdir(other)
-    absolute = f"{inside}:build"
-    with pytest.raises(UserError, match=r"ck names --model .*resnet.py:build \(.*outside the working folder "
-                                        r".*elsewhere\); importing it would run its code\. If you trust it, "
-                                        r"pass --model .*resnet.py:build again") as err:
-        usermodel.check_source(_source(absolute, inside), None, "ck")
-    one_line(err)
-    assert usermodel.check_source(_source(absolute, inside), absolute, "ck").path() == inside
-    # a symlink inside the working folder that points out of it is outside
-    (other / "models").symlink_to(project / "models")
-    with pytest.raises(UserError, match="outside the working folder"):
-        usermodel.check_source(_source("models/resnet.py:build", inside), None, "ck")
-    # ...and named again, also in another spelling of the same file, it is trusted
-    usermodel.check_resume({"model_source": _source("models/resnet.py:build", inside)}, absolute, "--resume x")
-    with pytest.raises(UserError, match="outside"):
-        usermodel.check_resume({"model_source": _source("models/resnet.py:build", inside)},
-                               "models/vit.py:build", "--resume x")
+#: a model file whose import leaves a marker: the proof that a file's code ran
+EVIL = """
+import pathlib
+pathlib.Path(__file__).with_name("RAN").touch()
+def build(n):
+    raise SystemExit("the attacker's factory ran")
+"""
 
 
-def test_trust_rule_for_modules(project):
-    # an installed module read from a checkpoint is as untrusted as a file outside the project:
-    # nothing of it runs (json is harmless; os:_exit would not be)
-    with pytest.raises(UserError, match="names --model json:dumps .*outside the working folder"):
-        usermodel.check_source(_source("json:dumps"), None, "ck")
-    assert usermodel.check_source(_source("json:dumps"), "json:dumps", "ck").target == "json"
-    write(project, "mypkg/__init__.py", "")
-    write(project, "mypkg/nets.py", "def make(n):\n    pass\n")
-    assert usermodel.check_source(_source("mypkg.nets:make"), None, "ck").target == "mypkg.nets"
+def _place(project, tmp_path, where):
+    """Put EVIL where the case says; returns (reference text, the marker its import would leave)."""
+    if where == "absolute":
+        path = write(tmp_path, "outside/evil.py", EVIL)
+        return f"{path}:build", path.with_name("RAN")
+    if where == "dotdot":
+        path = write(tmp_path, "outside/evil.py", EVIL)
+        return "../outside/evil.py:build", path.with_name("RAN")
+    if where == "symlink out":
+        path = write(tmp_path, "outside/evil.py", EVIL)
+        (project / "linked").symlink_to(path.parent)
+        return "linked/evil.py:build", path.with_name("RAN")
+    if where == "data/":  # what `unpack` wrote from an archive
+        path = write(project, "data/pets/evil.py", EVIL)
+        return "data/pets/evil.py:build", path.with_name("RAN")
+    if where == "tilde":
+        return "~/evil.py:build", tmp_path / "never"
+    if where == "module outside":
+        return "json:dumps", tmp_path / "never"
+    if where == "module under data/":
+        write(project, "data/__init__.py", "")
+        path = write(project, "data/evil.py", EVIL)
+        return "data.evil:build", path.with_name("RAN")
+    raise AssertionError(where)
 
 
-def test_missing_changed_and_malformed_sources(project, caplog):
+@pytest.mark.parametrize("where, why", [
+    ("absolute", "an absolute path"),
+    ("dotdot", "climbs out of the working folder with '..'"),
+    ("symlink out", "which leads outside the working folder"),
+    ("data/", "under data/ where unpacked archives go"),
+    ("tilde", "an absolute path"),
+    ("module outside", "a module not found in the working folder"),
+    ("module under data/", "under data/ where unpacked archives go"),
+])
+@pytest.mark.parametrize("with_sha", [True, False], ids=["with-sha", "without-sha"])
+def test_a_reference_read_from_a_file_is_refused_before_anything_is_imported(project, tmp_path, where, why,
+                                                                            with_sha):
+    ref, marker = _place(project, tmp_path, where)
+    target = ref.rpartition(":")[0]
+    real = (project / target).resolve() if target.endswith(".py") and not target.startswith("~") else None
+    source = _source(ref, real if with_sha and real and real.is_file() else None)
+    for check in (lambda: usermodel.check_source(source, None, "w.pth"),
+                  lambda: usermodel.rebuild(source, ref, 3, None, "w.pth"),
+                  lambda: usermodel.rebuild(None, ref, 3, None, "w.pth"),  # no model_source at all
+                  lambda: usermodel.check_resume({"model_name": ref, "model_source": source}, None, "--resume w")):
+        with pytest.raises(UserError) as err:
+            check()
+        line = one_line(err)
+        assert line.startswith("w.pth names --model") or line.startswith("--resume w names --model"), line
+        assert "it is not imported" in line and f"pass --model {ref}" in line
+        assert why in line or "no model_source" in line, line
+    assert not marker.exists(), "the file's code ran"
+
+
+@pytest.mark.parametrize("case, why", [
+    ("same file", None),
+    ("no sha", "without the sha256 of the file it was trained with"),
+    ("changed", r"is not the file it was trained with \(sha256"),
+    ("missing", "models/resnet.py not found in the working folder"),
+    ("package", None),
+    ("package changed", "is not the file it was trained with"),
+])
+def test_the_model_this_project_trained_with_is_rebuilt_from_the_file_alone(project, case, why):
     path = project / "models" / "resnet.py"
-    source = _source("models/resnet.py:build", path)
-    path.write_text(path.read_text() + "\n# tuned\n")
+    ref, source = "models/resnet.py:build", _source("models/resnet.py:build", path)
+    if case.startswith("package"):
+        write(project, "mypkg/__init__.py", "")
+        pkg = write(project, "mypkg/nets.py", "def make(n):\n    pass\n")
+        ref, source = "mypkg.nets:make", _source("mypkg.nets:make", pkg)
+        if case == "package changed":
+            pkg.write_text(pkg.read_text() + "# tuned\n")
+    elif case == "no sha":
+        source["sha256"] = None
+    elif case == "changed":
+        path.write_text(path.read_text() + "\n# tuned\n")
+    elif case == "missing":
+        path.unlink()
+    if why is None:
+        assert usermodel.check_source(source, None, "w.pth").text == ref
+        return
+    with pytest.raises(UserError, match=why) as err:
+        usermodel.check_source(source, None, "w.pth")
+    assert f"If you trust it, pass --model {ref}" in one_line(err)
+
+
+def test_named_again_with_model_it_is_the_users_choice(project, tmp_path, caplog):
+    inside = project / "models" / "resnet.py"
+    absolute = f"{inside}:build"
+    assert usermodel.check_source(_source(absolute, inside), absolute, "ck").path() == inside
+    # a resume names the saved reference again in another spelling of the same file
+    usermodel.check_resume({"model_source": _source(absolute, inside)}, "models/resnet.py:build", "--resume x")
+    with pytest.raises(UserError, match="an absolute path"):
+        usermodel.check_resume({"model_source": _source(absolute, inside)}, "models/vit.py:build", "--resume x")
+    inside.write_text(inside.read_text() + "\n# tuned\n")  # changed, and named: built as it is, with a warning
     with caplog.at_level(logging.WARNING, logger="dlenv.usermodel"):
-        usermodel.check_source(source, None, "runs/exp/last.pth")
-    [warning] = caplog.messages
-    assert warning.startswith("runs/exp/last.pth: models/resnet.py differs from the file this checkpoint was "
-                              f"trained with (sha256 {source['sha256'][:12]} then")
-    path.unlink()
-    with pytest.raises(UserError, match=r"runs/exp/last.pth was trained with --model models/resnet.py:build, "
-                                        r"and models/resnet.py is not in .*proj; run from the project folder "
-                                        r"that holds it, or pass --model path/to/resnet.py:build") as err:
-        usermodel.check_source(source, None, "runs/exp/last.pth")
+        usermodel.check_source(_source("models/resnet.py:build", tmp_path / "proj" / "models" / "vit.py"),
+                               "models/resnet.py:build", "ck")
+    assert "differs from the file this checkpoint was trained with" in caplog.messages[0]
+
+
+@pytest.mark.parametrize("source, match", [
+    ({"ref": 3}, "'model_source' entry is malformed"),
+    ("models/resnet.py:build", "'model_source' entry is malformed"),
+    ({"ref": "m.py:b", "args": [1]}, "'model_source' entry is malformed"),
+    ({"ref": "m.py:" + "b" * 300}, "'model_source' entry is malformed"),
+    ({"ref": "m.py:b", "args": {"width": 10**9}}, r"gives width=1000000000, beyond the bounds .*65536"),
+    ({"ref": "m.py:b", "args": {"drop": 1e300}}, r"gives drop=1e\+300, beyond the bounds"),
+    ({"ref": "m.py:b", "args": {"drop": float("nan")}}, "gives drop=nan, beyond the bounds"),
+    ({"ref": "m.py:b", "args": {"act": "x" * 1000}}, "beyond the bounds .*256 characters"),
+    ({"ref": "m.py:b", "args": {f"a{i}": 1 for i in range(40)}}, "40 factory arguments, more than 32"),
+    ({"ref": "m.py:b", "args": {"num_classes": 3}}, "names the factory argument 'num_classes'"),
+    ({"ref": "m.py:b", "args": {"not a name": 3}}, "names the factory argument 'not a name'"),
+])
+def test_what_a_file_says_about_the_factory_is_bounded(project, source, match):
+    with pytest.raises(UserError, match=match) as err:
+        usermodel.check_source(source, None, "ck")
     one_line(err)
-    for bad in ({"ref": 3}, "models/resnet.py:build", {"ref": "m.py:b", "args": [1]}):
-        with pytest.raises(UserError, match="'model_source' entry is malformed"):
-            usermodel.check_source(bad, None, "ck")
+
+
+@pytest.mark.parametrize("kwarg", ["name", "weights", "num_classes_", "what", "given", "source"])
+def test_factory_keyword_arguments_of_any_name_reach_the_factory(project, kwarg):
+    write(project, "models/kw.py", f"""
+        import torch.nn as nn
+        def build(num_classes, {kwarg}="default"):
+            m = nn.Linear(4, num_classes)
+            m.got = {kwarg}
+            return m
+        """)
+    assert usermodel.build("models/kw.py:build", 3, **{kwarg: "given"}).got == "given"
+    ref = "models/kw.py:build"
+    source = _source(ref, project / "models" / "kw.py", {kwarg: "saved"})
+    assert usermodel.rebuild(source, ref, 3, None, "ck").got == "saved"
 
 
 # ---------------------------------------------------------------------------------------------------

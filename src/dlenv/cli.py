@@ -92,8 +92,7 @@ def run_command(name: str, given: dict[str, Any], yaml_file: str | None = None) 
     try:
         cfg = weights.command_line_consent(config.build(cmd.config, yaml_file, **given), given)
         module, func = cmd.target.split(":")
-        with weights.trust_pickle(getattr(cfg, "trust_pickle", False)):
-            result = getattr(importlib.import_module(module), func)(cfg)
+        result = getattr(importlib.import_module(module), func)(cfg)  # loads take cfg's LoadPolicy
         return int(result or 0)
     except UserError as e:
         print(f"dlenv {name}: error: {printable(e)}", file=sys.stderr)  # one line, whatever a name holds

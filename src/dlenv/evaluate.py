@@ -393,13 +393,14 @@ def main(cfg: Any) -> int:
     from dlenv.data.loaders import build_eval_loader, resolve_workers
     from dlenv.models import model_from_checkpoint
     from dlenv.runstate import is_dlenv_checkpoint, load_checkpoint
+    from dlenv.weights import LoadPolicy
 
     if not cfg.weights:
         raise UserError("--weights is required: the checkpoint to validate (e.g. runs/exp/best_model.pth)")
     weights = Path(cfg.weights)
     out = check_output(cfg.out or weights.parent / "val", "--out", folder=True)
     device = resolve_device(cfg.device)
-    ckpt = load_checkpoint(weights)
+    ckpt = load_checkpoint(weights, LoadPolicy.of(cfg))
     model, class_names, img_size = model_from_checkpoint(ckpt, cfg.model, source=str(weights))
     bare = not is_dlenv_checkpoint(ckpt)
     root, samples, data_classes, what = resolve_data(cfg, ckpt if not bare else {})

@@ -5,7 +5,8 @@ never share a folder); `--exist-ok` writes into the named folder as is. `lock_ru
 two runs out of one folder all the same (`--exist-ok`, or two resumes of one run): the trainer holds
 an exclusive `flock` on the folder's `.dlenv.lock` for the run's life, and the kernel releases it when
 the process ends, however it ends. `find_resume` turns `--resume PATH|auto` into a checkpoint path:
-auto is the newest `last.pth` under the project folder. No torch here.
+auto is the newest `last.pth` under the project folder. The names of a run folder's files are written
+here once (LAST, BEST; dlenv.runstate writes and reads them). No torch here.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from pathlib import Path
 from dlenv.errors import UserError
 
 LOCK_FILE = ".dlenv.lock"
+#: the run state a run saves each epoch (optimizer, RNG, position: what --resume needs)
+LAST = "last.pth"
+#: the weights of the best epoch with what it takes to use them (dlenv.train.state.slim)
+BEST = "best_model.pth"
 
 
 class RunLock:
@@ -106,15 +111,15 @@ def find_resume(resume: str, project: str | Path = "runs") -> Path:
     Raises UserError when the file does not exist or no run has a last.pth.
     """
     if resume.strip().lower() == "auto":
-        candidates = sorted(Path(project).glob("*/last.pth"), key=lambda p: p.stat().st_mtime)
+        candidates = sorted(Path(project).glob(f"*/{LAST}"), key=lambda p: p.stat().st_mtime)
         if not candidates:
-            raise UserError(f"--resume auto found no {project}/*/last.pth to continue; start a run first "
+            raise UserError(f"--resume auto found no {project}/*/{LAST} to continue; start a run first "
                             "or pass the checkpoint path")
         return candidates[-1]
     path = Path(resume)
     if path.is_dir():
-        path = path / "last.pth"
+        path = path / LAST
     if not path.is_file():
-        raise UserError(f"--resume {resume}: no such checkpoint; pass a last.pth path "
-                        f"(e.g. {project}/exp/last.pth) or --resume auto")
+        raise UserError(f"--resume {resume}: no such checkpoint; pass a {LAST} path "
+                        f"(e.g. {project}/exp/{LAST}) or --resume auto")
     return path

@@ -1,12 +1,13 @@
-"""Run state: the files that hold a run (last.pth, best_model.pth), saved atomically, loaded safely.
+"""Run state: the files that hold a run (runs.LAST, runs.BEST), saved atomically, loaded safely.
 
 (Activation checkpointing, the other meaning of "checkpoint", is dlenv.models.) Rebuilding a model from
 one of these files is `dlenv.models.model_from_checkpoint`.
 
-A dlenv checkpoint is a dict of tensors and plain types only, so it loads with
-`torch.load(weights_only=True)`. That loader alone is safe against a crafted file only from PyTorch
-2.10 on; before, dlenv.weights unpickles only files this project signed or the user vouched for
-(--trust-pickle), and a path ending in .safetensors is read and written as safetensors (weights only):
+A dlenv checkpoint is a dict of tensors and plain types only: dlenv.weights' allowlist passes it
+before torch.load(weights_only=True) reads it, so it loads on any PyTorch, from any folder, with no
+consent asked. Loading takes a `weights.LoadPolicy` (what the command's --trust-pickle allows for
+other pickles). A path ending in .safetensors is read and written as safetensors (weights and the
+description below as string metadata). Every number a loaded file gives is bounded (`check_entries`):
 
     format        "dlenv/1"
     model         state dict of the bare model (torchvision key names: no "module." or wrapper prefixes)
@@ -49,12 +50,18 @@ from typing import Any
 
 import torch
 
-from dlenv import weights
+from dlenv import safeio, weights
 from dlenv.atomic import write_file
-from dlenv.errors import UserError, with_path
+from dlenv.errors import UserError, printable, with_path
+from dlenv.runs import BEST, LAST
 
 FORMAT = "dlenv/1"
 _FLOAT = "__float__"
+#: bounds on what a file may say (its weights must fit a model built from these numbers)
+MAX_IMG_SIZE = 2048
+MAX_CLASSES = 100_000
+MAX_NAME = 256
+MAX_COUNT = 10**12
 
 
 def _encode(obj: Any) -> Any:
@@ -127,7 +134,7 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
     """
     path = Path(path)
     if weights.is_safetensors(path):
-        return weights.save_safetensors(state, path)
+        return _save_safetensors(state, path)
     state = _encode(state)
 
     def write(fh: Any) -> None:
@@ -136,28 +143,96 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
         if out.error is not None:
             raise out.error
         fh.flush()
-        weights.sign(Path(fh.name), path)  # the MAC first, then the file (dlenv.weights says why)
 
     return write_file(path, write, durable=True)
 
 
-def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> Any:
-    """Load a checkpoint with weights_only=True; a dlenv checkpoint's entries are checked (`check_entries`).
+def _save_safetensors(state: dict[str, Any], path: Path) -> Path:
+    """A dlenv checkpoint's weights with its description as string metadata; a bare state dict as it is."""
+    import json
+
+    if not is_dlenv_checkpoint(state):
+        return weights.save_safetensors(state, path)
+    meta = {"format": FORMAT, "model_name": str(state["model_name"]), "num_classes": str(int(state["num_classes"])),
+            "class_names": json.dumps(list(state["class_names"])),
+            "img_size": str(int(state["img_size"])) if state.get("img_size") else "",
+            "config": json.dumps(state.get("config") or {}, default=str)}
+    if state.get("model_source"):
+        meta["model_source"] = json.dumps(state["model_source"], default=str)
+    return weights.save_safetensors(state["model"], path, meta)
+
+
+def _from_safetensors(path: Path) -> dict[str, Any]:
+    """A .safetensors file as a checkpoint: dlenv's own (metadata format "dlenv/1") with its entries,
+    any other (Hugging Face and timm write {"format": "pt"}, or none) as the bare state dict."""
+    import json
+
+    tensors, meta = weights.read_safetensors(path)
+    if meta.get("format") != FORMAT:
+        return tensors
+
+    def count(key: str) -> int | None:
+        text = meta.get(key, "").strip()
+        if not text:
+            return None
+        if not (text.isdigit() and len(text) <= 12):
+            raise ValueError(f"{key} {text[:20]!r} is not a count")
+        return int(text)
+
+    try:
+        ckpt = {"format": FORMAT, "model": tensors, "model_name": meta["model_name"],
+                "num_classes": count("num_classes"), "class_names": json.loads(meta["class_names"]),
+                "img_size": count("img_size"), "config": json.loads(meta.get("config") or "{}")}
+        if meta.get("model_source"):
+            ckpt["model_source"] = json.loads(meta["model_source"])
+    except (KeyError, ValueError) as e:
+        raise UserError(f"{printable(str(path))}: its dlenv metadata is incomplete or malformed "
+                        f"({printable(str(e))[:80]}); load it as a bare state dict with --model NAME, or export "
+                        "it again") from None
+    return ckpt
+
+
+def export_safetensors(ckpt: dict[str, Any], model: Any, out: Path) -> int:
+    """`dlenv export --format safetensors`: `model`'s weights and `ckpt`'s description to `out`, then
+    read back and compared tensor by tensor. Returns 0 when identical, 1 when not (the file is kept)."""
+    state = {**ckpt, "format": FORMAT, "model": model.state_dict()}
+    _save_safetensors(state, out)
+    back = load_checkpoint(out)
+    want = state["model"]
+    same = (set(back["model"]) == set(want)
+            and all(torch.equal(back["model"][k].cpu(), want[k].detach().cpu()) for k in want))
+    size = out.stat().st_size / 2**20
+    print(f"wrote {out} (safetensors: {len(want)} tensors, {size:.1f} MiB, with architecture "
+          f"{back['model_name']}, {len(back['class_names'])} classes, {back.get('img_size') or '?'} px); loads "
+          f"with no code run on any PyTorch: --weights {out}")
+    if not same:
+        print(f"reading {out} back gave other tensors than the model's; do not use it")
+        return 1
+    print("check: read back, every tensor identical to the checkpoint's")
+    return 0
+
+
+def load_checkpoint(path: str | Path, policy: weights.LoadPolicy = weights.SAFE, map_location: Any = "cpu") -> Any:
+    """Load a checkpoint (a pickle through dlenv.weights' allowlist, or a .safetensors file); a dlenv
+    checkpoint's entries are checked and bounded (`check_entries`). `policy`: what --trust-pickle allows.
 
     Raises UserError naming the file for a missing file, one that is not a PyTorch file at all (a
-    folder, an empty file, a CSV, YAML or other text, a zip of something else, a TorchScript export),
-    a truncated or corrupt one, an unsafe one, and a dlenv checkpoint whose entries have wrong types.
+    folder, a FIFO, an empty file, a CSV, YAML or other text, a zip of something else, a TorchScript
+    export), a truncated or corrupt one, an unsafe one, and a dlenv checkpoint whose entries have wrong
+    types or numbers out of bounds.
     """
     path = Path(path)
     if not path.exists():
-        raise UserError(f"checkpoint {path} not found; pass the path of a .pth file (e.g. runs/exp/last.pth)")
-    what = None if weights.is_safetensors(path) else _not_torch(path)  # weights.load reads those
+        raise UserError(f"checkpoint {printable(str(path))} not found; pass the path of a .pth file "
+                        f"(e.g. runs/exp/{LAST})")
+    what = _not_torch(path)
     if what:
-        raise UserError(f"{path} is {what[0]}, not a PyTorch checkpoint; "
-                        + (what[1] or "pass a .pth file written by torch.save (e.g. runs/exp/best_model.pth)"))
+        raise UserError(f"{printable(str(path))} is {what[0]}, not a PyTorch checkpoint; "
+                        + (what[1] or f"pass a .pth file written by torch.save (e.g. runs/exp/{BEST})"))
     try:
-        obj = _decode(weights.load(path, map_location=map_location))
-    except UserError:  # weights.load's own lines: a refused foreign pickle, a broken safetensors file
+        obj = _from_safetensors(path) if weights.is_safetensors(path) else _decode(weights.load(path, policy,
+                                                                                                 map_location))
+    except UserError:  # weights' own lines: a refused foreign pickle, a broken safetensors file
         raise
     except pickle.UnpicklingError as e:
         # weights_only refuses any global it does not know: the file wants to run code or rebuild
@@ -171,7 +246,7 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> Any:
             raise with_path(e, path) from None  # the disk or the system, not the file: the CLI says so
         first = str(e).strip().splitlines()[0][:160] if str(e).strip() else e.__class__.__name__
         raise UserError(f"checkpoint {path} is truncated or corrupt ({first}); use another checkpoint "
-                        "(last.pth and best_model.pth are written atomically)") from None
+                        f"({LAST} and {BEST} are written atomically)") from None
     check_entries(obj, path)
     return obj
 
@@ -180,9 +255,13 @@ def _not_torch(path: Path) -> tuple[str, str | None] | None:
     """(what `path` is, what to do or None) when it is certainly not a file torch.load reads (from its
     first bytes), else None."""
     if path.is_dir():
-        return "a folder", f"pass the .pth file inside it (e.g. {path / 'best_model.pth'})"
-    with path.open("rb") as fh:
+        return "a folder", f"pass the .pth file inside it (e.g. {path / BEST})"
+    if not safeio.is_regular(path):  # a FIFO would block open() until a writer comes
+        return "not a regular file (a named pipe, a device or a socket)", "pass a regular file"
+    with safeio.open_regular(path, "checkpoint") as fh:
         head = fh.read(512)
+    if weights.is_safetensors(path):
+        return None  # weights.read_safetensors says what is wrong with one
     if not head:
         return "an empty file (0 bytes)", "a copy or download that did not finish? Use another checkpoint"
     if head.startswith(b"PK\x03\x04"):  # torch.save's zip format: an archive/data.pkl inside
@@ -211,20 +290,21 @@ def _bad_entry(path: Path, key: str, value: Any, expected: str) -> UserError:
     shown = repr(value)
     shown = shown if len(shown) <= 40 else shown[:37] + "..."
     return UserError(f"{path}: its {key!r} is {shown}, not {expected}; the file was edited or damaged, "
-                     "use another checkpoint (e.g. best_model.pth or last.pth of the run)")
+                     f"use another checkpoint (e.g. {BEST} or {LAST} of the run)")
 
 
-def _is_int(v: Any, low: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= low
+def _is_int(v: Any, low: int, high: int | None = None) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low and (high is None or v <= high)
 
 
 def check_entries(ckpt: Any, path: str | Path) -> None:
     """Refuse a dlenv checkpoint whose entries have the wrong type or disagree with each other.
 
-    Checks what the loaders read: num_classes, class_names (as many as num_classes), img_size,
-    model_name, epoch, step, batch_in_epoch, world_size, best_metric, train_state and the saved
-    training options. Anything other than a dlenv checkpoint passes unchecked. Raises UserError naming
-    the file and the entry.
+    Checks what the loaders read, each number within its bound (the module's MAX_*): num_classes,
+    class_names (as many as num_classes), img_size, model_name, epoch, step, batch_in_epoch, world_size,
+    best_metric, train_state and the saved training options (dlenv.config's own bounds); model_source's
+    content is dlenv.usermodel's. Anything other than a dlenv checkpoint passes unchecked (its tensors are
+    bounded by the bytes the file holds). Raises UserError naming the file, the entry and the bound.
     """
     if not is_dlenv_checkpoint(ckpt):
         return
@@ -232,20 +312,24 @@ def check_entries(ckpt: Any, path: str | Path) -> None:
     if not is_bare_state_dict(ckpt["model"]):
         raise _bad_entry(path, "model", type(ckpt["model"]).__name__, "a state dict of tensors")
     for key, expected, ok in (
-            ("model_name", "a model name", lambda v: isinstance(v, str) and v.strip() != ""),
-            ("num_classes", "an integer >= 1", lambda v: _is_int(v, 1)),
-            ("class_names", "a list of class names",
-             lambda v: isinstance(v, (list, tuple)) and all(isinstance(n, str) for n in v)),
-            ("img_size", "an image size in pixels", lambda v: v is None or _is_int(v, 1)),
-            ("epoch", "a count of epochs", lambda v: _is_int(v, 0)),
-            ("step", "a count of steps", lambda v: _is_int(v, 0)),
-            ("batch_in_epoch", "a count of batches", lambda v: _is_int(v, 0)),
-            ("world_size", "a number of GPUs", lambda v: _is_int(v, 1)),
+            ("model_name", f"a model name of 1 to {MAX_NAME} characters",
+             lambda v: isinstance(v, str) and v.strip() != "" and len(v) <= MAX_NAME),
+            ("num_classes", f"an integer from 1 to {MAX_CLASSES:,}", lambda v: _is_int(v, 1, MAX_CLASSES)),
+            ("class_names", f"a list of class names of at most {MAX_NAME} characters",
+             lambda v: isinstance(v, (list, tuple)) and all(isinstance(n, str) and len(n) <= MAX_NAME for n in v)),
+            ("img_size", f"an image size of 16 to {MAX_IMG_SIZE} pixels",
+             lambda v: v is None or _is_int(v, 16, MAX_IMG_SIZE)),
+            ("epoch", "a count of epochs", lambda v: _is_int(v, 0, MAX_COUNT)),
+            ("step", "a count of steps", lambda v: _is_int(v, 0, MAX_COUNT)),
+            ("batch_in_epoch", "a count of batches", lambda v: _is_int(v, 0, MAX_COUNT)),
+            ("world_size", "a number of GPUs from 1 to 65,536", lambda v: _is_int(v, 1, 65536)),
             ("best_metric", "an accuracy or None",
              lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))),
             ("config", "a mapping of options", lambda v: isinstance(v, dict)),
+            ("model_source", "a mapping (where a model of your own came from) or None",
+             lambda v: v is None or isinstance(v, dict)),
             ("train_state", "a mapping of counts",
-             lambda v: isinstance(v, dict) and all(_is_int(n, 0) for n in v.values()))):
+             lambda v: isinstance(v, dict) and all(_is_int(n, 0, MAX_COUNT) for n in v.values()))):
         if key in ckpt and not ok(ckpt[key]):
             raise _bad_entry(path, key, ckpt[key], expected)
     if "num_classes" in ckpt and "class_names" in ckpt and len(ckpt["class_names"]) != ckpt["num_classes"]:

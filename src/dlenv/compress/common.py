@@ -37,20 +37,30 @@ class Source:
     img_size: int
 
 
-def load_source(weights: str | None, verb: str, model: str | None = None) -> Source:
+def policy(cfg: Any) -> Any:
+    """The load policy a command's options ask for (dlenv.weights.LoadPolicy: --trust-pickle)."""
+    from dlenv.weights import LoadPolicy
+
+    return LoadPolicy.of(cfg)
+
+
+def load_source(weights: str | None, verb: str, model: str | None = None, load_policy: Any = None) -> Source:
     """Load `weights` as a dlenv checkpoint and rebuild its model.
 
     Raises UserError when --weights is missing, the file is missing/corrupt/unsafe, it is a bare
     state dict or a checkpoint without class names, or the weights don't fit the architecture.
-    `model` is --model: a model of your own named again (see dlenv.usermodel's trust rule).
+    `model` is --model: a model of your own named again (see dlenv.usermodel's trust rule);
+    `load_policy` what --trust-pickle allows (dlenv.weights.LoadPolicy; None: the allowlist only).
     """
     from dlenv.models import model_from_checkpoint
+    from dlenv.runs import BEST
     from dlenv.runstate import is_bare_state_dict, is_dlenv_checkpoint, load_checkpoint
+    from dlenv.weights import SAFE
 
     if not weights:
-        raise UserError(f"--weights is required: the checkpoint to {verb} (e.g. runs/exp/best_model.pth)")
+        raise UserError(f"--weights is required: the checkpoint to {verb} (e.g. runs/exp/{BEST})")
     path = Path(weights)
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path, load_policy or SAFE)
     if not is_dlenv_checkpoint(ckpt):
         what = "a bare state dict" if is_bare_state_dict(ckpt) else "not a dlenv checkpoint"
         raise UserError(f"{path} is {what}, without class names or image size; {verb} needs a checkpoint "

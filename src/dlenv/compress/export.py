@@ -155,12 +155,12 @@ def main(cfg: Any) -> int:
     or an environment that cannot export ONNX.
     """
     _check_options(cfg)
-    src = common.load_source(cfg.weights, "export", cfg.model)
+    src = common.load_source(cfg.weights, "export", cfg.model, common.policy(cfg))
     out = output_path(cfg, src.path)
-    if cfg.format == "safetensors":  # weights, not a program: written, read back, compared (dlenv.weights)
-        from dlenv import weights
+    if cfg.format == "safetensors":  # weights, not a program: written, read back, compared (dlenv.runstate)
+        from dlenv import runstate
 
-        return weights.export(src.ckpt, src.model, out)
+        return runstate.export_safetensors(src.ckpt, src.model, out)
     inputs, loader, described = _check_inputs(cfg, src)
     example = inputs[:1]
 

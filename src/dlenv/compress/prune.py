@@ -161,7 +161,7 @@ def main(cfg: Any) -> int:
     from dlenv.devices import resolve_device
 
     amount = check_amount(cfg.amount)
-    src = common.load_source(cfg.weights, "prune", cfg.model)
+    src = common.load_source(cfg.weights, "prune", cfg.model, common.policy(cfg))
     out = _output_path(cfg, src.path)
     device = resolve_device(cfg.device)
     root, loader = common.eval_loader(cfg.data, src, cfg.batch_size, cfg.workers)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlenv import config, runs, runstate, usermodel
+from dlenv import config, runs, runstate, usermodel, weights
 from dlenv.atomic import remove_leftover_temps, write_text
 from dlenv.config import TrainConfig
 from dlenv.errors import UserError
@@ -111,7 +111,7 @@ def settle_best(run_dir: Path, resume: Resume | None, best_metric: float | None,
             f"{', '.join(removed)}")
     if resume is None or best_metric is None:
         return
-    path = run_dir / "best_model.pth"
+    path = run_dir / runs.BEST
     if _recorded_best(path) == best_metric:
         return
     if resume.best is None:  # the file was changed by hand: last.pth is past the best epoch
@@ -174,7 +174,7 @@ def open_resume(cfg: TrainConfig) -> tuple[TrainConfig, Resume | None]:
     if not cfg.resume:
         return cfg, None
     path = runs.find_resume(cfg.resume, cfg.project)
-    ckpt = runstate.load_checkpoint(path)
+    ckpt = runstate.load_checkpoint(path, weights.LoadPolicy.of(cfg))
     usermodel.check_resume(ckpt, cfg.model, f"--resume {path}")  # a model of your own: trust rule, changed file
     cfg, ignored = resume_config(ckpt, cfg, path)
     return cfg, Resume(ckpt, path, ignored)

@@ -1,0 +1,443 @@
+"""The pickle inside a .pth file, checked against an allowlist before torch sees one byte of it.
+
+A .pth file is a pickle (in a zip since PyTorch 1.6; before, a run of pickles followed by raw storage
+bytes), and unpickling can run code. torch.load(weights_only=True) restricts what it rebuilds, but its
+unpickler could be beaten before PyTorch 2.10 (CVE-2025-32434; CVE-2026-24747, memory corruption), and
+the default profile runs 1.13.1. So dlenv reads the pickle's opcodes first with `pickletools.genops`
+(which parses and runs nothing) and plays them on a stack of inert values. A file passes only when it
+holds what a state dict or a dlenv checkpoint needs:
+
+- data: None, bools, ints, floats, strings, bytes, tuples, lists, dicts, sets;
+- the globals `collections.OrderedDict`, `torch.Size`, `torch._utils._rebuild_tensor_v2` (and v1),
+  `torch._utils._rebuild_parameter`, the plain storage types (torch.FloatStorage, ...), and dtypes
+  as values (torch.float16, ...): what torch 1.13 and 2.x write for tensors, parameters and state dicts;
+- calls (REDUCE) of those callables only, each with its arguments checked: a tensor's offset, sizes and
+  strides must lie inside its storage, and a storage's element count must fit the bytes the file holds
+  for it (a count larger than its record is the memory-corruption class of bug);
+- BUILD only of an OrderedDict with a dict of names (a state dict's `_metadata`).
+
+Everything else is refused before torch is called: any other global (os.system, builtins.eval,
+getattr, ...), INST/OBJ/NEWOBJ/EXT, persistent ids other than torch's storages, a TorchScript archive,
+the pre-1.0 tar format, a zip with two members of one name, a pickle cut short. A refusal carries one
+short reason; dlenv.weights turns it into the line the user sees.
+
+Why not a library: fickling (the maintained pickle analyser) rates a pickle by heuristics over its
+decompiled AST and leaves the policy to the caller; what this check needs is narrower and stricter,
+twenty allowed names, and the bounds of torch's own storage records, which fickling does not know.
+So it is these few hundred lines on the standard library, with no dependency to pin.
+
+No torch import: the check must not depend on the library whose loader it guards.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import math
+import pickletools
+import re
+import tarfile
+import zipfile
+from typing import Any, BinaryIO
+
+#: bounds on what is read into memory to check it: a data.pkl (a state dict of 10,000 tensors is ~2 MB)
+PICKLE_LIMIT = 256 * 2**20
+MAX_DIMS = 64
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_PROTOCOL = 1001
+
+#: storage type -> bytes per element (the plain types torch writes; quantized and others are refused)
+STORAGES = {f"torch.{n}Storage": s for n, s in (
+    ("Double", 8), ("Float", 4), ("Half", 2), ("BFloat16", 2), ("Long", 8), ("Int", 4), ("Short", 2),
+    ("Char", 1), ("Byte", 1), ("Bool", 1), ("ComplexFloat", 8), ("ComplexDouble", 16))}
+STORAGES.update({"torch.UntypedStorage": 1, "torch._UntypedStorage": 1})
+DTYPES = {f"torch.{n}" for n in (
+    "float16", "float32", "float64", "bfloat16", "complex32", "complex64", "complex128", "int8", "int16",
+    "int32", "int64", "uint8", "bool", "half", "float", "double", "long", "int", "short")}
+_LOCATION = re.compile(r"(cpu|cuda(:\d{1,3})?|mps|meta|xpu(:\d{1,3})?)\Z")
+
+
+class Refused(ValueError):
+    """The file is not one the allowlist passes; str() is the short reason."""
+
+
+class Damaged(Refused):
+    """The file is cut short or broken (no zip directory, a pickle without its end, a missing record):
+    refused all the same, and reported as damage rather than as content."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inert values the stack holds in place of what the real unpickler would build
+
+
+class _Global:
+    def __init__(self, name: str):
+        self.name = name
+
+
+class _StorageType:
+    def __init__(self, name: str):
+        self.name, self.itemsize = name, STORAGES[name]
+
+
+class _Storage:
+    def __init__(self, numel: int):
+        self.numel = numel
+
+
+class _Tensor:
+    """A tensor as a value (also a dict key: hashed by identity, as torch's are)."""
+
+
+_CALLABLES = {"collections.OrderedDict", "torch.Size", "torch._utils._rebuild_tensor",
+              "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_parameter"}
+
+
+def _global(module: Any, name: Any) -> Any:
+    if not (isinstance(module, str) and isinstance(name, str)):
+        raise Refused("a global named by something other than text")
+    full = f"{module}.{name}"
+    if full in STORAGES:
+        return _StorageType(full)
+    if full in DTYPES or full in _CALLABLES:
+        return _Global(full)
+    raise Refused(f"it names the global {full[:80]}, which a file of weights does not need")
+
+
+def _is_int(v: Any, low: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def _ints(v: Any) -> bool:
+    return isinstance(v, tuple) and len(v) <= MAX_DIMS and all(_is_int(x) for x in v)
+
+
+def _empty_hooks(v: Any) -> bool:
+    return isinstance(v, collections.OrderedDict) and not v
+
+
+def _tensor(storage: Any, offset: Any, size: Any, stride: Any) -> _Tensor:
+    if not isinstance(storage, _Storage):
+        raise Refused("a tensor rebuilt from something other than a storage")
+    if not (_is_int(offset) and _ints(size) and _ints(stride) and len(size) == len(stride)):
+        raise Refused("a tensor whose offset, sizes or strides are not counts")
+    if math.prod(size) and offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) >= storage.numel:
+        raise Refused(f"a tensor of sizes {size[:8]} reaches past the end of its storage of {storage.numel} "
+                      "elements")
+    if offset > storage.numel:
+        raise Refused("a tensor that starts past the end of its storage")
+    return _Tensor()
+
+
+def _call(func: Any, args: Any) -> Any:
+    """What calling allowed `func` with `args` stands for, after checking the arguments."""
+    if not isinstance(func, _Global) or func.name not in _CALLABLES:
+        what = func.name if isinstance(func, (_Global, _StorageType)) else type(func).__name__
+        raise Refused(f"it calls {what}, which a file of weights does not need")
+    if not isinstance(args, tuple):
+        raise Refused(f"{func.name} called with arguments that are not a tuple")
+    name = func.name
+    if name == "collections.OrderedDict":
+        if args == ():
+            return collections.OrderedDict()
+        if len(args) == 1 and isinstance(args[0], (list, tuple)) and all(
+                isinstance(p, tuple) and len(p) == 2 for p in args[0]):
+            try:
+                return collections.OrderedDict(args[0])
+            except TypeError:
+                raise Refused("an OrderedDict with a key that cannot be a key") from None
+        raise Refused("an OrderedDict built from other arguments than pairs")
+    if name == "torch.Size":
+        if len(args) == 1 and _ints(args[0]):
+            return args[0]
+        raise Refused("a torch.Size of other values than counts")
+    if name == "torch._utils._rebuild_parameter":
+        if len(args) == 3 and isinstance(args[0], _Tensor) and isinstance(args[1], bool) and _empty_hooks(args[2]):
+            return _Tensor()
+        raise Refused("a parameter rebuilt from other arguments than a tensor (or with hooks)")
+    if name == "torch._utils._rebuild_tensor":
+        if len(args) == 4:
+            return _tensor(*args)
+        raise Refused("a tensor rebuilt with other arguments than torch writes")
+    # _rebuild_tensor_v2(storage, offset, size, stride, requires_grad, backward_hooks[, metadata])
+    if len(args) in (6, 7) and isinstance(args[4], bool) and _empty_hooks(args[5]) and (
+            len(args) == 6 or (isinstance(args[6], dict)
+                               and all(isinstance(k, str) and isinstance(v, bool) for k, v in args[6].items()))):
+        return _tensor(*args[:4])
+    raise Refused("a tensor rebuilt with other arguments than torch writes (or with hooks)")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The stack machine
+
+
+_DATA = {  # opcodes that push their argument as it is (genops has decoded it)
+    "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT", "STRING",
+    "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8",
+    "BINBYTES", "SHORT_BINBYTES", "BINBYTES8"}
+_CONST = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False}
+_NOOP = {"PROTO", "FRAME"}
+
+
+def _play(data: BinaryIO | bytes, persistent: Any, allow_globals: bool = True) -> Any:
+    """Play one pickle's opcodes on inert values; returns what it would return. `persistent(pid)`
+    stands for a persistent id. Raises Refused for anything outside the allowlist."""
+    stack: list[Any] = []
+    marks: list[int] = []
+    memo: dict[int, Any] = {}
+
+    def pop() -> Any:
+        if not stack or (marks and len(stack) <= marks[-1]):
+            raise Damaged("a malformed pickle (stack underflow)")
+        return stack.pop()
+
+    def pop_mark() -> list[Any]:
+        if not marks:
+            raise Damaged("a malformed pickle (no mark)")
+        at = marks.pop()
+        items = stack[at:]
+        del stack[at:]
+        return items
+
+    def top() -> Any:
+        if not stack or (marks and len(stack) <= marks[-1]):
+            raise Damaged("a malformed pickle (empty stack)")
+        return stack[-1]
+
+    try:
+        for op, arg, _pos in pickletools.genops(data):
+            name = op.name
+            if name in _DATA:
+                stack.append(arg)
+            elif name in _CONST:
+                stack.append(_CONST[name])
+            elif name in _NOOP:
+                if name == "PROTO" and not (0 <= arg <= 5):
+                    raise Refused(f"pickle protocol {arg}")
+            elif name == "MARK":
+                marks.append(len(stack))
+            elif name == "STOP":
+                return pop()
+            elif name == "POP":
+                pop()
+            elif name == "POP_MARK":
+                pop_mark()
+            elif name == "DUP":
+                stack.append(top())
+            elif name in ("EMPTY_LIST",):
+                stack.append([])
+            elif name == "EMPTY_DICT":
+                stack.append({})
+            elif name == "EMPTY_TUPLE":
+                stack.append(())
+            elif name == "EMPTY_SET":
+                stack.append(set())
+            elif name in ("LIST", "TUPLE", "DICT", "FROZENSET"):
+                items = pop_mark()
+                if name == "LIST":
+                    stack.append(items)
+                elif name == "TUPLE":
+                    stack.append(tuple(items))
+                elif name == "FROZENSET":
+                    stack.append(frozenset(items))
+                else:
+                    if len(items) % 2:
+                        raise Damaged("a malformed pickle (odd DICT)")
+                    stack.append(dict(zip(items[::2], items[1::2], strict=True)))
+            elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
+                n = int(name[-1])
+                items = [pop() for _ in range(n)][::-1]
+                stack.append(tuple(items))
+            elif name == "APPEND":
+                value = pop()
+                target = top()
+                if not isinstance(target, list):
+                    raise Refused("APPEND to something other than a list")
+                target.append(value)
+            elif name == "APPENDS":
+                items = pop_mark()
+                target = top()
+                if not isinstance(target, list):
+                    raise Refused("APPENDS to something other than a list")
+                target.extend(items)
+            elif name == "SETITEM":
+                value, key = pop(), pop()
+                target = top()
+                if not isinstance(target, dict):
+                    raise Refused("SETITEM on something other than a dict")
+                target[key] = value
+            elif name == "SETITEMS":
+                items = pop_mark()
+                target = top()
+                if not isinstance(target, dict) or len(items) % 2:
+                    raise Refused("SETITEMS on something other than a dict")
+                for k, v in zip(items[::2], items[1::2], strict=True):
+                    target[k] = v
+            elif name == "ADDITEMS":
+                items = pop_mark()
+                target = top()
+                if not isinstance(target, set):
+                    raise Refused("ADDITEMS on something other than a set")
+                target.update(items)
+            elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[int(arg)] = top()
+            elif name == "MEMOIZE":
+                memo[len(memo)] = top()
+            elif name in ("GET", "BINGET", "LONG_BINGET"):
+                if int(arg) not in memo:
+                    raise Damaged("a malformed pickle (a memo entry that was never stored)")
+                stack.append(memo[int(arg)])
+            elif name == "GLOBAL" and allow_globals:
+                module, _, attr = str(arg).partition(" ")
+                stack.append(_global(module, attr))
+            elif name == "STACK_GLOBAL" and allow_globals:
+                attr, module = pop(), pop()
+                stack.append(_global(module, attr))
+            elif name == "REDUCE" and allow_globals:
+                args, func = pop(), pop()
+                stack.append(_call(func, args))
+            elif name == "BUILD" and allow_globals:
+                state = pop()
+                inst = top()
+                if not (type(inst) is collections.OrderedDict and isinstance(state, dict)
+                        and all(isinstance(k, str) for k in state)):
+                    raise Refused("BUILD (setting the state of an object) on something other than a state dict")
+            elif name == "BINPERSID" and allow_globals:
+                stack.append(persistent(pop()))
+            elif name in ("GLOBAL", "STACK_GLOBAL", "REDUCE", "BUILD", "BINPERSID"):
+                raise Refused(f"{name} where only plain data belongs")
+            else:  # INST, OBJ, NEWOBJ, NEWOBJ_EX, EXT1/2/4, PERSID, buffers: never in a file of weights
+                raise Refused(f"the pickle opcode {name}, which a file of weights does not use")
+    except Refused:
+        raise
+    except TypeError:  # an unhashable key or set member: the real unpickler would fail too
+        raise Damaged("a malformed pickle (a key that cannot be a key)") from None
+    except (ValueError, EOFError, IndexError, UnicodeDecodeError, OverflowError, MemoryError) as e:
+        # genops: an unknown opcode, a truncated argument; a pickle without STOP
+        raise Damaged(f"a malformed or truncated pickle ({str(e)[:80] or type(e).__name__})") from None
+    raise Damaged("a pickle without its end (STOP)")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The two file formats torch.load reads
+
+
+def _storage_pid(pid: Any, extra: int) -> tuple[_StorageType, str, int, Any]:
+    if not (isinstance(pid, tuple) and len(pid) == 5 + extra and pid[0] == "storage"):
+        raise Refused("a persistent id other than a torch storage")
+    _, stype, key, location, numel = pid[:5]
+    if not isinstance(stype, _StorageType):
+        raise Refused("a storage of a type other than the plain ones")
+    if not (isinstance(key, str) and len(key) <= 64 and isinstance(location, str) and _LOCATION.match(location)
+            and _is_int(numel)):
+        raise Refused("a storage with a malformed key, location or size")
+    return stype, key, numel, pid[5] if extra else None
+
+
+def _check_zip(fh: BinaryIO) -> None:
+    try:
+        zf = zipfile.ZipFile(fh)
+        infos = zf.infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError) as e:
+        raise Damaged(f"a damaged zip ({str(e)[:80]})") from None
+    names = [i.filename for i in infos]
+    if not infos or "/" not in names[0]:
+        raise Refused("a zip without torch's archive folder")
+    if len(set(names)) != len(names):
+        # Python's zipfile and torch's reader could pick different members of one name
+        raise Refused("a zip with two members of the same name")
+    prefix = names[0].split("/", 1)[0] + "/"  # torch reads the folder of the first member
+    sizes = {i.filename: i.file_size for i in infos}
+    if prefix + "constants.pkl" in sizes:
+        raise Refused("a TorchScript archive, not a checkpoint")
+    pkl = prefix + "data.pkl"
+    if pkl not in sizes:
+        raise Refused(f"a zip without {pkl}")
+    if sizes[pkl] > PICKLE_LIMIT:
+        raise Refused(f"its pickle is {sizes[pkl]:,} bytes, more than the {PICKLE_LIMIT:,} a checkpoint needs")
+    try:
+        with zf.open(pkl) as member:
+            data = member.read(PICKLE_LIMIT + 1)
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError, NotImplementedError) as e:
+        raise Damaged(f"a damaged zip member {pkl} ({str(e)[:80]})") from None
+
+    def persistent(pid: Any) -> _Storage:
+        stype, key, numel, _ = _storage_pid(pid, 0)
+        record = prefix + "data/" + key
+        if record not in sizes:
+            raise Damaged(f"a storage whose record {record} is not in the file")
+        if numel * stype.itemsize > sizes[record]:
+            raise Refused(f"a storage of {numel:,} elements in a record of {sizes[record]:,} bytes")
+        return _Storage(numel)
+
+    _play(io.BytesIO(data), persistent)
+
+
+def _check_legacy(fh: BinaryIO) -> None:
+    """torch's format before 1.6: magic, protocol, sys_info, the object, the storage keys (five
+    pickles), then each storage as an 8-byte element count and its bytes."""
+    start = fh.tell()
+    try:  # torch tries the older tar format first: a file that opens as a tar goes down that path
+        tarfile.open(fileobj=fh, mode="r:").close()
+        is_tar = True
+    except (tarfile.TarError, OSError, ValueError, EOFError):
+        is_tar = False
+    if is_tar:
+        raise Refused("the pre-1.0 tar format of torch.save")
+    fh.seek(start)
+    if _play(fh, None, allow_globals=False) != _LEGACY_MAGIC:
+        raise Refused("a pickle that is not a torch.save file")
+    if _play(fh, None, allow_globals=False) != _LEGACY_PROTOCOL:
+        raise Refused("a torch.save file of an unknown protocol")
+    if not isinstance(_play(fh, None, allow_globals=False), dict):
+        raise Refused("a torch.save file without its sys_info")
+    storages: dict[str, tuple[_StorageType, int]] = {}
+    views: list[tuple[str, int, int]] = []
+
+    def persistent(pid: Any) -> _Storage:
+        stype, key, numel, view = _storage_pid(pid, 1)
+        if key in storages and storages[key] != (stype, numel):
+            raise Refused("one storage key with two types or sizes")
+        storages[key] = (stype, numel)
+        if view is None:
+            return _Storage(numel)
+        if not (isinstance(view, tuple) and len(view) == 3 and isinstance(view[0], str)
+                and _is_int(view[1]) and _is_int(view[2])):
+            raise Refused("a storage view of a malformed shape")
+        views.append((key, view[1], view[2]))
+        return _Storage(view[2])
+
+    _play(fh, persistent)
+    if fh.tell() - start > PICKLE_LIMIT:
+        raise Refused(f"its pickles are more than the {PICKLE_LIMIT:,} bytes a checkpoint needs")
+    keys = _play(fh, None, allow_globals=False)
+    if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)) or set(keys) != set(storages):
+        raise Refused("storage keys that do not match its storages")
+    for key, offset, size in views:
+        if offset + size > storages[key][1]:
+            raise Refused("a storage view past the end of its storage")
+    # then each storage in key order: its element count (int64, little-endian) and its bytes
+    pos, end = fh.tell(), fh.seek(0, io.SEEK_END)
+    for key in keys:
+        fh.seek(pos)
+        head = fh.read(8)
+        stype, numel = storages[key]
+        if len(head) < 8 or int.from_bytes(head, "little", signed=True) != numel:
+            raise Damaged(f"storage {key[:16]} does not hold the {numel:,} elements its tensors use")
+        pos += 8 + numel * stype.itemsize
+        if pos > end:
+            raise Damaged(f"storage {key[:16]} reaches past the end of the file (cut short?)")
+
+
+def check(fh: BinaryIO) -> None:
+    """Check the .pth file open in `fh` (binary, seekable) from its start; raises Refused with the reason
+    when it holds anything outside the allowlist (module doc). Leaves the position anywhere."""
+    fh.seek(0)
+    head = fh.read(4)
+    fh.seek(0)
+    if head == b"PK\x03\x04":  # the same test torch.load makes to choose the zip reader
+        _check_zip(fh)
+    elif head[:1] == b"\x80":
+        _check_legacy(fh)
+    else:
+        raise Refused("not a file torch.save writes (neither its zip nor its older pickle format)")
