@@ -205,8 +205,8 @@ def _shm_check(facts: Facts) -> Check:
     need = facts.workers * facts.shm_per_worker
     who = f"{facts.workers} DataLoader worker{'s' if facts.workers != 1 else ''}" + (
         " (auto)" if facts.workers_auto else "")
-    # 'auto' keeps what the trainer keeps; a number given is started as it is, room or not
-    fit = workers_that_fit(facts.workers, facts.shm_total, free, facts.shm_per_worker)
+    # what the trainer keeps (dlenv.data.loaders.resolve_workers): a number given is held to what fits too
+    fit = workers_that_fit(facts.workers, facts.shm_total, free, facts.shm_per_worker, given=not facts.workers_auto)
     if facts.workers == 0 or (fit == facts.workers if facts.workers_auto else free >= need):
         return Check("ok", "/dev/shm", f"{_size(free)} free of {_size(facts.shm_total)} for {who}")
     if facts.workers_auto:
@@ -214,7 +214,8 @@ def _shm_check(facts: Facts) -> Check:
                else f"one under {_size(SMALL_SHM)} is shared with everything else")
         what = f"{why}: auto drops to {fit} worker{'s' if fit != 1 else ''} (slower input)"
     else:
-        what = f"{who} need ~{_size(need)}: workers die with 'bus error'"
+        what = (f"{who} need ~{_size(need)}: the trainer uses {fit} (slower input"
+                f"{'; 0 loads in the main process' if fit == 0 else ''}) instead of dying with 'bus error'")
     return Check("warn", "/dev/shm", f"{_size(free)} free of {_size(facts.shm_total)}; {what}",
                  "start the container with --ipc=host (or --shm-size=8g)")
 
