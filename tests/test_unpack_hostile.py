@@ -226,3 +226,29 @@ def test_a_busy_destination_found_late_is_a_fault_line_not_a_traceback(work, mon
     assert "busy" in err and "mount" in err
     assert snapshot(work) == before
     assert stat.S_ISDIR(os.stat(work / "out" / "ds").st_mode)
+
+
+@pytest.mark.parametrize(("kind", "expect"), [
+    ("fifo", "named pipe (FIFO)"), ("dev-zero", "character device"), ("link-to-fifo", "named pipe"),
+    ("folder", "is a folder"),
+], ids=["fifo", "dev-zero", "link-to-fifo", "folder"])
+def test_an_archive_that_is_not_a_regular_file_is_named_without_blocking(work, kind, expect):
+    """As a subprocess under a timeout: opening a FIFO for reading used to block until a writer came."""
+    p = work / "in" / "a.zip"
+    if kind == "fifo":
+        os.mkfifo(p)
+    elif kind == "dev-zero":
+        p.symlink_to("/dev/zero")
+    elif kind == "link-to-fifo":
+        os.mkfifo(work / "in" / "real")
+        p.symlink_to(work / "in" / "real")
+    else:
+        p.mkdir()
+    before = snapshot(work / "out")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "dlenv", "unpack", str(p), "--dest", "out/new"], cwd=work, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == EXIT_INPUT and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "a.zip" in lines[0] and expect in lines[0], r.stderr
+    assert snapshot(work / "out") == before and not (work / "out" / "new").exists()

@@ -53,6 +53,7 @@ from dlenv.data.unpack.swap import (
     refuse_unsafe_dest,
 )
 from dlenv.errors import UserError, printable
+from dlenv.safeio import open_regular
 
 __all__ = ["UnpackResult", "archive_stem", "clean_leftovers", "detect_format", "guess_name_codec", "main", "unpack"]
 
@@ -83,7 +84,11 @@ def unpack(archive: str | Path, dest: str | Path | None = None, overwrite: bool 
 
     src = Path(archive)
     if not src.is_file():
-        raise UserError(f"archive {src} not found" + ("" if not src.exists() else " (it is not a file)"))
+        if not src.exists():
+            raise UserError(f"archive {src} not found")
+        # a FIFO would block the open below, /dev/zero would never end: name it and stop
+        with open_regular(src, "archive"):
+            pass
     if name_encoding != "auto":
         import codecs
 
