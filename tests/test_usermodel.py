@@ -44,7 +44,7 @@ def build_like_the_trainer(ref, num_classes=3, model_args=None, img_size=None):
     """What dlenv.train does with --model, --model-args and --img-size, in its order."""
     size = img_size or usermodel.declared_img_size(ref) or 16
     kwargs = usermodel.factory_kwargs(ref, model_args, size)
-    model = build_model(ref, num_classes, **kwargs)
+    model = build_model(ref, num_classes, model_args=kwargs)
     usermodel.check_output(model, ref, num_classes, size)
     return model, kwargs, size
 
@@ -424,12 +424,14 @@ def test_factory_keyword_arguments_of_any_name_reach_the_factory(project, kwarg)
     write(project, "models/kw.py", f"""
         import torch.nn as nn
         def build(num_classes, {kwarg}="default"):
-            m = nn.Linear(4, num_classes)
+            m = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, num_classes))
             m.got = {kwarg}
             return m
         """)
-    assert usermodel.build("models/kw.py:build", 3, **{kwarg: "given"}).got == "given"
     ref = "models/kw.py:build"
+    assert usermodel.build(ref, 3, **{kwarg: "given"}).got == "given"
+    assert build_model(ref, 3, weights=None, model_args={kwarg: "given"}).got == "given"  # as the trainer calls it
+    assert build_like_the_trainer(ref, model_args=f"{kwarg}=typed", img_size=16)[0].got == "typed"
     source = _source(ref, project / "models" / "kw.py", {kwarg: "saved"})
     assert usermodel.rebuild(source, ref, 3, None, "ck").got == "saved"
 

@@ -92,18 +92,23 @@ def _check_name(name: str) -> None:
     raise UserError(f"--model {name!r} is not a torchvision classification model; {hint}")
 
 
-def build_model(name: str, num_classes: int, weights: str | Path | None = None,
-                pretrained_state: dict[str, Any] | None = None, **kwargs: Any) -> nn.Module:
+def build_model(name: str, num_classes: int, /, weights: str | Path | None = None,
+                pretrained_state: dict[str, Any] | None = None, *, model_args: dict[str, Any] | None = None,
+                **kwargs: Any) -> nn.Module:
     """A classification model with its head sized to `num_classes`; never downloads.
 
     `name` is a torchvision name, timm/<arch> or a model of your own. `weights` is a local file: a dlenv
     checkpoint (its "model" entry) or a bare state dict; `pretrained_state` a state dict dlenv.pretrained
     fetched. A head whose class count differs from `num_classes` is skipped (fine-tuning starts it
     fresh). `kwargs` go to the builder (e.g. image_size=32 for a torchvision ViT, --model-args for timm's
-    create_model). GoogLeNet and Inception v3 are built without auxiliary classifiers. Raises UserError for
-    an unknown name, a request that would need a download, or weights that don't fit.
+    create_model). `model_args` (--model-args) join them as a mapping: a factory's keyword arguments may
+    then have any name, `weights` or `name` too. GoogLeNet and Inception v3 are built without auxiliary
+    classifiers. Raises UserError for an unknown name, a request that would need a download, or weights
+    that don't fit.
     """
     from torchvision import models as tvm
+
+    kwargs = {**kwargs, **(model_args or {})}
 
     if usermodel.is_reference(name):  # a model of your own: FILE.py:factory or package.module:factory
         model = usermodel.build(name, num_classes, **kwargs)

@@ -67,7 +67,7 @@ class ModelSpec:
 
         tune = self.pretrained if with_weights else None
         model = build_model(self.name, self.num_classes, weights=self.weights if with_weights else None,
-                            pretrained_state=tune.state() if tune else None, **self.args)
+                            pretrained_state=tune.state() if tune else None, model_args=self.args)
         if tune:
             tune.prepare(model, self.num_classes)  # the head, the backbone's learning rate, frozen epochs
         return model
