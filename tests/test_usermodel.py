@@ -226,11 +226,11 @@ _BAD = {
     ("bad/exits.py:build", None, "importing bad/exits.py failed at line 2 .*SystemExit: 3"),
     ("bad/nofactory.py:build", None, "bad/nofactory.py has no 'build'; it defines Net, make"),
     ("bad/notcallable.py:build", None, "build in bad/notcallable.py is a int, not a function or class"),
-    ("bad/returns_list.py:build", None, r"build\(3\) returned a list, not a torch.nn.Module"),
-    ("bad/raises.py:build", "width=3", r"build\(3, width=3\) failed at line 3 of bad/raises.py: ValueError: "
-                                       "width must be even"),
-    ("models/resnet.py:build", "depth=4", r"cannot call build\(3, depth=4\): .*depth.*\(build\(num_classes, "
-                                          r"width=8\)\)"),
+    ("bad/returns_list.py:build", None, r"build\(num_classes=3\) returned a list, not a torch.nn.Module"),
+    ("bad/raises.py:build", "width=3", r"build\(num_classes=3, width=3\) failed at line 3 of bad/raises.py: "
+                                       "ValueError: width must be even"),
+    ("models/resnet.py:build", "depth=4", r"cannot call build\(num_classes=3, depth=4\): .*depth.*"
+                                          r"\(build\(num_classes, width=8\)\)"),
     ("bad/wrong_shape.py:build", None, r"returned a tensor of shape \[2, 3, 2\] for 2 images of 3x16x16; .*"
                                        r"\[N, num_classes\] = \[2, 3\]"),
     ("bad/tuple_out.py:build", None, "returned a tuple for 2 images"),

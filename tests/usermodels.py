@@ -4,6 +4,7 @@
 - vit.py: a small transformer with its own block class in a ModuleList, dropout everywhere, a patch
   embedding (so not convolutional), and a factory that takes img_size (default 16).
 - named.py: plain torch.nn stages dlenv could not tell apart, named in `checkpoint_blocks`.
+CIFAR (cifar.py, written by `write_cifar`) holds factories shaped like kuangliu/pytorch-cifar's.
 """
 
 from __future__ import annotations
@@ -118,6 +119,84 @@ def build(num_classes, width=8):
     return Net(num_classes, width)
 '''
 
+# Shaped like the files of kuangliu/pytorch-cifar and friends (written for these tests, small): classes
+# and functions whose signatures put the class count anywhere but first, or nowhere.
+CIFAR = '''
+import torch
+from torch import nn
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin, cout, stride=1):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn = nn.BatchNorm2d(cout)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)))
+
+
+class ResNet(nn.Module):
+    def __init__(self, block, num_blocks, num_classes=10):
+        super().__init__()
+        self.layers = nn.Sequential(block(3, 8), *[block(8, 8) for _ in range(num_blocks - 1)])
+        self.linear = nn.Linear(8, num_classes)
+
+    def forward(self, x):
+        return self.linear(self.layers(x).mean((2, 3)))
+
+
+def ResNet18():
+    return ResNet(BasicBlock, 2)
+
+
+class DLA(nn.Module):
+    def __init__(self, block=BasicBlock, num_classes=10):
+        super().__init__()
+        self.base = block(3, 8)
+        self.linear = nn.Linear(8, num_classes)
+
+    def forward(self, x):
+        return self.linear(self.base(x).mean((2, 3)))
+
+
+cfg = {"VGG11": [8, "M", 8], "VGG13": [8, 8, "M", 8]}
+
+
+class VGG(nn.Module):
+    def __init__(self, vgg_name):
+        super().__init__()
+        layers, cin = [], 3
+        for v in cfg[vgg_name]:
+            layers += [nn.MaxPool2d(2)] if v == "M" else [nn.Conv2d(cin, v, 3, padding=1), nn.BatchNorm2d(v), nn.ReLU()]
+            cin = v if v != "M" else cin
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Linear(cin, 10)
+
+    def forward(self, x):
+        return self.classifier(self.features(x).mean((2, 3)))
+
+
+class UNetish(nn.Module):
+    def __init__(self, n_channels=3, n_classes=2):
+        super().__init__()
+        self.conv = nn.Conv2d(n_channels, 8, 3, padding=1)
+        self.head = nn.Linear(8, n_classes)
+
+    def forward(self, x):
+        return self.head(self.conv(x).mean((2, 3)))
+
+
+def resnet_entry(pretrained=False, **kwargs):
+    assert not pretrained, "would download"
+    return ResNet(BasicBlock, 1, **kwargs)
+
+
+def build(width):
+    return ResNet(BasicBlock, 1, num_classes=width)
+'''
+
+
 #: file -> (source, blocks apply_checkpointing finds with the default arguments)
 MODELS = {"resnet.py": (RESNET, 2), "vit.py": (VIT, 2), "named.py": (NAMED, 2)}
 
@@ -145,3 +224,11 @@ def isolated_imports(root: Path):
                 where += list(module.__spec__.submodule_search_locations or [])
             if any(isinstance(p, str) and p.startswith(str(root)) for p in where):
                 del sys.modules[name]
+
+
+def write_cifar(root: Path) -> Path:
+    """models/cifar.py (CIFAR) in the project folder `root`; returns the file."""
+    (root / "models").mkdir(parents=True, exist_ok=True)
+    path = root / "models" / "cifar.py"
+    path.write_text(CIFAR)
+    return path

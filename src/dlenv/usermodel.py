@@ -17,6 +17,7 @@ No torch import at module level (dlenv.config imports this).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import importlib.util
@@ -321,35 +322,103 @@ def factory_kwargs(name: str, model_args: Any, img_size: int | None) -> dict[str
     return args
 
 
-def _call_text(factory: str, num_classes: int, kwargs: dict[str, Any]) -> str:
-    return f"{factory}({', '.join([str(num_classes)] + [f'{k}={v!r}' for k, v in kwargs.items()])})"
+#: parameter names a factory may give the class count, tried in this order (an int or no default)
+CLASS_COUNT_NAMES = ("num_classes", "n_classes", "num_class", "n_class", "nclasses", "classes", "class_num",
+                     "num_labels")
+
+
+@dataclass(frozen=True)
+class _Call:
+    """How dlenv calls a factory: positional and keyword arguments, where the class count went, and the
+    one line it prints when that was a guess (None when the factory's signature named it)."""
+
+    args: tuple
+    kwargs: dict[str, Any]
+    into: str | None            # the parameter that receives the class count; None: not passed
+    note: str | None
+
+    def text(self, factory: str) -> str:
+        return f"{factory}({', '.join([repr(a) for a in self.args] + [f'{k}={v!r}' for k, v in self.kwargs.items()])})"
+
+
+def _class_call(factory: Any, name: str, num_classes: int, kwargs: dict[str, Any]) -> _Call:
+    """Where the class count goes, as the factory's author wrote it: by keyword into a parameter named in
+    CLASS_COUNT_NAMES; else into **kwargs (timm's entrypoints pass them on to the model); else, as a guess,
+    into the first free positional parameter without a default or with an int one; else nowhere (kuangliu's
+    `ResNet18()` builds its 10 classes itself, and the output check says when that is not the data's)."""
+    sig = _signature(factory)
+    if sig is None:
+        return _Call((num_classes,), kwargs, "the first positional parameter",
+                     f"--model {name}: its signature cannot be read; called {name.rpartition(':')[2]}({num_classes}"
+                     f"{''.join(f', {k}={v!r}' for k, v in kwargs.items())}) with the class count first (a guess)")
+    params = sig.parameters
+    named = [n for n in CLASS_COUNT_NAMES if n in params and params[n].kind is not inspect.Parameter.POSITIONAL_ONLY
+             and (params[n].default is inspect.Parameter.empty
+                  or (isinstance(params[n].default, int) and not isinstance(params[n].default, bool)))]
+    if set(CLASS_COUNT_NAMES) & set(kwargs):
+        return _Call((), kwargs, None, None)  # --model-args gave it: the user's own choice
+    if named:
+        return _Call((), {named[0]: num_classes, **kwargs}, named[0], None)
+    factory_name = name.rpartition(":")[2]
+    accepted = ", ".join(CLASS_COUNT_NAMES[:4]) + ", ..."
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        call = _Call((), {**kwargs, "num_classes": num_classes}, "**kwargs", None)
+        return dataclasses.replace(call, note=(
+            f"--model {name}: called {call.text(factory_name)}; it names no class-count parameter ({accepted}), "
+            "so num_classes went into its **kwargs"))
+    free = [p for p in params.values() if p.name not in kwargs
+            and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    if free and (free[0].default is inspect.Parameter.empty
+                 or (isinstance(free[0].default, int) and not isinstance(free[0].default, bool))):
+        first = free[0]
+        if first.kind is inspect.Parameter.POSITIONAL_ONLY or first is next(iter(params.values())):
+            call = _Call((num_classes,), kwargs, first.name, None)
+        else:
+            call = _Call((), {**kwargs, first.name: num_classes}, first.name, None)
+        return dataclasses.replace(call, note=(
+            f"--model {name}: called {call.text(factory_name)}; it names no class-count parameter ({accepted}), "
+            f"so the class count went into {first.name!r} (a guess; name it num_classes to be sure)"))
+    call = _Call((), kwargs, None, None)
+    return dataclasses.replace(call, note=(
+        f"--model {name}: called {call.text(factory_name)} without the class count ({factory_name}{sig} takes "
+        f"none of {accepted}); its output must already have {num_classes} classes"))
 
 
 def build(name: str, num_classes: int, /, **kwargs: Any) -> Any:
-    """`factory(num_classes, **kwargs)` of the reference `name`, checked to be an nn.Module. (`name` and
+    """The model of the reference `name`: its factory called the way its author wrote it (`_class_call`:
+    the class count by keyword where the signature names it), checked to be an nn.Module. When dlenv had
+    to guess where the class count goes, one line shows the call and the parameter. (`name` and
     `num_classes` are positional-only: a factory may take keyword arguments of any name, `name` too.)
 
     Raises UserError for arguments the factory does not take, an exception inside it (naming the line
-    of your file) and a result that is not an nn.Module.
+    of your file and where the class count went) and a result that is not an nn.Module.
     """
     from torch import nn
 
     loaded = load(parse_reference(name))
-    ref, call = loaded.ref, _call_text(loaded.ref.factory, num_classes, kwargs)
+    ref = loaded.ref
+    how = _class_call(loaded.factory, ref.text, num_classes, kwargs)
+    call = how.text(ref.factory)
+    landed = (f"; the class count went into {how.into!r} (a guess)" if how.note and how.into else
+              "; dlenv passed no class count" if how.into is None and how.note else "")
     sig = _signature(loaded.factory)
     if sig is not None:
         try:
-            sig.bind(num_classes, **kwargs)
+            sig.bind(*how.args, **how.kwargs)
         except TypeError as e:
-            raise UserError(f"--model {ref.text}: cannot call {call}: {e}; the factory takes the class count "
-                            f"first, and --model-args must name its keyword arguments ({ref.factory}{sig})"
-                            ) from None
+            raise UserError(f"--model {ref.text}: cannot call {call}: {e}{landed}; --model-args must name its "
+                            f"keyword arguments ({ref.factory}{sig})") from None
+    if how.note:
+        log.warning("%s", how.note)
     try:
-        model = loaded.factory(num_classes, **kwargs)
+        model = loaded.factory(*how.args, **how.kwargs)
     except UserError:
         raise
     except Exception as e:
-        raise UserError(f"--model {ref.text}: {call} failed{_where(e, loaded.file)}: {first_line(e)}") from None
+        fix = (f"; give {ref.factory}'s own arguments with --model-args (e.g. {how.into}=...)" if how.note and how.into
+               and how.into != "**kwargs" else "")
+        raise UserError(f"--model {ref.text}: {call} failed{_where(e, loaded.file)}: {first_line(e)}{landed}{fix}"
+                        ) from None
     if not isinstance(model, nn.Module):
         raise UserError(f"--model {ref.text}: {call} returned a {type(model).__name__}, not a torch.nn.Module; "
                         "return the model")
