@@ -108,20 +108,10 @@ def torchrun_fail_scenario(args: dict) -> None:
     distributed.all_reduce_sum(torch.ones(1))
 
 
-class TinyNet(nn.Module):
-    """No BatchNorm, no dropout: a run's result depends only on the data order and the gradients."""
-
-    def __init__(self, num_classes: int):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 6, 3, padding=1)
-        self.fc = nn.Linear(6, num_classes)
-
-    def forward(self, x):
-        return self.fc(torch.relu(self.conv(x)).mean((2, 3)))
-
-
 def train_scenario(args: dict) -> None:
     """The real trainer with a tiny model and no random augmentation (deterministic per sample)."""
+    from tinymodels import Tiny
+
     import dlenv.data.loaders as loaders
     import dlenv.models
     from dlenv import config, train
@@ -129,7 +119,8 @@ def train_scenario(args: dict) -> None:
 
     eval_transforms = loaders.build_transforms
     loaders.build_transforms = lambda img_size, train, scale=None: eval_transforms(img_size, False)
-    dlenv.models.build_model = lambda name, num_classes, weights=None, **kw: TinyNet(num_classes)
+    # no BatchNorm, no dropout: a run's result depends only on the data order and the gradients
+    dlenv.models.build_model = lambda name, num_classes, weights=None, **kw: Tiny(num_classes, norm=False, dropout=0)
     out = train.train(config.build(TrainConfig, **args))
     result(rank=distributed.rank(), summary=out)
 

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 from imagedata import make_train_val, train_config
-from torch import nn
 
 from dlenv import runstate
 from dlenv import train as train_mod
@@ -25,26 +24,6 @@ from dlenv.cli import main as cli_main
 from dlenv.train import loop
 
 TESTS = Path(__file__).resolve().parent
-
-
-class Wide(nn.Module):
-    """Small enough to train in a blink, wide enough that its weights outweigh a checkpoint's other entries."""
-
-    def __init__(self, num_classes: int):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 32, 3, padding=1)
-        self.bn = nn.BatchNorm2d(32)
-        self.fc = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, num_classes))
-
-    def forward(self, x):
-        return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
-
-
-@pytest.fixture
-def wide(monkeypatch):
-    import dlenv.models
-
-    monkeypatch.setattr(dlenv.models, "build_model", lambda name, num_classes, **kw: Wide(num_classes))
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +40,7 @@ def cfg(tmp_path, data, **kw):
 def metrics(monkeypatch, values):
     """Make validation report top-1 `values` in turn (so which epoch is best is known)."""
     it = iter(values)
-    monkeypatch.setattr(loop, "validate", lambda *a, **k: (1.0, float(next(it)), 100.0))
+    monkeypatch.setattr(loop, "validate", lambda *a, **k: loop.Scores(1.0, float(next(it)), 100.0))
 
 
 @pytest.mark.parametrize("ema", [False, True])
@@ -96,10 +75,10 @@ sys.path.insert(0, {tests!r})
 import dlenv.models
 from dlenv import atomic, runstate
 from dlenv.train import loop
-from test_best_model import Wide
-dlenv.models.build_model = lambda name, n, **k: Wide(n)
+from tinymodels import build_wide
+dlenv.models.build_model = build_wide
 values = iter([10.0, 20.0, 30.0])
-loop.validate = lambda *a, **k: (1.0, next(values), 100.0)
+loop.validate = lambda *a, **k: loop.Scores(1.0, next(values), 100.0)
 KILL_AT = int(os.environ["KILL_AT"])
 real = runstate.save_checkpoint
 

@@ -1,7 +1,7 @@
 """The training loop on a CPU: outputs, accumulation, exact resume, signals, stops and bad input.
 
-A tiny model (conv, BatchNorm, dropout, linear) stands in for torchvision's through a patched
-`dlenv.models.build_model`, so each run takes a fraction of a second; one test uses a real model.
+A tiny model (tests/tinymodels.py: conv, BatchNorm, dropout, linear) stands in for torchvision's
+through conftest's `tiny` fixture, so each run takes a fraction of a second; one test uses a real model.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from imagedata import make_train_val, train_config
-from torch import nn
+from tinymodels import Tiny, tiny_config
 
 from dlenv import config, results, runstate
 from dlenv import train as train_mod
@@ -26,50 +25,6 @@ from dlenv.errors import UserError
 from dlenv.train import loop
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-class Tiny(nn.Module):
-    def __init__(self, num_classes: int, norm: bool = True, dropout: float = 0.2):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 6, 3, padding=1)
-        self.bn = nn.BatchNorm2d(6) if norm else nn.Identity()
-        self.drop = nn.Dropout(dropout)
-        self.fc = nn.Linear(6, num_classes)
-        self.poison = False  # set to make every output NaN
-
-    def forward(self, x):
-        x = torch.relu(self.bn(self.conv(x))).mean((2, 3))
-        out = self.fc(self.drop(x))
-        return out * float("nan") if self.poison else out
-
-
-@pytest.fixture
-def tiny(monkeypatch):
-    """Patch build_model to the tiny model; returns the list of models built."""
-    built = []
-
-    def build(name, num_classes, weights=None, **kw):
-        if name == "tiny-nonorm":
-            m = Tiny(num_classes, norm=False, dropout=0.0)
-        else:
-            m = Tiny(num_classes)
-        built.append(m)
-        return m
-
-    import dlenv.models
-
-    monkeypatch.setattr(dlenv.models, "build_model", build)
-    return built
-
-
-@pytest.fixture
-def data(tmp_path):
-    make_train_val(tmp_path / "ds", per_class=8)
-    return tmp_path / "ds"
-
-
-def cfg(tmp_path, ds, **kw):
-    return train_config(tmp_path, ds, **{"model": "tiny", "optimizer": "sgd", **kw})
 
 
 def state_equal(a: dict, b: dict) -> bool:
@@ -83,7 +38,7 @@ def test_run_writes_config_first_then_rows_and_checkpoints(tmp_path, data, tiny)
         run = tmp_path / "runs" / "exp"
         seen.append(((run / "config.yaml").is_file(), (run / "results.csv").exists()))
 
-    summary = train_mod.train(cfg(tmp_path, data, accum_steps=2), on_step=on_step)
+    summary = train_mod.train(tiny_config(tmp_path, data, accum_steps=2), on_step=on_step)
     run = Path(summary["run_dir"])
     assert run == tmp_path / "runs" / "exp"
     assert seen[0] == (True, False)  # config.yaml exists before any result
@@ -105,7 +60,7 @@ def test_run_writes_config_first_then_rows_and_checkpoints(tmp_path, data, tiny)
     last = runstate.load_checkpoint(run / "last.pth")
     assert last["epoch"] == 2 and last["step"] == 4 and last["batch_in_epoch"] == 0
     # a second run gets the next name, and its config.yaml and checkpoints record that name
-    second = Path(train_mod.train(cfg(tmp_path, data, epochs=1))["run_dir"])
+    second = Path(train_mod.train(tiny_config(tmp_path, data, epochs=1))["run_dir"])
     assert second.name == "exp2"
     assert config.build(TrainConfig, second / "config.yaml").name == "exp2"
     assert runstate.load_checkpoint(second / "last.pth")["config"]["name"] == "exp2"
@@ -116,7 +71,7 @@ def _final(run_dir: Path) -> dict:
 
 
 def test_auto_optimizer_is_resolved_into_config_yaml(tmp_path, data, tiny):
-    run = Path(train_mod.train(cfg(tmp_path, data, epochs=1, optimizer="auto"))["run_dir"])
+    run = Path(train_mod.train(tiny_config(tmp_path, data, epochs=1, optimizer="auto"))["run_dir"])
     again = config.build(TrainConfig, run / "config.yaml")
     # a run of a few steps: AdamW with its default lr and weight decay, recorded as such
     assert again.optimizer == "adamw" and again.lr == pytest.approx(1e-3) and again.weight_decay == 0.05
@@ -128,19 +83,19 @@ def test_resume_is_bit_exact(tmp_path, data, tiny, stop_at, signum):
     """Interrupted after `stop_at` optimizer steps (mid-epoch, epoch end, next epoch), then resumed:
     the same weights, optimizer state, EMA and BatchNorm statistics as an uninterrupted run."""
     opts = dict(epochs=3, batch_size=2, accum_steps=2, ema=True, label_smoothing=0.1)  # 4 steps per epoch
-    full = train_mod.train(cfg(tmp_path / "a", data, **opts))
+    full = train_mod.train(tiny_config(tmp_path / "a", data, **opts))
 
     def on_step(state):
         if state.step == stop_at:
             signal.raise_signal(signum)
 
-    part = train_mod.train(cfg(tmp_path / "b", data, **opts), on_step=on_step)
+    part = train_mod.train(tiny_config(tmp_path / "b", data, **opts), on_step=on_step)
     assert part["status"] == "interrupted"
     assert part["exit_code"] == {signal.SIGTERM: 143, signal.SIGINT: 130}[signum]
     saved = _final(Path(part["run_dir"]))
     assert saved["step"] == stop_at
     assert (saved["batch_in_epoch"] > 0) == (stop_at % 4 != 0)
-    resumed = train_mod.train(cfg(tmp_path / "c", data, resume=str(Path(part["run_dir"]) / "last.pth")))
+    resumed = train_mod.train(tiny_config(tmp_path / "c", data, resume=str(Path(part["run_dir"]) / "last.pth")))
     assert resumed["run_dir"] == part["run_dir"] and resumed["exit_code"] == 0
     a, b = _final(Path(full["run_dir"])), _final(Path(resumed["run_dir"]))
     assert a["step"] == b["step"] == 12
@@ -156,7 +111,7 @@ def test_signal_mid_accumulation_finishes_the_window_then_saves(tmp_path, data, 
     """A stop is taken at the next optimizer step: the window in progress ends first, and the state of
     that step boundary is saved as it is (nothing to roll back); the resume is exact."""
     opts = dict(epochs=1, batch_size=2, accum_steps=4)  # 8 batches: 2 windows of 4
-    full = train_mod.train(cfg(tmp_path / "a", data, **opts))
+    full = train_mod.train(tiny_config(tmp_path / "a", data, **opts))
     calls = {"n": 0}
     real = loop.forward_backward
 
@@ -167,12 +122,12 @@ def test_signal_mid_accumulation_finishes_the_window_then_saves(tmp_path, data, 
         return real(*a, **k)
 
     monkeypatch.setattr(loop, "forward_backward", fb)
-    part = train_mod.train(cfg(tmp_path / "b", data, **opts))
+    part = train_mod.train(tiny_config(tmp_path / "b", data, **opts))
     saved = _final(Path(part["run_dir"]))
     assert part["exit_code"] == 143 and calls["n"] == 4
     assert saved["step"] == 1 and saved["batch_in_epoch"] == 4 and saved["epoch"] == 0
     monkeypatch.setattr(loop, "forward_backward", real)
-    resumed = train_mod.train(cfg(tmp_path / "c", data, resume=str(Path(part["run_dir"]) / "last.pth")))
+    resumed = train_mod.train(tiny_config(tmp_path / "c", data, resume=str(Path(part["run_dir"]) / "last.pth")))
     assert resumed["step"] == 2
     assert state_equal(_final(Path(full["run_dir"]))["model"], _final(Path(resumed["run_dir"]))["model"])
 
@@ -181,8 +136,8 @@ def test_accumulation_equals_one_big_batch_including_the_short_last_window(tmp_p
     # 16 images: batches of 4 with accumulation 3 make windows of 3 and 1 batches, which must equal
     # batches of 12 and 4 (the sampler's order does not depend on the batch size)
     opts = dict(model="tiny-nonorm", epochs=1, label_smoothing=0.0, warmup_epochs=0.0)
-    acc = train_mod.train(cfg(tmp_path / "a", data, batch_size=4, accum_steps=3, **opts))
-    big = train_mod.train(cfg(tmp_path / "b", data, batch_size=12, accum_steps=1, **opts))
+    acc = train_mod.train(tiny_config(tmp_path / "a", data, batch_size=4, accum_steps=3, **opts))
+    big = train_mod.train(tiny_config(tmp_path / "b", data, batch_size=12, accum_steps=1, **opts))
     wa, wb = _final(Path(acc["run_dir"]))["model"], _final(Path(big["run_dir"]))["model"]
     assert acc["step"] == big["step"] == 2
     for k in wa:
@@ -192,10 +147,10 @@ def test_accumulation_equals_one_big_batch_including_the_short_last_window(tmp_p
 
 
 def test_effective_batch_sets_accumulation_or_refuses(tmp_path, data, tiny):
-    out = train_mod.train(cfg(tmp_path, data, epochs=1, batch_size=2, effective_batch=8))
+    out = train_mod.train(tiny_config(tmp_path, data, epochs=1, batch_size=2, effective_batch=8))
     assert out["accum_steps"] == 4 and out["step"] == 2
     with pytest.raises(UserError, match="--effective-batch 10 is not a multiple"):
-        train_mod.train(cfg(tmp_path, data, batch_size=4, effective_batch=10))
+        train_mod.train(tiny_config(tmp_path, data, batch_size=4, effective_batch=10))
 
 
 def test_nonfinite_losses_stop_with_exit_4_and_keep_the_last_good_checkpoint(tmp_path, data, tiny,
@@ -208,7 +163,7 @@ def test_nonfinite_losses_stop_with_exit_4_and_keep_the_last_good_checkpoint(tmp
             tiny[-1].poison = True
 
     with pytest.raises(UserError, match="not finite|non-finite") as err:
-        train_mod.train(cfg(tmp_path, data, epochs=3), on_step=on_step)
+        train_mod.train(tiny_config(tmp_path, data, epochs=3), on_step=on_step)
     assert err.value.exit_code == train_mod.EXIT_NONFINITE
     assert "last good checkpoint" in str(err.value)
     last = runstate.load_checkpoint(tmp_path / "runs" / "exp" / "last.pth")
@@ -225,7 +180,7 @@ def test_cuda_oom_stops_with_advice_and_exit_3(tmp_path, data, tiny, monkeypatch
 
     monkeypatch.setattr(loop, "forward_backward", fb)
     with pytest.raises(UserError) as err:
-        train_mod.train(cfg(tmp_path, data, epochs=2))
+        train_mod.train(tiny_config(tmp_path, data, epochs=2))
     msg = str(err.value)
     assert err.value.exit_code == train_mod.EXIT_OOM
     assert msg.index("--amp") < msg.index("--checkpoint") < msg.index("--batch-size 2 --accum-steps 2")
@@ -240,7 +195,7 @@ def test_cuda_oom_stops_with_advice_and_exit_3(tmp_path, data, tiny, monkeypatch
 ])
 def test_bad_input_is_one_user_error_and_leaves_no_run(tmp_path, data, bad, match):
     with pytest.raises(UserError, match=match):
-        train_mod.train(cfg(tmp_path, data, **bad))
+        train_mod.train(tiny_config(tmp_path, data, **bad))
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
@@ -248,29 +203,29 @@ def test_corrupt_or_foreign_resume_file_is_refused(tmp_path, data):
     bad = tmp_path / "last.pth"
     bad.write_bytes(b"not a checkpoint at all")
     with pytest.raises(UserError, match="corrupt"):
-        train_mod.train(cfg(tmp_path, data, resume=str(bad)))
+        train_mod.train(tiny_config(tmp_path, data, resume=str(bad)))
     torch.save({"fc.weight": torch.zeros(2, 2)}, bad)
     with pytest.raises(UserError, match="not a dlenv training checkpoint"):
-        train_mod.train(cfg(tmp_path, data, resume=str(bad)))
+        train_mod.train(tiny_config(tmp_path, data, resume=str(bad)))
 
 
 def test_resume_with_an_optimizer_state_that_does_not_fit_is_refused(tmp_path, data, tiny):
-    first = train_mod.train(cfg(tmp_path, data, epochs=2, max_steps=1))
+    first = train_mod.train(tiny_config(tmp_path, data, epochs=2, max_steps=1))
     last = Path(first["last"])
     ck = torch.load(last, weights_only=False)
     ck["optimizer"]["param_groups"] = ck["optimizer"]["param_groups"][:1]  # a group lost
     torch.save(ck, last)
     before = last.read_bytes()
     with pytest.raises(UserError, match="optimizer state does not fit.*--weights"):
-        train_mod.train(cfg(tmp_path, data, resume=str(last)))
+        train_mod.train(tiny_config(tmp_path, data, resume=str(last)))
     assert last.read_bytes() == before
 
 
 def test_tensorboard_and_resume_auto(tmp_path, data, tiny):
-    first = train_mod.train(cfg(tmp_path, data, epochs=1, tensorboard=True))
+    first = train_mod.train(tiny_config(tmp_path, data, epochs=1, tensorboard=True))
     assert list(Path(first["run_dir"]).glob("events.out.tfevents.*"))
     # auto picks the newest run's last.pth; a finished run has nothing left to do
-    again = train_mod.train(cfg(tmp_path, data, resume="auto"))
+    again = train_mod.train(tiny_config(tmp_path, data, resume="auto"))
     assert again["run_dir"] == first["run_dir"] and again["step"] == first["step"]
 
 
@@ -279,7 +234,7 @@ def test_real_model_with_checkpointing_and_bf16_autocast(tmp_path, data):
     # the CI machines' CPUs (AVX-512/AMX, torch 1.13 and 2.14 alike) then return garbage gradients
     # nondeterministically (21 of 30 identical backward passes with |grad| > 1e4 or non-finite; 0 of
     # 30 at 64 and 224 px; 0 of 60 with ONEDNN_MAX_CPU_ISA=AVX2), which the trainer rightly stops on.
-    out = train_mod.train(cfg(tmp_path, data, model="resnet18", img_size=64, epochs=1, max_steps=1, amp=True,
+    out = train_mod.train(tiny_config(tmp_path, data, model="resnet18", img_size=64, epochs=1, max_steps=1, amp=True,
                               checkpoint=True, deterministic=False))
     ck = runstate.load_checkpoint(Path(out["run_dir"]) / "last.pth")
     assert out["precision"] == "bf16" and "layer1.0.conv1.weight" in ck["model"]
@@ -297,8 +252,8 @@ import sys, torch
 from torch import nn
 sys.path.insert(0, {tests!r})
 import dlenv.models
-from test_train import Tiny
-dlenv.models.build_model = lambda name, n, weights=None, **k: Tiny(n)
+from tinymodels import build_tiny
+dlenv.models.build_model = build_tiny
 from dlenv.cli import main
 raise SystemExit(main(["train", *sys.argv[1:]]))
 """
@@ -344,10 +299,10 @@ def test_sigterm_and_kill_9_leave_a_loadable_checkpoint(tmp_path, data):
 
 
 def test_resume_says_which_given_options_it_cannot_change(tmp_path, data, tiny, capsys):
-    first = train_mod.train(cfg(tmp_path, data, epochs=1))
+    first = train_mod.train(tiny_config(tmp_path, data, epochs=1))
     last = Path(first["run_dir"]) / "last.pth"
     capsys.readouterr()
-    again = train_mod.train(cfg(tmp_path, data, resume=str(last), epochs=5, lr=0.5, device="cpu"))
+    again = train_mod.train(tiny_config(tmp_path, data, resume=str(last), epochs=5, lr=0.5, device="cpu"))
     out = capsys.readouterr().out
     assert "ignoring --epochs, --lr" in out and f"--weights {last}" in out
     # the saved run's options win: it was complete after its one epoch
@@ -357,7 +312,7 @@ def test_resume_says_which_given_options_it_cannot_change(tmp_path, data, tiny, 
 def test_progress_in_a_log_is_a_timed_line_with_eta(tmp_path, data, tiny, capsys):
     # captured output is not a terminal: plain lines by the clock (none within 30 s here) and one at the
     # epoch's end, with the time left, as a log file read later shows it
-    train_mod.train(cfg(tmp_path, data, epochs=1))
+    train_mod.train(tiny_config(tmp_path, data, epochs=1))
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("epoch 1/1 ")]
     assert len(lines) == 1 and lines[0].startswith("epoch 1/1 4/4 (100%)  elapsed ")
     assert ", ETA 0:00  loss " in lines[0] and " img/s " in lines[0]
@@ -369,7 +324,7 @@ def test_workers_streaming_across_epochs_train_the_same_run(tmp_path, data, tiny
     a DataLoader without workers draws its seed from the global RNG every epoch, which moves the masks.)"""
     runs = {}
     for workers in (0, 2):
-        out = train_mod.train(cfg(tmp_path / f"w{workers}", data, epochs=3, workers=workers, gpu_augment="on",
+        out = train_mod.train(tiny_config(tmp_path / f"w{workers}", data, epochs=3, workers=workers, gpu_augment="on",
                                   decoder="pil", model="tiny-nonorm"))
         assert out["status"] == "done" and out["epochs"] == 3
         runs[workers] = runstate.load_checkpoint(Path(out["last"]))["model"]

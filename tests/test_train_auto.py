@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_train import Tiny, cfg, data, tiny  # noqa: F401  (fixtures)
+from tinymodels import Tiny, tiny_config
 
 from dlenv import compat, config, results
 from dlenv import train as train_mod
@@ -127,8 +127,8 @@ def _yaml(run: str | Path) -> dict:
     return {**read_config_notes(path), **yaml.safe_load(path.read_text(encoding="utf-8"))}
 
 
-def test_auto_compile_on_a_cpu_is_off_and_recorded(tmp_path, data, tiny, capsys):  # noqa: F811
-    out = train_mod.train(cfg(tmp_path, data, epochs=1))
+def test_auto_compile_on_a_cpu_is_off_and_recorded(tmp_path, data, tiny, capsys):
+    out = train_mod.train(tiny_config(tmp_path, data, epochs=1))
     saved = _yaml(out["run_dir"])
     assert saved["compile"] == "off"
     assert "auto" in saved["compile_rule"] and ("cpu" in saved["compile_rule"] or "no torch.compile" in
@@ -141,8 +141,8 @@ def test_auto_compile_on_a_cpu_is_off_and_recorded(tmp_path, data, tiny, capsys)
 
 
 @pytest.mark.skipif(compat.HAS_COMPILE, reason="PyTorch 2.x has torch.compile")
-def test_compile_on_without_torch_compile_says_so_and_trains(tmp_path, data, tiny, capsys):  # noqa: F811
-    out = train_mod.train(cfg(tmp_path, data, epochs=1, compile="on"))
+def test_compile_on_without_torch_compile_says_so_and_trains(tmp_path, data, tiny, capsys):
+    out = train_mod.train(tiny_config(tmp_path, data, epochs=1, compile="on"))
     assert out["exit_code"] == 0 and _yaml(out["run_dir"])["compile"] == "off"
     assert capsys.readouterr().out.count(f"PyTorch {torch.__version__} has no torch.compile") == 1
 
@@ -160,10 +160,10 @@ def _backend(calls: list, sleep: float = 0.0, fail: bool = False):
 
 
 @needs_compile
-def test_compile_time_is_its_own_phase_and_not_in_img_per_s(tmp_path, data, tiny, monkeypatch, capsys):  # noqa: F811
+def test_compile_time_is_its_own_phase_and_not_in_img_per_s(tmp_path, data, tiny, monkeypatch, capsys):
     calls: list = []
     monkeypatch.setattr(compat, "compile_model", lambda m, **kw: torch.compile(m, backend=_backend(calls, 1.5)))
-    out = train_mod.train(cfg(tmp_path, data, epochs=1, compile="on"))
+    out = train_mod.train(tiny_config(tmp_path, data, epochs=1, compile="on"))
     assert calls, "the model was not compiled"
     row = results.read_results(Path(out["run_dir"]) / "results.csv").iloc[-1]
     assert out["compile_s"] >= 1.5 * len(calls)
@@ -174,11 +174,11 @@ def test_compile_time_is_its_own_phase_and_not_in_img_per_s(tmp_path, data, tiny
 
 
 @needs_compile
-def test_a_failing_compile_falls_back_to_eager_in_one_line(tmp_path, data, tiny, monkeypatch, capsys):  # noqa: F811
+def test_a_failing_compile_falls_back_to_eager_in_one_line(tmp_path, data, tiny, monkeypatch, capsys):
     calls: list = []
     monkeypatch.setattr(compat, "compile_model",
                         lambda m, **kw: torch.compile(m, backend=_backend(calls, fail=True)))
-    out = train_mod.train(cfg(tmp_path, data, epochs=2, compile="on", accum_steps=2))
+    out = train_mod.train(tiny_config(tmp_path, data, epochs=2, compile="on", accum_steps=2))
     said = capsys.readouterr().out
     assert out["exit_code"] == 0 and out["epochs"] == 2 and calls
     lines = [ln for ln in said.splitlines() if "torch.compile failed" in ln]
@@ -191,12 +191,12 @@ def test_a_failing_compile_falls_back_to_eager_in_one_line(tmp_path, data, tiny,
 
 
 @needs_compile
-def test_a_model_error_under_compile_is_not_swallowed(tmp_path, data, tiny, monkeypatch):  # noqa: F811
+def test_a_model_error_under_compile_is_not_swallowed(tmp_path, data, tiny, monkeypatch):
     """Only torch.compile's own failures fall back; the model's errors stay errors."""
     monkeypatch.setattr(compat, "compile_model", lambda m, **kw: torch.compile(m, backend=_backend([])))
     monkeypatch.setattr(Tiny, "forward", lambda self, x: x.view(-1, 7))  # a shape bug of the model
     with pytest.raises(Exception) as e:
-        train_mod.train(cfg(tmp_path, data, epochs=1, compile="on"))
+        train_mod.train(tiny_config(tmp_path, data, epochs=1, compile="on"))
     assert any(w in str(e.value) for w in ("view", "shape", "size"))
 
 
@@ -228,10 +228,10 @@ def test_cause_chain_follows_inner_exception_and_cause_and_stops_on_a_cycle():
     ({"checkpoint_ratio": 0.5}, 0.5, "--checkpoint-ratio 0.5"),
     ({"checkpoint_ratio": "0"}, 0.0, "--checkpoint-ratio 0"),
 ])
-def test_checkpoint_ratio_off_the_gpu(tmp_path, data, given, want_ratio, says):  # noqa: F811
+def test_checkpoint_ratio_off_the_gpu(tmp_path, data, given, want_ratio, says):
     import dlenv.models
 
-    out = train_mod.train(cfg(tmp_path, data, epochs=1, max_steps=1, model="resnet18", checkpoint=True,
+    out = train_mod.train(tiny_config(tmp_path, data, epochs=1, max_steps=1, model="resnet18", checkpoint=True,
                               deterministic=False, **given))
     saved = _yaml(out["run_dir"])
     assert saved["checkpoint_ratio"] == want_ratio and says in saved["checkpoint_rule"]
@@ -239,8 +239,8 @@ def test_checkpoint_ratio_off_the_gpu(tmp_path, data, given, want_ratio, says): 
     assert len(blocks) == 8  # resnet18's BasicBlocks: the ratio's denominator
 
 
-def test_no_checkpoint_leaves_no_checkpoint_rule(tmp_path, data, tiny):  # noqa: F811
-    saved = _yaml(train_mod.train(cfg(tmp_path, data, epochs=1))["run_dir"])
+def test_no_checkpoint_leaves_no_checkpoint_rule(tmp_path, data, tiny):
+    saved = _yaml(train_mod.train(tiny_config(tmp_path, data, epochs=1))["run_dir"])
     assert "checkpoint_rule" not in saved and saved["checkpoint_ratio"] == "auto"
 
 
@@ -313,8 +313,8 @@ def test_no_checkpoint_no_ratio():
     assert auto.checkpoint_ratio(c, torch.nn.Linear(2, 2), _probe("fp32", False), 64, print) is None
 
 
-def test_a_model_without_blocks_is_told_once(tmp_path, data, tiny, capsys):  # noqa: F811
-    out = train_mod.train(cfg(tmp_path, data, epochs=1, checkpoint=True))
+def test_a_model_without_blocks_is_told_once(tmp_path, data, tiny, capsys):
+    out = train_mod.train(tiny_config(tmp_path, data, epochs=1, checkpoint=True))
     said = capsys.readouterr().out
     assert said.count("no repeated blocks") == 1 and "--checkpoint-ratio" not in said
     assert _yaml(out["run_dir"])["checkpoint_rule"] == "auto: the model has no repeated blocks"
