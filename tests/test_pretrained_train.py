@@ -184,3 +184,38 @@ def test_resume_is_exact_through_the_unfreeze(server, data, cwd, monkeypatch):
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
     assert sa.keys() == sb.keys() and len(sa) > 2  # the backbone learned after the unfreeze
     assert all(torch.equal(sa[k]["momentum_buffer"], sb[k]["momentum_buffer"]) for k in sa)
+
+
+def test_the_weights_normalization_reaches_the_input_pipeline(server, data, cwd, monkeypatch):
+    """A timm ViT's weights want mean = std = 0.5: the plan's input normalizes by them, train and val."""
+    import dataclasses
+
+    from dlenv.data import loaders, pipeline
+
+    _serve_torchvision(server[0], "mobilenet_v3_small", monkeypatch)
+    real_resolve, real_decide, plans = pretrained.resolve, pipeline.decide, []
+    half = (0.5, 0.5, 0.5)
+    monkeypatch.setattr(pretrained, "resolve", lambda *a: dataclasses.replace(real_resolve(*a), mean=half, std=half))
+    monkeypatch.setattr(pipeline, "decide", lambda *a, **k: plans.append(real_decide(*a, **k)) or plans[-1])
+    summary = train_mod.train(_cfg(cwd, data, epochs=1, max_steps=1))
+    assert plans[-1].norm == (half, half)
+    from dlenv.train.state import read_config_notes
+
+    note = read_config_notes(Path(summary["run_dir"]) / "config.yaml")["pretrained"]
+    assert "'mean': [0.5, 0.5, 0.5]" in note and "MobileNet_V3_Small_Weights.IMAGENET1K_V1" in note
+    # the transforms the CPU path builds from such a plan: (x - 0.5) / 0.5, so white is 1.0 and black -1.0
+    from PIL import Image
+
+    tf = loaders.build_transforms(8, False, norm=plans[-1].norm)
+    assert tf(Image.new("RGB", (8, 8), (255, 255, 255))).max().item() == pytest.approx(1.0)
+    assert loaders.build_transforms(8, False)(Image.new("RGB", (8, 8), (255, 255, 255))).max().item() > 2.0
+
+
+def test_gpu_augment_normalizes_by_the_weights_statistics():
+    from dlenv.data.gpu_aug import GpuAugment
+
+    half = ((0.5,) * 3, (0.5,) * 3)
+    images = torch.full((2, 8, 8, 3), 255, dtype=torch.uint8)
+    sizes = torch.tensor([[8, 8], [8, 8]])
+    out = GpuAugment(8, False, norm=half)(images, sizes)
+    assert torch.allclose(out, torch.ones_like(out), atol=1e-4)
