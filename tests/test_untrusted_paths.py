@@ -125,7 +125,7 @@ CFG_CASES = [
      ["b.yaml", "alias (*b)"]),
     ("plain-alias", lambda d: _write(d / "b.yaml", b"epochs: &e 3\nwarmup_epochs: *e\n"), ["line 2", "alias (*e)"]),
     ("million-values", lambda d: _write(d / "b.yaml", b"model_args: [" + b"1," * 400_000 + b"1]\n"),
-     ["b.yaml", "more than 100,000 values"]),
+     ["b.yaml", "more than 10,000 values"]),
     ("deep-nesting", lambda d: _write(d / "b.yaml", b"[" * 20000), ["b.yaml"]),
 ]
 
@@ -174,7 +174,7 @@ def test_cfg_that_is_not_a_small_regular_yaml_file(tmp_path, make, expect):
     t.join(HANG_S)
     assert not t.is_alive(), f"config.build({given}) hung"
     assert "other" not in result, result
-    assert time.monotonic() - start < 10, "refused, but only after reading far too much"
+    assert time.monotonic() - start < 20, "refused, but only after reading far too much"
     line = result["error"]
     assert "\n" not in line and all(e in line for e in expect), line
     r = run_bounded(["train", "--cfg", str(given), "--device", "cpu"], tmp_path)
