@@ -15,7 +15,7 @@ from dlenv.errors import UserError
 
 #: the largest --cfg file read: a file of options is a few KiB; /dev/zero or a 40 GB file is a mistake
 CONFIG_FILE_LIMIT = 1 << 20
-#: YAML nodes a --cfg file may hold, anchors resolved: far above any file of options, far below a bomb
+#: YAML values a --cfg file may hold: far above any file of options (~60), far below a bomb
 YAML_NODE_LIMIT = 10_000
 
 
