@@ -329,3 +329,24 @@ def test_workers_streaming_across_epochs_train_the_same_run(tmp_path, data, tiny
         assert out["status"] == "done" and out["epochs"] == 3
         runs[workers] = runstate.load_checkpoint(Path(out["last"]))["model"]
     assert state_equal(runs[0], runs[2])
+
+
+def test_config_yaml_records_each_setup_decision_and_why(tmp_path, data, tiny):
+    """The plan (dlenv.train.plan) writes every decision's reason beside the options it resolved."""
+    from dlenv.train.state import read_config_notes
+
+    out = train_mod.train(tiny_config(tmp_path, data, epochs=1, accum_steps=2))
+    notes = read_config_notes(Path(out["run_dir"]) / "config.yaml")
+    assert notes["precision"] == "fp32" and notes["precision_rule"] == "no --amp"
+    assert notes["img_size_rule"] == "--img-size 16" and notes["batch_rule"] == "--batch-size 4, --accum-steps 2"
+    assert notes["channels_last_rule"].startswith("off on cpu") and notes["compile_rule"].startswith(("auto", "off"))
+
+
+def test_the_train_package_runs_nothing_of_the_trainer_for_its_loop():
+    """`from dlenv.train.loop import ...` (and dlenv.step, which autobatch and bench train with) loads the
+    loop alone: the package's face hands train/main on only when they are asked for."""
+    code = ("import sys, dlenv.train.loop, dlenv.step; "
+            "print(sorted(m for m in sys.modules if m.startswith('dlenv.train')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["['dlenv.train',", "'dlenv.train.loop']"]
