@@ -164,3 +164,44 @@ def test_train_224px_batch_64_in_a_64m_shm(tmp_path, workers):
     said = [ln for ln in text.splitlines() if "/dev/shm has" in ln]
     assert len(said) == 1 and "--ipc=host" in said[0] and "0 workers" in said[0], text[-3000:]
     assert (tmp_path / "runs" / "exp" / "best_model.pth").is_file()
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc")
+def test_train_whose_worker_the_system_kills_is_one_line(tmp_path):
+    """The OOM killer's SIGKILL to a DataLoader worker of a real training run: one line, exit 5."""
+    import signal
+    import time
+
+    from imagedata import make_image_folder
+
+    make_image_folder(tmp_path / "ds" / "train", per_class=150, size=(64, 64))
+    make_image_folder(tmp_path / "ds" / "val", per_class=10, size=(64, 64), seed=1)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "dlenv", "train", "--data", "ds", "--img-size", "64",
+                             "--batch-size", "8", "--workers", "2", "--epochs", "50", "--device", "cpu",
+                             "--project", "runs"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and len(_children(proc.pid)) < 2 and proc.poll() is None:
+            time.sleep(0.5)  # both workers started: the run is past its setup
+        workers = _children(proc.pid)
+        assert workers, "no DataLoader worker appeared"
+        time.sleep(2)
+        os.kill(workers[0], signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_FAULT, err[-3000:]
+    assert "Traceback" not in err and "bug in dlenv" not in err, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("dlenv train: error:")]
+    assert len(lines) == 1 and "killed by the system" in lines[0] and err.rstrip().endswith(lines[0]), err[-3000:]
