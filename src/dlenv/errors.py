@@ -126,11 +126,12 @@ _SHM_FILE = re.compile(r"</?torch_\d+_\d+|/dev/shm", re.I)
 # killed by signal: Bus error. ..."), raised as the cause of "DataLoader worker (pid(s) 123) exited
 # unexpectedly".
 _WORKER_SIGNAL = re.compile(r"DataLoader worker \(pid[^)]*\) is killed by signal: ([\w ]+)")
-_SHM_LINE = ("shared memory (/dev/shm) is full: the DataLoader workers pass batches through it; start the "
-             "container with --ipc=host or --shm-size=8g, or use fewer --workers (0 needs none)")
-_KILLED_LINE = ("a DataLoader worker was killed by the system (SIGKILL; out of host memory? see dmesg or docker "
-                "stats); use fewer --workers or a smaller --batch-size, or give the container more memory "
-                "(docker run --memory)")
+# (worded without torch's "DataLoader worker", which marks its own crash output)
+_SHM_LINE = ("shared memory (/dev/shm) is full: the processes that load images pass batches through it; start "
+             "the container with --ipc=host or --shm-size=8g, or use fewer --workers (0 needs none)")
+_KILLED_LINE = ("a process that loads images (--workers) was killed by the system (SIGKILL; out of host memory? "
+                "see dmesg or docker stats); use fewer --workers or a smaller --batch-size, or give the container "
+                "more memory (docker run --memory)")
 
 
 def _chain(exc: BaseException, limit: int = 8) -> list[BaseException]:

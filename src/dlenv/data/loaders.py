@@ -260,7 +260,7 @@ def resolve_workers(workers: int | str, batch_size: int | None = None, img_size:
     per_worker = shm_per_worker(batch_size or 64, sample_bytes or shipped_bytes(img_size, False))
     fit = workers_that_fit(n, usage.total, usage.free, per_worker, given=given)
     if fit < n:
-        asked = f"--workers {n}" if given else f"{n} DataLoader workers (auto)"
+        asked = f"--workers {n}" if given else f"the {n} workers --workers auto picks"
         instead = f"{fit} workers" if fit else "0 workers (loading in the main process, slower)"
         _say_once(f"{shm} has {usage.free / 2**20:.0f} MiB free of {usage.total / 2**20:.0f} MiB, too little for "
                   f"{asked} (~{per_worker / 2**20:.0f} MiB of batches in flight each); using {instead}. "
