@@ -92,7 +92,7 @@ def _check_name(name: str) -> None:
     raise UserError(f"--model {name!r} is not a torchvision classification model; {hint}")
 
 
-def build_model(name: str, num_classes: int, /, weights: str | Path | None = None,
+def build_model(name: str, /, num_classes: int, weights: str | Path | None = None,
                 pretrained_state: dict[str, Any] | None = None, *, model_args: dict[str, Any] | None = None,
                 **kwargs: Any) -> nn.Module:
     """A classification model with its head sized to `num_classes`; never downloads.
