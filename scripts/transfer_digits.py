@@ -1,0 +1,102 @@
+"""Transfer: weights trained on the demo data fine-tune on another dataset (scikit-learn's digits) to a
+higher accuracy than the same model trained from scratch for the same epochs.
+
+    python scripts/transfer_digits.py [--out runs/transfer] [--epochs 4] [--per-class 15] [--pre-epochs 6]
+                                      [--val-per-class 60] [--demo-per-class 100] [--model small_cnn]
+
+1. the demo data (generated, no download) trains `--model` for --pre-epochs: the source weights;
+2. scikit-learn's digits (shipped with it: sklearn.datasets.load_digits, 8x8 greyscale) become PNGs at
+   32 px, --per-class training and --val-per-class validation images per digit;
+3. two runs on the digits, the same options and epochs: from the demo weights (--weights, whose head of
+   another class count starts fresh) and from scratch. Prints both top-1 numbers and a markdown row
+   (docs/training.md, "Fine-tuning", holds the measured one).
+
+The runs are dlenv's own (`dlenv.train.train`) on the CPU, deterministic, 0 workers; nothing is
+downloaded. tests/test_pretrained_transfer.py runs a smaller version and asserts the direction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def digits_folder(root: Path, per_class: int, val_per_class: int = 60, size: int = 32, seed: int = 0) -> Path:
+    """root/train and root/val of PNGs, one folder per digit: `per_class` training and `val_per_class`
+    validation images per digit, drawn at random (`seed`) from the 1,797."""
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    rng = np.random.default_rng(seed)
+    taken: dict[int, int] = {}
+    for i in rng.permutation(len(digits.target)):
+        label = int(digits.target[i])
+        n = taken.get(label, 0)
+        if n >= per_class + val_per_class:
+            continue
+        split = "train" if n < per_class else "val"
+        taken[label] = n + 1
+        folder = root / split / str(label)
+        folder.mkdir(parents=True, exist_ok=True)
+        grey = (digits.images[i] * (255 / 16)).astype(np.uint8)
+        img = Image.fromarray(grey, "L").resize((size, size), Image.BILINEAR).convert("RGB")
+        img.save(folder / f"{i:04d}.png")
+    return root
+
+
+def _train(out: Path, name: str, data: Path, epochs: int, model: str, weights: str | None = None,
+           **extra) -> float:
+    from dlenv import config
+    from dlenv import train as train_mod
+    from dlenv.config import TrainConfig
+
+    cfg = config.build(TrainConfig, data=str(data), project=str(out), name=name, exist_ok=True, model=model,
+                       img_size=32, batch_size=32, workers=0, epochs=epochs, device="cpu", deterministic=True,
+                       optimizer="adamw", weights=weights, **extra)
+    summary = train_mod.train(cfg)
+    return float(summary["best_metric"])
+
+
+def run(out: Path, epochs: int, per_class: int, pre_epochs: int, model: str = "small_cnn",
+        demo_per_class: int = 100, val_per_class: int = 60) -> dict:
+    """Both numbers of the transfer experiment (see the module doc), as a dict."""
+    from dlenv.data.demo import ensure_demo_data
+
+    out.mkdir(parents=True, exist_ok=True)
+    demo = ensure_demo_data(out / "demo", train_per_class=demo_per_class, val_per_class=20, size=32)
+    t0 = time.perf_counter()
+    source = _train(out, "demo", Path(demo), pre_epochs, model)
+    weights = out / "demo" / "best_model.pth"
+    digits = digits_folder(out / "digits", per_class, val_per_class)
+    tuned = _train(out, "from-demo", digits, epochs, model, weights=str(weights))
+    scratch = _train(out, "scratch", digits, epochs, model)
+    return {"model": model, "demo_top1": source, "epochs": epochs, "per_class": per_class,
+            "val_per_class": val_per_class, "pre_epochs": pre_epochs, "from_demo_top1": tuned,
+            "from_scratch_top1": scratch, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="runs/transfer")
+    p.add_argument("--model", default="small_cnn")
+    p.add_argument("--epochs", type=int, default=4, help="epochs on the digits, for both runs")
+    p.add_argument("--per-class", type=int, default=15, help="training images per digit")
+    p.add_argument("--val-per-class", type=int, default=60, help="validation images per digit")
+    p.add_argument("--pre-epochs", type=int, default=6, help="epochs on the demo data")
+    p.add_argument("--demo-per-class", type=int, default=100, help="demo training images per class")
+    args = p.parse_args(argv)
+    r = run(Path(args.out), args.epochs, args.per_class, args.pre_epochs, args.model, args.demo_per_class,
+            args.val_per_class)
+    print(json.dumps(r))
+    print(f"| {r['model']} | {r['per_class']} per digit, {r['epochs']} epochs | {r['from_demo_top1']:.1f}% | "
+          f"{r['from_scratch_top1']:.1f}% |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
