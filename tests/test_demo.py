@@ -218,8 +218,40 @@ def test_a_demo_folder_given_as_data_trains_like_the_built_in_demo(tmp_path):
     root = ensure_demo_data(tmp_path / "somewhere" / "demo", **SMALL)
     assert demo.is_demo_folder(root)
     located = locate(str(root))
-    # `--data data/demo` used to train at 224 px with crops down to 8% of a 64 px image: near chance
-    assert located.source == str(root) and located.demo and located.img_size == demo.DEMO_IMG_SIZE
+    # `--data data/demo` used to train at 224 px with crops down to 8% of a 64 px image: near chance; now
+    # its own size (--img-size auto) and the light crops of --augment auto
+    assert located.source == str(root) and located.demo and located.img_size == SMALL["size"]
     other = make_image_folder(tmp_path / "photos")
     located = locate(str(other))
-    assert not demo.is_demo_folder(other) and not located.demo and located.img_size == 224
+    assert not demo.is_demo_folder(other) and not located.demo and located.img_size == 20  # 24x20 images
+
+
+# --------------------------------------------------------------------------------------------------
+# The demo's CPU recipe: what `dlenv train` trains without a GPU when the user chose no model.
+
+
+def _train_cfg(**given):
+    from dlenv import config
+
+    return config.build(config.TrainConfig, **given)
+
+
+def test_cpu_recipe_on_the_demo_without_a_gpu_and_said_in_one_line():
+    cfg, line = demo.train_defaults(_train_cfg(), "cpu")
+    assert {k: getattr(cfg, k) for k in demo.CPU_RECIPE} == demo.CPU_RECIPE
+    assert line.startswith("no GPU: the demo's CPU recipe") and "--model small_cnn" in line and "\n" not in line
+
+
+def test_options_given_keep_their_values_and_a_model_given_drops_the_recipe(tmp_path):
+    cfg, line = demo.train_defaults(_train_cfg(epochs=3), "cpu")  # the rest of the recipe, 3 epochs
+    assert cfg.epochs == 3 and cfg.model == "small_cnn" and "--epochs" not in line
+    cfg, line = demo.train_defaults(_train_cfg(model="resnet18"), "cpu")
+    assert line is None and (cfg.model, cfg.epochs, cfg.warmup_epochs, cfg.img_size) == ("resnet18", 10, 1.0, None)
+
+
+@pytest.mark.parametrize("device,data", [("cuda", None), ("cpu", "photos")])
+def test_defaults_elsewhere_are_the_photo_defaults(tmp_path, device, data):
+    if data:
+        (tmp_path / data / "a").mkdir(parents=True)
+    cfg, line = demo.train_defaults(_train_cfg(data=str(tmp_path / data) if data else None), device)
+    assert line is None and {k: getattr(cfg, k) for k in demo.TRAIN_DEFAULTS} == demo.TRAIN_DEFAULTS

@@ -69,3 +69,17 @@ def test_the_invoke_tasks_remember_invoke(monkeypatch):
     monkeypatch.setattr("sys.argv", ["/venv/bin/python", "-c"])  # whatever started the process
     tasks.ns["plot"](Context())
     assert seen["command"] == "invoke plot"
+
+
+@pytest.mark.parametrize("used,want", [
+    ("invoke train", "invoke val --weights w.pth"), ("dlenv train", "dlenv val --weights w.pth"),
+    ("python -m dlenv train", "python -m dlenv val --weights w.pth"),
+    ("python train.py", "dlenv val --weights w.pth"),  # a script of one verb cannot validate: the CLI can
+    (None, "dlenv val --weights w.pth"),
+])
+def test_the_next_command_goes_through_the_same_front_door(monkeypatch, used, want):
+    if used is None:
+        monkeypatch.delenv(invocation.ENV, raising=False)
+    else:
+        monkeypatch.setenv(invocation.ENV, used)
+    assert invocation.command("val", "--weights w.pth") == want

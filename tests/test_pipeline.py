@@ -24,7 +24,7 @@ def photos(tmp_path):
 
 def test_locate_a_folder_synthetic_data_or_refuse(tmp_path):
     located = pipeline.locate(str(make_image_folder(tmp_path / "photos")))
-    assert located.classes == ["cat", "dog"] and not located.demo and located.img_size == 224
+    assert located.classes == ["cat", "dog"] and not located.demo and located.img_size == 20  # 24x20 images
     synthetic = pipeline.locate(None, synthetic=True)
     assert synthetic.layout is None and len(synthetic.classes) == 1000 and synthetic.source == "synthetic"
     with pytest.raises(UserError, match="--data /no/such: no such folder"):
@@ -93,7 +93,8 @@ def test_decide_sizes_shared_memory_by_what_the_workers_ship(photos, monkeypatch
 def test_decide_for_the_demo_and_for_synthetic_data(tmp_path):
     root = demo.ensure_demo_data(tmp_path / "demo", train_per_class=2, val_per_class=1)
     plan = pipeline.decide(InputOptions(workers=0), pipeline.locate(str(root)), "cpu", 4, 64)
-    assert plan.train_scale == demo.DEMO_TRAIN_SCALE  # gentler crops of its 64 px shapes
+    # --augment auto is light there: its shapes fill most of a small image
+    assert (plan.augment, plan.train_scale, plan.hflip) == ("light", pipeline.AUGMENT_PRESETS["light"][0], True)
     synthetic = pipeline.decide(InputOptions(), pipeline.locate(None, synthetic=True), "cpu", 4, 16)
     assert synthetic.workers == 0 and synthetic.decoder == pipeline.SYNTHETIC
     assert "synthetic" in synthetic.describe("cpu")
@@ -133,3 +134,37 @@ def test_build_data_for_synthetic_data():
     plan = pipeline.decide(InputOptions(), located, "cpu", 2, 16)
     data = pipeline.build_data(located, plan, "cpu", DistInfo(), max_steps=3)
     assert data.sampler is None and len(data.train) == 3 and next(iter(data.train))[0].shape == (2, 3, 16, 16)
+
+
+@pytest.mark.parametrize("opts,expected", [
+    ({}, ("standard", pipeline.PHOTO_TRAIN_SCALE, (3 / 4, 4 / 3), True)),  # photos: torchvision's crops
+    (dict(augment="light"), ("light", (0.5, 1.0), (0.9, 1.1), True)),
+    (dict(augment="none"), ("none", (1.0, 1.0), (1.0, 1.0), False)),  # the whole image, never mirrored
+    (dict(hflip=False), ("standard", pipeline.PHOTO_TRAIN_SCALE, (3 / 4, 4 / 3), False)),
+    (dict(crop_scale=(0.35, 1.0)), ("standard", (0.35, 1.0), (3 / 4, 4 / 3), True)),
+])
+def test_augment_options_resolve_once_into_the_plan(photos, opts, expected):
+    plan = pipeline.decide(InputOptions(workers=0, **opts), photos, "cpu", 4, 16)
+    assert (plan.augment, plan.train_scale, plan.train_ratio, plan.hflip) == expected
+    assert plan.augment in plan.describe("cpu") and ("no flips" in plan.describe("cpu")) == (not expected[3])
+
+
+def test_no_hflip_reaches_both_augmentation_paths():
+    from dlenv.data.gpu_aug import GpuAugment
+    from dlenv.data.loaders import build_transforms
+
+    names = [type(t).__name__ for t in build_transforms(16, True, hflip=False).transforms]
+    assert "RandomHorizontalFlip" not in names and "RandomResizedCrop" in names
+    assert "RandomHorizontalFlip" in [type(t).__name__ for t in build_transforms(16, True).transforms]
+    sizes = torch.tensor([[20, 20]] * 64)
+    assert GpuAugment(16, True, hflip=False).boxes(sizes, seed=1)[:, 4].sum() == 0
+    assert GpuAugment(16, True).boxes(sizes, seed=1)[:, 4].sum() > 0
+
+
+@pytest.mark.parametrize("size,expected,capped", [((32, 32), 32, False), ((40, 30), 30, False),
+                                                   ((400, 300), 224, True)])
+def test_img_size_auto_is_the_typical_size_capped_for_speed(tmp_path, size, expected, capped):
+    located = pipeline.locate(str(make_image_folder(tmp_path / "ds", size=size)))
+    value, why = pipeline.auto_img_size(located)
+    assert value == expected and located.img_size == expected
+    assert f"typical shorter side is {min(size)} px" in why and ("capped at 224" in why) == capped

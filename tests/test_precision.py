@@ -198,3 +198,52 @@ def test_fp16_scaler_state_round_trips():
     fresh = Precision("fp16", "cuda")
     fresh.load_state_dict(state)
     assert fresh.scaler.get_scale() == p.scaler.get_scale()
+
+
+# --------------------------------------------------------------------------------------------------
+# --amp on a CPU: bf16 only where it was measured faster (decide_precision), never a slower run.
+
+
+def test_cpu_amp_falls_back_to_fp32_where_bf16_is_slower():
+    from dlenv.precision import decide_precision
+
+    timed = []
+
+    def slower_bf16(mode):
+        timed.append(mode)
+        return {"fp32": 1.0, "bf16": 3.0}[mode]
+
+    mode, why = decide_precision(True, "auto", "cpu", slower_bf16)
+    assert mode == "fp32" and timed == ["fp32", "bf16"]
+    assert "3.00x the time" in why and "training in fp32" in why and "--amp-dtype bf16" in why
+    mode, why = decide_precision(True, "auto", "cpu", lambda m: {"fp32": 2.0, "bf16": 1.0}[m])
+    assert mode == "bf16" and "0.50x" in why
+
+
+def test_cpu_amp_decision_measures_only_when_it_has_a_choice():
+    from dlenv.precision import decide_precision
+
+    def never(mode):
+        raise AssertionError("measured without a choice to make")
+
+    assert decide_precision(False, "auto", "cpu", never) == ("fp32", "no --amp")
+    assert decide_precision(True, "bf16", "cpu", never)[0] == "bf16"  # asked for by name: kept
+
+
+def test_cpu_step_seconds_times_a_real_step_and_leaves_the_seed_alone():
+    from dlenv.precision import cpu_step_seconds
+
+    torch.manual_seed(5)
+    expected = torch.rand(1)
+    torch.manual_seed(5)
+    for mode in ("fp32", "bf16"):
+        assert cpu_step_seconds(lambda: torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(),
+                                                            torch.nn.Linear(4 * 14 * 14, 3)), mode, 16, 3) > 0
+    assert torch.equal(torch.rand(1), expected)
+
+
+def test_cpu_checkpoint_auto_recomputes_nothing_and_says_what_it_would_cost():
+    from dlenv.precision import cpu_checkpoint_ratio
+
+    ratio, why = cpu_checkpoint_ratio(4)
+    assert ratio == 0.0 and "forward again" in why and "--checkpoint-ratio 1" in why

@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from dlenv.progress import Progress, clock_text
+from dlenv.progress import Progress, RunEta, clock_text
 
 
 class Clock:
@@ -29,8 +29,9 @@ def test_plain_lines_come_by_time_with_an_eta():
         clock.t = 100 + t
         p.update(done, "loss 0.5")
     lines = out.getvalue().splitlines()
-    # at 10 s (20 batches at 2/s, 60 left -> 0:30), at 20 s (40 at 2/s, 40 left -> 0:20), and at the end
-    assert lines == ["epoch 1/3 40/100 (40%)  elapsed 0:10, ETA 0:30  loss 0.5",
+    # at once after the first work (10 batches in 5 s, 70 left -> 0:35), then 10 s later (40 at 2/s, 40
+    # left -> 0:20), and at the end
+    assert lines == ["epoch 1/3 30/100 (30%)  elapsed 0:05, ETA 0:35  loss 0.5",
                      "epoch 1/3 60/100 (60%)  elapsed 0:20, ETA 0:20  loss 0.5",
                      "epoch 1/3 100/100 (100%)  elapsed 0:21, ETA 0:00  loss 0.5"]
 
@@ -49,3 +50,31 @@ def test_disabled_says_nothing():
     p = Progress(5, "x", enabled=False, file=out, tty=False)
     p.update(5)
     assert out.getvalue() == ""
+
+
+def test_the_first_line_comes_after_the_first_step_however_long_the_interval():
+    clock, out = Clock(), io.StringIO()
+    p = Progress(1000, "epoch 1/1", interval=30, file=out, tty=False, clock=clock)
+    clock.t += 1.5
+    p.update(1)
+    assert out.getvalue().startswith("epoch 1/1 1/1000")
+    clock.t += 2
+    p.update(2)
+    assert len(out.getvalue().splitlines()) == 1  # then by the clock again
+
+
+def test_run_eta_counts_every_epoch_left_and_its_validations():
+    clock = Clock()
+    eta = RunEta(train_batches=30, validations=3, val_batches=6, clock=clock)  # 3 epochs of 10
+    eta.trained(1)  # the first batch only starts the clock (it waited for the workers)
+    assert eta.seconds_left() is None and eta.text() == "run ETA ?"
+    clock.t += 9
+    eta.trained(9)  # 1 s a batch; 20 left; a validation batch estimated at a third of that: 2 s each
+    assert eta.seconds_left() == pytest.approx(20 * 1 + 3 * 2)
+    eta.validated(5.0)  # measured: 5 s a validation from now on
+    assert eta.seconds_left() == pytest.approx(20 + 2 * 5)
+    clock.t += 100  # saving and the epoch's end are not counted as training time
+    eta.trained(1)
+    clock.t += 9
+    eta.trained(9)
+    assert eta.seconds_left() == pytest.approx(10 + 2 * 5) and eta.text() == "run ETA 0:20"

@@ -25,6 +25,8 @@ from dlenv.errors import UserError
 from dlenv.pretrained import parse_pretrained
 from dlenv.usermodel import model_args_text
 from dlenv.values import (
+    auto_float,
+    auto_int,
     folder_name,
     int_list,
     int_or_auto,
@@ -34,6 +36,7 @@ from dlenv.values import (
     parse_int,
     parse_str,
     ratio_or_auto,
+    scale_range_or_auto,
     workers_or_auto,
 )
 
@@ -88,8 +91,9 @@ class TrainConfig:
                                  "only); default: the built-in demo dataset", parse=_str)
     val_split: float = opt(0.2, "fraction held out for validation when the data has no val/ folder",
                            min=0.0, max=0.9)
-    img_size: int | None = opt(None, "training image size in pixels; default 224, or 64 for the demo data",
-                               parse=_int, min=16)
+    img_size: int | None = opt(None, "training image size in pixels, or auto (the default): the training "
+                                     "images' typical size, capped for speed (the choice and its reason are "
+                                     "printed); a pretrained model's own size wins", parse=auto_int, min=16)
     workers: int | str = opt("auto", "DataLoader worker processes: a number, or auto (from CPU count and "
                                      "/dev/shm)", parse=workers_or_auto)
     bad_images: str = opt("skip", "an image that fails to decode: skip it (reported once) or stop the run",
@@ -106,12 +110,22 @@ class TrainConfig:
     gpu_augment: str = opt("auto", "crop, flip and normalize uint8 batches on the GPU: auto (on when "
                                    "training on a GPU), on, or off (torchvision transforms in the workers)",
                            choices=("auto", "on", "off"))
+    augment: str = opt("auto", "training augmentation: standard (random crops of 8-100% of the image, "
+                               "any aspect 3:4-4:3, for photos), light (crops of 50-100%, near-square), none "
+                               "(the whole image), or auto (standard; light for the demo data)",
+                       choices=("auto", "standard", "light", "none"))
+    hflip: bool = opt(True, "random horizontal flips in training; --no-hflip for digits, text, or anything "
+                            "whose mirror image is another class")
+    crop_scale: tuple | str = opt("auto", "area range MIN,MAX of the random crops, as fractions of the image "
+                                          "(e.g. 0.35,1), or auto: the --augment preset's",
+                                  parse=scale_range_or_auto)
     synthetic: bool = opt(False, "random tensors already on the device instead of a dataset "
                                  "(for speed and memory measurements)")
     # model
-    model: str = opt("resnet18", "a torchvision classification model name (resnet50, vit_b_16, ...), a timm "
-                                 "one (timm/convnext_atto), or your own: FILE.py:factory or "
-                                 "package.module:factory (see docs/training.md)")
+    model: str = opt("auto", "a torchvision classification model name (resnet50, vit_b_16, ...), a timm "
+                             "one (timm/convnext_atto), small_cnn (dlenv's own, for CPUs), or your own: "
+                             "FILE.py:factory or package.module:factory (see docs/training.md); auto: "
+                             "resnet18, or the CPU recipe on the demo data without a GPU")
     model_args: str | None = opt(None, "keyword arguments for your model's factory or timm's create_model: "
                                        "k=v,... (e.g. width=64,drop=0.1)", parse=model_args_text)
     weights: str | None = opt(None, "local state dict or checkpoint to start from, .safetensors or .pth "
@@ -146,7 +160,8 @@ class TrainConfig:
     effective_batch: int | None = opt(None, "images per optimizer step over all GPUs; sets --accum-steps",
                                       parse=_int, min=1)
     # optimization
-    epochs: int = opt(10, "epochs to train", min=1)
+    epochs: int | None = opt(None, "epochs to train, or auto: 10, or the CPU recipe's on the demo data without "
+                                   "a GPU", parse=auto_int, min=1)
     optimizer: str = opt("auto", "sgd, adamw, or auto: AdamW for runs under 10,000 optimizer steps (it "
                                  "converges faster from scratch), SGD for longer ones",
                          choices=("auto", "sgd", "adamw"))
@@ -156,7 +171,8 @@ class TrainConfig:
     nesterov: bool = opt(False, "Nesterov momentum for SGD")
     weight_decay: float | None = opt(None, "weight decay (not on norms and biases); default 1e-4 for SGD, "
                                            "0.05 for AdamW", parse=_float, min=0.0)
-    warmup_epochs: float = opt(1.0, "linear warmup before the cosine schedule, in epochs", min=0.0)
+    warmup_epochs: float | None = opt(None, "linear warmup before the cosine schedule, in epochs, or auto: 1, "
+                                            "or the CPU recipe's", parse=auto_float, min=0.0)
     label_smoothing: float = opt(0.1, "label smoothing", min=0.0, max=1.0)
     clip_grad: float | None = opt(None, "clip the gradient norm to this value (after unscaling)",
                                   parse=_float, min=0.0)

@@ -47,3 +47,13 @@ def remember(verb: str, argv0: str | None = None, script_picks_verb: bool = Fals
 def again(verb: str, args: str) -> str:
     """The command line that runs `verb` with `args` as the user started dlenv (`dlenv VERB` when unknown)."""
     return f"{os.environ.get(ENV) or f'dlenv {verb}'} {args}"
+
+
+def command(verb: str, args: str) -> str:
+    """The command line that runs another `verb` through the same front door the user used (invoke,
+    dlenv or python -m dlenv; `dlenv VERB` after a script of their own, which runs one verb only)."""
+    used = os.environ.get(ENV) or ""
+    for front in ("invoke", "python -m dlenv", "dlenv"):
+        if used.startswith(front + " "):
+            return f"{front} {verb} {args}"
+    return f"dlenv {verb} {args}"

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlenv import compat, pretrained, runstate, usermodel
+from dlenv import compat, pretrained, runstate, smallcnn, usermodel
 from dlenv.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,11 @@ def build_model(name: str, /, num_classes: int, weights: str | Path | None = Non
 
     if usermodel.is_reference(name):  # a model of your own: FILE.py:factory or package.module:factory
         model = usermodel.build(name, num_classes, **kwargs)
+        if weights is not None:
+            load_weights(model, weights, name=name, num_classes=num_classes)
+        return model
+    if name == smallcnn.NAME:  # dlenv's own small CNN: the demo's model on a CPU
+        model = smallcnn.build(num_classes, **kwargs)
         if weights is not None:
             load_weights(model, weights, name=name, num_classes=num_classes)
         return model

@@ -17,7 +17,7 @@ no loss scaling; fp16 does, and its scaler skips a step whose gradients overflow
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -60,6 +60,63 @@ def resolve_precision(amp: bool, amp_dtype: str, device: Any) -> str:
                             "use --amp-dtype bf16 (or auto), or train on a GPU for fp16")
         return "bf16"
     raise UserError(f"--amp on device {device!s}: mixed precision here supports cuda and cpu only")
+
+
+#: steps timed per mode by `decide_precision` on a CPU (after one untimed step), and images per step
+_CPU_PROBE_STEPS, _CPU_PROBE_BATCH = 2, 8
+
+
+def decide_precision(amp: bool, amp_dtype: str, device: Any,
+                     step_seconds: Callable[[str], float] | None = None) -> tuple[str, str]:
+    """(mode, why): the precision a run trains in, and the sentence config.yaml and the log give for it.
+
+    As `resolve_precision`, except that --amp on a CPU never makes the run slower: with --amp-dtype auto,
+    `step_seconds(mode)` times this model's training step in fp32 and bf16, and bf16 is kept only where
+    it was faster. (Many CPUs emulate bfloat16, and autocast's casts then cost more than they save:
+    3x slower for ResNet-18 on a 2-core VM, docs/benchmarks.md.) --amp-dtype bf16 forces bf16.
+    """
+    mode = resolve_precision(amp, amp_dtype, device)
+    kind = _device_type(device)
+    if mode == "fp32":
+        return mode, "no --amp"
+    if kind != "cpu" or amp_dtype != "auto" or step_seconds is None:
+        return mode, f"--amp --amp-dtype {amp_dtype} on {kind}"
+    fp32, bf16 = step_seconds("fp32"), step_seconds("bf16")
+    if bf16 < fp32:
+        return "bf16", f"--amp on this CPU: a bf16 step took {bf16 / fp32:.2f}x the time of fp32's (measured)"
+    return "fp32", (f"--amp on this CPU: a bf16 step took {bf16 / fp32:.2f}x the time of fp32's (measured: the CPU "
+                    "emulates bfloat16), so training in fp32; --amp-dtype bf16 forces bf16")
+
+
+def cpu_step_seconds(build: Callable[[], torch.nn.Module], mode: str, img_size: int, num_classes: int) -> float:
+    """The fastest of a few training steps (forward, backward, SGD step) of a fresh `build()` model on
+    the CPU in `mode`, on _CPU_PROBE_BATCH random images; for `decide_precision`."""
+    import time
+
+    with torch.random.fork_rng(devices=[]):  # the run's random streams stay as the seed left them
+        model = build().train()
+        x = torch.randn(_CPU_PROBE_BATCH, 3, img_size, img_size)
+        y = torch.randint(0, num_classes, (_CPU_PROBE_BATCH,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    prec, best = Precision(mode, "cpu"), float("inf")
+    for i in range(_CPU_PROBE_STEPS + 1):
+        t = time.perf_counter()
+        with prec.autocast():
+            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        prec.backward(loss)
+        prec.step(opt)
+        opt.zero_grad(set_to_none=True)
+        if i:  # the first step allocates and picks kernels
+            best = min(best, time.perf_counter() - t)
+    return best
+
+
+def cpu_checkpoint_ratio(blocks: int) -> tuple[float, str]:
+    """(fraction of blocks recomputed, why) for --checkpoint --checkpoint-ratio auto on a CPU: none.
+    Checkpointing trades compute for memory, and a CPU run is rarely short of memory: each recomputed
+    block runs its forward twice (docs/benchmarks.md has the cost measured)."""
+    return 0.0, (f"auto: none of {blocks} blocks on a CPU: recomputing a block costs its forward again, to save "
+                 "memory a CPU run rarely lacks; --checkpoint-ratio 1 recomputes them all")
 
 
 class Precision:

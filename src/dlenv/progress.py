@@ -2,8 +2,10 @@
 
 Both say how far, how fast and how long is left (ETA), so a log file read later tells as much as the
 bar did. Plain lines come by the clock, not every N steps: a step takes milliseconds for one model
-and minutes for another, and a fixed step count floods one log while it leaves the other silent.
-Training and validation both use it. No torch here.
+and minutes for another, and a fixed step count floods one log while it leaves the other silent. The
+first comes right after the first step, so a log shows within seconds that the run is moving.
+`RunEta` adds the time left in the whole run (every epoch, validation included). Training and
+validation both use it. No torch here.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Progress:
         self.interval, self.clock = interval, clock
         self.file = file if file is not None else sys.stdout
         self.t0 = self.last = clock()
+        self.printed = False  # the first plain line comes after the first unit of work, whatever the interval
         self.bar: Any = None
         if enabled and (self.file.isatty() if tty is None else tty):
             from tqdm import tqdm
@@ -58,9 +61,10 @@ class Progress:
             return
         now = self.clock()
         finished = self.total is not None and done >= self.total
-        if now - self.last < self.interval and not finished:
+        first = not self.printed and done > self.start
+        if now - self.last < self.interval and not finished and not first:
             return
-        self.last = now
+        self.last, self.printed = now, True
         self.file.write(self.line(done, now) + (f"  {info}" if info else "") + "\n")
         self.file.flush()
 
@@ -79,3 +83,47 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+class RunEta:
+    """The time left in a whole run: its training batches still to go at the rate measured so far, plus
+    its validations still to run at the cost of the last one (before the first: a third of a training
+    batch per validation batch, as a forward pass alone costs about that).
+
+    `trained(n)` after n more training batches, `validated(seconds)` after each validation, `pause()`
+    before time that is neither (saving, the epoch's end), `seconds_left()` for the estimate (None
+    before the first batch)."""
+
+    def __init__(self, train_batches: int, validations: int, val_batches: int,
+                 clock: Callable[[], float] = time.monotonic):
+        self.train_left, self.val_left, self.val_batches = train_batches, validations, val_batches
+        self.clock = clock
+        self.train_s, self.done = 0.0, 0
+        self.val_s: float | None = None
+        self.mark: float | None = None
+
+    def trained(self, n: int) -> None:
+        now = self.clock()
+        if self.mark is not None:
+            self.train_s += now - self.mark
+            self.done += n
+        self.mark = now  # the first call only starts the clock: it follows the workers' start-up
+        self.train_left = max(0, self.train_left - n)
+
+    def pause(self) -> None:
+        self.mark = None
+
+    def validated(self, seconds: float) -> None:
+        self.val_s, self.val_left = seconds, max(0, self.val_left - 1)
+        self.mark = None
+
+    def seconds_left(self) -> float | None:
+        if not self.done:
+            return None
+        per_batch = self.train_s / self.done
+        per_val = self.val_s if self.val_s is not None else per_batch * self.val_batches / 3
+        return self.train_left * per_batch + self.val_left * per_val
+
+    def text(self) -> str:
+        """'run ETA M:SS' (or '?' until a batch has been timed)."""
+        return f"run ETA {clock_text(self.seconds_left())}"

@@ -23,7 +23,7 @@ class SmallCNN(nn.Module):
         chans = [3, width, 2 * width, 4 * width, 8 * width]
         self.blocks = nn.Sequential(*(nn.Sequential(
             nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
-            nn.MaxPool2d(2)) for cin, cout in zip(chans, chans[1:])))
+            nn.MaxPool2d(2)) for cin, cout in zip(chans[:-1], chans[1:], strict=True)))
         self.head = nn.Linear(chans[-1], num_classes)
         self.checkpoint_blocks = list(self.blocks)
 

@@ -116,3 +116,23 @@ def int_list(v: Any) -> tuple[int, ...]:
     if isinstance(v, (list, tuple)):
         return tuple(parse_int(x) for x in v)
     return tuple(parse_int(x) for x in str(v).replace(" ", "").split(",") if x)
+
+
+def scale_range_or_auto(v: Any) -> tuple[float, float] | str:
+    """'auto', or a crop's area range MIN,MAX: fractions with 0 < MIN <= MAX <= 1 (a YAML list works too)."""
+    def parse(x: Any) -> tuple[float, float]:
+        parts = x if isinstance(x, (list, tuple)) else str(x).split(",")
+        lo, hi = (parse_float(p) for p in parts)
+        return lo, hi
+    return _auto_or(v, parse, lambda r: 0.0 < r[0] <= r[1] <= 1.0,
+                    "expected 'auto' or MIN,MAX with 0 < MIN <= MAX <= 1, e.g. 0.35,1")
+
+
+def auto_int(v: Any) -> int | None:
+    """An integer, or 'auto' (None: decided at run time, from the data or the machine)."""
+    return None if _is_auto(v) else parse_int(v)
+
+
+def auto_float(v: Any) -> float | None:
+    """A number, or 'auto' (None: decided at run time)."""
+    return None if _is_auto(v) else parse_float(v)

@@ -28,9 +28,12 @@ from dlenv.errors import UserError
 
 #: The demo's image size, and the default --img-size when training on it.
 DEMO_IMG_SIZE = 64
-#: RandomResizedCrop scale range the trainer uses on the demo data: each image holds one shape, and a
-#: crop of under about a third of the image (the default range starts at 8%) can cut the shape away.
-DEMO_TRAIN_SCALE = (0.35, 1.0)
+#: What `dlenv train` trains on the demo data on a machine without a GPU, when --model is left to auto:
+#: ResNet-18 there needs far more CPU time than a first run should take (docs/benchmarks.md, "CPU demo",
+#: has the measurements behind each value). The demo data's augmentation is --augment auto's "light".
+CPU_RECIPE = {"model": "small_cnn", "img_size": 32, "epochs": 10, "lr": 3e-3, "warmup_epochs": 0.5}
+#: what the options left to auto become everywhere else
+TRAIN_DEFAULTS = {"model": "resnet18", "epochs": 10, "warmup_epochs": 1.0}
 CLASSES = ("arrow", "circle", "crescent", "cross", "frame", "hexagon", "ring", "square", "star",
            "triangle")
 #: Bump when the drawing changes, so an older dataset on disk is not mistaken for the current one.
@@ -246,3 +249,25 @@ def main(cfg: Any) -> int:
           f"{cfg.size}x{cfg.size} PNG; {how}")
     print(f"train on it: invoke train (no --data), or invoke train --data {path}")
     return 0
+
+
+def train_defaults(cfg: Any, device_type: str) -> tuple[Any, str | None]:
+    """`cfg` (a TrainConfig) with the options left to auto (None, or "auto" for --model) filled in, and
+    the line that says so when they became the CPU recipe (else None).
+
+    On the demo data (no --data, or a folder `demo-data` wrote) without a GPU and without --model, the
+    auto options take CPU_RECIPE's values; options given keep theirs. Anywhere else they take
+    TRAIN_DEFAULTS'; --img-size and --lr stay auto (the data and the optimizer decide them)."""
+    import dataclasses
+
+    demo = cfg.data is None or is_demo_folder(cfg.data)
+    use_recipe = demo and device_type == "cpu" and cfg.model == "auto"
+    values = CPU_RECIPE if use_recipe else TRAIN_DEFAULTS
+    auto = {k: v for k, v in values.items() if getattr(cfg, k) in (None, "auto")}
+    if not use_recipe:
+        return dataclasses.replace(cfg, **auto), None
+    shown = " ".join(f"--{k.replace('_', '-')} {v:g}" if isinstance(v, float) else f"--{k.replace('_', '-')} {v}"
+                     for k, v in auto.items())
+    return dataclasses.replace(cfg, **auto), (
+        f"no GPU: the demo's CPU recipe, {shown} (a few minutes on 2 cores, see docs/training.md); "
+        "give --model to train another")

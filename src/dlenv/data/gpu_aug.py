@@ -84,17 +84,19 @@ def boxes_to_theta(boxes: torch.Tensor) -> torch.Tensor:
 class GpuAugment:
     """Stored-form uint8 batches -> normalized float batches, on the batch's own device.
 
-    train=True: RandomResizedCrop(img_size, scale, ratio) + horizontal flip, drawn by `random_boxes`
-    from `seed`; train=False: the eval centre crop. Output: (B, 3, img_size, img_size) in `dtype`
+    train=True: RandomResizedCrop(img_size, scale, ratio) + horizontal flip (if `hflip`), drawn by
+    `random_boxes` from `seed`; train=False: the eval centre crop. Output: (B, 3, img_size, img_size) in `dtype`
     (float32, or bf16/fp16 under AMP), `memory_format` (channels_last for CNNs), ImageNet-normalized.
     """
 
     def __init__(self, img_size: int, train: bool, dtype: torch.dtype = torch.float32,
                  memory_format: torch.memory_format = torch.contiguous_format,
-                 scale: tuple[float, float] = (0.08, 1.0), ratio: tuple[float, float] = (3 / 4, 4 / 3)):
+                 scale: tuple[float, float] = (0.08, 1.0), ratio: tuple[float, float] = (3 / 4, 4 / 3),
+                 hflip: bool = True, norm: tuple[tuple, tuple] | None = None):
         self.img_size, self.train = img_size, train
+        self.mean, self.std = norm or (IMAGENET_MEAN, IMAGENET_STD)  # pretrained weights' own, else ImageNet's
         self.dtype, self.memory_format = dtype, memory_format
-        self.scale, self.ratio = scale, ratio
+        self.scale, self.ratio, self.flip_p = scale, ratio, 0.5 if hflip else 0.0
         self._stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def boxes(self, sizes: torch.Tensor, seed: int) -> torch.Tensor:
@@ -102,12 +104,12 @@ class GpuAugment:
         if not self.train:
             return center_boxes(sizes.cpu())
         g = torch.Generator().manual_seed(int(seed) % 2**63)
-        return random_boxes(sizes.cpu(), g, self.scale, self.ratio)
+        return random_boxes(sizes.cpu(), g, self.scale, self.ratio, self.flip_p)
 
     def _normalize_stats(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._stats:
-            mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255.0
-            inv_std = 1.0 / (torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255.0)
+            mean = torch.tensor(self.mean, device=device).view(1, 3, 1, 1) * 255.0
+            inv_std = 1.0 / (torch.tensor(self.std, device=device).view(1, 3, 1, 1) * 255.0)
             self._stats[device] = (mean, inv_std)
         return self._stats[device]
 

@@ -49,16 +49,21 @@ class BadImageError(UserError):
 # Transforms.
 
 
-def build_transforms(img_size: int, train: bool, scale: tuple[float, float] = (0.08, 1.0)) -> Callable:
-    """torchvision transforms: train = RandomResizedCrop(img_size, scale) + horizontal flip; eval =
-    Resize(img_size * 256/224) + CenterCrop(img_size); both end in ToTensor + ImageNet Normalize."""
+def build_transforms(img_size: int, train: bool, scale: tuple[float, float] = (0.08, 1.0),
+                     ratio: tuple[float, float] = (3 / 4, 4 / 3), hflip: bool = True,
+                     norm: tuple[tuple, tuple] | None = None) -> Callable:
+    """torchvision transforms: train = RandomResizedCrop(img_size, scale, ratio) + horizontal flip (if
+    `hflip`); eval = Resize(img_size * 256/224) + CenterCrop(img_size); both end in ToTensor + Normalize
+    by `norm` (mean, std): pretrained weights' own, else ImageNet's."""
     from torchvision import transforms as T
 
+    mean, std = norm or (IMAGENET_MEAN, IMAGENET_STD)
+
     if train:
-        head = [T.RandomResizedCrop(img_size, scale=scale), T.RandomHorizontalFlip()]
+        head = [T.RandomResizedCrop(img_size, scale=scale, ratio=ratio)] + ([T.RandomHorizontalFlip()] if hflip else [])
     else:
         head = [T.Resize(_eval_resize(img_size)), T.CenterCrop(img_size)]
-    return T.Compose([*head, T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    return T.Compose([*head, T.ToTensor(), T.Normalize(mean, std)])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -261,7 +266,7 @@ def resolve_workers(workers: int | str, batch_size: int | None = None, img_size:
     fit = workers_that_fit(n, usage.total, usage.free, per_worker, given=given)
     if fit < n:
         asked = f"--workers {n}" if given else f"the {n} workers --workers auto picks"
-        instead = f"{fit} workers" if fit else "0 workers (loading in the main process, slower)"
+        instead = f"{fit} worker{'s' if fit > 1 else ''}" if fit else "0 workers (loading in the main process, slower)"
         _say_once(f"{shm} has {usage.free / 2**20:.0f} MiB free of {usage.total / 2**20:.0f} MiB, too little for "
                   f"{asked} (~{per_worker / 2**20:.0f} MiB of batches in flight each); using {instead}. "
                   "Start the container with --ipc=host or --shm-size=8g for more")
@@ -317,7 +322,9 @@ def make_loader(dataset: ImageDataset, batch_size: int, workers: int, pin_memory
 def build_loaders(layout: Any, img_size: int, batch_size: int, workers: int | str, seed: int = 0,
                   bad_images: str = "skip", train_sampler: Any = None, pin_memory: bool | None = None,
                   drop_last: bool = False, train_scale: tuple[float, float] = (0.08, 1.0),
-                  decoder: str = "pil") -> tuple[SafeLoader, SafeLoader | None]:
+                  train_ratio: tuple[float, float] = (3 / 4, 4 / 3), hflip: bool = True,
+                  decoder: str = "pil",
+                  norm: tuple[tuple, tuple] | None = None) -> tuple[SafeLoader, SafeLoader | None]:
     """(train_loader, val_loader) for a folder.Layout; val_loader is None when the layout has no val.
 
     Train shuffles with a generator seeded by `seed` unless `train_sampler` is given (then the
@@ -328,7 +335,8 @@ def build_loaders(layout: Any, img_size: int, batch_size: int, workers: int | st
     n = resolve_workers(workers, batch_size, img_size)
     gen = torch.Generator()
     gen.manual_seed(seed)  # also seeds each worker's RNG, so augmentations repeat run to run
-    train_ds = ImageDataset(layout.train, build_transforms(img_size, True, train_scale), bad_images,
+    train_ds = ImageDataset(layout.train, build_transforms(img_size, True, train_scale, train_ratio, hflip, norm),
+                            bad_images,
                             _decode_fn(decoder, None))
     # no sampler: the loader leaves out a last batch of one (BatchNorm cannot train on it), as
     # ResumableSampler(batch_size=) does
@@ -337,19 +345,20 @@ def build_loaders(layout: Any, img_size: int, batch_size: int, workers: int | st
                         sampler=train_sampler, generator=gen, drop_last=drop_last)
     if not layout.val:
         return train, None
-    val_ds = ImageDataset(layout.val, build_transforms(img_size, False), bad_images,
+    val_ds = ImageDataset(layout.val, build_transforms(img_size, False, norm=norm), bad_images,
                           _decode_fn(decoder, _eval_resize(img_size)))
     val = make_loader(val_ds, batch_size, n, pin_memory, True, shuffle=False)
     return train, val
 
 
 def build_eval_loader(samples: Sequence[tuple[str, int]], img_size: int, batch_size: int,
-                      workers: int | str, bad_images: str = "skip", decoder: str = "pil") -> SafeLoader:
+                      workers: int | str, bad_images: str = "skip", decoder: str = "pil",
+                      norm: tuple[tuple, tuple] | None = None) -> SafeLoader:
     """A loader over eval transforms in sample order, for one pass (the i-th prediction is the i-th
     sample's). A skipped bad file's slot holds its substitute; `loader.bad_paths` lists those files
     after the pass, so their predictions can be dropped."""
     n = resolve_workers(workers, batch_size, img_size)
-    ds = ImageDataset(samples, build_transforms(img_size, False), bad_images,
+    ds = ImageDataset(samples, build_transforms(img_size, False, norm=norm), bad_images,
                       _decode_fn(decoder, _eval_resize(img_size)))
     return make_loader(ds, batch_size, n, None, False, shuffle=False)
 

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from dlenv.data import decode
-from dlenv.data.demo import DEMO_IMG_SIZE, DEMO_TRAIN_SCALE
 from dlenv.data.loaders import resolve_workers, shipped_bytes
 from dlenv.errors import UserError
 
@@ -35,6 +34,16 @@ SYNTHETIC_BATCHES = 100
 SYNTHETIC = "synthetic"
 #: RandomResizedCrop's scale range for real photos (torchvision's default)
 PHOTO_TRAIN_SCALE = (0.08, 1.0)
+#: --augment presets: (crop area range, crop aspect range). standard is torchvision's RandomResizedCrop;
+#: light keeps most of the image near its shape (a short run learns faster, small objects stay in the
+#: crop); none trains on the whole image, as validation sees it.
+AUGMENT_PRESETS = {"standard": (PHOTO_TRAIN_SCALE, (3 / 4, 4 / 3)), "light": ((0.5, 1.0), (0.9, 1.1)),
+                   "none": ((1.0, 1.0), (1.0, 1.0))}
+#: --img-size auto never goes above this (the photo default: larger inputs cost time for little gain
+#: when training from scratch), nor below 16 (the trainer's minimum)
+AUTO_IMG_SIZE_CAP, AUTO_IMG_SIZE_MIN = 224, 16
+#: image headers read to find the typical size
+_SIZE_SAMPLE = 200
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -58,8 +67,28 @@ class Located:
 
     @property
     def img_size(self) -> int:
-        """The training size when --img-size is not given: the demo's own, else 224."""
-        return DEMO_IMG_SIZE if self.demo else 224
+        """The training size when --img-size is auto: see `auto_img_size`."""
+        return auto_img_size(self)[0]
+
+
+def auto_img_size(located: Located) -> tuple[int, str]:
+    """(--img-size auto's size, the reason): the median shorter side of up to 200 training images (headers
+    only), capped at AUTO_IMG_SIZE_CAP for speed; 224 for synthetic data or when no header can be read."""
+    import statistics
+
+    if located.layout is None or not located.layout.train:
+        return 224, "the default for synthetic data"
+    samples = located.layout.train
+    step = max(1, len(samples) // _SIZE_SAMPLE)
+    sides = [min(wh) for wh in map(_header_size, (p for p, _ in samples[::step][:_SIZE_SAMPLE])) if wh]
+    if not sides:
+        return 224, "the default for photos (no image header could be read)"
+    typical = int(statistics.median(sides))
+    size = max(AUTO_IMG_SIZE_MIN, min(AUTO_IMG_SIZE_CAP, typical))
+    why = f"the training images' typical shorter side is {typical} px ({len(sides)} sampled)"
+    if typical > AUTO_IMG_SIZE_CAP:
+        why += f", capped at {AUTO_IMG_SIZE_CAP} for speed"
+    return size, why
 
 
 def locate(data: str | None, synthetic: bool = False, val_split: float = 0.2, seed: int = 0) -> Located:
@@ -84,6 +113,23 @@ def locate(data: str | None, synthetic: bool = False, val_split: float = 0.2, se
     return Located(layout, list(layout.classes), source)
 
 
+def _header_size(path: str) -> tuple[int, int] | None:
+    """(width, height) from an image file's header, or None when it cannot be read (reported elsewhere)."""
+    import warnings
+
+    from PIL import Image
+
+    from dlenv.safeio import IMAGE_FILE, open_regular
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with open_regular(path, "image", IMAGE_FILE) as f, Image.open(f) as im:
+                return im.size
+    except Exception:  # a broken file is the loaders' and the report's to name; a size is a summary
+        return None
+
+
 # ---------------------------------------------------------------------------------------------------
 # The decisions.
 
@@ -100,6 +146,9 @@ class InputOptions:
     cache_dir: str = ".dlenv-cache"
     workers: int | str = "auto"
     bad_images: str = "skip"
+    augment: str = "auto"
+    hflip: bool = True
+    crop_scale: Any = "auto"
 
     @classmethod
     def of(cls, cfg: Any) -> InputOptions:
@@ -129,14 +178,36 @@ class InputPlan:
     cache_dir: str = ".dlenv-cache"
     bad_images: str = "skip"
     train_scale: tuple[float, float] = PHOTO_TRAIN_SCALE
+    train_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    hflip: bool = True
+    augment: str = "standard"
+    norm: tuple[tuple, tuple] | None = None  # (mean, std) of pretrained weights; None: ImageNet's
 
     def describe(self, device: Any) -> str:
-        """One line: where batches come from and where they are augmented."""
+        """One line: where batches come from, how and where they are augmented."""
         if self.decoder == SYNTHETIC:
             return f"input: synthetic batches made on {torch.device(device).type}"
         where = torch.device(device).type if self.on_device else "the workers"
         source = "--cache" if self.cache else f"decoder {self.decoder}"
-        return f"input: {source}, augmentation on {where}, {self.workers} workers"
+        return f"input: {source}, augmentation on {where} ({self.augmentation()}), {self.workers} workers"
+
+    def augmentation(self) -> str:
+        """The training augmentation in words: preset, crop range, flips."""
+        lo, hi = self.train_scale
+        crops = "whole image" if lo == hi == 1.0 else f"crops {lo:.0%}-{hi:.0%}"
+        return f"{self.augment}: {crops}, {'flips' if self.hflip else 'no flips'}"
+
+
+def decide_augment(opts: InputOptions, demo: bool) -> tuple[str, tuple[float, float], tuple[float, float], bool]:
+    """(preset, crop area range, crop aspect range, flip) for --augment, --crop-scale and --hflip.
+
+    auto is standard (what works for photos), light for the demo data (its shapes fill most of a small
+    image, and a short run learns faster from gentler crops); --crop-scale overrides the preset's range."""
+    preset = opts.augment if opts.augment != "auto" else ("light" if demo else "standard")
+    scale, ratio = AUGMENT_PRESETS[preset]
+    if opts.crop_scale != "auto":
+        scale = tuple(opts.crop_scale)
+    return preset, scale, ratio, bool(opts.hflip) and preset != "none"
 
 
 def workers_per_process(workers: int, local_world_size: int) -> int:
@@ -145,7 +216,7 @@ def workers_per_process(workers: int, local_world_size: int) -> int:
 
 
 def decide(opts: InputOptions, located: Located, device: Any, batch_size: int, img_size: int,
-           local_world_size: int = 1) -> InputPlan:
+           local_world_size: int = 1, norm: tuple[tuple, tuple] | None = None) -> InputPlan:
     """The input plan for `located` data on `device` (`local_world_size` processes share the node).
 
     Workers: the number given, or 'auto' (CPUs and /dev/shm, shared by the node's processes). Where
@@ -153,6 +224,7 @@ def decide(opts: InputOptions, located: Located, device: Any, batch_size: int, i
     `decode.prefer_nvjpeg` says so for these files (only when batches are augmented on a GPU and not
     cached), else the fastest CPU decoder on a few of them. The cache: 'auto' becomes 'disk' when
     several processes share the node (one file in the page cache, not a copy in each process).
+    `norm`: the (mean, std) pretrained weights were trained with (dlenv.pretrained), else ImageNet's.
     Raises UserError for an unknown decoder or a missing library.
     """
     device = torch.device(device)
@@ -170,10 +242,9 @@ def decide(opts: InputOptions, located: Located, device: Any, batch_size: int, i
                                      batch=batch_size, workers=workers)
     cpu_decoder = decoder if decoder != "nvjpeg" else decode.pick_decoder(paths, size)
     cache_mode = "disk" if opts.cache_mode == "auto" and local_world_size > 1 else opts.cache_mode
-    # RandomResizedCrop's default (0.08, 1) can crop a demo shape out of its 64 px image entirely
-    scale = DEMO_TRAIN_SCALE if located.demo else PHOTO_TRAIN_SCALE
+    preset, scale, ratio, hflip = decide_augment(opts, located.demo)
     return InputPlan(img_size, batch_size, on_device, decoder, cpu_decoder, workers, opts.cache, cache_mode,
-                     opts.cache_dir, opts.bad_images, scale)
+                     opts.cache_dir, opts.bad_images, scale, ratio, hflip, preset, norm)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -200,7 +271,8 @@ def make_loaders(layout: Any, plan: InputPlan, device: Any, *, seed: int = 0, dt
 
     return build_loaders(layout, plan.img_size, plan.batch_size, plan.workers, seed=seed,
                          bad_images=plan.bad_images, train_sampler=train_sampler,
-                         pin_memory=device.type == "cuda", train_scale=plan.train_scale, decoder=plan.cpu_decoder)
+                         pin_memory=device.type == "cuda", train_scale=plan.train_scale, decoder=plan.cpu_decoder,
+                         train_ratio=plan.train_ratio, hflip=plan.hflip, norm=plan.norm)
 
 
 def _device_loaders(layout: Any, plan: InputPlan, device: torch.device, seed: int, dtype: torch.dtype,
@@ -226,7 +298,8 @@ def _device_loaders(layout: Any, plan: InputPlan, device: torch.device, seed: in
     splits = [(layout.train, train_sampler, True)] + ([(layout.val, val_sampler, False)] if layout.val else [])
     out = []
     for samples, sampler, train in splits:
-        augment = GpuAugment(plan.img_size, train, dtype, memory_format, scale=plan.train_scale)
+        augment = GpuAugment(plan.img_size, train, dtype, memory_format, scale=plan.train_scale,
+                             ratio=plan.train_ratio, hflip=plan.hflip, norm=plan.norm)
         if train and sampler is None:
             sampler = ResumableSampler(len(samples), seed=seed, batch_size=plan.batch_size)
         if plan.cache:

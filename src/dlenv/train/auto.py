@@ -104,6 +104,12 @@ def _checkpoint_ratio(cfg: Any, model: nn.Module, n: int, probe: Probe, micro_ba
     if n == 0:
         return Decision(1.0, "auto: the model has no repeated blocks")
     device = probe.device
+    if device.type == "cpu":
+        from dlenv.precision import cpu_checkpoint_ratio
+
+        ratio = Decision(*cpu_checkpoint_ratio(n))
+        apply_checkpointing(model, ratio.value)
+        return ratio
     if device.type != "cuda":
         return Decision(1.0, f"auto: all {n} blocks ({device.type}: no GPU memory to fit)")
     if cfg.batch_size == "auto":

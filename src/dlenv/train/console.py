@@ -83,30 +83,59 @@ def stopped_line(signum: int | None, last_path: Path | None) -> str:
 
 
 class Progress:
-    """The epoch's progress: a tqdm bar with its ETA on a terminal; in a log, a line with the time left
-    every `interval` seconds (`dlenv.progress`), whatever a step costs."""
+    """The epoch's progress: a tqdm bar with its ETA on a terminal; in a log, a line after the first
+    step and then every `interval` seconds (`dlenv.progress`), whatever a step costs. With `run_eta`
+    (a progress.RunEta) both also show the time left in the whole run."""
 
-    def __init__(self, total: int, start: int, desc: str, enabled: bool, interval: float = progress.LOG_INTERVAL_S):
-        self.total = total
+    def __init__(self, total: int, start: int, desc: str, enabled: bool, interval: float = progress.LOG_INTERVAL_S,
+                 run_eta: progress.RunEta | None = None):
+        self.total, self.done, self.run_eta = total, start, run_eta
         self.shown = progress.Progress(total, desc, start=start, enabled=enabled, unit="batch", interval=interval)
 
     def update(self, done: int, loss: float, ips: float, mem_gib: float) -> None:
-        self.shown.update(done, f"loss {loss:.4f}  {ips:,.0f} img/s  {mem_gib:.1f} GiB")
+        eta = ""
+        if self.run_eta is not None:
+            self.run_eta.trained(done - self.done)
+            eta = f"  {self.run_eta.text()}"
+        self.done = done
+        self.shown.update(done, f"loss {loss:.4f}  {ips:,.0f} img/s  {mem_gib:.1f} GiB{eta}")
 
     def close(self) -> None:
         self.shown.close()
 
 
-def epoch_line(row: dict[str, Any], epochs: int, improved: bool, compile_s: float = 0.0) -> str:
+def epoch_line(row: dict[str, Any], epochs: int, improved: bool, compile_s: float = 0.0,
+               run_eta: progress.RunEta | None = None) -> str:
     """The line printed after each epoch, from its results.csv row (and the seconds torch.compile took
-    in it, a phase apart: img/s and data wait leave it out)."""
+    in it, a phase apart: img/s and data wait leave it out), with the time left in the run when more
+    epochs follow."""
     val = (f"val loss {row['val_loss']:.4f}  top-1 {row['top1']:.2f}%  top-5 {row['top5']:.2f}%"
            if row["top1"] is not None else "no validation data")
     return (f"epoch {row['epoch']}/{epochs}: train loss {row['train_loss']:.4f}  {val}  lr {row['lr']:.3g}  "
             f"{row['img_per_s']:,.0f} img/s  data wait {row['data_wait']:.0%}  {row['epoch_s']:.1f} s  "
             + (f"(compile {compile_s:.1f} s)  " if compile_s else "") +
             f"peak {row['mem_alloc_gib']:.2f}/{row['mem_reserved_gib']:.2f} GiB alloc/reserved"
-            + ("  *best*" if improved else ""))
+            + ("  *best*" if improved else "")
+            + (f"  {run_eta.text()}" if run_eta is not None and row["epoch"] < epochs else ""))
+
+
+def run_eta(epochs: int, batches_per_epoch: int, epoch: int, batch_in_epoch: int, val: Any) -> progress.RunEta:
+    """The whole run's clock from where a (possibly resumed) run starts: its batches and validations left."""
+    left = epochs - epoch
+    val_batches = len(val) if val is not None and hasattr(val, "__len__") else 0
+    return progress.RunEta(left * batches_per_epoch - batch_in_epoch, left if val is not None else 0, val_batches)
+
+
+def done_line(epochs: int, seconds: float, metric: str, best_metric: float | None, best: Path | None,
+              run_dir: Path | None) -> str:
+    """The run's last line: what it did, where its weights are, and the commands to look at them."""
+    head = f"done: {epochs} epoch{'' if epochs == 1 else 's'} in {progress.clock_text(seconds)}"
+    if best_metric is not None:
+        head += f"; best {metric} {best_metric:.2f}"
+    if best is None:
+        return f"{head}; no best_model.pth was written"
+    return (f"{head}; weights in {best}. Next: {invocation.command('val', f'--weights {best}')} (per-class "
+            f"report, confusion matrix), {invocation.command('plot', f'--log-dir {run_dir}')} (curves)")
 
 
 def data_wait_advice(share: float, cache: bool, gpu_augment: bool, workers: int) -> str | None:

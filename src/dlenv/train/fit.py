@@ -65,6 +65,8 @@ def fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Data
                                "best": str(run.best) if run.best else None, "img_per_s": None,
                                "peak_alloc_gib": None, "compile_s": 0.0}
     epochs = _Epochs(decided, parts, data, run, memory.MemoryMonitor(parts.device), say)
+    epochs.eta, t_run = console.run_eta(decided.epochs, decided.batches_per_epoch, state.epoch, state.batch_in_epoch,
+                                        data.val), time.perf_counter()
     try:
         with console.Stop(say, decided.world_size) as stop:
             while state.epoch < decided.epochs:
@@ -95,8 +97,8 @@ def fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Data
     best = run.best if run.best is not None and run.best.is_file() else None
     summary.update(epochs=state.epoch, step=state.step, best_metric=state.best_metric,
                    best=str(best) if best else None)
-    say(f"done: {state.epoch} epochs; best {'top-1' if data.val is not None else '-loss'} "
-        f"{state.best_metric:.2f}; " + (f"weights in {best}" if best else "no best_model.pth was written"))
+    say(console.done_line(state.epoch, time.perf_counter() - t_run, "top-1" if data.val is not None else "-loss",
+                          state.best_metric, best, run.dir))
     return summary
 
 
@@ -116,6 +118,7 @@ class _Epochs:
     run: Run
     monitor: memory.MemoryMonitor
     say: Callable[[str], None]
+    eta: Any = None                 # progress.RunEta: the time left in the whole run
 
     def train(self, state: TrainState, stop: console.Stop,
               on_step: Callable[[TrainState], None] | None) -> loop.EpochStats:
@@ -129,7 +132,7 @@ class _Epochs:
         if parts.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(parts.device)
         progress = console.Progress(total, state.batch_in_epoch, f"epoch {state.epoch + 1}/{self.plan.epochs}",
-                                    self.run.is_main)
+                                    self.run.is_main, run_eta=self.eta)
         rescue = loop.Rescue(parts, state, progress, self.say, retry_oom=self.plan.oom_retry)
         try:
             return loop.train_one_epoch(parts, batches, state, total, stop, progress, self.monitor, rescue, on_step)
@@ -142,8 +145,11 @@ class _Epochs:
         parts, data, run, world = self.parts, self.data, self.run, self.plan.world_size
         peak_alloc, peak_reserved = self.monitor.peak()
         evaluated = parts.ema.module if parts.ema is not None else parts.bare
+        t_val = time.perf_counter()
         val = (loop.validate(evaluated, data.val, parts.precision, parts.device, parts.memory_format)
                if data.val is not None else None)
+        if self.eta is not None:
+            self.eta.validated(time.perf_counter() - t_val)
         state.epoch += 1
         state.batch_in_epoch, state.position = 0, 0
         if world > 1:  # the mean over all ranks' batches, as one process would report
@@ -171,7 +177,7 @@ class _Epochs:
             if improved:
                 saved.save_best(parts, state, data.sampler, run.meta, run.best)
             self.write_memory_report()
-        self.say(console.epoch_line(row, self.plan.epochs, improved and val is not None, stats.compile_s))
+        self.say(console.epoch_line(row, self.plan.epochs, improved and val is not None, stats.compile_s, self.eta))
         # the first epoch's wait includes starting the workers: judge from the second on
         if data.sampler is not None and not run.advised and (state.epoch > 1 or self.plan.epochs == 1):
             advice = console.data_wait_advice(row["data_wait"], data.plan.cache, data.plan.on_device,

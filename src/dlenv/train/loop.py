@@ -214,7 +214,7 @@ class _Tally:
 
     @staticmethod
     def due(done: int, total: int) -> bool:
-        return done % CHECK_EVERY == 0 or done == total
+        return done % CHECK_EVERY == 0 or done == total or done == 1  # 1: a first line within seconds
 
     def check(self, state: TrainState, total: int) -> None:
         """Progress, and NonFiniteLoss after NONFINITE_LIMIT non-finite losses or skipped steps in a row."""

@@ -77,6 +77,12 @@ class ModelSpec:
         return auto.Probe(self.name, lambda: self.build(with_weights=False), self.num_classes, self.img_size.value,
                           precision, device, channels_last)
 
+    @property
+    def norm(self) -> tuple[tuple, tuple] | None:
+        """(mean, std) the pretrained weights were trained with, for the input pipeline; None: ImageNet's."""
+        w = self.pretrained.weights if self.pretrained else None
+        return (tuple(w.mean), tuple(w.std)) if w else None
+
     def check(self, model: nn.Module) -> None:
         """A model of your own must return logits [N, classes] (dlenv.usermodel.check_output)."""
         usermodel.check_output(model, self.name, self.num_classes, self.img_size.value)
@@ -90,7 +96,7 @@ def _img_size(given: int | None, model: str, located: pipeline.Located, tune: fi
     declared = usermodel.declared_img_size(model)
     if declared:
         return Decision(declared, f"{model} declares img_size {declared}")
-    return Decision(located.img_size, "the demo data's size" if located.demo else "the default for photos")
+    return Decision(*pipeline.auto_img_size(located))  # the data's typical size, capped
 
 
 class Split(NamedTuple):
@@ -194,15 +200,17 @@ def resolve(cfg: TrainConfig, resume: Any, dist: distributed.DistInfo, device: t
     """Every setup decision of the run `cfg` on `device`, in the order each needs the last; prints the
     ones a user should see (as the trainer always has). Raises UserError for options this machine or
     data cannot honour."""
-    precision = _precision(cfg, device)
     located = pipeline.locate(cfg.data, cfg.synthetic, cfg.val_split, cfg.seed)
     spec = ModelSpec.resolve(cfg, located, fresh=resume is None)
+    precision = _precision(cfg, device, spec)
+    if precision.value == "fp32" and cfg.amp:
+        say(precision.why)
     model, channels_last = build_model(spec, cfg, device, say)
     probe = spec.probe(precision.value, device, channels_last.value)
     batch = _batch_split(cfg, dist, located, probe, resume, say)
     micro, accum = batch.value
     input_plan = pipeline.decide(pipeline.InputOptions.of(cfg), located, device, micro, spec.img_size.value,
-                                 dist.local_world_size)
+                                 dist.local_world_size, norm=spec.norm)
     memory_format = torch.channels_last if channels_last.value else torch.contiguous_format
     data = pipeline.build_data(located, input_plan, device, dist, seed=cfg.seed, dtype=_dtype(precision.value),
                                memory_format=memory_format, max_steps=cfg.max_steps, say=say, epochs=cfg.epochs)
@@ -223,13 +231,13 @@ def resolve(cfg: TrainConfig, resume: Any, dist: distributed.DistInfo, device: t
     return Setup(plan, model, data)
 
 
-def _precision(cfg: TrainConfig, device: torch.device) -> Decision:
-    from dlenv.precision import resolve_precision
+def _precision(cfg: TrainConfig, device: torch.device, spec: ModelSpec) -> Decision:
+    from dlenv.precision import cpu_step_seconds, decide_precision
 
-    mode = resolve_precision(cfg.amp, cfg.amp_dtype, device)
-    if mode == "fp32":
-        return Decision(mode, "no --amp")
-    return Decision(mode, f"--amp --amp-dtype {cfg.amp_dtype} on {device.type}")
+    def step_seconds(mode: str) -> float:  # CPU --amp: bf16 only where it is faster for this model
+        return cpu_step_seconds(lambda: spec.build(with_weights=False), mode, spec.img_size.value, spec.num_classes)
+
+    return Decision(*decide_precision(cfg.amp, cfg.amp_dtype, device, step_seconds))
 
 
 def _dtype(mode: str) -> torch.dtype:

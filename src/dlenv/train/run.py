@@ -30,6 +30,7 @@ from torch import nn
 
 from dlenv import compat, distributed, finetune, launch, results, runs, runstate
 from dlenv.config import TrainConfig
+from dlenv.data.demo import train_defaults
 from dlenv.devices import resolve_device
 from dlenv.precision import Precision
 from dlenv.step import Parts
@@ -71,9 +72,14 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
             f"(to change them, start a new run from its weights: --weights {cfg.resume})")
     device = resolve_device(cfg.device, dist.local_rank)
     _seed_everything(cfg.seed + dist.rank, cfg.deterministic, device)
+    cfg, recipe = train_defaults(cfg, device.type)  # options left to auto; the demo's CPU recipe
+    if recipe:
+        say(recipe)
 
     setup = plan.resolve(cfg, resume, dist, device, say)
     decided = setup.plan
+    if cfg.img_size is None:
+        say(f"--img-size auto: {decided.model.img_size.value} px, {decided.model.img_size.why}")
     parts = build_parts(cfg, decided, setup.model, device)
     state = TrainState(micro_batch=decided.micro_batch, accum_steps=decided.accum_steps)
     rng = saved.restore(resume, parts, state, setup.data.sampler) if resume is not None else None
