@@ -89,12 +89,46 @@ def ws(tmp_path_factory):
         "cfg_bad.pth": {"config": {**good["config"], "lr": "fast"}},
     }.items():
         runstate.save_checkpoint({**good, **change}, bad / name)
+    _weights_attacks(root, bad, good)
     from dlenv.models import build_model
 
     five = build_model("resnet18", 5).state_dict()  # a head of 5 while the data has 2 classes
     runstate.save_checkpoint({**good, "model": five, "num_classes": 5, "class_names": list("abcde")},
                                bad / "five" / "last.pth")
     return root
+
+
+# A model file an attacker ships beside a weights file that names it: importing it would leave RAN
+# beside it, and every refused row asserts the workspace unchanged.
+_EVIL_MODEL = "import pathlib\npathlib.Path(__file__).with_name('RAN').touch()\ndef build(n):\n    pass\n"
+
+
+class _System:
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def _weights_attacks(root: Path, bad: Path, good: dict) -> None:
+    """bad/ files for WEIGHTS_ATTACKS."""
+    (bad / "x.safetensors").mkdir()  # a folder named like weights
+    for rel in ("bad/evil/net.py", "data/pets/net.py"):  # data/: where `unpack` puts what archives hold
+        (root / rel).parent.mkdir(parents=True)
+        (root / rel).write_text(_EVIL_MODEL)
+    sha = hashlib.sha256(_EVIL_MODEL.encode()).hexdigest()
+    for name, ref in {"ref_abs": f"{bad / 'evil' / 'net.py'}:build", "ref_dotdot": "../ws/bad/evil/net.py:build",
+                      "ref_data": "data/pets/net.py:build"}.items():
+        src = {"ref": ref, "sha256": sha, "args": {}, "file": None}
+        for suffix in (".pth", ".safetensors"):
+            runstate.save_checkpoint({**good, "model_name": ref, "model_source": src}, bad / f"{name}{suffix}")
+    runstate.save_checkpoint({**good, "model_name": f"{bad / 'evil' / 'net.py'}:build", "model_source": None},
+                             bad / "ref_no_source.pth")
+    runstate.save_checkpoint({**good, "img_size": 100000}, bad / "img_huge.pth")
+    runstate.save_checkpoint({**good, "img_size": 100000}, bad / "img_huge.safetensors")
+    runstate.save_checkpoint({**good, "num_classes": 10**9}, bad / "classes_huge.pth")
+    torch.save({"model": _System(f"touch {bad / 'RAN'}")}, bad / "system.pth")
 
 
 _HASHES: dict[tuple, str] = {}  # (path, inode, size, mtime_ns) -> sha256: each version hashed once
@@ -228,6 +262,29 @@ ENTRIES = [
     ("cfg_bad.pth", "its saved training options are not valid (--lr 'fast'"),
 ]
 READERS = {"val": ["val", "--device", "cpu"], "prune": ["prune", "--device", "cpu"], "export": ["export"]}
+
+WEIGHTS_ATTACKS = [  # (file, what the line says): nothing imported or unpickled, the workspace unchanged
+    ("bad/x.safetensors", "bad/x.safetensors is a folder"),
+    ("bad/system.pth", "refusing to unpickle bad/system.pth: it holds more than tensors and plain data (it names "
+                       "the global posix.system"),
+    ("bad/ref_abs.pth", "names --model /"),
+    ("bad/ref_abs.safetensors", "an absolute path; importing it would run its code, so it is not imported"),
+    ("bad/ref_dotdot.pth", "a path that climbs out of the working folder with '..'"),
+    ("bad/ref_dotdot.safetensors", "a path that climbs out of the working folder with '..'"),
+    ("bad/ref_data.pth", "data/pets/net.py, under data/ where unpacked archives go"),
+    ("bad/ref_data.safetensors", "data/pets/net.py, under data/ where unpacked archives go"),
+    ("bad/ref_no_source.pth", "but not where it came from (no model_source)"),
+    ("bad/img_huge.pth", "its 'img_size' is 100000, not an image size of 16 to 2048 pixels"),
+    ("bad/img_huge.safetensors", "its 'img_size' is 100000, not an image size of 16 to 2048 pixels"),
+    ("bad/classes_huge.pth", "its 'num_classes' is 1000000000, not an integer from 1 to 100,000"),
+]
+
+
+@pytest.mark.parametrize("verb", list(READERS))
+@pytest.mark.parametrize(("file", "expect"), WEIGHTS_ATTACKS, ids=[f for f, _ in WEIGHTS_ATTACKS])
+def test_weights_files_that_attack(ws, verb, file, expect, capsys, monkeypatch):
+    line = _refused(ws, [*READERS[verb], "--weights", file], expect, capsys, monkeypatch)
+    assert "No such device" not in line and not list(ws.rglob("RAN"))
 
 
 @pytest.mark.parametrize("verb", list(READERS))

@@ -1,10 +1,10 @@
 """dlenv.usermodel: references, model arguments, importing a user's file, the checks on what its
-factory returns, provenance, the trust rule, and blocks a model names itself."""
+factory returns, provenance, and blocks a model names itself. (When code a weights file names is
+imported: test_modelsource.py.)"""
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import textwrap
 
 import pytest
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from usermodels import isolated_imports, write_project
 
-from dlenv import config, usermodel
+from dlenv import config, modelsource, usermodel
 from dlenv.config import TrainConfig
 from dlenv.errors import UserError
 from dlenv.models import apply_checkpointing, build_model, find_blocks
@@ -282,141 +282,7 @@ def test_weights_start_a_users_model_from_a_file(project, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The trust rule (the trainer and the commands are tested in test_usermodel_train.py)
-
-
-def _source(ref, path=None, args=None):
-    sha = hashlib.sha256(path.read_bytes()).hexdigest() if path else None
-    return {"ref": ref, "sha256": sha, "args": args or {}, "file": str(path) if path else None}
-
-
-#: a model file whose import leaves a marker: the proof that a file's code ran
-EVIL = """
-import pathlib
-pathlib.Path(__file__).with_name("RAN").touch()
-def build(n):
-    raise SystemExit("the attacker's factory ran")
-"""
-
-
-def _place(project, tmp_path, where):
-    """Put EVIL where the case says; returns (reference text, the marker its import would leave)."""
-    if where == "absolute":
-        path = write(tmp_path, "outside/evil.py", EVIL)
-        return f"{path}:build", path.with_name("RAN")
-    if where == "dotdot":
-        path = write(tmp_path, "outside/evil.py", EVIL)
-        return "../outside/evil.py:build", path.with_name("RAN")
-    if where == "symlink out":
-        path = write(tmp_path, "outside/evil.py", EVIL)
-        (project / "linked").symlink_to(path.parent)
-        return "linked/evil.py:build", path.with_name("RAN")
-    if where == "data/":  # what `unpack` wrote from an archive
-        path = write(project, "data/pets/evil.py", EVIL)
-        return "data/pets/evil.py:build", path.with_name("RAN")
-    if where == "tilde":
-        return "~/evil.py:build", tmp_path / "never"
-    if where == "module outside":
-        return "json:dumps", tmp_path / "never"
-    if where == "module under data/":
-        write(project, "data/__init__.py", "")
-        path = write(project, "data/evil.py", EVIL)
-        return "data.evil:build", path.with_name("RAN")
-    raise AssertionError(where)
-
-
-@pytest.mark.parametrize("where, why", [
-    ("absolute", "an absolute path"),
-    ("dotdot", "climbs out of the working folder with '..'"),
-    ("symlink out", "which leads outside the working folder"),
-    ("data/", "under data/ where unpacked archives go"),
-    ("tilde", "an absolute path"),
-    ("module outside", "a module not found in the working folder"),
-    ("module under data/", "under data/ where unpacked archives go"),
-])
-@pytest.mark.parametrize("with_sha", [True, False], ids=["with-sha", "without-sha"])
-def test_a_reference_read_from_a_file_is_refused_before_anything_is_imported(project, tmp_path, where, why,
-                                                                            with_sha):
-    ref, marker = _place(project, tmp_path, where)
-    target = ref.rpartition(":")[0]
-    real = (project / target).resolve() if target.endswith(".py") and not target.startswith("~") else None
-    source = _source(ref, real if with_sha and real and real.is_file() else None)
-    for check in (lambda: usermodel.check_source(source, None, "w.pth"),
-                  lambda: usermodel.rebuild(source, ref, 3, None, "w.pth"),
-                  lambda: usermodel.rebuild(None, ref, 3, None, "w.pth"),  # no model_source at all
-                  lambda: usermodel.check_resume({"model_name": ref, "model_source": source}, None, "--resume w")):
-        with pytest.raises(UserError) as err:
-            check()
-        line = one_line(err)
-        assert line.startswith("w.pth names --model") or line.startswith("--resume w names --model"), line
-        assert "it is not imported" in line and f"pass --model {ref}" in line
-        assert why in line or "no model_source" in line, line
-    assert not marker.exists(), "the file's code ran"
-
-
-@pytest.mark.parametrize("case, why", [
-    ("same file", None),
-    ("no sha", "without the sha256 of the file it was trained with"),
-    ("changed", r"is not the file it was trained with \(sha256"),
-    ("missing", "models/resnet.py not found in the working folder"),
-    ("package", None),
-    ("package changed", "is not the file it was trained with"),
-])
-def test_the_model_this_project_trained_with_is_rebuilt_from_the_file_alone(project, case, why):
-    path = project / "models" / "resnet.py"
-    ref, source = "models/resnet.py:build", _source("models/resnet.py:build", path)
-    if case.startswith("package"):
-        write(project, "mypkg/__init__.py", "")
-        pkg = write(project, "mypkg/nets.py", "def make(n):\n    pass\n")
-        ref, source = "mypkg.nets:make", _source("mypkg.nets:make", pkg)
-        if case == "package changed":
-            pkg.write_text(pkg.read_text() + "# tuned\n")
-    elif case == "no sha":
-        source["sha256"] = None
-    elif case == "changed":
-        path.write_text(path.read_text() + "\n# tuned\n")
-    elif case == "missing":
-        path.unlink()
-    if why is None:
-        assert usermodel.check_source(source, None, "w.pth").text == ref
-        return
-    with pytest.raises(UserError, match=why) as err:
-        usermodel.check_source(source, None, "w.pth")
-    assert f"If you trust it, pass --model {ref}" in one_line(err)
-
-
-def test_named_again_with_model_it_is_the_users_choice(project, tmp_path, caplog):
-    inside = project / "models" / "resnet.py"
-    absolute = f"{inside}:build"
-    assert usermodel.check_source(_source(absolute, inside), absolute, "ck").path() == inside
-    # a resume names the saved reference again in another spelling of the same file
-    usermodel.check_resume({"model_source": _source(absolute, inside)}, "models/resnet.py:build", "--resume x")
-    with pytest.raises(UserError, match="an absolute path"):
-        usermodel.check_resume({"model_source": _source(absolute, inside)}, "models/vit.py:build", "--resume x")
-    inside.write_text(inside.read_text() + "\n# tuned\n")  # changed, and named: built as it is, with a warning
-    with caplog.at_level(logging.WARNING, logger="dlenv.usermodel"):
-        usermodel.check_source(_source("models/resnet.py:build", tmp_path / "proj" / "models" / "vit.py"),
-                               "models/resnet.py:build", "ck")
-    assert "differs from the file this checkpoint was trained with" in caplog.messages[0]
-
-
-@pytest.mark.parametrize("source, match", [
-    ({"ref": 3}, "'model_source' entry is malformed"),
-    ("models/resnet.py:build", "'model_source' entry is malformed"),
-    ({"ref": "m.py:b", "args": [1]}, "'model_source' entry is malformed"),
-    ({"ref": "m.py:" + "b" * 300}, "'model_source' entry is malformed"),
-    ({"ref": "m.py:b", "args": {"width": 10**9}}, r"gives width=1000000000, beyond the bounds .*65536"),
-    ({"ref": "m.py:b", "args": {"drop": 1e300}}, r"gives drop=1e\+300, beyond the bounds"),
-    ({"ref": "m.py:b", "args": {"drop": float("nan")}}, "gives drop=nan, beyond the bounds"),
-    ({"ref": "m.py:b", "args": {"act": "x" * 1000}}, "beyond the bounds .*256 characters"),
-    ({"ref": "m.py:b", "args": {f"a{i}": 1 for i in range(40)}}, "40 factory arguments, more than 32"),
-    ({"ref": "m.py:b", "args": {"num_classes": 3}}, "names the factory argument 'num_classes'"),
-    ({"ref": "m.py:b", "args": {"not a name": 3}}, "names the factory argument 'not a name'"),
-])
-def test_what_a_file_says_about_the_factory_is_bounded(project, source, match):
-    with pytest.raises(UserError, match=match) as err:
-        usermodel.check_source(source, None, "ck")
-    one_line(err)
+# Factory keyword arguments
 
 
 @pytest.mark.parametrize("kwarg", ["name", "weights", "num_classes_", "what", "given", "source"])
@@ -432,8 +298,8 @@ def test_factory_keyword_arguments_of_any_name_reach_the_factory(project, kwarg)
     assert usermodel.build(ref, 3, **{kwarg: "given"}).got == "given"
     assert build_model(ref, 3, weights=None, model_args={kwarg: "given"}).got == "given"  # as the trainer calls it
     assert build_like_the_trainer(ref, model_args=f"{kwarg}=typed", img_size=16)[0].got == "typed"
-    source = _source(ref, project / "models" / "kw.py", {kwarg: "saved"})
-    assert usermodel.rebuild(source, ref, 3, None, "ck").got == "saved"
+    source = {"ref": ref, "sha256": usermodel.file_sha256(project / "models" / "kw.py"), "args": {kwarg: "saved"}}
+    assert modelsource.rebuild(source, ref, 3, None, "ck").got == "saved"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -384,6 +384,21 @@ def match_classes(data_classes: list[str], ckpt_classes: list[str], bare: bool, 
     return [ckpt_classes.index(c) for c in data_classes]
 
 
+def check_saved_options(ckpt: Any, path: Path | str) -> None:
+    """Refuse a dlenv checkpoint whose saved training options are not valid ones (dlenv.config's types and
+    bounds), before val, prune or export read them (its data folder, val split, seed, precision)."""
+    from dlenv import config
+    from dlenv.runstate import is_dlenv_checkpoint
+
+    if not (is_dlenv_checkpoint(ckpt) and isinstance(ckpt.get("config"), dict)):
+        return
+    try:
+        config.from_dict(config.TrainConfig, ckpt["config"])
+    except UserError as e:
+        raise UserError(f"{path}: its saved training options are not valid ({e}); the file was edited "
+                        "or written by another dlenv version, use another checkpoint") from None
+
+
 def main(cfg: Any) -> int:
     """`dlenv val`: validate cfg.weights on cfg.data and write the reports. Returns 0.
 
@@ -401,6 +416,7 @@ def main(cfg: Any) -> int:
     out = check_output(cfg.out or weights.parent / "val", "--out", folder=True)
     device = resolve_device(cfg.device)
     ckpt = load_checkpoint(weights, LoadPolicy.of(cfg))
+    check_saved_options(ckpt, weights)
     model, class_names, img_size = model_from_checkpoint(ckpt, cfg.model, source=str(weights))
     bare = not is_dlenv_checkpoint(ckpt)
     root, samples, data_classes, what = resolve_data(cfg, ckpt if not bare else {})

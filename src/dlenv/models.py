@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlenv import compat, pretrained, runstate, smallcnn, usermodel
+from dlenv import compat, modelsource, pretrained, runstate, smallcnn, usermodel
 from dlenv.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -248,8 +248,8 @@ def model_from_checkpoint(ckpt: Any, model_name: str | None = None, source: str 
     else:
         raise UserError(f"{source} is neither a dlenv checkpoint nor a state dict; "
                         "save one with torch.save(model.state_dict(), path)")
-    if usermodel.is_reference(name):  # a model of your own: the trust rule, then its factory and arguments
-        model = usermodel.rebuild(ckpt.get("model_source") if runstate.is_dlenv_checkpoint(ckpt) else None, name,
+    if usermodel.is_reference(name):  # a model of your own: the import rule, then its factory and arguments
+        model = modelsource.rebuild(ckpt.get("model_source") if runstate.is_dlenv_checkpoint(ckpt) else None, name,
                                   num_classes, given=model_name, what=source)
     else:
         model = build_model(name, num_classes)

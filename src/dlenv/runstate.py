@@ -302,9 +302,11 @@ def check_entries(ckpt: Any, path: str | Path) -> None:
 
     Checks what the loaders read, each number within its bound (the module's MAX_*): num_classes,
     class_names (as many as num_classes), img_size, model_name, epoch, step, batch_in_epoch, world_size,
-    best_metric, train_state and the saved training options (dlenv.config's own bounds); model_source's
-    content is dlenv.usermodel's. Anything other than a dlenv checkpoint passes unchecked (its tensors are
-    bounded by the bytes the file holds). Raises UserError naming the file, the entry and the bound.
+    best_metric and train_state. The saved training options' values are checked by
+    dlenv.evaluate.check_saved_options (it needs dlenv.config, which this module must not import: config ->
+    pretrained -> runstate), model_source's content by dlenv.modelsource. Anything other than a dlenv
+    checkpoint passes unchecked (its tensors are bounded by the bytes the file holds). Raises UserError
+    naming the file, the entry and the bound.
     """
     if not is_dlenv_checkpoint(ckpt):
         return
@@ -338,14 +340,6 @@ def check_entries(ckpt: Any, path: str | Path) -> None:
                             "use a checkpoint written by `invoke train`")
         raise UserError(f"{path}: it lists {len(ckpt['class_names'])} class names for num_classes "
                         f"{ckpt['num_classes']}; the file was edited or damaged, use another checkpoint")
-    if isinstance(ckpt.get("config"), dict):
-        from dlenv import config
-
-        try:
-            config.from_dict(config.TrainConfig, ckpt["config"])
-        except UserError as e:
-            raise UserError(f"{path}: its saved training options are not valid ({e}); the file was edited "
-                            "or written by another dlenv version, use another checkpoint") from None
 
 
 def is_dlenv_checkpoint(obj: Any) -> bool:

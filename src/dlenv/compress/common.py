@@ -49,9 +49,10 @@ def load_source(weights: str | None, verb: str, model: str | None = None, load_p
 
     Raises UserError when --weights is missing, the file is missing/corrupt/unsafe, it is a bare
     state dict or a checkpoint without class names, or the weights don't fit the architecture.
-    `model` is --model: a model of your own named again (see dlenv.usermodel's trust rule);
+    `model` is --model: a model of your own named again (see dlenv.modelsource's rule);
     `load_policy` what --trust-pickle allows (dlenv.weights.LoadPolicy; None: the allowlist only).
     """
+    from dlenv.evaluate import check_saved_options
     from dlenv.models import model_from_checkpoint
     from dlenv.runs import BEST
     from dlenv.runstate import is_bare_state_dict, is_dlenv_checkpoint, load_checkpoint
@@ -61,6 +62,7 @@ def load_source(weights: str | None, verb: str, model: str | None = None, load_p
         raise UserError(f"--weights is required: the checkpoint to {verb} (e.g. runs/exp/{BEST})")
     path = Path(weights)
     ckpt = load_checkpoint(path, load_policy or SAFE)
+    check_saved_options(ckpt, path)
     if not is_dlenv_checkpoint(ckpt):
         what = "a bare state dict" if is_bare_state_dict(ckpt) else "not a dlenv checkpoint"
         raise UserError(f"{path} is {what}, without class names or image size; {verb} needs a checkpoint "

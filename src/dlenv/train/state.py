@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlenv import config, runs, runstate, usermodel, weights
+from dlenv import config, modelsource, runs, runstate, weights
 from dlenv.atomic import remove_leftover_temps, write_text
 from dlenv.config import TrainConfig
 from dlenv.errors import UserError
@@ -175,7 +175,7 @@ def open_resume(cfg: TrainConfig) -> tuple[TrainConfig, Resume | None]:
         return cfg, None
     path = runs.find_resume(cfg.resume, cfg.project)
     ckpt = runstate.load_checkpoint(path, weights.LoadPolicy.of(cfg))
-    usermodel.check_resume(ckpt, cfg.model, f"--resume {path}")  # a model of your own: trust rule, changed file
+    modelsource.check_resume(ckpt, cfg.model, f"--resume {path}")  # a model of your own: the import rule
     cfg, ignored = resume_config(ckpt, cfg, path)
     return cfg, Resume(ckpt, path, ignored)
 
