@@ -37,9 +37,6 @@ class Recipe:
     backbone_lr: float          # the backbone's learning rate as a fraction of --lr
     freeze_epochs: int
 
-    def record(self) -> dict[str, Any]:
-        return {"head": list(self.head), "backbone_lr": self.backbone_lr, "freeze_epochs": self.freeze_epochs}
-
 
 @dataclass(frozen=True)
 class Plan:

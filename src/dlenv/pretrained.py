@@ -360,11 +360,21 @@ def _check_blob(path: Path, w: Weights) -> None:
 def load_state(w: Weights, path: Path, trust_pickle: bool = False) -> dict[str, Any]:
     """The state dict in the fetched file, read through dlenv.weights' checks like any --weights file
     (`trust_pickle`: --trust-pickle as typed). Raises UserError for a refused or unreadable file."""
-    from dlenv import runstate, weights
+    from dlenv import weights
+    from dlenv.errors import first_line
 
-    obj = runstate.load_checkpoint(path, weights.LoadPolicy(trust_pickle=trust_pickle))
-    if isinstance(obj, dict) and runstate.is_bare_state_dict(obj.get("state_dict")):
+    try:
+        if weights.is_safetensors(path):
+            obj = weights.read_safetensors(path)[0]
+        else:
+            obj = weights.load(path, weights.LoadPolicy(trust_pickle=trust_pickle))
+    except UserError:
+        raise
+    except Exception as e:  # the loader failed on these bytes although their checksum matched
+        raise UserError(f"{_shown(path)} ({w.name}) cannot be read ({first_line(e)}); delete it and run again"
+                        ) from None
+    if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
         obj = obj["state_dict"]
-    if not runstate.is_bare_state_dict(obj):
+    if not (isinstance(obj, dict) and obj and all(isinstance(k, str) for k in obj)):
         raise UserError(f"{_shown(path)} ({w.name}) holds no state dict; delete it and run again")
     return dict(obj)
