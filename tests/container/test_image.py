@@ -241,7 +241,7 @@ def check_stopped_then_resume(docker_client, image, folder: Path, status: int, o
     last = folder / "runs" / "exp" / "last.pth"
     assert status == code, output[-3000:]
     assert output.count(f"{name}: saving last.pth") == 1, output[-3000:]
-    assert "DataLoader worker" not in output and "Traceback" not in output, output[-3000:]
+    assert "DataLoader worker (pid" not in output and "Traceback" not in output, output[-3000:]
     assert re.search(r"Resume with: (dlenv|invoke) train --resume \S*last\.pth", output), output[-2000:]
     assert last.is_file()
     done = epochs_done(folder)
@@ -314,12 +314,14 @@ def test_ctrl_c_in_docker_run_it_saves_last_pth_and_resumes(docker_client, image
 
 @pytest.mark.parametrize("workers", ["2", "auto"])
 def test_default_64mb_shm_never_crashes(docker_client, image, tmp_path, workers):
-    script = ("dlenv demo-data --dest data/demo --train-per-class 64 --val-per-class 4 --size 224 >/dev/null && "
+    # 70 images: one full batch of 64 crosses /dev/shm from each worker's side (PyTorch's crash is a worker
+    # "killed by signal: Bus error" when a batch does not fit)
+    script = ("dlenv demo-data --dest data/demo --train-per-class 7 --val-per-class 1 --size 224 >/dev/null && "
               f"dlenv train --data data/demo --model squeezenet1_1 --img-size 224 --batch-size 64 --workers {workers} "
-              "--epochs 1 --max-steps 3 --device cpu")
+              "--epochs 1 --max-steps 1 --device cpu")
     status, output = run(docker_client, image, ["sh", "-c", script], volumes=mounted(tmp_path), ipc_host=False,
                          shm_size="64m", timeout=900)
-    for crash in ("Traceback", "Bus error", "bug in dlenv", "DataLoader worker"):
+    for crash in ("Traceback", "Bus error", "bug in dlenv", "DataLoader worker (pid"):
         assert crash not in output, output[-3000:]
     if status == 0:  # training went on within the memory there is
         assert epochs_done(tmp_path) == [1], output[-2000:]
