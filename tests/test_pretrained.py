@@ -210,3 +210,13 @@ def test_no_download_without_pretrained(cwd, monkeypatch):
     if pytest.importorskip("timm"):
         models.build_model("timm/resnet18", 2)
     assert not (Path.cwd() / ".cache").exists()
+
+
+def test_val_normalizes_as_the_run_did(cwd):
+    """`dlenv val`, prune and export read the weights' mean and std from the checkpoint's options."""
+    pytest.importorskip("timm")
+    vit = {"config": {"model": "timm/vit_tiny_patch16_224", "pretrained": "DEFAULT"}}
+    assert pretrained.norm_of(vit) == ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+    assert pretrained.norm_of({"config": {"model": "resnet18", "pretrained": None}}) is None
+    assert pretrained.norm_of({"config": {"model": "resnet18", "pretrained": "NOPE"}}) is None
+    assert pretrained.norm_of({"model": {}}) is None

@@ -207,6 +207,21 @@ def _resolve_timm(model: str, pretrained: str) -> Weights:
                    repo=repo, classifier=tuple(c for c in classifier if c))
 
 
+def norm_of(ckpt: Any) -> tuple[tuple, tuple] | None:
+    """(mean, std) a dlenv checkpoint's run normalized by: its --pretrained weights' own (looked up in the
+    libraries' registries from the names its config holds; nothing is fetched), else None (ImageNet's).
+    Names that no longer resolve fall back to None: val then says nothing it cannot stand behind."""
+    config = ckpt.get("config") if isinstance(ckpt, dict) else None
+    if not isinstance(config, dict) or not isinstance(config.get("pretrained"), str):
+        return None
+    model = config.get("model")
+    try:
+        w = resolve(model, parse_pretrained(config["pretrained"]) or "")
+    except (UserError, ValueError, TypeError, AttributeError):
+        return None
+    return (tuple(w.mean), tuple(w.std))
+
+
 def hf_endpoint() -> str:
     return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
 
