@@ -23,6 +23,7 @@ FAULTS = [
     (errno.EISDIR, "runs/exp/last.pth is a folder where a file is needed", "pass a file path"),
     (errno.EIO, "input/output error on runs/exp/last.pth", "dmesg"),
     (errno.EMFILE, "too many open files", "ulimit -n"),
+    (errno.EBUSY, "runs/exp/last.pth is busy: a mount point", "mount its parent folder instead"),
 ]
 
 
