@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -125,3 +126,26 @@ def test_unknown_flag_of_a_verb_still_fails(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["plot", "--no-such-flag"])
     assert e.value.code == 2 and "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------
+# `dlenv test`: the quick tests by default, every test with --full; a progress line with the ETA.
+
+
+@pytest.mark.parametrize("argv,marks", [(["test"], ["not slow"]), (["test", "--full"], []),
+                                        (["test", "--gpu"], ["gpu"])])
+def test_dlenv_test_runs_the_quick_tests_unless_full(monkeypatch, argv, marks):
+    seen = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd: seen.append(cmd) or 0)
+    assert cli.main([*argv, "-k", "x"]) == 0
+    cmd = seen[0]
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "-m" and i > 2] == marks
+    assert "dlenv.testprogress" in cmd and "-rfE" in cmd and cmd[-2:] == ["-k", "x"]
+
+
+def test_dlenv_test_prints_a_progress_line_with_an_eta(tmp_path):
+    (tmp_path / "test_a.py").write_text("def test_one():\n    pass\n\ndef test_two():\n    pass\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "dlenv.testprogress", str(tmp_path)],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"^tests 1/2 \(50%\)  elapsed 0:00, ETA 0:00$", r.stdout, re.M), r.stdout

@@ -65,24 +65,33 @@ def build_parser() -> argparse.ArgumentParser:
         _add_options(p, cmd.config)
     t = sub.add_parser("test", help=TEST_HELP, description=TEST_HELP + " Other arguments go to pytest.")
     t.add_argument("--gpu", action="store_true", help="only the GPU tests")
+    t.add_argument("--full", action="store_true", help=FULL_HELP)
     return parser
 
 
-TEST_HELP = "Run the test suite where it stands (GPU tests run when a GPU is visible)."
+TEST_HELP = ("Run the quick tests (not those marked slow; minutes on 2 CPU cores) with a progress line and "
+             "an ETA; GPU tests run when a GPU is visible.")
+FULL_HELP = "every test, the slow ones too (what CI runs)"
+#: what `dlenv test` leaves to --full
+QUICK = "not slow"
 
 
-def run_tests(gpu: bool = False, extra: list[str] | tuple[str, ...] = ()) -> int:
+def run_tests(gpu: bool = False, extra: list[str] | tuple[str, ...] = (), full: bool = False) -> int:
     """`dlenv test` / `invoke test`: pytest over the source checkout's tests, or the image's shipped copy.
 
-    Returns pytest's exit code.
+    The quick tests unless `full`; a progress line with the ETA (dlenv.testprogress); failures and errors
+    summarized at the end (not the list of skips). Returns pytest's exit code.
     """
     tests = Path(__file__).resolve().parents[2] / "tests"
     if not tests.is_dir():  # installed copy: the image ships the tests beside the package
         tests = Path(os.environ.get("DLENV_TESTS", "/opt/dlenv/tests"))
     # no cache: the shipped tests sit in a read-only folder for a --user run
-    cmd = [sys.executable, "-m", "pytest", str(tests), "-q", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", str(tests), "-q", "-p", "no:cacheprovider", "-p", "dlenv.testprogress",
+           "-rfE"]
     if gpu:
         cmd += ["-m", "gpu"]
+    elif not full:
+        cmd += ["-m", QUICK]
     return subprocess.call(cmd + list(extra))
 
 
@@ -120,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_INPUT
     if name == "test":  # not a config-built verb: the rest of the line is pytest's
-        return run_tests(args["gpu"], extra)
+        return run_tests(args["gpu"], extra, args["full"])
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     yaml_file = args.pop("cfg", None)

@@ -15,7 +15,7 @@ from invoke import Collection, Task, task
 from invoke.exceptions import Exit
 
 from dlenv import config, invocation
-from dlenv.cli import run_command, run_tests
+from dlenv.cli import FULL_HELP, run_command, run_tests
 
 
 def _make_task(cmd: config.Command) -> Task:
@@ -57,10 +57,11 @@ def _make_task(cmd: config.Command) -> Task:
                 auto_shortflags=False)
 
 
-@task(help={"gpu": "only the GPU tests", "args": "extra pytest arguments, quoted"}, auto_shortflags=False)
-def test(c, gpu=False, args=""):
-    """Run the test suite where it stands (GPU tests run when a GPU is visible)."""
-    code = run_tests(gpu, args.split())  # the same as `dlenv test`
+@task(help={"gpu": "only the GPU tests", "full": FULL_HELP, "args": "extra pytest arguments, quoted"},
+      auto_shortflags=False)
+def test(c, gpu=False, full=False, args=""):
+    """Run the quick tests with a progress line and an ETA (--full: every test, as CI does)."""
+    code = run_tests(gpu, args.split(), full)  # the same as `dlenv test`
     if code:
         raise Exit(code=code)
 
