@@ -38,7 +38,13 @@ def start(client, image: str, command, *, ipc_host: bool = True, gpus: bool = Fa
         kwargs["device_requests"] = [DeviceRequest(count=-1, capabilities=[["gpu"]])]
     if ipc_host:
         kwargs["ipc_mode"] = "host"
-    return client.containers.run(image, command, detach=True, network_mode="none", **kwargs)
+    container = client.containers.create(image, command, network_mode="none", **kwargs)
+    try:
+        container.start()
+    except Exception:  # e.g. no GPU runtime: leave no created-but-never-started container behind
+        container.remove(force=True)
+        raise
+    return container
 
 
 def run(client, image: str, command, *, timeout: int = 600, stderr: bool = True, **kwargs) -> tuple[int, str]:
