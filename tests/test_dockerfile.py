@@ -413,3 +413,28 @@ def test_docs_lead_with_dlenv_verbs():
     first = re.search(r"^docker run .*$", text, re.M).group(0)
     assert " dlenv " in first + " ", first
     assert "invoke -r ." in text  # the project's own tasks, in the one documented way
+
+
+# ---------------------------------------------------------------------------------------------------
+# CI's image lane (.ci/image-lane): it must keep the host's network alone and every container off it
+
+
+def test_ci_runs_the_image_lane_once_after_the_host_lanes_with_a_switch():
+    run = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    calls = [ln for ln in run.splitlines() if ".ci/image-lane" in ln and not ln.lstrip().startswith("#")]
+    assert len(calls) == 1 and "DLENV_CI_IMAGE" in calls[0], calls
+    assert run.index(calls[0]) > run.rindex("lane newest")
+
+
+def test_the_image_lane_starts_dockerd_without_networking_and_builds_and_runs_with_none():
+    lane = (ROOT / ".ci" / "image-lane").read_text(encoding="utf-8").replace("\\\n", " ")
+    dockerd = re.search(r"/usr/sbin/dockerd (--[^>]*)>", lane).group(1)
+    for flag in ("--iptables=false", "--ip6tables=false", "--ip-forward=false", "--ip-masq=false", "--bridge=none"):
+        assert flag in dockerd, flag
+    assert "trap stop_engine EXIT" in lane and 'kill -TERM "$dockerd_pid"' in lane
+    commands = re.findall(r'"\$docker" (build|run)\b([^\n]*)', lane)
+    assert commands and all("--network none" in args for _, args in commands), commands
+    # the contract's own containers: the SDK's and the terminal's
+    container = (ROOT / "tests" / "container" / "test_image.py").read_text(encoding="utf-8")
+    assert 'network_mode="none"' in container and '"--network", "none"' in container
+    assert "containers.run(" not in container  # every container goes through start(), which sets it
