@@ -7,6 +7,9 @@
 #   default, cu116:  docker build -t dlenv:cu116 .
 #   modern, cu128:   docker build -t dlenv:cu128 --build-arg ENV_FILE=environment.modern.yml \
 #                      --build-arg TORCH_CUDA=12.8 --build-arg BASE_IMAGE=<the CUDA 12.8 base below> .
+#   CI, offline:     docker build --network none --build-arg BASE_IMAGE=dlenv-ci-base:<stamp> \
+#                      --build-arg ENV_IMAGE=dlenv-ci-env:<stamp> --build-arg ENV_KIND=pip --build-arg TORCH_CUDA=11.7 .
+#                    (a Debian base and a pip-built env from docker/ci/make-bases.sh; docs/docker.md, "The CI image lane")
 # linux/amd64 and linux/arm64 (docker buildx build --platform linux/arm64 ...): the Miniforge installer
 # follows TARGETARCH. On arm64 only the modern profile builds (docs/docker.md, "arm64").
 #
