@@ -392,3 +392,30 @@ def test_cpu_build_advice_fits_how_it_was_installed(install, allow_cpu, says, ne
                       versions={**gpu_facts().versions, "torch": "1.13.1+cpu", "cuda": None})
     fix = by_name(envcheck.checks(facts, allow_cpu), "CUDA build").fix
     assert says in fix and never not in fix
+
+
+# --------------------------------------------------------------------------------------------------
+# Advice that fits where verify-env runs: every fix it names is one that exists there.
+
+
+def test_a_cuda_pin_mismatch_without_a_gpu_needs_no_fix_and_never_pip_installs_cuda():
+    facts = cpu_facts(install="venv", in_container=False, versions={**gpu_facts().versions, "cuda": "11.7"})
+    cuda = by_name(judge(facts, allow_cpu=True)[0], "cuda")
+    assert cuda.status == "info" and "not used" in cuda.detail and not cuda.fix
+
+
+def test_a_cuda_pin_mismatch_on_a_gpu_in_a_venv_names_the_torch_build_to_install():
+    facts = gpu_facts(install="venv", in_container=False, versions={**gpu_facts().versions, "cuda": "11.7"})
+    cuda = by_name(judge(facts)[0], "cuda")
+    assert cuda.status == "warn" and "'cuda==" not in cuda.fix
+    assert "pip install torch==1.13.1 --index-url https://download.pytorch.org/whl/cu116" in cuda.fix
+    image = by_name(judge(gpu_facts(versions={**gpu_facts().versions, "cuda": "11.7"}))[0], "cuda")
+    assert "rebuild the image" in image.fix and "pip" not in image.fix
+
+
+def test_gpus_all_is_named_only_in_dlenvs_image_and_not_with_allow_cpu():
+    venv_in_a_container = cpu_facts(install="venv", in_container=True)
+    assert "--gpus" not in judge(venv_in_a_container)[2]
+    assert "--gpus all" in judge(cpu_facts(install="image", in_container=True))[2]
+    gpu = by_name(judge(cpu_facts(install="image"), allow_cpu=True)[0], "GPU")
+    assert not gpu.fix and "runs on the CPU" in gpu.detail

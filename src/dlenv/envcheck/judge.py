@@ -94,7 +94,9 @@ def _version_checks(facts: Facts) -> list[Check]:
             out.append(Check("ok", name, version))
             continue
         match = pin_matches(version, spec)
-        if match is False:
+        if match is False and name in ("cuda", "cudnn"):
+            out.append(_cuda_pin_check(facts, name, version, spec))
+        elif match is False:
             out.append(Check("warn", name, f"{version}, but the profile pins {_shown_pin(spec)}",
                              f"not the env this profile builds: {reinstall(facts, name + _pip_spec(spec))}"))
         else:
@@ -104,6 +106,25 @@ def _version_checks(facts: Facts) -> list[Check]:
         out.append(Check("fail", "numpy", f"NumPy {numpy_v} with torch {torch_v}: torch 1.x is built "
                          "against NumPy 1.x (torch.from_numpy fails)", "pip install 'numpy<2'"))
     return out
+
+
+def _has_gpu(facts: Facts) -> bool:
+    return bool(facts.gpus or facts.smi_gpus or facts.driver or facts.driver_cuda)
+
+
+def _cuda_pin_check(facts: Facts, name: str, version: str, spec: str) -> Check:
+    """The CUDA (or cuDNN) torch was built with differs from the profile's. CUDA comes inside torch's
+    wheel (or conda's pytorch-cuda), never as a package of its own, so the fix is another torch build:
+    none is needed on a machine without a GPU, where CUDA is not used."""
+    what = f"{version}, but the profile pins {_shown_pin(spec)}"
+    if not _has_gpu(facts):
+        return Check("info", name, f"{what}; no GPU here, so this torch's CUDA is not used")
+    if facts.install in ("image", "conda"):
+        return Check("warn", name, what, f"not the env this profile builds: {reinstall(facts)}")
+    torch_v = (facts.versions.get("torch") or "").split("+")[0]
+    cuda = (facts.pins.get("cuda") or "").strip("=.*").replace(".", "")
+    return Check("warn", name, what, f"the profile's torch build: python -m pip install torch=={torch_v} "
+                                     f"--index-url https://download.pytorch.org/whl/cu{cuda}")
 
 
 def _driver_checks(facts: Facts, allow_cpu: bool) -> list[Check]:
@@ -155,7 +176,9 @@ def _no_gpu_check(facts: Facts, allow_cpu: bool) -> Check:
         return Check(status, "GPU", f"nvidia-smi lists {facts.smi_gpus} GPU(s) but PyTorch sees none"
                      + (f": {warning}" if warning else ""),
                      f"check CUDA_VISIBLE_DEVICES and that torch is a CUDA build{allow}")
-    if facts.in_container:
+    if allow_cpu and not facts.smi_gpus:  # a machine without a GPU, and the user said so: nothing to fix
+        return Check(status, "GPU", "none: training runs on the CPU (without --model the demo takes its CPU recipe)")
+    if facts.in_container and facts.install == "image":  # dlenv's image: the GPU comes with `docker run`
         return Check(status, "GPU", "no GPU visible in this container",
                      "run it with --gpus all (needs the NVIDIA Container Toolkit on the host)" + allow)
     return Check(status, "GPU", "no CUDA GPU visible to PyTorch (torch.cuda.is_available() is False)",
