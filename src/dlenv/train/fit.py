@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dlenv import compat, distributed, finetune, memory, results
+from dlenv import compat, distributed, finetune, memory, results, runs
 from dlenv.data import pipeline
 from dlenv.errors import UserError
 from dlenv.step import Parts
@@ -44,11 +44,11 @@ class Run:
 
     @property
     def last(self) -> Path | None:
-        return self.dir / "last.pth" if self.dir else None
+        return self.dir / runs.LAST if self.dir else None
 
     @property
     def best(self) -> Path | None:
-        return self.dir / "best_model.pth" if self.dir else None
+        return self.dir / runs.BEST if self.dir else None
 
 
 def fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Data, run: Run,
