@@ -451,3 +451,22 @@ def test_refuse_non_finite_names_the_cause(rows, mode, weights_ok, expect):
 def test_finite_outputs_pass():
     evaluate.refuse_non_finite(torch.randn(5, 3) * 1e30, torch.nn.Linear(2, 3), "fp32", "w.pth")
     evaluate.refuse_non_finite(torch.zeros(0, 0), torch.nn.Linear(2, 3), "fp32", "w.pth")
+
+
+def test_a_report_on_other_data_gets_its_own_folder(tmp_path, capsys):
+    """A second `val` with another --data no longer overwrites runs/exp/val/ silently."""
+
+    from dlenv.evaluate import report_folder
+
+    run = tmp_path / "exp"
+    run.mkdir()
+    assert report_folder(run, Path("data/demo")) == run / "val"
+    (run / "val").mkdir()
+    (run / "val" / "metrics.json").write_text(json.dumps({"data": "data/demo"}))
+    assert report_folder(run, Path("data/demo")) == run / "val"  # the same data: its own report again
+    assert capsys.readouterr().out == ""
+    assert report_folder(run, Path("data/digits")) == run / "val-digits"
+    assert "holds the report on other data" in capsys.readouterr().out
+    (run / "val-digits").mkdir()
+    (run / "val-digits" / "metrics.json").write_text(json.dumps({"data": "elsewhere/digits"}))
+    assert report_folder(run, Path("data/digits")) == run / "val-digits-2"

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from dlenv import pretrained
 from dlenv.atomic import check_output, write_bytes
 from dlenv.devices import resolve_device
 from dlenv.errors import EXIT_NONFINITE, UserError
@@ -399,6 +400,27 @@ def check_saved_options(ckpt: Any, path: Path | str) -> None:
                         "or written by another dlenv version, use another checkpoint") from None
 
 
+def report_folder(run_dir: Path, data: Path) -> Path:
+    """Where `val` writes without --out: <run_dir>/val, unless it holds the report on other data; then
+    val-<data folder's name> (val-<name>-2, ... when that is taken too), said in one line. A report on
+    the same data replaces its own folder, as before."""
+    def free(folder: Path) -> bool:
+        if not folder.exists():
+            return True
+        try:
+            return json.loads((folder / "metrics.json").read_text()).get("data") == str(data)
+        except (OSError, ValueError, AttributeError):
+            return not any(folder.iterdir()) if folder.is_dir() else False
+
+    first = run_dir / "val"
+    candidates = [first, run_dir / f"val-{data.name or 'data'}"]
+    candidates += [run_dir / f"val-{data.name or 'data'}-{i}" for i in range(2, 1000)]
+    folder = next(f for f in candidates if free(f))
+    if folder != first:
+        print(f"reports go to {folder}/: {first}/ holds the report on other data (--out chooses the folder)")
+    return folder
+
+
 def main(cfg: Any) -> int:
     """`dlenv val`: validate cfg.weights on cfg.data and write the reports. Returns 0.
 
@@ -413,7 +435,8 @@ def main(cfg: Any) -> int:
     if not cfg.weights:
         raise UserError("--weights is required: the checkpoint to validate (e.g. runs/exp/best_model.pth)")
     weights = Path(cfg.weights)
-    out = check_output(cfg.out or weights.parent / "val", "--out", folder=True)
+    if cfg.out:  # a bad --out fails before the checkpoint is read
+        check_output(cfg.out, "--out", folder=True)
     device = resolve_device(cfg.device)
     ckpt = load_checkpoint(weights, LoadPolicy.of(cfg))
     check_saved_options(ckpt, weights)
@@ -422,6 +445,7 @@ def main(cfg: Any) -> int:
     root, samples, data_classes, what = resolve_data(cfg, ckpt if not bare else {})
     if not samples:
         raise UserError(f"no images to validate on in {root}; pass --data with class folders of images")
+    out = check_output(cfg.out or report_folder(weights.parent, root), "--out", folder=True)
     remap = match_classes(data_classes, class_names, bare, root)
     if bare:
         class_names = list(data_classes)
@@ -430,7 +454,8 @@ def main(cfg: Any) -> int:
     if size is None:
         size = 224
         print("image size: 224 (the state dict does not say; set --img-size to change it)")
-    loader = build_eval_loader(samples, size, cfg.batch_size, resolve_workers(cfg.workers, cfg.batch_size, size))
+    loader = build_eval_loader(samples, size, cfg.batch_size, resolve_workers(cfg.workers, cfg.batch_size, size),
+                               norm=pretrained.norm_of(ckpt))  # --pretrained weights' own mean and std
     mode, why = val_precision(cfg.precision, cfg.amp, {} if bare else dict(ckpt.get("config") or {}), device)
     how = f"{mode}: {why}; --precision fp32 to change" if mode != "fp32" else why
     print(f"validating {weights} on {len(samples)} images from {root}, {what} ({device}, {size}px, {how})")
