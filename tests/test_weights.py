@@ -550,3 +550,44 @@ def test_code_a_weights_file_names_is_never_imported_by_val_prune_export(tmp_pat
     given = str(out / "net.py") + ":build"
     assert cli_main(["val", "--weights", path.name, "--model", given, *data, "--out", "v", *COMMON]) == 0
     assert (out / "RAN").exists()
+
+
+@pytest.mark.parametrize("fmt", ["zip", "legacy"])
+def test_a_mutated_file_passes_or_is_refused_never_anything_else(tmp_path, fmt):
+    """400 files with 1-3 bytes of their pickle changed: the check says pass or Refused, and nothing else
+    (no other exception, no hang); a file it passes still has every tensor inside its storage."""
+    import random
+
+    obj = {"model": build_model("squeezenet1_1", 2).state_dict(), "epoch": 3, "names": ["a", "b"],
+           "view": torch.arange(10)[2:5]}
+    src = tmp_path / "src.pth"
+    torch.save(obj, src, **({} if fmt == "zip" else {"_use_new_zipfile_serialization": False}))
+    raw = src.read_bytes()
+    with zipfile.ZipFile(src) if fmt == "zip" else contextlib.nullcontext() as zf:
+        members = {i.filename: zf.read(i.filename) for i in zf.infolist()} if zf else None
+    pkl_name = next((n for n in members if n.endswith("data.pkl")), None) if members else None
+    rng = random.Random(0)
+    outcomes = collections.Counter()
+    for _ in range(400):
+        if fmt == "zip":
+            data = bytearray(members[pkl_name])
+            cut = len(data)
+        else:
+            data = bytearray(raw)
+            cut = raw.index(b"\x80\x02", 100)  # the pickles' region: after magic/protocol/sys_info
+            cut = min(len(data), cut + 4000)
+        for _ in range(rng.randint(1, 3)):
+            data[rng.randrange(2, cut)] = rng.randrange(256)
+        buf = io.BytesIO()
+        if fmt == "zip":
+            with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as zout:
+                for name, blob in members.items():
+                    zout.writestr(name, bytes(data) if name == pkl_name else blob)
+        else:
+            buf.write(bytes(data))
+        try:
+            pickleguard.check(buf)
+            outcomes["passed"] += 1
+        except pickleguard.Refused:
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 0 and sum(outcomes.values()) == 400, outcomes
