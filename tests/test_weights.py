@@ -332,6 +332,14 @@ def test_consent_opens_what_torch_allows_and_only_from_the_command_line(trained,
     assert cli_main([*args, "--trust-pickle"]) == 2
     line = error_line(capsys)
     assert "refusing" not in line and "no linear layer found" in line, line
+    # train --weights takes the command's policy too
+    train = ["train", "--weights", str(sparse), "--model", "resnet18", "--data", str(trained / "ds"), "--img-size",
+             str(SIZE), "--epochs", "1", "--max-steps", "1", "--project", str(tmp_path / "runs"), *COMMON]
+    assert cli_main(train) == 2
+    assert "refusing to unpickle" in error_line(capsys)
+    assert cli_main([*train, "--trust-pickle"]) == 2
+    line = error_line(capsys)
+    assert "refusing" not in line and "does not fit resnet18" in line, line
 
 
 @pytest.mark.parametrize("typed, in_yaml, want", [(None, True, False), (True, False, True), ("true", True, True),

@@ -94,7 +94,7 @@ def _check_name(name: str) -> None:
 
 def build_model(name: str, /, num_classes: int, weights: str | Path | None = None,
                 pretrained_state: dict[str, Any] | None = None, *, model_args: dict[str, Any] | None = None,
-                **kwargs: Any) -> nn.Module:
+                load_policy: Any = None, **kwargs: Any) -> nn.Module:
     """A classification model with its head sized to `num_classes`; never downloads.
 
     `name` is a torchvision name, timm/<arch> or a model of your own. `weights` is a local file: a dlenv
@@ -102,7 +102,8 @@ def build_model(name: str, /, num_classes: int, weights: str | Path | None = Non
     fetched. A head whose class count differs from `num_classes` is skipped (fine-tuning starts it
     fresh). `kwargs` go to the builder (e.g. image_size=32 for a torchvision ViT, --model-args for timm's
     create_model). `model_args` (--model-args) join them as a mapping: a factory's keyword arguments may
-    then have any name, `weights` or `name` too. GoogLeNet and Inception v3 are built without auxiliary
+    then have any name, `weights` or `name` too. `load_policy` is what --trust-pickle allows for `weights`
+    (dlenv.weights.LoadPolicy; None: the allowlist only). GoogLeNet and Inception v3 are built without auxiliary
     classifiers. Raises UserError for an unknown name, a request that would need a download, or weights
     that don't fit.
     """
@@ -113,12 +114,12 @@ def build_model(name: str, /, num_classes: int, weights: str | Path | None = Non
     if usermodel.is_reference(name):  # a model of your own: FILE.py:factory or package.module:factory
         model = usermodel.build(name, num_classes, **kwargs)
         if weights is not None:
-            load_weights(model, weights, name=name, num_classes=num_classes)
+            load_weights(model, weights, name=name, num_classes=num_classes, policy=load_policy)
         return model
     if name == smallcnn.NAME:  # dlenv's own small CNN: the demo's model on a CPU
         model = smallcnn.build(num_classes, **kwargs)
         if weights is not None:
-            load_weights(model, weights, name=name, num_classes=num_classes)
+            load_weights(model, weights, name=name, num_classes=num_classes, policy=load_policy)
         return model
     _check_name(name)
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
@@ -135,7 +136,7 @@ def build_model(name: str, /, num_classes: int, weights: str | Path | None = Non
         if pretrained_state is not None:
             _load_state(model, runstate.strip_prefixes(pretrained_state), name, num_classes, "--pretrained")
     if weights is not None:
-        load_weights(model, weights, name=name, num_classes=num_classes)
+        load_weights(model, weights, name=name, num_classes=num_classes, policy=load_policy)
     return model
 
 
@@ -165,15 +166,19 @@ def _state_dict_of(obj: Any, path: Path) -> dict[str, torch.Tensor]:
     return runstate.strip_prefixes(obj)
 
 
-def load_weights(model: nn.Module, weights: str | Path, name: str, num_classes: int) -> None:
-    """Load a local weights file into `model` (built as `name` with `num_classes`).
+def load_weights(model: nn.Module, weights: str | Path, name: str, num_classes: int, policy: Any = None) -> None:
+    """Load a local weights file into `model` (built as `name` with `num_classes`), under `policy`
+    (dlenv.weights.LoadPolicy; None: the allowlist only).
 
     A classifier head of another class count is left at its fresh initialisation, with a one-line
     note; auxiliary heads the model doesn't have are ignored. Raises UserError when anything else
     is missing, unexpected, or of another shape.
     """
     path = _weights_file(weights, name)
-    _load_state(model, _state_dict_of(runstate.load_checkpoint(path), path), name, num_classes, f"--weights {path}")
+    from dlenv.weights import SAFE
+
+    ckpt = runstate.load_checkpoint(path, policy or SAFE)
+    _load_state(model, _state_dict_of(ckpt, path), name, num_classes, f"--weights {path}")
 
 
 def _load_state(model: nn.Module, sd: dict[str, Any], name: str, num_classes: int, what: str) -> None:

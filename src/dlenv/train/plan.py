@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from dlenv import autobatch, compat, config, distributed, finetune, usermodel
+from dlenv import autobatch, compat, config, distributed, finetune, usermodel, weights
 from dlenv.config import TrainConfig
 from dlenv.data import pipeline
 from dlenv.train import auto
@@ -49,6 +49,7 @@ class ModelSpec:
     provenance: dict[str, Any] | None
     weights: str | None = None
     pretrained: finetune.Plan | None = None  # --pretrained: the weights and the fine-tuning recipe
+    load_policy: Any = None         # what --trust-pickle allows for --weights (dlenv.weights.LoadPolicy)
 
     @classmethod
     def resolve(cls, cfg: TrainConfig, located: pipeline.Located, fresh: bool) -> ModelSpec:
@@ -58,7 +59,7 @@ class ModelSpec:
         size = _img_size(cfg.img_size, cfg.model, located, tune)
         args = usermodel.factory_kwargs(cfg.model, cfg.model_args, size.value)
         return cls(cfg.model, len(located.classes), args, size, usermodel.provenance(cfg.model, args),
-                   cfg.weights if fresh else None, tune)
+                   cfg.weights if fresh else None, tune, weights.LoadPolicy.of(cfg))
 
     def build(self, with_weights: bool = True) -> nn.Module:
         """A new model on the CPU (with --weights or --pretrained unless `with_weights` is False: the
@@ -67,7 +68,8 @@ class ModelSpec:
 
         tune = self.pretrained if with_weights else None
         model = build_model(self.name, self.num_classes, weights=self.weights if with_weights else None,
-                            pretrained_state=tune.state() if tune else None, model_args=self.args)
+                            pretrained_state=tune.state() if tune else None, model_args=self.args,
+                            load_policy=self.load_policy)
         if tune:
             tune.prepare(model, self.num_classes)  # the head, the backbone's learning rate, frozen epochs
         return model
