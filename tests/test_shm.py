@@ -207,3 +207,20 @@ def test_train_whose_worker_the_system_kills_is_one_line(tmp_path):
     lines = [ln for ln in err.splitlines() if ln.startswith("dlenv train: error:")]
     assert len(lines) == 1 and "killed by the system" in lines[0] and err.rstrip().endswith(lines[0]), err[-3000:]
     assert "DataLoader worker" not in err  # torch's own words for a crash
+
+
+@pytest.mark.parametrize(("workers", "share", "kept"), [
+    (4, 1, 4),   # one process: 4 x ~73 MiB fit in 1 GiB
+    (4, 2, 4),   # two processes of 4 each: 8 x 73 MiB still fit
+    (4, 4, 3),   # four processes of 4 each would need 1.2 GiB: each is held to a quarter of the space
+    (4, 8, 1),
+    (4, 16, 0),
+])
+def test_a_number_given_with_several_processes_shares_dev_shm(monkeypatch, workers, share, kept):
+    """--gpus N --workers W: N processes each start W workers through one /dev/shm."""
+    monkeypatch.setattr(loaders.shutil, "disk_usage", lambda p: Usage(1 << 30, 0, 1 << 30))
+    monkeypatch.setattr(loaders, "_said", set())
+    sample = loaders.shipped_bytes(224, True)
+    n = loaders.resolve_workers(workers, 64, 224, sample_bytes=sample, share=share)
+    assert n == kept
+    assert share * n * loaders.shm_per_worker(64, sample) <= 1 << 30

@@ -235,7 +235,7 @@ def shm_per_worker(batch_size: int, sample_bytes: int) -> int:
 
 
 def resolve_workers(workers: int | str, batch_size: int | None = None, img_size: int = 224,
-                    shm: str = "/dev/shm", sample_bytes: int | None = None) -> int:
+                    shm: str = "/dev/shm", sample_bytes: int | None = None, share: int = 1) -> int:
     """DataLoader worker count: a number given, or 'auto' (`auto_workers` of the usable CPUs), reduced
     so the batches in flight fit in /dev/shm. Workers pass every batch through shared memory, and a
     worker that writes past a full /dev/shm dies of SIGBUS mid-run (Docker's default is 64 MiB: two
@@ -243,7 +243,8 @@ def resolve_workers(workers: int | str, batch_size: int | None = None, img_size:
     too (`workers_that_fit`); 0 loads in the main process, which needs no shared memory. A reduction
     is said once, naming --ipc=host / --shm-size. `sample_bytes`: one sample as the workers ship it
     (default: the CPU path's float32 3 x img_size^2; the device path ships uint8 stored squares,
-    a third of that). Raises UserError for anything else.
+    a third of that). `share`: processes of the node that each start this many workers (a number given
+    with --gpus N): each is held to its share of the free space. Raises UserError for anything else.
     """
     if isinstance(workers, str) and workers.strip().isdigit():
         workers = int(workers)
@@ -263,7 +264,7 @@ def resolve_workers(workers: int | str, batch_size: int | None = None, img_size:
     except OSError:  # no /dev/shm (not Linux): nothing to size against
         return n
     per_worker = shm_per_worker(batch_size or 64, sample_bytes or shipped_bytes(img_size, False))
-    fit = workers_that_fit(n, usage.total, usage.free, per_worker, given=given)
+    fit = workers_that_fit(n, usage.total, usage.free // max(1, share), per_worker, given=given)
     if fit < n:
         asked = f"--workers {n}" if given else f"the {n} workers --workers auto picks"
         instead = f"{fit} worker{'s' if fit > 1 else ''}" if fit else "0 workers (loading in the main process, slower)"

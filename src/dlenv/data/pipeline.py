@@ -233,8 +233,10 @@ def decide(opts: InputOptions, located: Located, device: Any, batch_size: int, i
     on_device = opts.gpu_path(device)
     size = decode.stored_size(img_size)
     # the device path's workers ship uint8 stored squares, the CPU path's float32 crops
+    # a number given is per process: the node's processes each start that many, all through one /dev/shm
     workers = resolve_workers(opts.workers, batch_size, img_size,
-                              sample_bytes=shipped_bytes(img_size, True) if on_device else None)
+                              sample_bytes=shipped_bytes(img_size, True) if on_device else None,
+                              share=1 if opts.workers == "auto" else local_world_size)
     if opts.workers == "auto":  # the processes of a node share its CPUs
         workers = workers_per_process(workers, local_world_size)
     paths = [p for p, _ in located.layout.train]
