@@ -21,14 +21,12 @@ import torch
 
 from dlenv import compat, distributed, finetune, memory, results, runs
 from dlenv.data import pipeline
-from dlenv.errors import UserError
+from dlenv.errors import EXIT_NONFINITE, EXIT_OOM, UserError
 from dlenv.step import Parts
 from dlenv.train import console, loop
 from dlenv.train import state as saved
 from dlenv.train.loop import NonFiniteLoss, TrainState
 from dlenv.train.plan import TrainPlan
-
-EXIT_OOM, EXIT_NONFINITE = 3, 4
 
 
 @dataclass
