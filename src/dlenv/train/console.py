@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from dlenv import distributed, invocation, progress
+from dlenv.errors import EXIT_SIGINT, EXIT_SIGTERM
 
 #: exit status for each stop signal (128 + its number, as shells report it)
-SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+SIGNAL_EXIT = {signal.SIGINT: EXIT_SIGINT, signal.SIGTERM: EXIT_SIGTERM}
 #: data-wait share of an epoch above which the trainer explains the bottleneck
 WAIT_LIMIT = 0.2
 
