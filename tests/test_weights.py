@@ -599,3 +599,13 @@ def test_a_mutated_file_passes_or_is_refused_never_anything_else(tmp_path, fmt):
         except pickleguard.Refused:
             outcomes["refused"] += 1
     assert outcomes["refused"] > 0 and sum(outcomes.values()) == 400, outcomes
+
+
+def test_a_length_field_cannot_make_the_check_read_a_large_file_into_memory(tmp_path, monkeypatch):
+    """A legacy-format file whose pickle says a string of 2 GiB follows: the check stops at its bound."""
+    monkeypatch.setattr(pickleguard, "PICKLE_LIMIT", 4096)
+    head = b"".join(pickle.dumps(v, protocol=2) for v in (0x1950A86A20F9469CFC6C, 1001, {"little_endian": True}))
+    path = tmp_path / "big.pth"
+    path.write_bytes(head + b"\x80\x02X\x00\x00\x00\x80" + bytes(64 * 1024))
+    with open(path, "rb") as fh, pytest.raises(pickleguard.Damaged, match="more than the 4,096 bytes"):
+        pickleguard.check(fh)

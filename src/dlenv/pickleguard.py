@@ -179,7 +179,7 @@ _CONST = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False}
 _NOOP = {"PROTO", "FRAME"}
 
 
-def _play(data: BinaryIO | bytes, persistent: Any, allow_globals: bool = True) -> Any:
+def _play(data: Any, persistent: Any, allow_globals: bool = True) -> Any:
     """Play one pickle's opcodes on inert values; returns what it would return. `persistent(pid)`
     stands for a persistent id. Raises Refused for anything outside the allowlist."""
     stack: list[Any] = []
@@ -373,6 +373,32 @@ def _check_zip(fh: BinaryIO) -> None:
     _play(io.BytesIO(data), persistent)
 
 
+class _Bounded:
+    """The reads genops makes of a file, refused past `limit` bytes from where it starts: a length field
+    in a pickle (BINUNICODE8, LONG4) cannot make it read gigabytes of a large file into memory."""
+
+    def __init__(self, fh: BinaryIO, limit: int):
+        self.fh, self.end = fh, fh.tell() + limit
+
+    def _room(self, n: int) -> int:
+        room = self.end - self.fh.tell()
+        if n > room:
+            raise Damaged(f"its pickles are more than the {PICKLE_LIMIT:,} bytes a checkpoint needs")
+        return n
+
+    def read(self, n: int = -1) -> bytes:
+        return self.fh.read(self._room(n if n >= 0 else self.end - self.fh.tell()))
+
+    def readline(self) -> bytes:
+        room = self.end - self.fh.tell()
+        line = self.fh.readline(room + 1)
+        self._room(len(line))
+        return line
+
+    def tell(self) -> int:
+        return self.fh.tell()
+
+
 def _check_legacy(fh: BinaryIO) -> None:
     """torch's format before 1.6: magic, protocol, sys_info, the object, the storage keys (five
     pickles), then each storage as an 8-byte element count and its bytes."""
@@ -385,18 +411,19 @@ def _check_legacy(fh: BinaryIO) -> None:
     if is_tar:
         raise Refused("the pre-1.0 tar format of torch.save")
     fh.seek(start)
-    if _play(fh, None, allow_globals=False) != _LEGACY_MAGIC:
+    pickles = _Bounded(fh, PICKLE_LIMIT)
+    if _play(pickles, None, allow_globals=False) != _LEGACY_MAGIC:
         raise Refused("a pickle that is not a torch.save file")
-    if _play(fh, None, allow_globals=False) != _LEGACY_PROTOCOL:
+    if _play(pickles, None, allow_globals=False) != _LEGACY_PROTOCOL:
         raise Refused("a torch.save file of an unknown protocol")
-    if not isinstance(_play(fh, None, allow_globals=False), dict):
+    if not isinstance(_play(pickles, None, allow_globals=False), dict):
         raise Refused("a torch.save file without its sys_info")
     storages: dict[str, tuple[_StorageType, int]] = {}
     views: list[tuple[str, int, int]] = []
 
     def persistent(pid: Any) -> _Storage:
         stype, key, numel, view = _storage_pid(pid, 1)
-        if key in storages and storages[key] != (stype, numel):
+        if key in storages and (storages[key][0].name, storages[key][1]) != (stype.name, numel):
             raise Refused("one storage key with two types or sizes")
         storages[key] = (stype, numel)
         if view is None:
@@ -407,10 +434,8 @@ def _check_legacy(fh: BinaryIO) -> None:
         views.append((key, view[1], view[2]))
         return _Storage(view[2])
 
-    _play(fh, persistent)
-    if fh.tell() - start > PICKLE_LIMIT:
-        raise Refused(f"its pickles are more than the {PICKLE_LIMIT:,} bytes a checkpoint needs")
-    keys = _play(fh, None, allow_globals=False)
+    _play(pickles, persistent)
+    keys = _play(pickles, None, allow_globals=False)
     if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)) or set(keys) != set(storages):
         raise Refused("storage keys that do not match its storages")
     for key, offset, size in views:
