@@ -77,9 +77,9 @@ _DECODERS = ("auto", "pil", "cv2", "tvio", "nvjpeg")
 
 def _trust_pickle() -> Any:
     """--trust-pickle, declared once for every command that reads weights files (dlenv.weights)."""
-    return opt(False, "unpickle a .pth that dlenv did not write in this project although this PyTorch's "
-                      "loader can be made to run code by a crafted file (< 2.10: CVE-2025-32434); only for "
-                      "files you trust. Command line only; .safetensors never needs it")
+    return opt(False, "hand torch.load(weights_only=True) a .pth that holds more than tensors and plain data "
+                      "(dlenv's checkpoints and state dicts never need it; docs/weights.md); only for files "
+                      "you trust. Command line only")
 
 
 @dataclass(frozen=True)

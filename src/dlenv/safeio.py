@@ -1,7 +1,7 @@
 """Opening a file someone gave us: only a regular file, never blocking, never read past a bound.
 
 A FIFO blocks `open()` until a writer comes (and no signal handler runs while the main thread waits in
-the kernel), /dev/zero never ends, and a 40 GB "sidecar" fills memory. Every path dlenv reads that came
+the kernel), /dev/zero never ends, and a 40 GB "config" fills memory. Every path dlenv reads that came
 from a user, an archive or another file goes through here: the file is opened with O_NONBLOCK (so a
 FIFO opens at once instead of hanging), checked with fstat on the open descriptor (no race between the
 check and the open), and read up to a limit. No torch here: config and the CLI use it.
@@ -21,9 +21,8 @@ KIB = 1024
 MIB = 1024 * KIB
 GIB = 1024 * MIB
 
-#: bounds for the small files dlenv reads: a --cfg YAML, a signing key, a sidecar, a JSON report
+#: bounds for the small files dlenv reads: a --cfg YAML, a JSON report
 SMALL_FILE = 4 * MIB
-KEY_FILE = 4 * KIB
 #: the largest image file a decoder is handed (a 100-megapixel TIFF is ~300 MB; Pillow's own
 #: decompression-bomb check bounds the pixels)
 IMAGE_FILE = 1 * GIB
