@@ -227,3 +227,13 @@ def test_first_line_is_the_one_rule_for_a_one_line_report():
     assert first_line(RuntimeError("x" * 300), 10, named=False) == "x" * 10
     assert first_line(ValueError()) == first_line(ValueError(), named=False) == "ValueError"
     assert first_line("a warning\nits detail") == "a warning" and first_line("") == ""
+
+
+def test_the_trainers_stop_signals_exit_by_the_table():
+    pytest.importorskip("torch")
+    import signal
+
+    from dlenv import errors
+    from dlenv.train import console
+
+    assert console.SIGNAL_EXIT == {signal.SIGINT: errors.EXIT_SIGINT, signal.SIGTERM: errors.EXIT_SIGTERM}
