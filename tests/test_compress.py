@@ -260,6 +260,10 @@ def test_dynamic_quantization_makes_linear_int8_close_and_smaller():
     model = _calibrated(TinyNet())
     q = quantize.quantize_dynamic(model)
     assert quantize.int8_layers(q) == (2, 2)  # the two Linear layers; the convs stay float
+    line = quantize.summary_line("dynamic", "x86", q)
+    assert line.startswith("int8 (dynamic, x86 engine): 2 conv/linear layers int8, 2 kept float")
+    assert "covers Linear layers only" in line and "--quantize static" in line
+    assert "Linear layers only" not in quantize.summary_line("static", "x86", q)
     x = torch.randn(16, 3, IMG, IMG)
     with torch.no_grad():
         ref, out = model(x), q(x)

@@ -121,9 +121,7 @@ def _quantize(cfg: Any, src: common.Source, loader: Any, example: torch.Tensor) 
         q = quantize.quantize_dynamic(model)
     else:
         q = quantize.quantize_static(model, quantize.calibration_batches(loader, cfg.calib_batches), example)
-    int8, flt = quantize.int8_layers(q)
-    print(f"int8 ({cfg.quantize}, {compat.quant_backend()} engine): {int8} conv/linear layers int8, "
-          f"{flt} kept float")
+    print(quantize.summary_line(cfg.quantize, compat.quant_backend(), q))
     rows = []
     cpu = torch.device("cpu")
     if loader is not None:

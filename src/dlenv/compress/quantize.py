@@ -162,6 +162,17 @@ def int8_layers(model: nn.Module) -> tuple[int, int]:
     return int8, flt
 
 
+def summary_line(mode: str, engine: str, model: nn.Module) -> str:
+    """What int8 covered in the quantized `model`: its int8 and float layers, and for dynamic quantization
+    that it covers Linear layers only (a CNN's convolutions stay float, and its size barely moves)."""
+    int8, flt = int8_layers(model)
+    line = f"int8 ({mode}, {engine} engine): {int8} conv/linear layers int8, {flt} kept float"
+    if mode == "dynamic" and flt:
+        line += (f"; dynamic int8 covers Linear layers only, so those {flt} (convolutions) stay float: "
+                 "--quantize static converts convolutions too")
+    return line
+
+
 def calibration_batches(loader: Any, n: int) -> Iterable[torch.Tensor]:
     """The images of the first `n` batches of `loader`."""
     for i, (images, _) in enumerate(loader):
