@@ -229,8 +229,6 @@ def _user_run(entry_cmd: list[str], mount: Path, dataset: Path) -> None:
     for p in written:
         st = p.stat()
         assert (st.st_uid, st.st_gid) == (UID, GID), f"{p} belongs to {st.st_uid}:{st.st_gid}"
-        if p.parent.name != ".dlenv":  # the project's signing key is private on purpose
-            assert st.st_mode & 0o040, f"{p.relative_to(mount)} is {oct(st.st_mode & 0o777)}, not group-readable"
-    key = mount / ".dlenv" / "key"
-    assert key.stat().st_mode & 0o777 == 0o600
+        assert st.st_mode & 0o040, f"{p.relative_to(mount)} is {oct(st.st_mode & 0o777)}, not group-readable"
+    assert not (mount / ".dlenv").exists()  # no project key any more: dlenv's files load without one
     assert (run / "config.yaml").stat().st_mode & 0o777 == 0o644  # the default umask 022, as open() gives
