@@ -204,7 +204,6 @@ def test_a_file_of_only_broken_lines_is_skipped_saying_so(tmp_path, capsys):
 
 @pytest.mark.parametrize("gpu_runs,cpu_runs,note", [
     (["a"], ["cpu1"], "CPU run: cpu1 (no GPU memory to draw)"),          # mixed: the GPU line plus a note
-    ([], ["cpu1", "cpu2"], "CPU runs: cpu1, cpu2 (no GPU memory to draw)"),  # all on a CPU
 ])
 def test_compare_notes_cpu_runs_instead_of_a_zero_line(tmp_path, gpu_runs, cpu_runs, note):
     frames = {}
@@ -216,3 +215,15 @@ def test_compare_notes_cpu_runs_instead_of_a_zero_line(tmp_path, gpu_runs, cpu_r
     mem = [ax for ax in plots.plot_compare(frames).axes if ax.get_title().startswith("Peak GPU memory")][0]
     assert {ln.get_label().lstrip("_") for ln in mem.get_lines()} == set(gpu_runs)
     assert [t.get_text() for t in mem.texts] == [note]
+
+
+def test_compare_of_cpu_runs_only_has_no_empty_memory_panel(tmp_path):
+    frames = {}
+    for name in ("cpu1", "cpu2"):
+        df = read_results(_make_run(tmp_path / name, epochs=2) / "results.csv")
+        df["mem_alloc_gib"], df["mem_reserved_gib"] = 0.0, 0.0  # what a CPU run records
+        frames[name] = df
+    fig = plots.plot_compare(frames)
+    assert [ax.get_title() for ax in fig.axes] == ["Validation top-1"]
+    assert {ln.get_label() for ln in fig.axes[0].get_lines()} == {"cpu1", "cpu2"}
+    assert "no GPU memory" in fig._suptitle.get_text()

@@ -142,10 +142,34 @@ def plot_compare(runs: dict[str, Any]):
 
     Returns a Figure with two Axes ("Validation top-1", "Peak GPU memory"); in each, one line per run
     labelled with the run's label (memory: allocated solid, reserved dashed with label '_'-prefixed).
-    A CPU run (memory all zero) gets no memory line but a "CPU run: label" note.
+    A CPU run (memory all zero) gets no memory line but a "CPU run: label" note; when every run is a
+    CPU run there is no memory panel at all (the title says so), only top-1.
     """
     from matplotlib.figure import Figure
 
+    def zeros(df: Any) -> bool:  # what a CPU run records as GPU memory
+        alloc, reserved = _series(df, "mem_alloc_gib")[1], _series(df, "mem_reserved_gib")[1]
+        return not any(alloc) and not any(reserved)
+
+    if runs and all(zeros(df) for df in runs.values()):
+        fig = Figure(figsize=(8, 5.5), layout="constrained")
+        ax_acc = fig.subplots(1, 1)
+        fig.suptitle(f"{len(runs)} runs compared (CPU runs: no GPU memory to draw)", fontsize=14)
+        ax_acc.set_title("Validation top-1")
+        ax_acc.set_ylabel("top-1 accuracy (%)")
+        all_epochs: list[float] = []
+        for i, (label, df) in enumerate(runs.items()):
+            epochs, top1 = _series(df, "top1")
+            if epochs:
+                ax_acc.plot(epochs, top1, color=f"C{i % 10}", marker="o" if len(df) <= 30 else None, markersize=4,
+                            label=label)
+            all_epochs += epochs
+        _style_epoch_axis(ax_acc, all_epochs)
+        if ax_acc.get_lines():
+            ax_acc.legend(loc="best", fontsize=9)
+        else:
+            _note(ax_acc, "not recorded in results.csv")
+        return fig
     fig = Figure(figsize=(14, 5.5), layout="constrained")
     ax_acc, ax_mem = fig.subplots(1, 2)
     fig.suptitle(f"{len(runs)} runs compared", fontsize=14)
