@@ -55,9 +55,10 @@ def _train(out: Path, name: str, data: Path, epochs: int, model: str, weights: s
     from dlenv import train as train_mod
     from dlenv.config import TrainConfig
 
+    # the demo's CPU recipe (dlenv.data.demo.CPU_RECIPE: lr 3e-3, half an epoch of warmup) for every run
     cfg = config.build(TrainConfig, data=str(data), project=str(out), name=name, exist_ok=True, model=model,
                        img_size=32, batch_size=32, workers=0, epochs=epochs, device="cpu", deterministic=True,
-                       optimizer="adamw", weights=weights, **extra)
+                       optimizer="adamw", lr=3e-3, warmup_epochs=0.5, weights=weights, **extra)
     summary = train_mod.train(cfg)
     return float(summary["best_metric"])
 
@@ -73,8 +74,9 @@ def run(out: Path, epochs: int, per_class: int, pre_epochs: int, model: str = "s
     source = _train(out, "demo", Path(demo), pre_epochs, model)
     weights = out / "demo" / "best_model.pth"
     digits = digits_folder(out / "digits", per_class, val_per_class)
-    tuned = _train(out, "from-demo", digits, epochs, model, weights=str(weights))
-    scratch = _train(out, "scratch", digits, epochs, model)
+    # digits: light crops, no flips (a mirrored digit is no digit)
+    tuned = _train(out, "from-demo", digits, epochs, model, weights=str(weights), augment="light", hflip=False)
+    scratch = _train(out, "scratch", digits, epochs, model, augment="light", hflip=False)
     return {"model": model, "demo_top1": source, "epochs": epochs, "per_class": per_class,
             "val_per_class": val_per_class, "pre_epochs": pre_epochs, "from_demo_top1": tuned,
             "from_scratch_top1": scratch, "seconds": round(time.perf_counter() - t0, 1)}
