@@ -256,11 +256,28 @@ def model_from_checkpoint(ckpt: Any, model_name: str | None = None, source: str 
     if usermodel.is_reference(name):  # a model of your own: the import rule, then its factory and arguments
         model = modelsource.rebuild(ckpt.get("model_source") if runstate.is_dlenv_checkpoint(ckpt) else None, name,
                                   num_classes, given=model_name, what=source)
+    elif pretrained.is_timm(name) and runstate.is_dlenv_checkpoint(ckpt):
+        model = build_model(name, num_classes, model_args=_timm_args(ckpt, name, img_size, source))
     else:
         model = build_model(name, num_classes)
     runstate.load_model_state(model, sd, source, name=name,
                               num_classes=num_classes if runstate.is_dlenv_checkpoint(ckpt) else None)
     return model, class_names, img_size
+
+
+def _timm_args(ckpt: dict[str, Any], name: str, img_size: Any, source: str) -> dict[str, Any]:
+    """create_model's arguments a timm run recorded (--model-args, img_size for a fixed-size architecture),
+    read from the file and so bounded like any factory's (dlenv.modelsource.read_source)."""
+    config = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}
+    try:
+        args = usermodel.factory_kwargs(name, config.get("model_args"),
+                                        img_size if isinstance(img_size, int) and not isinstance(img_size, bool)
+                                        else None)
+    except (ValueError, TypeError) as e:
+        raise UserError(f"{source}: its model_args cannot be read ({e}); pass --model again") from None
+    size = args.pop("img_size", None)
+    args = modelsource.read_source({"ref": name, "args": args}, source)[2]
+    return {**args, **({"img_size": size} if size is not None else {})}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -49,6 +49,8 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 _OFF = ("off", "none", "false", "no", "0")
 _DEFAULT = ("default", "true", "on", "yes", "1")
 _HASH = re.compile(r"-([a-f0-9]{8,64})\.")
+#: create_model arguments by which timm would fetch or read weights itself
+_TIMM_WEIGHTS_ARGS = ("pretrained", "pretrained_cfg", "pretrained_cfg_overlay", "checkpoint_path", "cache_dir")
 
 
 def parse_pretrained(value: Any) -> str | None:
@@ -254,6 +256,10 @@ def timm_model(model: str, num_classes: int, state: dict[str, Any] | None, kwarg
         close = timm.list_models(f"*{arch[:5]}*")[:5]
         raise UserError(f"--model {model}: timm has no model {arch!r}" + (f"; close: {', '.join(close)}" if close else
                                                                          "; list them with timm.list_models()"))
+    own = [k for k in kwargs if k in _TIMM_WEIGHTS_ARGS]
+    if own:  # timm would fetch or read files itself, past the cache, the checksums and dlenv.weights
+        raise UserError(f"--model {model} --model-args {own[0]}=...: dlenv loads timm's weights itself; use "
+                        "--pretrained [TAG] (or --weights FILE)")
     extra = {"pretrained": True, "pretrained_cfg_overlay": {"state_dict": state}} if state is not None else {}
     try:
         return timm.create_model(arch, num_classes=num_classes, **extra, **kwargs)
