@@ -24,7 +24,8 @@ work=${DLENV_CI_IMAGE_WORK:-${DLENV_CI_VENVS:-$HOME/.cache/dlenv-ci}/image}
 mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 py_version=${DLENV_CI_PYTHON:-3.10.13}
 prefix=/opt/conda/envs/dl
-export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
+# (pip runs as root into a staging folder of its own, not the system's: its warning about root is noise)
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1 PIP_ROOT_USER_ACTION=ignore
 
 say() { echo "make-bases: $*" >&2; }
 die() { echo "make-bases: $*" >&2; exit 1; }
@@ -94,7 +95,7 @@ else
     # (--upgrade: the newest release each bound allows, as conda's solver picks, not the setuptools that
     # came with pyenv's Python; the Dockerfile's editable install builds with the env's setuptools)
     "$py" -m pip install -q --no-warn-script-location --upgrade -r "$work/env-requirements.txt" \
-        -r requirements-dev.txt 2> >(grep -v -e '^WARNING: Location' -e "^WARNING: Running pip as the 'root'" >&2) >&2
+        -r requirements-dev.txt 2> >(grep -v '^WARNING: Location' >&2) >&2
     # what conda would hold in place (the real builder writes the same file with the same script)
     mkdir -p "$stage$prefix/conda-meta"
     "$py" scripts/lock_env.py pinned environment.yml > "$stage$prefix/conda-meta/pinned"
