@@ -1,7 +1,7 @@
 """Transfer: weights trained on the demo data fine-tune on another dataset (scikit-learn's digits) to a
 higher accuracy than the same model trained from scratch for the same epochs.
 
-    python scripts/transfer_digits.py [--out runs/transfer] [--epochs 4] [--per-class 15] [--pre-epochs 6]
+    python scripts/transfer_digits.py [--out runs/transfer] [--epochs 2] [--per-class 15] [--pre-epochs 6]
                                       [--val-per-class 60] [--demo-per-class 100] [--model small_cnn]
 
 1. the demo data (generated, no download) trains `--model` for --pre-epochs: the source weights;
@@ -64,15 +64,21 @@ def _train(out: Path, name: str, data: Path, epochs: int, model: str, weights: s
 
 
 def run(out: Path, epochs: int, per_class: int, pre_epochs: int, model: str = "small_cnn",
-        demo_per_class: int = 100, val_per_class: int = 60) -> dict:
-    """Both numbers of the transfer experiment (see the module doc), as a dict."""
+        demo_per_class: int = 100, val_per_class: int = 60, reuse: bool = False) -> dict:
+    """Both numbers of the transfer experiment (see the module doc), as a dict. `reuse`: start from the
+    demo weights an earlier call left in `out` (the same --pre-epochs and --demo-per-class)."""
+    from dlenv import results
     from dlenv.data.demo import ensure_demo_data
 
     out.mkdir(parents=True, exist_ok=True)
-    demo = ensure_demo_data(out / "demo", train_per_class=demo_per_class, val_per_class=20, size=32)
+    data = out / "demo-data"
+    demo = ensure_demo_data(data, train_per_class=demo_per_class, val_per_class=20, size=32)
     t0 = time.perf_counter()
-    source = _train(out, "demo", Path(demo), pre_epochs, model)
     weights = out / "demo" / "best_model.pth"
+    if reuse and weights.is_file():
+        source = float(results.read_results(out / "demo" / "results.csv")["top1"].max())
+    else:
+        source = _train(out, "demo", Path(demo), pre_epochs, model)
     digits = digits_folder(out / "digits", per_class, val_per_class)
     # digits: light crops, no flips (a mirrored digit is no digit)
     tuned = _train(out, "from-demo", digits, epochs, model, weights=str(weights), augment="light", hflip=False)
@@ -86,14 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/transfer")
     p.add_argument("--model", default="small_cnn")
-    p.add_argument("--epochs", type=int, default=4, help="epochs on the digits, for both runs")
+    p.add_argument("--epochs", type=int, default=2, help="epochs on the digits, for both runs")
     p.add_argument("--per-class", type=int, default=15, help="training images per digit")
     p.add_argument("--val-per-class", type=int, default=60, help="validation images per digit")
     p.add_argument("--pre-epochs", type=int, default=6, help="epochs on the demo data")
     p.add_argument("--demo-per-class", type=int, default=100, help="demo training images per class")
+    p.add_argument("--reuse", action="store_true", help="start from the demo weights of an earlier call")
     args = p.parse_args(argv)
     r = run(Path(args.out), args.epochs, args.per_class, args.pre_epochs, args.model, args.demo_per_class,
-            args.val_per_class)
+            args.val_per_class, args.reuse)
     print(json.dumps(r))
     print(f"| {r['model']} | {r['per_class']} per digit, {r['epochs']} epochs | {r['from_demo_top1']:.1f}% | "
           f"{r['from_scratch_top1']:.1f}% |")
