@@ -97,7 +97,8 @@ def test_a_reference_read_from_a_file_is_refused_before_anything_is_imported(pro
     for check in (lambda: modelsource.check_source(source, None, "w.pth"),
                   lambda: modelsource.rebuild(source, ref, 3, None, "w.pth"),
                   lambda: modelsource.rebuild(None, ref, 3, None, "w.pth"),  # no model_source at all
-                  lambda: modelsource.check_resume({"model_name": ref, "model_source": source}, None, "--resume w")):
+                  lambda: modelsource.check_resume({"model_source": source, "config": {"model": ref}}, None,
+                                                   "--resume w")):
         with pytest.raises(UserError) as err:
             check()
         line = one_line(err)
@@ -143,9 +144,10 @@ def test_named_again_with_model_it_is_the_users_choice(project, tmp_path, caplog
     absolute = f"{inside}:build"
     assert modelsource.check_source(_source(absolute, inside), absolute, "ck").path() == inside
     # a resume names the saved reference again in another spelling of the same file
-    modelsource.check_resume({"model_source": _source(absolute, inside)}, "models/resnet.py:build", "--resume x")
+    saved = {"model_source": _source(absolute, inside), "config": {"model": absolute}}
+    modelsource.check_resume(saved, "models/resnet.py:build", "--resume x")
     with pytest.raises(UserError, match="an absolute path"):
-        modelsource.check_resume({"model_source": _source(absolute, inside)}, "models/vit.py:build", "--resume x")
+        modelsource.check_resume(saved, "models/vit.py:build", "--resume x")
     inside.write_text(inside.read_text() + "\n# tuned\n")  # changed, and named: built as it is, with a warning
     with caplog.at_level(logging.WARNING, logger="dlenv.modelsource"):
         modelsource.check_source(_source("models/resnet.py:build", tmp_path / "proj" / "models" / "vit.py"),
@@ -170,3 +172,19 @@ def test_what_a_file_says_about_the_factory_is_bounded(project, source, match):
     with pytest.raises(UserError, match=match) as err:
         modelsource.check_source(source, None, "ck")
     one_line(err)
+
+
+@pytest.mark.parametrize("given", [None, "models/resnet.py:build"])
+def test_a_resume_checks_the_model_its_saved_options_build(project, tmp_path, given):
+    """model_source names the project's own file (it passes), the saved options another one: a resume
+    builds the options' model, so that is the one checked."""
+    evil = write(tmp_path, "outside/evil.py", EVIL)
+    ckpt = {"model_name": "models/resnet.py:build", "config": {"model": f"{evil}:build"},
+            "model_source": _source("models/resnet.py:build", project / "models" / "resnet.py")}
+    with pytest.raises(UserError, match=rf"would build --model {evil}:build, but records where "
+                                        r"models/resnet.py:build came from") as err:
+        modelsource.check_resume(ckpt, given, "--resume last.pth")
+    assert f"pass --model {evil}:build yourself" in one_line(err)
+    assert not evil.with_name("RAN").exists()
+    modelsource.check_resume({**ckpt, "config": {"model": "models/resnet.py:build"}}, given, "--resume last.pth")
+    modelsource.check_resume({**ckpt, "config": {"model": "resnet18"}}, None, "--resume last.pth")  # no code

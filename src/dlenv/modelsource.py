@@ -169,14 +169,25 @@ def rebuild(source: Any, name: str, num_classes: int, given: str | None, what: s
 
 
 def check_resume(ckpt: Any, given: str | None, what: str) -> None:
-    """`check_source` before a resume builds the saved run's model; as a resume always builds the saved
-    reference, only that one (in any spelling) counts as given again."""
-    source = ckpt.get("model_source") if isinstance(ckpt, dict) else None
-    if not source:
-        name = ckpt.get("model_name") if isinstance(ckpt, dict) else None
-        if is_reference(name) and not (given and is_reference(given)):
-            rebuild(None, name, 1, None, what)  # refuses: a reference with no origin
+    """The rule before a resume builds the saved run's model. A resume builds the model its saved options
+    name (config's `model`), whatever --model says, so that reference is the one checked: it passes
+    when --model names it again (in any spelling), or when it is the reference model_source records and
+    `project_model` accepts that. Raises UserError otherwise (nothing imported)."""
+    if not isinstance(ckpt, dict):
         return
+    config = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}
+    target = config.get("model", ckpt.get("model_name"))
+    if not is_reference(target):
+        return  # a torchvision or timm name: no code of the file's
+    if given and is_reference(given) and same_reference(parse_reference(given), parse_reference(target)):
+        check_source(ckpt.get("model_source") or {"ref": target}, target, what)  # vouched for: used
+        return
+    source = ckpt.get("model_source")
+    if not source:
+        rebuild(None, target, 1, None, what)  # refuses: a reference with no record of its origin
     saved, _, _ = read_source(source, what)
-    same = bool(given) and is_reference(given) and same_reference(parse_reference(given), parse_reference(saved))
-    check_source(source, saved if same else None, what)
+    if not same_reference(parse_reference(saved), parse_reference(target)):
+        raise UserError(f"{what} would build --model {target}, but records where {saved} came from, not "
+                        f"{target}; importing it would run its code, so it is not imported. If you trust it, "
+                        f"pass --model {target} yourself")
+    check_source(source, None, what)
