@@ -438,3 +438,28 @@ def test_the_image_lane_starts_dockerd_without_networking_and_builds_and_runs_wi
     container = (ROOT / "tests" / "container" / "test_image.py").read_text(encoding="utf-8")
     assert 'network_mode="none"' in container and '"--network", "none"' in container
     assert "containers.run(" not in container  # every container goes through start(), which sets it
+
+
+# ---------------------------------------------------------------------------------------------------
+# The lock's conda half (scripts/lock_env.py conda KIND FILE), as the runtime stage runs it
+
+
+@pytest.mark.parametrize("kind", ["conda", "pip"])
+def test_the_conda_lock_follows_the_env_kind_and_a_missing_conda_fails_plainly(tmp_path, kind):
+    out = tmp_path / "conda-explicit.txt"
+    env = {**os.environ, "PATH": str(tmp_path)}  # no conda anywhere on it
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "lock_env.py"), "conda", kind, str(out)],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert "Traceback" not in r.stderr
+    if kind == "conda":  # a conda image without conda is a broken build, never a silent skip
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "no conda on PATH" in r.stderr and "ENV_KIND=pip" in r.stderr
+    else:
+        assert r.returncode == 0 and "pip.txt is the lock" in r.stdout, r.stderr
+    assert not out.exists()
+
+
+def test_the_conda_lock_refuses_an_unknown_kind():
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "lock_env.py"), "conda", "mamba", "x"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith("usage: lock_env.py"), r.stderr
