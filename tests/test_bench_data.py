@@ -154,9 +154,9 @@ def _demo_folder(tmp_path):
 
 
 @pytest.mark.parametrize("which,img_size,px", [
-    ("demo", None, 64),      # the demo data: the size training uses on it, not 224
+    ("demo", None, 24),      # --img-size auto, as training: the data's typical size (a small demo set's 24 px)
     ("demo", 32, 32),        # --img-size wins
-    ("folder", None, 224),   # any other folder: training's default
+    ("folder", None, 20),    # any other folder too (24x20 images), never a fixed 224
 ])
 def test_main_measures_the_size_training_would_use(image_folder, tmp_path, monkeypatch, capsys, which, img_size,
                                                     px):

@@ -102,7 +102,8 @@ def test_invoke_finds_dlenv_from_any_folder_once_set_up(tmp_path):
     from pathlib import Path
 
     src = Path(invocation.__file__).resolve().parents[1]
-    env = {**os.environ, "HOME": str(tmp_path), "PYTHONPATH": str(src)}
+    env = {**os.environ, "HOME": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")]))}
     elsewhere = tmp_path / "project"
     elsewhere.mkdir()
     before = subprocess.run([sys.executable, "-m", "invoke", "--list"], cwd=elsewhere, env=env, capture_output=True,

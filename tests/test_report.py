@@ -206,3 +206,14 @@ def test_format_report_says_balanced(tmp_path):
     make_image_folder(tmp_path / "train", per_class=4)  # equal classes: no "largest arrow, smallest arrow"
     text = format_report(dataset_report(tmp_path))
     assert "balanced  every class has the same number" in text and "imbalance" not in text
+
+
+def test_the_report_warns_where_flips_are_doubtful_and_names_the_flag_elsewhere(tmp_path):
+    from dlenv.data.report import dataset_report, flip_hint, format_report
+
+    digits = make_image_folder(tmp_path / "digits", classes=tuple("0123456789"), per_class=1)
+    text = format_report(dataset_report(digits))
+    assert "warning   the classes look like characters (0, 1, 2, 3, 4, 5, ...)" in text and "--no-hflip" in text
+    photos = format_report(dataset_report(make_image_folder(tmp_path / "photos")))
+    assert "the classes look like characters" not in photos and "--no-hflip" in photos
+    assert flip_hint(["b", "d", "cat"]).startswith("warning")  # most names are one character

@@ -235,7 +235,7 @@ def test_real_model_with_checkpointing_and_bf16_autocast(tmp_path, data):
     # nondeterministically (21 of 30 identical backward passes with |grad| > 1e4 or non-finite; 0 of
     # 30 at 64 and 224 px; 0 of 60 with ONEDNN_MAX_CPU_ISA=AVX2), which the trainer rightly stops on.
     out = train_mod.train(tiny_config(tmp_path, data, model="resnet18", img_size=64, epochs=1, max_steps=1, amp=True,
-                              checkpoint=True, deterministic=False))
+                              amp_dtype="bf16", checkpoint=True, deterministic=False))  # bf16 even where it is slower
     ck = runstate.load_checkpoint(Path(out["run_dir"]) / "last.pth")
     assert out["precision"] == "bf16" and "layer1.0.conv1.weight" in ck["model"]
 
@@ -310,12 +310,14 @@ def test_resume_says_which_given_options_it_cannot_change(tmp_path, data, tiny, 
 
 
 def test_progress_in_a_log_is_a_timed_line_with_eta(tmp_path, data, tiny, capsys):
-    # captured output is not a terminal: plain lines by the clock (none within 30 s here) and one at the
-    # epoch's end, with the time left, as a log file read later shows it
+    # captured output is not a terminal: plain lines, one right after the first step (a log shows at once
+    # that the run moves), then by the clock (none within 30 s here) and one at the epoch's end, each with
+    # the epoch's time left and the whole run's, as a log file read later shows it
     train_mod.train(tiny_config(tmp_path, data, epochs=1))
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("epoch 1/1 ")]
-    assert len(lines) == 1 and lines[0].startswith("epoch 1/1 4/4 (100%)  elapsed ")
-    assert ", ETA 0:00  loss " in lines[0] and " img/s " in lines[0]
+    assert len(lines) == 2 and lines[0].startswith("epoch 1/1 1/4 (25%)  elapsed ")
+    assert lines[1].startswith("epoch 1/1 4/4 (100%)  elapsed ") and lines[1].endswith("run ETA 0:00")
+    assert ", ETA 0:00  loss " in lines[1] and " img/s " in lines[1]
 
 
 def test_workers_streaming_across_epochs_train_the_same_run(tmp_path, data, tiny):

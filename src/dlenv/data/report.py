@@ -222,6 +222,7 @@ def dataset_report(root: str | Path, val_split: float = 0.2, seed: int = 0, chec
         "val_split": val_split if layout.split == "val_split" else None,
         "classes": layout.classes,
         "class_warnings": similar_classes(layout.classes),
+        "flip": flip_hint(layout.classes),
         "counts": counts,
         "totals": {s: len(ps) for s, ps in splits.items()},
         "imbalance": {"ratio": round(train_counts[big] / max(train_counts[small], 1), 2),
@@ -237,6 +238,19 @@ def dataset_report(root: str | Path, val_split: float = 0.2, seed: int = 0, chec
 
 #: paths shown per group of identical files in the text report (--json lists all)
 LEAK_PATHS_SHOWN = 3
+
+
+def flip_hint(classes: list[str]) -> str:
+    """The report's line on horizontal flips, which training does by default (--augment): a warning where
+    most class names are single characters (digits, letters: a mirrored 'b' is a 'd', a mirrored '3' no
+    digit at all), else the flag named in passing."""
+    chars = sorted(c for c in classes if len(c.strip()) == 1 and c.strip().isalnum())
+    if len(chars) >= 2 and len(chars) * 2 >= len(classes):
+        shown = ", ".join(chars[:6]) + (", ..." if len(chars) > 6 else "")
+        return (f"warning   the classes look like characters ({shown}): a mirror image can be another class or "
+                "none; train with --no-hflip")
+    return ("augment   training flips images left-right (--no-hflip where a mirror image is another class: "
+            "digits, text)")
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -261,6 +275,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"  {c:<{width}}" + "".join(f"{report['counts'][s][c]:>8}" for s in splits))
     for w in report.get("class_warnings", []):
         lines.append(f"warning   {w}")
+    if report.get("flip"):
+        lines.append(report["flip"])
     imb = report["imbalance"]
     note = "  (consider class weights or resampling)" if imb["ratio"] >= 3 else ""
     lines.append("")
