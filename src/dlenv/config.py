@@ -308,8 +308,8 @@ class BenchDataConfig:
     data: str | None = opt(None, "dataset folder; default: the demo dataset", parse=_str)
     model: str = opt("resnet50", "model whose synthetic-data speed is the target")
     batch_size: int = opt(128, "batch size", min=1)
-    img_size: int | None = opt(None, "image size; default 224, or 64 for the demo data (what training uses)",
-                               parse=_int, min=16)
+    img_size: int | None = opt(None, "image size, or auto (the default): what training uses, the data's typical "
+                                     "size capped at 224", parse=auto_int, min=16)
     amp: bool = opt(True, "measure the model under AMP")
     workers: tuple = opt((0, 2, 4, 8, 16), "worker counts to try, comma-separated", parse=int_list)
     batches: int = opt(30, "batches timed per measurement", min=2)
