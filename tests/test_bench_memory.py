@@ -233,6 +233,7 @@ def cpu_run(tmp_path_factory):
     return SimpleNamespace(cfg=cfg, out=out, code=code)
 
 
+@pytest.mark.slow  # the cpu_run fixture: a whole bench-memory run
 def test_cpu_run_writes_outputs(cpu_run):
     assert cpu_run.code == 0
     md = (cpu_run.out / "memory.md").read_text()
@@ -245,6 +246,7 @@ def test_cpu_run_writes_outputs(cpu_run):
     assert all(r["peak_alloc_gib"] == "" and float(r["img_per_s"]) > 0 for r in rows[:4])
 
 
+@pytest.mark.slow  # the cpu_run fixture: a whole bench-memory run
 def test_cpu_run_says_why_the_auto_ratio_row_was_not_measured(cpu_run):
     md = (cpu_run.out / "memory.md").read_text()
     assert f"| AMP + checkpointing (auto ratio) | {bench.NO_SEARCH_ON_CPU} |" in md
@@ -255,6 +257,7 @@ def test_cpu_run_says_why_the_auto_ratio_row_was_not_measured(cpu_run):
     assert (cpu_run.out / "memory.png").stat().st_size > 5000
 
 
+@pytest.mark.slow  # the cpu_run fixture: a whole bench-memory run
 def test_cpu_run_checkpointing_leaves_the_loss_unchanged(cpu_run):
     with (cpu_run.out / "memory.csv").open() as fh:
         rows = {r["key"]: r for r in csv.DictReader(fh)}

@@ -198,6 +198,7 @@ def test_prune_main_writes_a_checkpoint_like_any_other(ckpt, data_dir, capsys):
     assert abs(sparse_raw - dense_raw) < 0.01 * dense_raw
 
 
+@pytest.mark.slow
 def test_prune_finetune_keeps_the_pruned_weights_at_zero(ckpt, capsys):
     out = ckpt.with_name("ft.pth")
     cfg = prune_cfg(weights=str(ckpt), amount=0.5, out=str(out), finetune_epochs=1, finetune_lr=0.05)
@@ -214,6 +215,7 @@ def test_prune_finetune_keeps_the_pruned_weights_at_zero(ckpt, capsys):
     assert not torch.equal(tuned.classifier[3].weight, plain.classifier[3].weight)
 
 
+@pytest.mark.slow
 def test_prune_structured_main_reports_channels(ckpt, capsys):
     assert prune.main(prune_cfg(weights=str(ckpt), amount=0.25, structured=True)) == 0
     text = capsys.readouterr().out
@@ -234,6 +236,7 @@ def test_prune_refuses_to_overwrite_its_input(ckpt):
 # Bad checkpoints.
 
 
+@pytest.mark.slow
 def test_checkpoint_without_class_names_is_user_error(tmp_path, data_dir, capsys):
     path = save_ckpt(tmp_path / "noclass.pth", data_dir, class_names=[])
     with pytest.raises(UserError, match="has no class names"):
@@ -313,6 +316,7 @@ def test_static_quantization_names_an_untraceable_layer():
 
 
 @pytest.mark.skipif(NO_QUANT is not None, reason=str(NO_QUANT))
+@pytest.mark.slow
 def test_static_quantization_names_an_op_without_int8_kernel(tmp_path, data_dir, capsys):
     # torchvision's ShuffleNetV2 ends in x.mean([2, 3]), which the int8 CPU kernels refuse
     path = save_ckpt(tmp_path / "shuffle.pth", data_dir, model_name="shufflenet_v2_x0_5")
