@@ -83,6 +83,7 @@ def test_no_sync_accumulation_gives_full_batch_gradients(collectives):
         assert r["max_grad_diff"] < 1e-6, r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["exit", "hang"])
 def test_a_dead_or_stuck_rank_stops_the_others_with_a_message(how):
     timeout = 4

@@ -400,7 +400,8 @@ POISONS = ["all-nan", "head-weight-nan", "head-bias-inf", "head-bias-minus-inf",
            "bn-running-var-nan"]
 
 
-@pytest.mark.parametrize("how", POISONS)
+@pytest.mark.parametrize("how", [p if p in ("all-nan", "one-conv-weight-nan") else
+                                 pytest.param(p, marks=pytest.mark.slow) for p in POISONS])
 def test_val_of_non_finite_weights_is_refused_with_exit_4(tmp_path, val_data, capsys, how):
     from dlenv.errors import EXIT_NONFINITE
 

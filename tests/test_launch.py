@@ -20,6 +20,7 @@ from dlenv.errors import UserError
 WORKER = Path(__file__).resolve().parent / "_distributed_worker.py"
 
 
+@pytest.mark.slow
 def test_torchrun_wrapper_names_the_failed_rank_and_its_status(tmp_path):
     port = launch.free_port()
     cmd = [sys.executable, "-m", "dlenv.launch", "--nproc_per_node", "2", "--nnodes", "1",

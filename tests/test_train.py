@@ -78,7 +78,8 @@ def test_auto_optimizer_is_resolved_into_config_yaml(tmp_path, data, tiny):
     assert runstate.load_checkpoint(run / "last.pth")["config"]["optimizer"] == "adamw"
 
 
-@pytest.mark.parametrize("stop_at,signum", [(3, signal.SIGTERM), (4, signal.SIGINT), (5, signal.SIGTERM)])
+@pytest.mark.parametrize("stop_at,signum", [(3, signal.SIGTERM), pytest.param(4, signal.SIGINT, marks=pytest.mark.slow),
+                                            pytest.param(5, signal.SIGTERM, marks=pytest.mark.slow)])
 def test_resume_is_bit_exact(tmp_path, data, tiny, stop_at, signum):
     """Interrupted after `stop_at` optimizer steps (mid-epoch, epoch end, next epoch), then resumed:
     the same weights, optimizer state, EMA and BatchNorm statistics as an uninterrupted run."""
@@ -229,6 +230,7 @@ def test_tensorboard_and_resume_auto(tmp_path, data, tiny):
     assert again["run_dir"] == first["run_dir"] and again["step"] == first["step"]
 
 
+@pytest.mark.slow
 def test_real_model_with_checkpointing_and_bf16_autocast(tmp_path, data):
     # 64 px, not the suite's 16: at 16 px ResNet-18's last stage is 1x1, and oneDNN's bf16 kernels on
     # the CI machines' CPUs (AVX-512/AMX, torch 1.13 and 2.14 alike) then return garbage gradients
@@ -267,6 +269,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_sigterm_and_kill_9_leave_a_loadable_checkpoint(tmp_path, data):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(_SCRIPT.format(tests=str(REPO / "tests"))))

@@ -225,8 +225,8 @@ def test_cause_chain_follows_inner_exception_and_cause_and_stops_on_a_cycle():
 
 @pytest.mark.parametrize("given,want_ratio,says", [
     ({}, 0.0, "auto: none of"),  # auto on a CPU: no block (recomputing costs time; memory is rarely short)
-    ({"checkpoint_ratio": 0.5}, 0.5, "--checkpoint-ratio 0.5"),
-    ({"checkpoint_ratio": "0"}, 0.0, "--checkpoint-ratio 0"),
+    pytest.param({"checkpoint_ratio": 0.5}, 0.5, "--checkpoint-ratio 0.5", marks=pytest.mark.slow),
+    pytest.param({"checkpoint_ratio": "0"}, 0.0, "--checkpoint-ratio 0", marks=pytest.mark.slow),
 ])
 def test_checkpoint_ratio_off_the_gpu(tmp_path, data, given, want_ratio, says):
     import dlenv.models

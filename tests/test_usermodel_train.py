@@ -222,6 +222,7 @@ def test_trust_rule_for_every_command_and_resume(project, tmp_path, monkeypatch)
 # Resume, EMA, --batch-size auto, --compile, DDP: unchanged
 
 
+@pytest.mark.slow
 def test_resume_with_ema_is_bit_exact(project):
     opts = dict(epochs=2, batch_size=2, accum_steps=2, ema=True, model_args="width=4")  # 4 steps per epoch
     full = train(project="a", **opts)
