@@ -343,6 +343,7 @@ def test_outputs_that_cannot_be_written(ws, argv, expect, capsys, monkeypatch):
 # Faults of the machine, simulated in-process.
 
 
+@pytest.mark.slow
 def test_full_disk_during_a_checkpoint_write_keeps_the_old_file(ws, capsys, monkeypatch):
     """ENOSPC after 64 KiB of prune's checkpoint write: one line naming it, the old file intact."""
     from dlenv import atomic

@@ -43,7 +43,7 @@ def metrics(monkeypatch, values):
     monkeypatch.setattr(loop, "validate", lambda *a, **k: loop.Scores(1.0, float(next(it)), 100.0))
 
 
-@pytest.mark.parametrize("ema", [False, True])
+@pytest.mark.parametrize("ema", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_best_is_small_and_every_consumer_uses_it(tmp_path, ds, wide, monkeypatch, capsys, ema):
     metrics(monkeypatch, [10, 20, 5])  # the last for the run from --weights
     run = Path(train_mod.train(cfg(tmp_path, ds, ema=ema))["run_dir"])

@@ -134,6 +134,7 @@ def test_the_whole_classification_list_is_covered():
         assert any(cls.__module__ == family for cls in known), f"{name}: no known block class in {family}"
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_is_exact():
     torch.manual_seed(0)
     model = build_model("resnet18", num_classes=5)
@@ -210,6 +211,7 @@ def test_eval_and_no_grad_run_the_block_directly(monkeypatch):
         assert torch.equal(model(x), expected)
 
 
+@pytest.mark.slow
 def test_eval_mode_with_gradients_is_exact():
     """Fine-tuning with frozen BatchNorm statistics: eval mode, but gradients wanted."""
     torch.manual_seed(0)
@@ -228,6 +230,7 @@ def test_eval_mode_with_gradients_is_exact():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_deepcopy_for_ema_follows_the_copy():
     torch.manual_seed(0)
     model = build_model("resnet18", num_classes=3)
