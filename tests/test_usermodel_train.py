@@ -176,25 +176,29 @@ def test_val_prune_export_rebuild_the_model_and_refuse_without_its_file(trained,
     out = capsys.readouterr().out
     assert {"val": "reports in", "prune": "_pruned.pth", "export": "torchscript"}[verb] in out
     (project / "models" / "resnet.py").rename(project / "resnet_moved.py")
-    with pytest.raises(UserError, match=rf"{trained} was trained with --model models/resnet.py:build, and "
-                                        r"models/resnet.py is not in .*proj; run from the project folder") as err:
+    with pytest.raises(UserError, match=rf"{trained} names --model models/resnet.py:build, models/resnet.py not "
+                                        r"found in the working folder .*proj; importing it would run its code, so "
+                                        r"it is not imported. If you trust it, pass --model") as err:
         VERBS[verb](trained)
     one_line(err)
     # named again where it is now, it is rebuilt with the recorded arguments (width=4)
     assert VERBS[verb](trained, model="resnet_moved.py:build") == 0
 
 
-def test_a_changed_file_warns_in_one_line_and_still_validates(trained, project, caplog):
+def test_a_changed_file_is_refused_and_named_again_warns_in_one_line(trained, project, caplog):
     path = project / "models" / "resnet.py"
     path.write_text(path.read_text() + "\n# a comment changes the hash, not the weights\n")
-    with caplog.at_level(logging.WARNING, logger="dlenv.usermodel"):
-        assert _val(trained) == 0
+    with pytest.raises(UserError, match="is not the file it was trained with"):
+        _val(trained)  # not the code the run recorded: not imported unless the user names it
+    with caplog.at_level(logging.WARNING, logger="dlenv.modelsource"):
+        assert _val(trained, model="models/resnet.py:build") == 0
     assert [m for m in caplog.messages if "differs from the file this checkpoint was trained with" in m] == [
         m for m in caplog.messages if "models/resnet.py" in m] and len(caplog.messages) == 1
 
 
 def test_trust_rule_for_every_command_and_resume(project, tmp_path, monkeypatch):
-    """Trained with a reference to a file that, seen from where the command runs, lies elsewhere."""
+    """Trained with an absolute reference: read from the file, it is imported by no command, in the project
+    or elsewhere, until --model names it again."""
     ref = f"{project / 'models' / 'resnet.py'}:build"
 
     def on_step(state):
@@ -208,12 +212,12 @@ def test_trust_rule_for_every_command_and_resume(project, tmp_path, monkeypatch)
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     for verb, run in VERBS.items():
-        with pytest.raises(UserError, match=r"names --model .*resnet.py:build \(.*, outside the working folder "
-                                            r".*elsewhere\); importing it would run its code") as err:
+        with pytest.raises(UserError, match=r"names --model .*resnet.py:build, an absolute path; importing it "
+                                            r"would run its code") as err:
             run(last)
         one_line(err)
         assert run(last, model=ref) == 0, verb
-    with pytest.raises(UserError, match=r"--resume .*last.pth names --model .*outside the working folder"):
+    with pytest.raises(UserError, match=r"--resume .*last.pth names --model .*, an absolute path"):
         train(resume=str(last))
     assert train(resume=str(last), model=ref)["exit_code"] == 0
 
