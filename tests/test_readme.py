@@ -135,3 +135,21 @@ def test_readme_cpu_commands_exactly_as_printed(tmp_path):
                             timeout=3600)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert re.search(r"tests \d+/\d+ .*ETA", second.stdout)
+
+
+def test_setup_without_a_python_310_says_how_to_get_one(tmp_path):
+    """No Python 3.10 or newer anywhere (only an old python3): one line on how to get 3.10, exit 2."""
+    import shutil
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("dirname", "date"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    old = bin_dir / "python3"
+    old.write_text("#!/bin/sh\nexit 1\n")  # what `python3 -c 'assert sys.version_info >= (3, 10)'` does on 3.8
+    old.chmod(0o755)
+    r = subprocess.run([shutil.which("bash"), str(ROOT / "scripts" / "setup-cpu.sh")], capture_output=True, text=True,
+                       env={"PATH": str(bin_dir), "HOME": str(tmp_path)}, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stdout + r.stderr
+    assert "no Python 3.10 or newer found" in r.stderr and "pyenv install 3.10" in r.stderr
+    assert r.stdout == ""  # nothing was set up
