@@ -247,3 +247,15 @@ def test_cpu_checkpoint_auto_recomputes_nothing_and_says_what_it_would_cost():
 
     ratio, why = cpu_checkpoint_ratio(4)
     assert ratio == 0.0 and "forward again" in why and "--checkpoint-ratio 1" in why
+
+
+def test_cpu_amp_falls_back_to_fp32_where_a_bf16_step_fails():
+    from dlenv.precision import decide_precision
+
+    def no_bf16_kernel(mode):
+        if mode == "bf16":
+            raise RuntimeError('"slow_conv3d_cpu" not implemented for \'BFloat16\'\nmore lines')
+        return 1.0
+
+    mode, why = decide_precision(True, "auto", "cpu", no_bf16_kernel)
+    assert mode == "fp32" and "a bf16 step failed" in why and "BFloat16" in why and "\n" not in why

@@ -81,7 +81,11 @@ def decide_precision(amp: bool, amp_dtype: str, device: Any,
         return mode, "no --amp"
     if kind != "cpu" or amp_dtype != "auto" or step_seconds is None:
         return mode, f"--amp --amp-dtype {amp_dtype} on {kind}"
-    fp32, bf16 = step_seconds("fp32"), step_seconds("bf16")
+    fp32 = step_seconds("fp32")
+    try:
+        bf16 = step_seconds("bf16")
+    except RuntimeError as e:  # an op of this model without a bf16 CPU kernel: fp32 trains, bf16 cannot
+        return "fp32", f"--amp on this CPU: a bf16 step failed ({str(e).splitlines()[0][:160]}), so training in fp32"
     if bf16 < fp32:
         return "bf16", f"--amp on this CPU: a bf16 step took {bf16 / fp32:.2f}x the time of fp32's (measured)"
     return "fp32", (f"--amp on this CPU: a bf16 step took {bf16 / fp32:.2f}x the time of fp32's (measured: the CPU "
