@@ -161,6 +161,7 @@ def test_freeze_epochs_train_the_head_alone_with_batchnorm_statistics_frozen(ser
     assert len(moments) == 2 and any(m["momentum_buffer"].abs().sum() > 0 for m in moments.values())
 
 
+@pytest.mark.slow
 def test_resume_is_exact_through_the_unfreeze(server, data, cwd, monkeypatch):
     """Stopped at step 3: 2 steps per epoch, the head alone in epoch 1, so mid-way through epoch 2,
     after the unfreeze; resumed, it ends where an uninterrupted run does, bit for bit."""
