@@ -60,7 +60,7 @@ def test_torchvision_weights_resolve_to_their_file_and_preprocessing(cwd):
         pretrained.resolve("resnet50", "IMAGENET9K")
 
 
-def test_a_miss_downloads_once_then_hits_without_a_request(resnet18_server, cwd, capsys):
+def test_a_miss_downloads_once_then_hits_without_a_request(resnet18_server, cwd, capsys, monkeypatch):
     path, state, requests = resnet18_server
     w = pretrained.resolve("resnet18", "DEFAULT")
     got = pretrained.fetch(w)
@@ -68,6 +68,8 @@ def test_a_miss_downloads_once_then_hits_without_a_request(resnet18_server, cwd,
     assert requests == [("GET", f"/models/{path.name}")]
     assert "100%" in capsys.readouterr().err  # torch.hub's tqdm bar
     assert pretrained.fetch(w) == got and len(requests) == 1  # the hit asks nobody
+    monkeypatch.setenv(pretrained.OFFLINE_ENV, "1")
+    assert pretrained.fetch(w) == got  # and needs no connection
     sd = pretrained.load_state(w, got)  # through dlenv.weights' allowlist: no --trust-pickle
     assert all(torch.equal(sd[k], v) for k, v in state.items())
 
@@ -160,7 +162,7 @@ def test_timm_weights_resolve_from_its_pretrained_config(cwd):
         pretrained.resolve("timm/resnet18x", "DEFAULT")
 
 
-def test_timm_miss_then_hit_through_hf_endpoint(timm_server, cwd):
+def test_timm_miss_then_hit_through_hf_endpoint(timm_server, cwd, monkeypatch):
     model, requests = timm_server
     w = pretrained.resolve("timm/resnet18", "DEFAULT")
     got = pretrained.fetch(w)
@@ -168,6 +170,8 @@ def test_timm_miss_then_hit_through_hf_endpoint(timm_server, cwd):
     n = len(requests)
     assert n >= 1 and all(p.endswith("/timm/resnet18.a1_in1k/resolve/main/model.safetensors") for _, p in requests)
     assert pretrained.fetch(w) == got and len(requests) == n  # the hit asks nobody
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert pretrained.fetch(w) == got  # and needs no connection
     built = models.build_model("timm/resnet18", 4, pretrained_state=pretrained.load_state(w, got))
     assert torch.equal(built.conv1.weight, model.conv1.weight) and built.fc.out_features == 4
 

@@ -110,6 +110,8 @@ def test_offline_without_the_file_is_one_line_and_exit_1(data, cwd, monkeypatch,
     (["--pretrained", "--weights", "x.pth"], "both give the starting weights"),
     (["--freeze-epochs", "1"], "add --pretrained"),
     (["--pretrained", "IMAGENET9K"], "resnet18 has no such weights"),
+    (["--pretrained", "--model", "small_cnn"], "small_cnn (dlenv's own CPU model"),
+    (["--pretrained", "--model", "models/net.py:build"], "is your own: load its weights with --weights FILE"),
 ])
 def test_bad_combinations_are_one_line(data, cwd, capsys, args, match):
     assert _cli("--model", "resnet18", *args, "--data", str(data)) != 0

@@ -58,6 +58,9 @@ class Plan:
             return None
         if cfg.weights:
             raise UserError(f"--pretrained and --weights {cfg.weights} both give the starting weights; pass one")
+        if cfg.model == "small_cnn":
+            raise UserError("--pretrained: small_cnn (dlenv's own CPU model, the demo's recipe without a GPU) has "
+                            "no pretrained weights; pass --model resnet18, or another torchvision or timm/ model")
         if ":" in cfg.model or cfg.model.endswith(".py"):
             raise UserError(f"--pretrained is for torchvision and timm models; --model {cfg.model} is your own: "
                             "load its weights with --weights FILE")
