@@ -44,7 +44,7 @@ def digits_folder(root: Path, per_class: int, val_per_class: int = 60, size: int
         folder = root / split / str(label)
         folder.mkdir(parents=True, exist_ok=True)
         grey = (digits.images[i] * (255 / 16)).astype(np.uint8)
-        img = Image.fromarray(grey, "L").resize((size, size), Image.BILINEAR).convert("RGB")
+        img = Image.fromarray(grey).resize((size, size), Image.BILINEAR).convert("RGB")  # 2-D uint8: greyscale
         img.save(folder / f"{i:04d}.png")
     return root
 
