@@ -41,12 +41,10 @@ mkdir -p "$work"
 
 # --- base ----------------------------------------------------------------------------------------------
 base=dlenv-ci-base:$(echo "bookworm $packages $mirror" | cat - docker/ci/make-bases.sh | sha256sum | cut -c1-16)
-if have_image "$base"; then
-    say "$base is there (cached)"
-else
+build_base() {
     say "building $base: debootstrap --variant=minbase bookworm from $mirror"
     command -v debootstrap >/dev/null || die "debootstrap is not installed (apt-get install debootstrap)"
-    rootfs=$work/rootfs
+    local rootfs=$work/rootfs
     rm -rf "$rootfs"
     debootstrap --variant=minbase --include="$packages" bookworm "$rootfs" "$mirror" > "$work/debootstrap.log" 2>&1 \
         || die "debootstrap failed; its log: $work/debootstrap.log ($(tail -n 1 "$work/debootstrap.log"))"
@@ -54,6 +52,17 @@ else
     rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* "$rootfs"/tmp/*
     tar -C "$rootfs" -c . | "$docker" import -c 'CMD ["bash"]' - "$base" >/dev/null
     rm -rf "$rootfs"
+}
+# In the background: the base and the env need nothing of each other, and each spends most of its time
+# waiting on a download (a fresh machine builds both; the wait below joins them).
+base_pid=""
+# If the env fails first, the base's build is stopped and waited for: nothing of this script outlives it.
+trap 'if [ -n "$base_pid" ]; then kill "$base_pid" 2>/dev/null; wait "$base_pid" 2>/dev/null; fi' EXIT
+if have_image "$base"; then
+    say "$base is there (cached)"
+else
+    build_base &
+    base_pid=$!
 fi
 
 # --- env -----------------------------------------------------------------------------------------------
@@ -113,6 +122,10 @@ else
     cp /usr/bin/tini "$stage/opt/conda/bin/tini"  # the ENTRYPOINT's path; Debian's tini 0.19, as conda-forge's
     tar -C "$stage" -c opt | "$docker" import - "$env" >/dev/null
     rm -rf "$stage"
+fi
+if [ -n "$base_pid" ]; then
+    wait "$base_pid" || { base_pid=""; die "the base image was not built (above)"; }
+    base_pid=""
 fi
 # Older stamps are older inputs: their images only fill the disk (the env is a few GB).
 for name in $("$docker" image ls --format '{{.Repository}}:{{.Tag}}' dlenv-ci-base) \
