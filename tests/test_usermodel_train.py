@@ -329,7 +329,8 @@ def test_a_bad_model_is_one_line_from_the_command_line_and_writes_nothing(projec
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     (project / "models" / "broken.py").write_text("import torch\n\ndef build(num_classes):\n    return nn.Linear(2)\n")
     for ref, says in [("models/nope.py:build", "models/nope.py not found in"),
-                      ("models/broken.py:build", "build(num_classes=2) failed at line 4 of models/broken.py: NameError")]:
+                      ("models/broken.py:build",
+                       "build(num_classes=2) failed at line 4 of models/broken.py: NameError")]:
         p = subprocess.run([sys.executable, "-m", "dlenv", "train", "--model", ref, "--data", "data", "--device",
                             "cpu", "--workers", "0"], capture_output=True, text=True, env=env, timeout=120)
         assert p.returncode == 2 and p.stderr.count("\n") == 1 and says in p.stderr, p.stderr
