@@ -118,7 +118,8 @@ def train_scenario(args: dict) -> None:
     from dlenv.config import TrainConfig
 
     eval_transforms = loaders.build_transforms
-    loaders.build_transforms = lambda img_size, train, scale=None: eval_transforms(img_size, False)
+    # every call gets the eval transforms, whatever augmentation options the trainer passes on
+    loaders.build_transforms = lambda img_size, train, *a, **kw: eval_transforms(img_size, False)
     # no BatchNorm, no dropout: a run's result depends only on the data order and the gradients
     dlenv.models.build_model = lambda name, num_classes, weights=None, **kw: Tiny(num_classes, norm=False, dropout=0)
     out = train.train(config.build(TrainConfig, **args))
