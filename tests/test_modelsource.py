@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import textwrap
 
 import pytest
-from usermodels import isolated_imports, write_project
+from usermodels import isolated_imports, one_line, write, write_project
 
 from dlenv import modelsource
 from dlenv.errors import UserError
@@ -23,19 +22,6 @@ def project(tmp_path, monkeypatch):
     monkeypatch.chdir(root)
     with isolated_imports(tmp_path):
         yield root
-
-
-def write(root, rel, source):
-    path = root / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(textwrap.dedent(source))
-    return path
-
-
-def one_line(err) -> str:
-    text = str(err.value)
-    assert "\n" not in text and "Traceback" not in text
-    return text
 
 
 def _source(ref, path=None, args=None):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from weightserver import hub_file, serve, torchvision_file
+from weightserver import hub_file, isolated_cache, serve, torchvision_file
 
 from dlenv import finetune, models, pretrained
 from dlenv.errors import UserError
@@ -21,11 +21,7 @@ from dlenv.errors import UserError
 
 @pytest.fixture
 def cwd(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    for k in ("TORCH_HOME", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", pretrained.OFFLINE_ENV,
-              pretrained.MIRROR_ENV, "HF_ENDPOINT"):
-        monkeypatch.delenv(k, raising=False)
-    return tmp_path
+    return isolated_cache(monkeypatch, tmp_path)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import torch
 import torchvision
 import yaml
 from imagedata import make_train_val, train_config
-from weightserver import hub_file, serve, torchvision_file
+from weightserver import hub_file, isolated_cache, serve, torchvision_file
 
 from dlenv import cli, pretrained, runstate
 from dlenv import train as train_mod
@@ -24,11 +24,7 @@ from dlenv import train as train_mod
 
 @pytest.fixture
 def cwd(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    for k in ("TORCH_HOME", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", pretrained.OFFLINE_ENV,
-              pretrained.MIRROR_ENV, "HF_ENDPOINT"):
-        monkeypatch.delenv(k, raising=False)
-    return tmp_path
+    return isolated_cache(monkeypatch, tmp_path)
 
 
 @pytest.fixture

@@ -5,12 +5,11 @@ imported: test_modelsource.py.)"""
 from __future__ import annotations
 
 import hashlib
-import textwrap
 
 import pytest
 import torch
 from torch import nn
-from usermodels import isolated_imports, write_project
+from usermodels import isolated_imports, one_line, write, write_project
 
 from dlenv import config, modelsource, usermodel
 from dlenv.config import TrainConfig
@@ -25,19 +24,6 @@ def project(tmp_path, monkeypatch):
     monkeypatch.chdir(root)
     with isolated_imports(tmp_path):
         yield root
-
-
-def write(root, rel, source):
-    path = root / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(textwrap.dedent(source))
-    return path
-
-
-def one_line(err) -> str:
-    text = str(err.value)
-    assert "\n" not in text and "Traceback" not in text
-    return text
 
 
 def build_like_the_trainer(ref, num_classes=3, model_args=None, img_size=None):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib.machinery
 import sys
+import textwrap
 from pathlib import Path
 
 RESNET = '''
@@ -207,6 +208,21 @@ def write_project(root: Path) -> Path:
     for name, (source, _) in MODELS.items():
         (root / "models" / name).write_text(source)
     return root
+
+
+def write(root: Path, rel: str, source: str) -> Path:
+    """`source` (dedented) written to `root/rel`, folders made; returns the file."""
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+def one_line(err) -> str:
+    """The message of a pytest.raises result, asserted to be one line with no traceback."""
+    text = str(err.value)
+    assert "\n" not in text and "Traceback" not in text
+    return text
 
 
 @contextlib.contextmanager

@@ -89,3 +89,15 @@ def serve(root: Path):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def isolated_cache(monkeypatch, folder: Path) -> Path:
+    """`folder` as the working folder, with no cache, offline or mirror setting of this machine's
+    environment reaching the code under test; returns `folder`."""
+    from dlenv import pretrained
+
+    monkeypatch.chdir(folder)
+    for k in ("TORCH_HOME", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", pretrained.OFFLINE_ENV,
+              pretrained.MIRROR_ENV, "HF_ENDPOINT"):
+        monkeypatch.delenv(k, raising=False)
+    return folder
