@@ -158,6 +158,30 @@ def test_timm_weights_resolve_from_its_pretrained_config(cwd):
         pretrained.resolve("timm/resnet18x", "DEFAULT")
 
 
+@pytest.mark.parametrize("model, weights, want", [
+    ("resnet50", "IMAGENET1K_V2", "bilinear"),
+    ("efficientnet_b0", "DEFAULT", "bicubic"),           # torchvision's weights meta: BICUBIC
+    ("vit_b_16", "IMAGENET1K_SWAG_E2E_V1", "bicubic"),
+    ("timm/resnet18", "DEFAULT", "bicubic"),             # timm's pretrained_cfg: 'bicubic'
+    ("timm/resnet18", "tv_in1k", "bilinear"),
+])
+def test_the_weights_resampling_becomes_the_pipelines_name(cwd, model, weights, want):
+    if model.startswith("timm/"):
+        pytest.importorskip("timm")
+    w = pretrained.resolve(model, weights)
+    assert w.interpolation == want and w.record()["interpolation"] == want
+    assert pretrained.interpolation_of({"config": {"model": model, "pretrained": weights}}) == want
+
+
+@pytest.mark.parametrize("value, want", [
+    ("bicubic", "bicubic"), ("BILINEAR", "bilinear"), ("nearest", "nearest"), (None, "bilinear"),
+    ("random", "bilinear"), ("lanczos", "bicubic"), (torchvision.transforms.InterpolationMode.BICUBIC, "bicubic"),
+    (torchvision.transforms.InterpolationMode.HAMMING, "bicubic"),
+])
+def test_interpolation_names_map_onto_the_modes_both_paths_have(value, want):
+    assert pretrained.interpolation(value) == want and want in pretrained.INTERPOLATIONS
+
+
 def test_timm_miss_then_hit_through_hf_endpoint(timm_server, cwd, monkeypatch):
     model, requests = timm_server
     w = pretrained.resolve("timm/resnet18", "DEFAULT")
@@ -213,13 +237,14 @@ def test_no_download_without_pretrained(cwd, monkeypatch):
 
 
 def test_val_normalizes_as_the_run_did(cwd):
-    """`dlenv val`, prune and export read the weights' mean and std from the checkpoint's options."""
+    """`dlenv val`, prune and export read the weights' mean, std and resampling from the checkpoint's options."""
     pytest.importorskip("timm")
     vit = {"config": {"model": "timm/vit_tiny_patch16_224", "pretrained": "DEFAULT"}}
     assert pretrained.norm_of(vit) == ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
     assert pretrained.norm_of({"config": {"model": "resnet18", "pretrained": None}}) is None
     assert pretrained.norm_of({"config": {"model": "resnet18", "pretrained": "NOPE"}}) is None
     assert pretrained.norm_of({"model": {}}) is None
+    assert pretrained.interpolation_of(vit) == "bicubic" and pretrained.interpolation_of({"model": {}}) == "bilinear"
 
 
 def test_timm_arguments_that_would_fetch_weights_are_refused(cwd):

@@ -86,7 +86,12 @@ def test_dlenv_train_pretrained_timm_end_to_end(server, data, cwd):
     arch = "timm/mobilenetv3_small_050"
     assert _cli("--model", arch, "--pretrained", "--model-args", "drop_rate=0.1", "--data", str(data)) == 0
     text = (cwd / "runs" / "exp" / "config.yaml").read_text()
-    assert "timm/mobilenetv3_small_050.lamb_in1k" in text and "bicubic" in text and "drop_rate=0.1" in text
+    assert "timm/mobilenetv3_small_050.lamb_in1k" in text and "drop_rate=0.1" in text
+    # its pretrained_cfg says bicubic: recorded with the weights, and applied (the input plan's line)
+    from dlenv.train.state import read_config_notes
+
+    notes = read_config_notes(cwd / "runs" / "exp" / "config.yaml")
+    assert "'interpolation': 'bicubic'" in notes["pretrained"] and "flips, bicubic)" in notes["input"]
     ck = runstate.load_checkpoint(cwd / "runs" / "exp" / "last.pth")
     moved = (ck["model"]["conv_stem.weight"] - model.conv_stem.weight).abs().max().item()
     assert moved < 0.05 and ck["model"]["classifier.weight"].shape[0] == 2
@@ -186,7 +191,8 @@ def test_resume_is_exact_through_the_unfreeze(server, data, cwd, monkeypatch):
 
 
 def test_the_weights_normalization_reaches_the_input_pipeline(server, data, cwd, monkeypatch):
-    """A timm ViT's weights want mean = std = 0.5: the plan's input normalizes by them, train and val."""
+    """A timm ViT's weights want mean = std = 0.5 and bicubic: the plan's input normalizes and resizes as
+    they say, train and val."""
     import dataclasses
 
     from dlenv.data import loaders, pipeline
@@ -194,10 +200,11 @@ def test_the_weights_normalization_reaches_the_input_pipeline(server, data, cwd,
     _serve_torchvision(server[0], "mobilenet_v3_small", monkeypatch)
     real_resolve, real_decide, plans = pretrained.resolve, pipeline.decide, []
     half = (0.5, 0.5, 0.5)
-    monkeypatch.setattr(pretrained, "resolve", lambda *a: dataclasses.replace(real_resolve(*a), mean=half, std=half))
+    monkeypatch.setattr(pretrained, "resolve", lambda *a: dataclasses.replace(real_resolve(*a), mean=half, std=half,
+                                                                              interpolation="bicubic"))
     monkeypatch.setattr(pipeline, "decide", lambda *a, **k: plans.append(real_decide(*a, **k)) or plans[-1])
     summary = train_mod.train(_cfg(cwd, data, epochs=1, max_steps=1))
-    assert plans[-1].norm == (half, half)
+    assert plans[-1].norm == (half, half) and plans[-1].interpolation == "bicubic"
     from dlenv.train.state import read_config_notes
 
     note = read_config_notes(Path(summary["run_dir"]) / "config.yaml")["pretrained"]
@@ -218,3 +225,50 @@ def test_gpu_augment_normalizes_by_the_weights_statistics():
     sizes = torch.tensor([[8, 8], [8, 8]])
     out = GpuAugment(8, False, norm=half)(images, sizes)
     assert torch.allclose(out, torch.ones_like(out), atol=1e-4)
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["cpu-transforms", "device-grid-sample"])
+@pytest.mark.parametrize("mode", pretrained.INTERPOLATIONS)
+def test_the_plans_interpolation_reaches_every_resize(data, on_device, mode):
+    """The plan's interpolation is what train and val resize with, on either path: torchvision's
+    RandomResizedCrop and Resize in the workers, grid_sample's mode on the device."""
+    from torchvision.transforms import InterpolationMode
+
+    from dlenv.data import pipeline
+
+    located = pipeline.locate(str(data))
+    opts = pipeline.InputOptions(workers=0, gpu_augment="on" if on_device else "off", cache="off")
+    plan = pipeline.decide(opts, located, "cpu", 2, 16, interpolation=mode)
+    assert plan.interpolation == mode and plan.augmentation().endswith(mode)
+    train, val = pipeline.make_loaders(located.layout, plan, "cpu")
+    if on_device:
+        assert train.augment.interpolation == val.augment.interpolation == mode
+    else:
+        crop, resize = train.dataset.transform.transforms[0], val.dataset.transform.transforms[0]
+        assert (type(crop).__name__, type(resize).__name__) == ("RandomResizedCrop", "Resize")
+        assert crop.interpolation == resize.interpolation == InterpolationMode(mode)
+    images, _ = next(iter(val))
+    assert images.shape[-2:] == (16, 16)
+
+
+def test_gpu_augment_samples_with_its_mode_and_keeps_bicubic_in_range():
+    import torch.nn.functional as F
+
+    from dlenv.data.gpu_aug import GpuAugment, boxes_to_theta, center_boxes
+
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (2, 24, 24, 3), dtype=torch.uint8, generator=g)
+    sizes = torch.tensor([[24, 24], [24, 24]])
+    no_norm = ((0.0,) * 3, (1 / 255,) * 3)  # out = pixel value
+    outs = {m: GpuAugment(10, False, norm=no_norm, interpolation=m)(images, sizes) for m in pretrained.INTERPOLATIONS}
+    theta = boxes_to_theta(center_boxes(sizes)).float()
+    grid = F.affine_grid(theta, [2, 3, 10, 10], align_corners=False)
+    x = images.permute(0, 3, 1, 2).float()
+    for m, out in outs.items():
+        want = F.grid_sample(x, grid, mode=m, padding_mode="border", align_corners=False).clamp(0, 255)
+        assert torch.allclose(out, want, atol=1e-3), m
+    assert not torch.allclose(outs["bilinear"], outs["bicubic"]) and not torch.allclose(outs["bilinear"],
+                                                                                          outs["nearest"])
+    assert outs["bicubic"].min() >= 0 and outs["bicubic"].max() <= 255
+    with pytest.raises(ValueError, match="not one of: bilinear, bicubic, nearest"):
+        GpuAugment(10, False, interpolation="lanczos")

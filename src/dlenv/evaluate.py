@@ -455,7 +455,8 @@ def main(cfg: Any) -> int:
         size = 224
         print("image size: 224 (the state dict does not say; set --img-size to change it)")
     loader = build_eval_loader(samples, size, cfg.batch_size, resolve_workers(cfg.workers, cfg.batch_size, size),
-                               norm=pretrained.norm_of(ckpt))  # --pretrained weights' own mean and std
+                               # --pretrained weights' own mean, std and resampling
+                               norm=pretrained.norm_of(ckpt), interpolation=pretrained.interpolation_of(ckpt))
     mode, why = val_precision(cfg.precision, cfg.amp, {} if bare else dict(ckpt.get("config") or {}), device)
     how = f"{mode}: {why}; --precision fp32 to change" if mode != "fp32" else why
     print(f"validating {weights} on {len(samples)} images from {root}, {what} ({device}, {size}px, {how})")

@@ -46,6 +46,8 @@ MIRROR_ENV = "DLENV_TORCHVISION_URL"
 OFFLINE_ENV = "DLENV_OFFLINE"
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+#: the resampling modes the input pipeline applies (torchvision's transforms and grid_sample both have them)
+INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
 _OFF = ("off", "none", "false", "no", "0")
 _DEFAULT = ("default", "true", "on", "yes", "1")
 _HASH = re.compile(r"-([a-f0-9]{8,64})\.")
@@ -170,7 +172,7 @@ def _resolve_torchvision(model: str, pretrained: str) -> Any:
     return Weights(model=model, name=f"{type(w).__name__}.{w.name}", source="torchvision", file=file,
                    url=f"{torchvision_base()}/{file}", num_classes=len(w.meta["categories"]), img_size=int(crop),
                    mean=tuple(float(x) for x in tf.mean), std=tuple(float(x) for x in tf.std),
-                   interpolation=str(tf.interpolation.value), hash_prefix=prefix.group(1) if prefix else None)
+                   interpolation=interpolation(tf.interpolation.value), hash_prefix=prefix.group(1) if prefix else None)
 
 
 def torchvision_base() -> str:
@@ -205,23 +207,44 @@ def _resolve_timm(model: str, pretrained: str) -> Weights:
     return Weights(model=model, name=f"timm/{repo.split('/', 1)[-1]}", source="timm", file=file,
                    url=f"{hf_endpoint()}/{repo}/resolve/main/{file}", num_classes=int(cfg.num_classes),
                    img_size=int(cfg.input_size[-1]), mean=tuple(float(x) for x in cfg.mean),
-                   std=tuple(float(x) for x in cfg.std), interpolation=str(cfg.interpolation or "bilinear"),
+                   std=tuple(float(x) for x in cfg.std), interpolation=interpolation(cfg.interpolation),
                    repo=repo, classifier=tuple(c for c in classifier if c))
 
 
-def norm_of(ckpt: Any) -> tuple[tuple, tuple] | None:
-    """(mean, std) a dlenv checkpoint's run normalized by: its --pretrained weights' own (looked up in the
-    libraries' registries from the names its config holds; nothing is fetched), else None (ImageNet's).
-    Names that no longer resolve fall back to None: val then says nothing it cannot stand behind."""
+def interpolation(value: Any) -> str:
+    """The resampling a weights record names, as one of INTERPOLATIONS: torchvision's InterpolationMode
+    values and timm's `interpolation` strings are these names already; lanczos and hamming (sharper
+    filters no GPU kernel has) become bicubic, anything else (timm's 'random', none) bilinear."""
+    s = str(getattr(value, "value", value) or "").strip().lower()
+    if s in INTERPOLATIONS:
+        return s
+    return "bicubic" if s in ("lanczos", "hamming") else "bilinear"
+
+
+def _weights_of(ckpt: Any) -> Weights | None:
+    """The --pretrained weights a dlenv checkpoint's run started from, looked up in the libraries'
+    registries from the names its config holds (nothing is fetched); None without them, or when the names
+    no longer resolve (val then says nothing it cannot stand behind)."""
     config = ckpt.get("config") if isinstance(ckpt, dict) else None
     if not isinstance(config, dict) or not isinstance(config.get("pretrained"), str):
         return None
-    model = config.get("model")
     try:
-        w = resolve(model, parse_pretrained(config["pretrained"]) or "")
+        return resolve(config.get("model"), parse_pretrained(config["pretrained"]) or "")
     except (UserError, ValueError, TypeError, AttributeError):
         return None
-    return (tuple(w.mean), tuple(w.std))
+
+
+def norm_of(ckpt: Any) -> tuple[tuple, tuple] | None:
+    """(mean, std) a dlenv checkpoint's run normalized by: its --pretrained weights' own, else None
+    (ImageNet's)."""
+    w = _weights_of(ckpt)
+    return (tuple(w.mean), tuple(w.std)) if w else None
+
+
+def interpolation_of(ckpt: Any) -> str:
+    """The resampling a dlenv checkpoint's run resized with: its --pretrained weights' own, else bilinear."""
+    w = _weights_of(ckpt)
+    return w.interpolation if w else "bilinear"
 
 
 def hf_endpoint() -> str:

@@ -105,7 +105,8 @@ def eval_loader(data: str | None, src: Source, batch_size: int, workers: int | s
     from dlenv.data.loaders import build_eval_loader
 
     root, samples = _val_data(data, src)
-    return root, build_eval_loader(samples, src.img_size, batch_size, workers, norm=pretrained.norm_of(src.ckpt))
+    return root, build_eval_loader(samples, src.img_size, batch_size, workers, norm=pretrained.norm_of(src.ckpt),
+                                   interpolation=pretrained.interpolation_of(src.ckpt))
 
 
 def train_layout(src: Source) -> Any:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from dlenv.data.loaders import IMAGENET_MEAN, IMAGENET_STD
+from dlenv.pretrained import INTERPOLATIONS
 
 #: eval crops this fraction of the shorter side (torchvision: Resize(256) then CenterCrop(224))
 EVAL_CROP = 224 / 256
@@ -85,16 +86,21 @@ class GpuAugment:
     """Stored-form uint8 batches -> normalized float batches, on the batch's own device.
 
     train=True: RandomResizedCrop(img_size, scale, ratio) + horizontal flip (if `hflip`), drawn by
-    `random_boxes` from `seed`; train=False: the eval centre crop. Output: (B, 3, img_size, img_size) in `dtype`
-    (float32, or bf16/fp16 under AMP), `memory_format` (channels_last for CNNs), ImageNet-normalized.
+    `random_boxes` from `seed`; train=False: the eval centre crop. Both sample with `interpolation`
+    ('bilinear', 'bicubic' or 'nearest': grid_sample's modes; pretrained weights' own), bicubic clamped
+    to the pixel range as torchvision's resize clamps it. Output: (B, 3, img_size, img_size) in `dtype`
+    (float32, or bf16/fp16 under AMP), `memory_format` (channels_last for CNNs), normalized by `norm`
+    (mean, std): pretrained weights' own, else ImageNet's.
     """
 
     def __init__(self, img_size: int, train: bool, dtype: torch.dtype = torch.float32,
                  memory_format: torch.memory_format = torch.contiguous_format,
                  scale: tuple[float, float] = (0.08, 1.0), ratio: tuple[float, float] = (3 / 4, 4 / 3),
-                 hflip: bool = True, norm: tuple[tuple, tuple] | None = None):
-        self.img_size, self.train = img_size, train
-        self.mean, self.std = norm or (IMAGENET_MEAN, IMAGENET_STD)  # pretrained weights' own, else ImageNet's
+                 hflip: bool = True, norm: tuple[tuple, tuple] | None = None, interpolation: str = "bilinear"):
+        if interpolation not in INTERPOLATIONS:
+            raise ValueError(f"interpolation {interpolation!r} is not one of: {', '.join(INTERPOLATIONS)}")
+        self.img_size, self.train, self.interpolation = img_size, train, interpolation
+        self.mean, self.std = norm or (IMAGENET_MEAN, IMAGENET_STD)
         self.dtype, self.memory_format = dtype, memory_format
         self.scale, self.ratio, self.flip_p = scale, ratio, 0.5 if hflip else 0.0
         self._stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -128,7 +134,9 @@ class GpuAugment:
         x = images.permute(0, 3, 1, 2).float()  # NHWC uint8 -> NCHW view in channels_last layout
         b = x.shape[0]
         grid = F.affine_grid(theta, [b, 3, self.img_size, self.img_size], align_corners=False)
-        out = F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
+        out = F.grid_sample(x, grid, mode=self.interpolation, padding_mode="border", align_corners=False)
+        if self.interpolation == "bicubic":  # its overshoot at edges leaves 0..255
+            out = out.clamp_(0.0, 255.0)
         mean, inv_std = self._normalize_stats(device)
         out = (out - mean) * inv_std
         return out.contiguous(memory_format=self.memory_format).to(self.dtype)

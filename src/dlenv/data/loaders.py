@@ -51,18 +51,20 @@ class BadImageError(UserError):
 
 def build_transforms(img_size: int, train: bool, scale: tuple[float, float] = (0.08, 1.0),
                      ratio: tuple[float, float] = (3 / 4, 4 / 3), hflip: bool = True,
-                     norm: tuple[tuple, tuple] | None = None) -> Callable:
+                     norm: tuple[tuple, tuple] | None = None, interpolation: str = "bilinear") -> Callable:
     """torchvision transforms: train = RandomResizedCrop(img_size, scale, ratio) + horizontal flip (if
-    `hflip`); eval = Resize(img_size * 256/224) + CenterCrop(img_size); both end in ToTensor + Normalize
-    by `norm` (mean, std): pretrained weights' own, else ImageNet's."""
+    `hflip`); eval = Resize(img_size * 256/224) + CenterCrop(img_size); both resize with `interpolation`
+    ('bilinear', 'bicubic' or 'nearest': pretrained weights' own) and end in ToTensor + Normalize by
+    `norm` (mean, std): pretrained weights' own, else ImageNet's."""
     from torchvision import transforms as T
 
     mean, std = norm or (IMAGENET_MEAN, IMAGENET_STD)
-
+    mode = T.InterpolationMode(interpolation)
     if train:
-        head = [T.RandomResizedCrop(img_size, scale=scale, ratio=ratio)] + ([T.RandomHorizontalFlip()] if hflip else [])
+        head = [T.RandomResizedCrop(img_size, scale=scale, ratio=ratio, interpolation=mode)]
+        head += [T.RandomHorizontalFlip()] if hflip else []
     else:
-        head = [T.Resize(_eval_resize(img_size)), T.CenterCrop(img_size)]
+        head = [T.Resize(_eval_resize(img_size), interpolation=mode), T.CenterCrop(img_size)]
     return T.Compose([*head, T.ToTensor(), T.Normalize(mean, std)])
 
 
@@ -324,21 +326,21 @@ def build_loaders(layout: Any, img_size: int, batch_size: int, workers: int | st
                   bad_images: str = "skip", train_sampler: Any = None, pin_memory: bool | None = None,
                   drop_last: bool = False, train_scale: tuple[float, float] = (0.08, 1.0),
                   train_ratio: tuple[float, float] = (3 / 4, 4 / 3), hflip: bool = True,
-                  decoder: str = "pil",
-                  norm: tuple[tuple, tuple] | None = None) -> tuple[SafeLoader, SafeLoader | None]:
+                  decoder: str = "pil", norm: tuple[tuple, tuple] | None = None,
+                  interpolation: str = "bilinear") -> tuple[SafeLoader, SafeLoader | None]:
     """(train_loader, val_loader) for a folder.Layout; val_loader is None when the layout has no val.
 
     Train shuffles with a generator seeded by `seed` unless `train_sampler` is given (then the
     sampler decides the order); val keeps sample order. Memory is pinned when CUDA is available
     (pin_memory=None); workers persist across epochs. Each loader's `bad_paths` collects skipped files.
-    `decoder`: 'pil', 'cv2' or 'tvio' (dlenv.data.decode) for JPEGs.
+    `decoder`: 'pil', 'cv2' or 'tvio' (dlenv.data.decode) for JPEGs; `norm` and `interpolation`: see
+    `build_transforms`.
     """
     n = resolve_workers(workers, batch_size, img_size)
     gen = torch.Generator()
     gen.manual_seed(seed)  # also seeds each worker's RNG, so augmentations repeat run to run
-    train_ds = ImageDataset(layout.train, build_transforms(img_size, True, train_scale, train_ratio, hflip, norm),
-                            bad_images,
-                            _decode_fn(decoder, None))
+    train_ds = ImageDataset(layout.train, build_transforms(img_size, True, train_scale, train_ratio, hflip, norm,
+                                                           interpolation), bad_images, _decode_fn(decoder, None))
     # no sampler: the loader leaves out a last batch of one (BatchNorm cannot train on it), as
     # ResumableSampler(batch_size=) does
     drop_last = drop_last or (train_sampler is None and lone_last(len(train_ds), batch_size))
@@ -346,7 +348,8 @@ def build_loaders(layout: Any, img_size: int, batch_size: int, workers: int | st
                         sampler=train_sampler, generator=gen, drop_last=drop_last)
     if not layout.val:
         return train, None
-    val_ds = ImageDataset(layout.val, build_transforms(img_size, False, norm=norm), bad_images,
+    val_ds = ImageDataset(layout.val, build_transforms(img_size, False, norm=norm, interpolation=interpolation),
+                          bad_images,
                           _decode_fn(decoder, _eval_resize(img_size)))
     val = make_loader(val_ds, batch_size, n, pin_memory, True, shuffle=False)
     return train, val
@@ -354,12 +357,12 @@ def build_loaders(layout: Any, img_size: int, batch_size: int, workers: int | st
 
 def build_eval_loader(samples: Sequence[tuple[str, int]], img_size: int, batch_size: int,
                       workers: int | str, bad_images: str = "skip", decoder: str = "pil",
-                      norm: tuple[tuple, tuple] | None = None) -> SafeLoader:
+                      norm: tuple[tuple, tuple] | None = None, interpolation: str = "bilinear") -> SafeLoader:
     """A loader over eval transforms in sample order, for one pass (the i-th prediction is the i-th
     sample's). A skipped bad file's slot holds its substitute; `loader.bad_paths` lists those files
     after the pass, so their predictions can be dropped."""
     n = resolve_workers(workers, batch_size, img_size)
-    ds = ImageDataset(samples, build_transforms(img_size, False, norm=norm), bad_images,
+    ds = ImageDataset(samples, build_transforms(img_size, False, norm=norm, interpolation=interpolation), bad_images,
                       _decode_fn(decoder, _eval_resize(img_size)))
     return make_loader(ds, batch_size, n, None, False, shuffle=False)
 

@@ -182,6 +182,7 @@ class InputPlan:
     hflip: bool = True
     augment: str = "standard"
     norm: tuple[tuple, tuple] | None = None  # (mean, std) of pretrained weights; None: ImageNet's
+    interpolation: str = "bilinear"  # every resize and crop: pretrained weights' own (bicubic for most timm's)
 
     def describe(self, device: Any) -> str:
         """One line: where batches come from, how and where they are augmented."""
@@ -192,10 +193,10 @@ class InputPlan:
         return f"input: {source}, augmentation on {where} ({self.augmentation()}), {self.workers} workers"
 
     def augmentation(self) -> str:
-        """The training augmentation in words: preset, crop range, flips."""
+        """The training augmentation in words: preset, crop range, flips, interpolation."""
         lo, hi = self.train_scale
         crops = "whole image" if lo == hi == 1.0 else f"crops {lo:.0%}-{hi:.0%}"
-        return f"{self.augment}: {crops}, {'flips' if self.hflip else 'no flips'}"
+        return f"{self.augment}: {crops}, {'flips' if self.hflip else 'no flips'}, {self.interpolation}"
 
 
 def decide_augment(opts: InputOptions, demo: bool) -> tuple[str, tuple[float, float], tuple[float, float], bool]:
@@ -216,7 +217,8 @@ def workers_per_process(workers: int, local_world_size: int) -> int:
 
 
 def decide(opts: InputOptions, located: Located, device: Any, batch_size: int, img_size: int,
-           local_world_size: int = 1, norm: tuple[tuple, tuple] | None = None) -> InputPlan:
+           local_world_size: int = 1, norm: tuple[tuple, tuple] | None = None,
+           interpolation: str = "bilinear") -> InputPlan:
     """The input plan for `located` data on `device` (`local_world_size` processes share the node).
 
     Workers: the number given, or 'auto' (CPUs and /dev/shm, shared by the node's processes). Where
@@ -224,7 +226,8 @@ def decide(opts: InputOptions, located: Located, device: Any, batch_size: int, i
     `decode.prefer_nvjpeg` says so for these files (only when batches are augmented on a GPU and not
     cached), else the fastest CPU decoder on a few of them. The cache: 'auto' becomes 'disk' when
     several processes share the node (one file in the page cache, not a copy in each process).
-    `norm`: the (mean, std) pretrained weights were trained with (dlenv.pretrained), else ImageNet's.
+    `norm`: the (mean, std) pretrained weights were trained with (dlenv.pretrained), else ImageNet's;
+    `interpolation`: their resampling, else bilinear.
     Raises UserError for an unknown decoder or a missing library.
     """
     device = torch.device(device)
@@ -246,7 +249,7 @@ def decide(opts: InputOptions, located: Located, device: Any, batch_size: int, i
     cache_mode = "disk" if opts.cache_mode == "auto" and local_world_size > 1 else opts.cache_mode
     preset, scale, ratio, hflip = decide_augment(opts, located.demo)
     return InputPlan(img_size, batch_size, on_device, decoder, cpu_decoder, workers, opts.cache, cache_mode,
-                     opts.cache_dir, opts.bad_images, scale, ratio, hflip, preset, norm)
+                     opts.cache_dir, opts.bad_images, scale, ratio, hflip, preset, norm, interpolation)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -274,7 +277,8 @@ def make_loaders(layout: Any, plan: InputPlan, device: Any, *, seed: int = 0, dt
     return build_loaders(layout, plan.img_size, plan.batch_size, plan.workers, seed=seed,
                          bad_images=plan.bad_images, train_sampler=train_sampler,
                          pin_memory=device.type == "cuda", train_scale=plan.train_scale, decoder=plan.cpu_decoder,
-                         train_ratio=plan.train_ratio, hflip=plan.hflip, norm=plan.norm)
+                         train_ratio=plan.train_ratio, hflip=plan.hflip, norm=plan.norm,
+                         interpolation=plan.interpolation)
 
 
 def _device_loaders(layout: Any, plan: InputPlan, device: torch.device, seed: int, dtype: torch.dtype,
@@ -301,7 +305,8 @@ def _device_loaders(layout: Any, plan: InputPlan, device: torch.device, seed: in
     out = []
     for samples, sampler, train in splits:
         augment = GpuAugment(plan.img_size, train, dtype, memory_format, scale=plan.train_scale,
-                             ratio=plan.train_ratio, hflip=plan.hflip, norm=plan.norm)
+                             ratio=plan.train_ratio, hflip=plan.hflip, norm=plan.norm,
+                             interpolation=plan.interpolation)
         if train and sampler is None:
             sampler = ResumableSampler(len(samples), seed=seed, batch_size=plan.batch_size)
         if plan.cache:

@@ -85,6 +85,11 @@ class ModelSpec:
         w = self.pretrained.weights if self.pretrained else None
         return (tuple(w.mean), tuple(w.std)) if w else None
 
+    @property
+    def interpolation(self) -> str:
+        """The resampling the pretrained weights were trained with, for the input pipeline; else bilinear."""
+        return self.pretrained.weights.interpolation if self.pretrained else "bilinear"
+
     def check(self, model: nn.Module) -> None:
         """A model of your own must return logits [N, classes] (dlenv.usermodel.check_output)."""
         usermodel.check_output(model, self.name, self.num_classes, self.img_size.value)
@@ -212,7 +217,7 @@ def resolve(cfg: TrainConfig, resume: Any, dist: distributed.DistInfo, device: t
     batch = _batch_split(cfg, dist, located, probe, resume, say)
     micro, accum = batch.value
     input_plan = pipeline.decide(pipeline.InputOptions.of(cfg), located, device, micro, spec.img_size.value,
-                                 dist.local_world_size, norm=spec.norm)
+                                 dist.local_world_size, norm=spec.norm, interpolation=spec.interpolation)
     memory_format = torch.channels_last if channels_last.value else torch.contiguous_format
     data = pipeline.build_data(located, input_plan, device, dist, seed=cfg.seed, dtype=_dtype(precision.value),
                                memory_format=memory_format, max_steps=cfg.max_steps, say=say, epochs=cfg.epochs)
