@@ -126,8 +126,54 @@ def train_scenario(args: dict) -> None:
     result(rank=distributed.rank(), summary=out)
 
 
+def freeze_scenario(args: dict) -> None:
+    """The real trainer fine-tuning a Tiny "pretrained" model (conv, BatchNorm, head) with --freeze-epochs:
+    the weights come from a fixed state dict instead of a download. Reports, after each optimizer step,
+    what the backbone and the head hold, so the test can see them frozen, then trained, alike on each rank."""
+    from tinymodels import Tiny
+
+    import dlenv.data.loaders as loaders
+    import dlenv.models
+    from dlenv import config, finetune, pretrained, train
+    from dlenv.config import TrainConfig
+
+    eval_transforms = loaders.build_transforms
+    loaders.build_transforms = lambda img_size, train, *a, **kw: eval_transforms(img_size, False)
+    torch.manual_seed(7)
+    source = Tiny(5, dropout=0.0)
+    source.bn.running_mean.uniform_(-1, 1)  # statistics a frozen layer must keep, and training would move
+    source.bn.running_var.uniform_(0.5, 2)
+    state = {k: v for k, v in source.state_dict().items() if not k.startswith("fc.")}
+    built = []
+
+    def build_model(name, num_classes, weights=None, pretrained_state=None, **kw):
+        torch.manual_seed(100 + distributed.rank())  # heads differ per rank until DDP broadcasts rank 0's
+        model = Tiny(num_classes, dropout=0.0)
+        model.load_state_dict({**model.state_dict(), **(pretrained_state or {})})
+        built.append(model)
+        return model
+
+    dlenv.models.build_model = build_model
+    weights = pretrained.Weights(model="tiny", name="Tiny_Weights.TEST", source="torchvision", file="tiny.pth",
+                                 url="http://127.0.0.1/none", num_classes=5, img_size=16)
+    pretrained.resolve = lambda model, name: weights
+    finetune.Plan.state = lambda self: state if self.fetch else None
+    steps = []
+
+    def on_step(st):
+        m = built[-1]
+        steps.append({"epoch": st.epoch, "conv": m.conv.weight.sum().item(), "bn_w": m.bn.weight.sum().item(),
+                      "bn_mean": m.bn.running_mean.tolist(), "fc": m.fc.weight.sum().item()})
+
+    out = train.train(config.build(TrainConfig, **args), on_step=on_step)
+    result(rank=distributed.rank(), summary=out, steps=steps,
+           source={"conv": source.conv.weight.sum().item(), "bn_w": source.bn.weight.sum().item(),
+                   "bn_mean": source.bn.running_mean.tolist()},
+           final=[p.detach().flatten().tolist() for p in built[-1].parameters()])
+
+
 SCENARIOS = {"collectives": collectives_scenario, "dies": dies_scenario,
-             "torchrun_fail": torchrun_fail_scenario, "train": train_scenario}
+             "torchrun_fail": torchrun_fail_scenario, "train": train_scenario, "freeze": freeze_scenario}
 
 if __name__ == "__main__":
     try:

@@ -147,6 +147,34 @@ def test_two_processes_train_like_one_with_the_same_effective_batch(tmp_path):
     assert ck2["world_size"] == 2 and ck2["config"]["batch_size"] == 2 and ck2["config"]["accum_steps"] == 2
 
 
+def test_freeze_epochs_under_ddp_train_the_head_then_everything_alike_on_each_rank(tmp_path):
+    """--freeze-epochs 1 with 2 processes: DDP is told to find the frozen backbone's unused parameters, so the
+    head alone trains in epoch 1 (backbone weights and BatchNorm statistics exactly the pretrained ones: no
+    gradient, so no AdamW step or decay), the whole model in epoch 2, and both ranks hold the same weights
+    after every step."""
+    from imagedata import make_train_val
+
+    make_train_val(tmp_path / "ds", per_class=8, val_per_class=2)
+    args = dict(data=str(tmp_path / "ds"), project=str(tmp_path / "runs"), img_size=16, workers=0, epochs=2,
+                device="cpu", deterministic=True, model="tiny", pretrained="DEFAULT", freeze_epochs=1,
+                batch_size=4, optimizer="adamw", lr=0.01, warmup_epochs=0.0, gpus=2)
+    runs = finish(start_ranks("freeze", args), timeout=120)
+    assert [rc for rc, _, _ in runs] == [0, 0], [e[-1500:] for _, _, e in runs]
+    (_, r0, _), (_, r1, _) = runs
+    src = r0["source"]
+    frozen = [st for st in r0["steps"] if st["epoch"] == 0]
+    thawed = [st for st in r0["steps"] if st["epoch"] == 1]
+    assert len(frozen) == len(thawed) == 2  # 16 images, 2 ranks x 4 each per step
+    for st in frozen:
+        assert (st["conv"], st["bn_w"], st["bn_mean"]) == (src["conv"], src["bn_w"], src["bn_mean"])
+    assert frozen[0]["fc"] != frozen[1]["fc"]  # the head learned
+    assert thawed[-1]["conv"] != src["conv"] and thawed[-1]["bn_mean"] != src["bn_mean"]
+    for a, b in zip(r0["steps"], r1["steps"], strict=True):  # DDP kept the ranks in step
+        assert a["conv"] == pytest.approx(b["conv"], abs=1e-6) and a["fc"] == pytest.approx(b["fc"], abs=1e-6)
+    for p, q in zip(r0["final"], r1["final"], strict=True):
+        assert p == pytest.approx(q, abs=1e-6)
+
+
 def _read_until(proc: subprocess.Popen, marker: str, timeout: float) -> list[str]:
     """Lines of proc's stdout up to the first that starts with `marker` (kills proc after `timeout`)."""
     timer = threading.Timer(timeout, proc.kill)

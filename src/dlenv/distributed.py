@@ -261,8 +261,12 @@ def reduce_metrics(sums: Mapping[str, float | torch.Tensor]) -> dict[str, float]
 # The model.
 
 
-def wrap_ddp(model: nn.Module, device: torch.device, sync_bn: bool = False) -> nn.Module:
+def wrap_ddp(model: nn.Module, device: torch.device, sync_bn: bool = False, find_unused: bool = False) -> nn.Module:
     """`model` in DistributedDataParallel (parameters broadcast from rank 0 now); unchanged alone.
+
+    `find_unused`: some parameters take no part in some steps (a backbone --freeze-epochs holds frozen,
+    dlenv.finetune): DDP then finds them after each forward and leaves them without a gradient, at the
+    cost of a walk over the autograd graph per step.
 
     `sync_bn` converts BatchNorm layers to SyncBatchNorm in place first (batch statistics over all
     GPUs: worth it for small per-GPU batches); the parameters stay the same objects, so an optimizer
@@ -281,7 +285,7 @@ def wrap_ddp(model: nn.Module, device: torch.device, sync_bn: bool = False) -> n
     # gradient_as_bucket_view: gradients live in the all-reduce buckets (one copy less, less memory)
     with peer_errors("wrapping the model in DDP (broadcasting rank 0's weights)"):
         return DistributedDataParallel(model, device_ids=ids, output_device=ids[0] if ids else None,
-                                       gradient_as_bucket_view=True)
+                                       gradient_as_bucket_view=True, find_unused_parameters=find_unused)
 
 
 def no_sync_context(model: nn.Module, is_last_micro: bool) -> contextlib.AbstractContextManager:

@@ -12,6 +12,12 @@ The recipe (timm's and torchvision's references do the same in spirit):
 Whether a parameter is frozen is a function of the epoch alone (`set_epoch`), and the optimizer holds
 every parameter from the start (a frozen one simply has no gradient, so no step and no state), so
 --resume lands on the same state before, at and after the unfreeze.
+
+Under DDP (--gpus > 1) the wrapper is built once, with every parameter trainable, and told to look for
+unused parameters (`ddp_find_unused`): while the backbone is frozen its parameters take no part in the
+backward, DDP marks them ready without a gradient (they keep none, as on one GPU), and from the unfreeze
+on they are all-reduced like the head's. The frozen BatchNorm layers are found again at every
+`set_epoch`, so --sync-bn's SyncBatchNorm (which replaces the layers) stays frozen too.
 """
 
 from __future__ import annotations
@@ -64,9 +70,6 @@ class Plan:
         if ":" in cfg.model or cfg.model.endswith(".py"):
             raise UserError(f"--pretrained is for torchvision and timm models; --model {cfg.model} is your own: "
                             "load its weights with --weights FILE")
-        if cfg.freeze_epochs and getattr(cfg, "gpus", 1) * getattr(cfg, "nnodes", 1) > 1:
-            raise UserError("--freeze-epochs runs on one GPU for now (DDP fixes the trained parameters when it "
-                            "starts); use --freeze-epochs 0, the lower --backbone-lr alone")
         return cls(pretrained.resolve(cfg.model, cfg.pretrained), float(cfg.backbone_lr), int(cfg.freeze_epochs),
                    fresh, getattr(cfg, "trust_pickle", False) is True)
 
@@ -120,13 +123,8 @@ class _StayEval:
 def prepare(model: nn.Module, w: pretrained.Weights, num_classes: int, backbone_lr: float,
             freeze_epochs: int) -> Recipe:
     """Mark `model` for fine-tuning: its head, the backbone's learning-rate factor and the frozen epochs
-    (read by `lr_scales` and `set_epoch`). Returns the recipe."""
+    (read by `lr_scales`, `set_epoch` and `ddp_find_unused`). Returns the recipe."""
     recipe = Recipe(w.name, head_names(model, num_classes, w.classifier), float(backbone_lr), int(freeze_epochs))
-    head_modules = {n.rsplit(".", 1)[0] for n in recipe.head}
-    if freeze_epochs:
-        for name, m in model.named_modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and name not in head_modules:
-                m.train = _StayEval(m)
     setattr(model, _ATTR, recipe)
     return recipe
 
@@ -144,9 +142,17 @@ def lr_scales(model: nn.Module) -> dict[str, float] | None:
     return {n: 1.0 if n in head else recipe.backbone_lr for n, _ in model.named_parameters()}
 
 
+def ddp_find_unused(model: nn.Module) -> bool:
+    """Whether DDP must look for unused parameters in `model`: those of a backbone --freeze-epochs keeps
+    frozen for a while (DDP's default expects a gradient for every parameter in every step)."""
+    recipe = recipe_of(model)
+    return bool(recipe and recipe.freeze_epochs)
+
+
 def set_epoch(model: nn.Module, epoch: int) -> bool:
-    """Freeze or unfreeze the backbone for `epoch` (0-based); returns whether it is frozen. Does nothing
-    for a model not prepared for fine-tuning."""
+    """Freeze or unfreeze the backbone for `epoch` (0-based): its parameters' requires_grad, and its
+    BatchNorm layers held in eval mode at the epoch's model.train(). Returns whether it is frozen. Does
+    nothing for a model not prepared for fine-tuning."""
     recipe = recipe_of(model)
     if recipe is None or not recipe.freeze_epochs:
         return False
@@ -155,8 +161,11 @@ def set_epoch(model: nn.Module, epoch: int) -> bool:
     for n, p in model.named_parameters():
         if n not in head:
             p.requires_grad_(not frozen)
-    for m in model.modules():
-        stay = m.__dict__.get("train")
-        if isinstance(stay, _StayEval):
+    head_modules = {n.rsplit(".", 1)[0] for n in head}
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and name not in head_modules:
+            stay = m.__dict__.get("train")
+            if not isinstance(stay, _StayEval):  # first call, or a layer --sync-bn replaced since
+                stay = m.train = _StayEval(m)
             stay.frozen = frozen  # read at the epoch's model.train()
     return frozen

@@ -132,7 +132,7 @@ def build_parts(cfg: TrainConfig, decided: plan.TrainPlan, model: nn.Module, dev
                                 lr_scales=finetune.lr_scales(model))  # --pretrained: the backbone's lower rate
     scheduler = warmup_cosine(optimizer, round(cfg.warmup_epochs * steps), cfg.epochs * steps)
     # DDP first (it broadcasts rank 0's weights), then compile the wrapped model, as PyTorch advises
-    run_model = distributed.wrap_ddp(model, device, sync_bn=cfg.sync_bn)
+    run_model = distributed.wrap_ddp(model, device, sync_bn=cfg.sync_bn, find_unused=finetune.ddp_find_unused(model))
     ema = ModelEma(model, cfg.ema_decay) if cfg.ema else None
     eager = run_model  # kept: a compile that fails falls back to it (dlenv.train.loop.Rescue)
     if decided.compile.value:
