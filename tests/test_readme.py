@@ -7,6 +7,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,17 @@ def _copy_checkout(dest: Path) -> Path:
     return dest
 
 
+def _timed(cmd: str, cwd: Path, env: dict, log: Path) -> subprocess.CompletedProcess:
+    """`cmd` through bash as a user pastes it; its output and wall time kept in `log` (and printed, for -s),
+    as these are the numbers the README quotes."""
+    start = time.monotonic()
+    r = subprocess.run(["bash", "-c", cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=3600)
+    took = f"== {cmd}\n== exit {r.returncode} after {time.monotonic() - start:.0f} s wall\n"
+    log.write_text(took + r.stdout + "\n== stderr\n" + r.stderr)
+    print(took + r.stdout[-4000:])
+    return r
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("DLENV_README_E2E") != "1",
                     reason="a fresh venv and the PyTorch download (~14 min, 4 GB on PyPI's CUDA build) plus the "
@@ -126,16 +138,14 @@ def test_readme_cpu_commands_exactly_as_printed(tmp_path):
     env.setdefault("PIP_CACHE_DIR", str(Path.home() / ".cache" / "pip"))
     if (Path.home() / ".pyenv").is_dir():
         env.setdefault("PYENV_ROOT", str(Path.home() / ".pyenv"))
-    first = subprocess.run(["bash", "-c", _block("cpu-main-job")], cwd=repo, env=env, capture_output=True,
-                           text=True, timeout=3600)
+    first = _timed(_block("cpu-main-job"), repo, env, tmp_path / "command1.log")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "setup-cpu: done in" in first.stdout and "no GPU: the demo's CPU recipe" in first.stdout
     rows = (repo / "runs" / "exp" / "results.csv").read_text().splitlines()
     top1 = float(rows[-1].split(",")[rows[0].split(",").index("top1")])
     assert top1 >= 90.0, f"the demo's CPU recipe ended at top-1 {top1}"
     assert "invoke:" in first.stdout and (home / ".invoke.yaml").is_file()
-    second = subprocess.run(["bash", "-c", _block("cpu-tests")], cwd=repo, env=env, capture_output=True, text=True,
-                            timeout=3600)
+    second = _timed(_block("cpu-tests"), repo, env, tmp_path / "command2.log")
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert re.search(r"tests \d+/\d+ .*ETA", second.stdout)
 
