@@ -397,7 +397,7 @@ def test_export_without_data_falls_back_to_random_input_and_says_so(tmp_path, ca
 
 
 @pytest.mark.skipif(NO_QUANT is not None, reason=str(NO_QUANT))
-@pytest.mark.parametrize("mode", ["dynamic", "static"])
+@pytest.mark.parametrize("mode", ["dynamic", pytest.param("static", marks=pytest.mark.slow)])  # static: 5 s
 def test_export_quantized_torchscript_reports_before_after(mode, ckpt, capsys):
     assert export.main(export_cfg(weights=str(ckpt), format="torchscript", quantize=mode, calib_batches=2)) == 0
     out = ckpt.with_name(f"best_model_int8_{mode}.torchscript.pt")

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from dlenv.runstate import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,6 +29,7 @@ def test_the_loop_uses_dlenvs_parts_and_stays_short():
     assert len(code.splitlines()) <= 60
 
 
+@pytest.mark.slow  # 6 s on 2 cores; the quick set checks the example's parts above
 def test_the_loop_runs_as_written(tmp_path):
     (tmp_path / "own_loop.py").write_text(_code())
     # one thread: the example is tiny, and thread contention with other tests costs more than it gives

@@ -54,6 +54,7 @@ def _cli(*args: str) -> int:
                      "--epochs", "1"])
 
 
+@pytest.mark.slow  # 14 s on 2 cores; timm's end to end below stays in the quick set
 def test_dlenv_train_pretrained_torchvision_end_to_end(server, data, cwd, monkeypatch):
     root, requests = server
     state = _serve_torchvision(root, "resnet18", monkeypatch)

@@ -66,20 +66,21 @@ def _run(cmd: str, cwd: Path, timeout: int) -> subprocess.CompletedProcess:
 
 def test_readme_cpu_main_job_runs(tmp_path):
     """The run part of the main-job line, executed in CI's venv: verify-env exactly as written, then
-    train with the README's flags plus a 16-image folder at 32 px (--data, --img-size, --batch-size),
-    so the same code path ends in seconds rather than the demo's minutes on a CPU (the demo data
-    itself is tested in test_demo). Both must exit 0: the line must not stop at verify-env."""
+    train with the README's flags plus a 16-image folder at 32 px for one epoch (--data, --img-size,
+    --batch-size, --epochs), so the same code path ends in seconds rather than the demo's minutes on a
+    CPU (the demo data itself is tested in test_demo). Both must exit 0: the line must not stop at verify-env."""
     steps = _steps("cpu-main-job")
     verify, train = steps[-2], steps[-1]
     assert verify == "dlenv verify-env --allow-cpu" and train.startswith("dlenv train")
     r = _run(verify, tmp_path, 120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     make_train_val(tmp_path / "ds", per_class=8, size=(32, 32))
-    r = _run(f"{train} --data ds --img-size 32 --batch-size 8 --workers 0 --model resnet18", tmp_path, 240)
+    r = _run(f"{train} --data ds --img-size 32 --batch-size 8 --workers 0 --model resnet18 --epochs 1", tmp_path, 240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert (tmp_path / "runs" / "exp" / "best_model.pth").is_file()
 
 
+@pytest.mark.slow  # 8-10 s collecting the suite again; whoever runs `dlenv test` is running this test already
 def test_readme_cpu_tests_command_runs_pytest(tmp_path):
     """`dlenv test` as written, narrowed with -k to a few fast tests (the whole suite is what CI runs
     anyway, and running it from inside itself would recurse): it must find the tests and pass."""

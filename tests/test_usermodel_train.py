@@ -170,7 +170,7 @@ def trained(project):
     return Path(out["best"])
 
 
-@pytest.mark.parametrize("verb", list(VERBS))
+@pytest.mark.parametrize("verb", ["val", pytest.param("prune", marks=pytest.mark.slow), "export"])  # prune: 8 s
 def test_val_prune_export_rebuild_the_model_and_refuse_without_its_file(trained, project, verb, capsys):
     assert VERBS[verb](trained) == 0
     out = capsys.readouterr().out

@@ -472,6 +472,7 @@ def trained(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow  # 10 s on 2 cores: five commands in a row
 def test_safetensors_through_export_val_prune_export_and_train(trained, tmp_path, capsys):
     run = trained / "runs" / "exp"
     st = tmp_path / "model.safetensors"
