@@ -1,4 +1,4 @@
-"""The device input path on a real GPU: same crops as on the CPU, device batches, nvJPEG, training."""
+"""The device input path on a real GPU: same crops as on the CPU, device batches, nvJPEG, nvImageCodec, training."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import torch
 from imagedata import make_photo_layout
 
 from dlenv import compat, config
+from dlenv.data import hwdecode
 from dlenv.data.decode import decode_stored
-from dlenv.data.fastpath import NvjpegSource
+from dlenv.data.fastpath import NvimgcodecSource, NvjpegSource
 from dlenv.data.folder import find_layout
 from dlenv.data.gpu_aug import GpuAugment
 from dlenv.data.loaders import BadImageError
@@ -115,7 +116,72 @@ def test_nvjpeg_loader_trains(layout, tmp_path):
     assert train(cfg)["status"] == "done"
 
 
-@pytest.mark.parametrize("opts", [dict(cache=True), dict(gpu_augment="on"), dict(gpu_augment="off")])
+engines = pytest.mark.skipif(hwdecode.unavailable("cuda") is not None,
+                             reason=f"nvImageCodec: {hwdecode.unavailable('cuda')}")
+
+
+@engines
+def test_nvimgcodec_decodes_like_pillow(layout):
+    """Same pixels, sizes and labels as Pillow's stored form, within JPEG decoder tolerance."""
+    samples = layout.train[:6]
+    src = NvimgcodecSource(samples, None, 6, 40, "skip", "cuda")
+    images, sizes, labels = src.upload(next(iter(src)), torch.device("cuda"))
+    assert images.shape == (6, 40, 40, 3) and images.dtype == torch.uint8 and images.device.type == "cuda"
+    for k, (path, label) in enumerate(samples):
+        ref, wh = decode_stored(path, 40, "pil")
+        assert tuple(sizes[k].tolist()) == wh and labels[k].item() == label
+        assert np.abs(images[k].cpu().numpy().astype(int) - ref).mean() < 4
+
+
+@engines
+def test_nvimgcodec_turns_exif_rotated_photos_upright(tmp_path):
+    from PIL import Image
+
+    arr = np.zeros((30, 60, 3), np.uint8)
+    arr[:, :20] = 255  # white on the left third: after orientation 6 (turn 90 clockwise) it is on top
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    path = tmp_path / "side.jpg"
+    Image.fromarray(arr).save(path, quality=95, exif=exif.tobytes())
+    src = NvimgcodecSource([(str(path), 0)], None, 1, 40, "skip", "cuda")
+    images, sizes, _ = src.upload(next(iter(src)), torch.device("cuda"))
+    ref, wh = decode_stored(str(path), 40, "pil")
+    assert tuple(sizes[0].tolist()) == wh == (30, 60)
+    assert np.abs(images[0].cpu().numpy().astype(int) - ref).mean() < 6
+
+
+@engines
+def test_nvimgcodec_bad_file_skip_and_error_and_pngs(layout, tmp_path):
+    from PIL import Image
+
+    samples = layout.train[:4]
+    Path(samples[1][0]).write_bytes(b"\xff\xd8\xff broken")
+    png = tmp_path / "p.png"
+    Image.new("RGB", (50, 30), (200, 10, 10)).save(png)
+    samples = samples + [(str(png), 1)]
+    src = NvimgcodecSource(samples, None, 5, 40, "skip", "cuda")
+    images, sizes, _ = src.upload(next(iter(src)), torch.device("cuda"))
+    assert torch.equal(images[1], images[2]) and list(src.bad_paths) == [samples[1][0]]
+    assert tuple(sizes[4].tolist()) == (50, 30) and images[4, 20, 20].tolist() == [200, 10, 10]
+    src = NvimgcodecSource(samples, None, 5, 40, "error", "cuda")
+    with pytest.raises(BadImageError, match=samples[1][0]):
+        src.upload(next(iter(src)), torch.device("cuda"))
+
+
+@engines
+def test_nvimgcodec_loader_trains_and_auto_picks_it_with_few_workers(layout, tmp_path):
+    from dlenv.data import pipeline
+    from dlenv.train import train
+
+    located = pipeline.locate(str(layout.root))
+    plan = pipeline.decide(pipeline.InputOptions(cache="off", workers=2), located, "cuda", 8, IMG)
+    assert plan.decoder == ("nvimgcodec" if hwdecode.has_engines("cuda") else plan.decoder)
+    cfg = config.build(config.TrainConfig, data=str(layout.root), model="resnet18", img_size=IMG,
+                       batch_size=8, epochs=1, decoder="nvimgcodec", amp=True, project=str(tmp_path / "runs"))
+    assert train(cfg)["status"] == "done"
+
+
+@pytest.mark.parametrize("opts", [dict(cache=True), dict(gpu_augment="on", cache="off"), dict(gpu_augment="off")])
 def test_train_on_each_path(layout, tmp_path, opts):
     from dlenv.train import train
 

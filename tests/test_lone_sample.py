@@ -66,7 +66,7 @@ def cfg(tmp_path, ds, **kw):
 
 @pytest.mark.parametrize("opts,batches", [
     (dict(), [79, 79]),                                   # classic DataLoader path
-    (dict(gpu_augment="on"), [79, 79]),                   # fast path (DeviceLoader) on the CPU
+    (dict(gpu_augment="on", cache="off"), [79, 79]),                # fast path (DeviceLoader) on the CPU
     (dict(batch_size=13, accum_steps=2), ([13] * 6 + [2]) * 2),  # 80 = 6 x 13 + 2: all kept
     (dict(accum_steps=2, epochs=1), [79]),                # a window of one batch, the 80th left out
 ])

@@ -31,12 +31,12 @@ def _large_jpeg(root: Path) -> Path:
     return make_photo_layout(root, 96, 32, 4, lambda i: (500 - 8 * (i % 6), 375))
 
 
-def _peaks(data: Path, tmp: Path, name: str, gpu_augment: str) -> list[float]:
+def _peaks(data: Path, tmp: Path, name: str, gpu_augment: str, **opts) -> list[float]:
     from dlenv.train import train
 
     cfg = config.build(config.TrainConfig, data=str(data), model="resnet18", img_size=224, batch_size=32,
                        epochs=EPOCHS, amp=True, workers=2, gpu_augment=gpu_augment, name=name,
-                       project=str(tmp / "runs"))
+                       project=str(tmp / "runs"), **opts)
     out = train(cfg)
     assert out["status"] == "done"
     with open(tmp / "runs" / name / "results.csv", newline="") as f:
@@ -52,3 +52,16 @@ def test_gpu_augment_memory_is_flat_and_no_dearer_than_cpu(tmp_path, make):
     steady = gpu[1:]
     assert max(steady) <= 1.05 * min(steady), f"reserved GiB by epoch (GPU path): {gpu}"
     assert max(gpu) <= 1.25 * max(cpu), f"GPU path {max(gpu):.3f} GiB vs CPU path {max(cpu):.3f} GiB"
+
+
+@pytest.mark.parametrize("opts", [dict(cache="off"), dict(cache="off", decoder="nvimgcodec")],
+                         ids=["workers", "nvimgcodec"])
+def test_streaming_paths_memory_is_flat(tmp_path, opts):
+    """The paths that decode every epoch (small datasets are decoded once by default): flat as well."""
+    from dlenv.data import hwdecode
+
+    if opts.get("decoder") == "nvimgcodec" and hwdecode.unavailable("cuda"):
+        pytest.skip(f"nvImageCodec: {hwdecode.unavailable('cuda')}")
+    peaks = _peaks(_large_jpeg(tmp_path / "ds"), tmp_path, "run", "on", **opts)
+    steady = peaks[1:]
+    assert len(peaks) == EPOCHS and max(steady) <= 1.05 * min(steady), f"reserved GiB by epoch: {peaks}"

@@ -45,7 +45,7 @@ def test_input_options_of_a_config_takes_the_fields_it_has():
     from dlenv import config
 
     cfg = config.build(config.TrainConfig, decoder="pil", cache=True, workers=3, bad_images="error")
-    assert InputOptions.of(cfg) == InputOptions(decoder="pil", cache=True, workers=3, bad_images="error")
+    assert InputOptions.of(cfg) == InputOptions(decoder="pil", cache="on", workers=3, bad_images="error")
     bench = config.build(config.BenchDataConfig, gpu_augment="off")
     assert InputOptions.of(bench).gpu_augment == "off"
 
@@ -168,3 +168,60 @@ def test_img_size_auto_is_the_typical_size_capped_for_speed(tmp_path, size, expe
     value, why = pipeline.auto_img_size(located)
     assert value == expected and located.img_size == expected
     assert f"typical shorter side is {min(size)} px" in why and ("capped at 224" in why) == capped
+
+
+@pytest.mark.parametrize("cache,device,decoder,avail_gib,want", [
+    ("auto", "cuda", "auto", 64, True),     # a small dataset on the GPU path: decoded once
+    ("auto", "cpu", "auto", 64, False),     # the CPU path (torchvision transforms): as before
+    ("auto", "cuda", "auto", 0.0001, False),  # more than 1/8 of the free memory: streamed
+    ("auto", "cuda", "nvimgcodec", 64, False),  # a GPU decoder named: the user wants it
+    ("auto", "cuda", "nvjpeg", 64, False),
+    ("off", "cuda", "auto", 64, False), (False, "cuda", "auto", 64, False),
+    ("on", "cpu", "auto", 0.0001, True), (True, "cuda", "auto", 0.0001, True),
+])
+def test_cache_auto_decodes_small_datasets_once(photos, monkeypatch, cache, device, decoder, avail_gib, want):
+    from dlenv.data import cache as cache_mod
+
+    monkeypatch.setattr(cache_mod, "available_memory", lambda: int(avail_gib * 2**30))
+    monkeypatch.setattr(decode, "resolve_decoder", lambda name, *a, **k: "pil" if name == "auto" else name)
+    opts = InputOptions(cache=cache, decoder=decoder, workers=0)
+    on_device = opts.gpu_path(device)
+    got, why = pipeline.decide_cache(opts, photos.layout, on_device, decode.stored_size(16))
+    assert got is want
+    assert bool(why) == (want and cache == "auto"), why  # said once, only when auto chose it
+    if why:
+        assert "14 images" in why and "--cache off" in why
+
+
+def test_cache_auto_has_a_ceiling(photos, monkeypatch):
+    from dlenv.data import cache as cache_mod
+
+    monkeypatch.setattr(cache_mod, "available_memory", lambda: 1 << 50)  # any amount free
+    monkeypatch.setattr(cache_mod, "nbytes", lambda n, size: pipeline.AUTO_CACHE_MAX_BYTES + 1)
+    assert pipeline.decide_cache(InputOptions(), photos.layout, True, 32) == (False, "")
+
+
+def test_plan_says_why_it_decodes_once(photos, monkeypatch):
+    monkeypatch.setattr(decode, "resolve_decoder", lambda *a, **k: "pil")
+    plan = pipeline.decide(InputOptions(gpu_augment="on"), photos, "cpu", 4, 16)
+    assert plan.cache and plan.cache_why
+    line = plan.describe("cpu")
+    assert line.startswith("input: decoded once into memory, augmentation on cpu") and "--cache off" in line
+    plan = pipeline.decide(InputOptions(gpu_augment="on", cache="off", workers=0), photos, "cpu", 4, 16)
+    assert not plan.cache and "decoder pil" in plan.describe("cpu") and "0 workers" in plan.describe("cpu")
+
+
+@pytest.mark.parametrize("given,want", [({}, "auto"), ({"cache": True}, "on"), ({"cache": "true"}, "on"),
+                                        ({"cache": "off"}, "off"), ({"cache": False}, "off"),
+                                        ({"cache": "auto"}, "auto")])
+def test_cache_option_reads_old_and_new_spellings(given, want):
+    from dlenv import config
+
+    assert config.build(config.TrainConfig, **given).cache == want
+
+
+def test_cache_option_refuses_other_values():
+    from dlenv import config
+
+    with pytest.raises(UserError, match="--cache"):
+        config.build(config.TrainConfig, cache="sometimes")

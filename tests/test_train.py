@@ -330,7 +330,7 @@ def test_workers_streaming_across_epochs_train_the_same_run(tmp_path, data, tiny
     runs = {}
     for workers in (0, 2):
         out = train_mod.train(tiny_config(tmp_path / f"w{workers}", data, epochs=3, workers=workers, gpu_augment="on",
-                                  decoder="pil", model="tiny-nonorm"))
+                                          cache="off", decoder="pil", model="tiny-nonorm"))
         assert out["status"] == "done" and out["epochs"] == 3
         runs[workers] = runstate.load_checkpoint(Path(out["last"]))["model"]
     assert state_equal(runs[0], runs[2])

@@ -101,6 +101,9 @@ def run_command(name: str, given: dict[str, Any], yaml_file: str | None = None) 
     try:
         cfg = weights.command_line_consent(config.build(cmd.config, yaml_file, **given), given)
         module, func = cmd.target.split(":")
+        if name == "train" and "torch" not in sys.modules and os.environ.get("RANK", "0") == "0":
+            # PyTorch and CUDA take seconds to load (7-11 s on a GPU box): say so at once, not after
+            print("dlenv train: loading PyTorch ...", flush=True)
         result = getattr(importlib.import_module(module), func)(cfg)  # loads take cfg's LoadPolicy
         return int(result or 0)
     except UserError as e:

@@ -72,7 +72,7 @@ def opt(default: Any, help: str, *, parse: Callable[[Any], Any] | None = None,
 _DEVICE_HELP = "cuda, cuda:N, cpu or auto (the first GPU if there is one)"
 #: the largest --seed: torch, NumPy and the samplers take 64-bit seeds, and each rank adds its number
 SEED_MAX = 2**63 - 1
-_DECODERS = ("auto", "pil", "cv2", "tvio", "nvjpeg")
+_DECODERS = ("auto", "pil", "cv2", "tvio", "nvjpeg", "nvimgcodec")
 
 
 def _trust_pickle() -> Any:
@@ -98,15 +98,20 @@ class TrainConfig:
                                      "/dev/shm)", parse=workers_or_auto)
     bad_images: str = opt("skip", "an image that fails to decode: skip it (reported once) or stop the run",
                           choices=("skip", "error"))
-    cache: bool = opt(False, "decode the dataset once to uint8 at a fixed size and augment on the GPU")
+    cache: str = opt("auto", "decode the dataset once to uint8 at a fixed size and augment on the GPU: on, "
+                             "off, or auto (on for a dataset that decoded takes under 2 GiB and 1/8 of free "
+                             "memory, when augmenting on the GPU)", parse=on_off_auto,
+                     choices=("auto", "on", "off"), bare="on")
     cache_mode: str = opt("auto", "where --cache keeps the decoded images: ram, disk (memory-mapped) "
                                   "or auto", choices=("auto", "ram", "disk"))
     cache_dir: str = opt(".dlenv-cache", "folder of --cache-mode disk files (reused while the data and "
                                          "--img-size are unchanged)")
-    decoder: str = opt("auto", "JPEG decoder: auto (nvjpeg on a GPU where torchvision batch-decodes, "
-                               "fewer than 8 workers would decode on the CPU and a decoded batch is small "
-                               "beside its memory, else the fastest CPU one on a few files), pil, cv2, tvio "
-                               "(torchvision.io), or nvjpeg", choices=_DECODERS)
+    decoder: str = opt("auto", "JPEG decoder: auto (nvimgcodec on a GPU with JPEG engines; else nvjpeg "
+                               "where torchvision batch-decodes and fewer than 8 workers would decode on "
+                               "the CPU; either only while a decoded batch is small beside GPU memory; else "
+                               "the fastest CPU one on a few files), pil, cv2, tvio (torchvision.io), nvjpeg "
+                               "(on the GPU's SMs) or nvimgcodec (nvImageCodec, the GPU's JPEG engines)",
+                       choices=_DECODERS)
     gpu_augment: str = opt("auto", "crop, flip and normalize uint8 batches on the GPU: auto (on when "
                                    "training on a GPU), on, or off (torchvision transforms in the workers)",
                            choices=("auto", "on", "off"))

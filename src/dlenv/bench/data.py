@@ -174,6 +174,9 @@ def main(cfg: Any) -> int:
     # on the GPU whatever the worker count
     nvjpeg = plan.decoder == "nvjpeg" or (plan.on_device and cfg.decoder == "auto" and decode.prefer_nvjpeg(
         [p for p, _ in layout.train], device, cfg.batch_size))
+    # and so are the GPU's JPEG engines, where nvImageCodec finds them
+    engines = plan.decoder == "nvimgcodec" or (plan.on_device and cfg.decoder == "auto" and decode.prefer_engines(
+        [p for p, _ in layout.train], device, cfg.batch_size))
     train_only = type(layout)(layout.root, layout.classes, layout.train, [])
     cpus = usable_cpus()
     counts = [w for w in cfg.workers if w <= cpus] or [min(cfg.workers)]
@@ -197,6 +200,8 @@ def main(cfg: Any) -> int:
     rates[f"{other}, {w} workers"] = rate(w, on_device=not plan.on_device)
     if nvjpeg:
         rates["gpu-augment, nvjpeg"] = rate(w, on_device=True, decoder="nvjpeg")
+    if engines:
+        rates["gpu-augment, nvimgcodec"] = rate(w, on_device=True, decoder="nvimgcodec")
     if cfg.cache:
         rates["cache"] = rate(w, on_device=True, cache=True)
     model_rate = measure_model(cfg.model, len(located.classes), cfg.batch_size, cfg.img_size, device, mode,

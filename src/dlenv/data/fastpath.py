@@ -2,11 +2,12 @@
 
 The CPU path (`loaders.build_loaders`) decodes, crops, resizes, converts to float and normalizes
 every image in DataLoader workers, and ships float32 batches through shared memory. Here the CPU
-only produces the stored form of `decode` (uint8, 4x smaller), from one of three sources:
+only produces the stored form of `decode` (uint8, 4x smaller), from one of four sources:
 
 - `workers`: DataLoader worker processes decode JPEGs (Pillow, OpenCV or torchvision.io);
 - `cache`: rows copied out of a dataset decoded once (`cache`), no decoding at all;
-- `nvjpeg`: worker threads only read file bytes; torchvision.io.decode_jpeg decodes the batch on the GPU.
+- `nvjpeg`: worker threads only read file bytes; torchvision.io.decode_jpeg decodes the batch on the GPU;
+- `nvimgcodec`: the same, decoded by nvImageCodec on the GPU's hardware JPEG engines (`hwdecode`).
 
 A background thread takes each host batch, copies it to the GPU on a side CUDA stream and augments
 it there (`gpu_aug`), keeping a few batches ready; the training loop receives (images, targets)
@@ -232,7 +233,6 @@ class NvjpegSource(_Sampled):
         return chunk, data, turns
 
     def upload(self, batch: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        from dlenv import compat
 
         chunk, data, turns = batch
         paths = [self.samples[i][0] for i in chunk]
@@ -241,12 +241,9 @@ class NvjpegSource(_Sampled):
                if is_jpeg(p) and isinstance(d, torch.Tensor)]
         turn = self.turns_needed(device)
         try:
-            if compat.cuda_jpeg_batch_decode():
-                decoded = compat.decode_jpeg([data[k] for k in gpu], device=device)
-            else:
-                decoded = [compat.decode_jpeg(data[k], device=device) for k in gpu]
+            decoded = self._decode_batch([data[k] for k in gpu], device)
             for k, img in zip(gpu, decoded, strict=True):
-                images[k] = upright(img, turns[k]) if turn else img
+                images[k] = upright(img, turns[k]) if turn and img is not None else img
         except RuntimeError:
             pass  # one bad file fails the whole batch call: the loop below decodes one by one
         bad: list[tuple[int, str]] = []
@@ -267,6 +264,15 @@ class NvjpegSource(_Sampled):
         sizes = torch.tensor([[img.shape[2], img.shape[1]] for img in images], dtype=torch.int32)
         labels = torch.tensor([self.samples[i][1] for i in chunk], dtype=torch.long)
         return _squash(images, self.size), sizes, labels.to(device, non_blocking=True)
+
+    def _decode_batch(self, data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
+        """(3, H, W) uint8 images on `device` (None where one could not be decoded); RuntimeError where the
+        whole call failed."""
+        from dlenv import compat
+
+        if compat.cuda_jpeg_batch_decode():
+            return compat.decode_jpeg(data, device=device)
+        return [compat.decode_jpeg(d, device=device) for d in data]
 
     @staticmethod
     def turns_needed(device: Any) -> bool:
@@ -290,15 +296,76 @@ class NvjpegSource(_Sampled):
         return torch.from_numpy(arr).permute(2, 0, 1).to(device)
 
 
-def _squash(images: list[torch.Tensor], size: int) -> torch.Tensor:
-    """(3, H, W) uint8 images of any sizes -> (B, size, size, 3) uint8, antialiased; one resize per
-    distinct input size (datasets of one camera resize in a single call)."""
+class NvimgcodecSource(_Sampled):
+    """Batches decoded by nvImageCodec (dlenv.data.hwdecode) on the GPU's hardware JPEG engines where it
+    has them, which leaves CPU cores and SMs alone. The library reads the files itself (they were
+    listed as regular files) and applies EXIF orientation.
+
+    Why so few Python calls per batch: the thread that prepares batches shares the GIL with the training
+    loop, and each call that releases it (a torch op, a file read) waits for the loop to let it go
+    again. Reading 256 files in Python threads and turning 256 images into views cost about a thousand
+    such waits a batch: beside ResNet-50 the engines then fed 4,000 img/s of the 15,000+ they decode
+    alone (H200). Here a batch is one read call, one stack per image size and the resize.
+
+    A file the library cannot decode (or that is not a JPEG) is decoded by Pillow, and one Pillow
+    cannot decode either is replaced or stops the run as bad_images says, as on the other paths. The
+    decoder is made here, in the process's main thread, so its start-up output stays off the console.
+    """
+
+    def __init__(self, samples: Sequence[tuple[str, int]], sampler: Any, batch_size: int, size: int,
+                 bad_images: str, device: Any, decode_threads: int = 2):
+        from dlenv.data.hwdecode import HwJpegDecoder, has_engines
+
+        super().__init__(len(samples), sampler, batch_size)
+        self.samples, self.size, self.bad_images = list(samples), size, bad_images
+        self.bad_paths: dict[str, str] = {}
+        # with engines, only they and the CPU decode: nvImageCodec would otherwise hand part of each batch
+        # to its CUDA decoder, on the SMs the model trains on
+        backends = ("HW_GPU_ONLY", "CPU_ONLY") if has_engines(device) else ()
+        self.decoder = HwJpegDecoder(device, threads=decode_threads, backends=backends)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return _chunks(self.indices(), self.batch_size)
+
+    def upload(self, chunk: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        paths = [self.samples[i][0] for i in chunk]
+        jpegs = [k for k, p in enumerate(paths) if is_jpeg(p)]
+        images: list[torch.Tensor | None] = [None] * len(chunk)  # (H, W, 3) uint8 on the device
+        try:
+            for k, img in zip(jpegs, self.decoder.read([paths[k] for k in jpegs]), strict=True):
+                images[k] = img
+        except RuntimeError:
+            pass  # the whole call failed: the loop below decodes one by one
+        bad: list[tuple[int, str]] = []
+        for k, img in enumerate(images):
+            if img is None:
+                try:
+                    images[k] = torch.from_numpy(np.array(load_rgb(paths[k]))).to(device)  # a writable copy
+                except Exception as e:  # the file is what's wrong
+                    bad.append((k, bad_image_reason(e)))
+        good = [k for k in range(len(chunk)) if images[k] is not None]
+        for k, reason in bad:
+            if self.bad_images == "error" or not good:
+                raise BadImageError(paths[k], reason)
+            if paths[k] not in self.bad_paths:
+                self.bad_paths[paths[k]] = reason
+                log.warning("skipping unreadable image %s (%s)", paths[k], reason)
+            images[k] = images[next((g for g in good if g > k), good[0])]  # the next readable one
+        sizes = torch.tensor([[img.shape[1], img.shape[0]] for img in images], dtype=torch.int32)
+        labels = torch.tensor([self.samples[i][1] for i in chunk], dtype=torch.long)
+        return _squash(images, self.size, channels_last=True), sizes, labels.to(device, non_blocking=True)
+
+
+def _squash(images: list[torch.Tensor], size: int, channels_last: bool = False) -> torch.Tensor:
+    """(3, H, W) uint8 images of any sizes ((H, W, 3) with `channels_last`) -> (B, size, size, 3) uint8,
+    antialiased; one resize per distinct input size (datasets of one camera resize in a single call)."""
     out = torch.empty((len(images), size, size, 3), dtype=torch.uint8, device=images[0].device)
-    groups: dict[tuple[int, int], list[int]] = {}
+    groups: dict[tuple[int, ...], list[int]] = {}
     for k, img in enumerate(images):
-        groups.setdefault(tuple(img.shape[1:]), []).append(k)
+        groups.setdefault(tuple(img.shape), []).append(k)
     for ks in groups.values():
-        x = torch.stack([images[k] for k in ks]).float()
+        x = torch.stack([images[k] for k in ks])
+        x = (x.permute(0, 3, 1, 2) if channels_last else x).float()
         y = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
         out[ks] = y.round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
     return out
@@ -329,7 +396,8 @@ def side_stream(device: torch.device) -> Any:
         device = torch.device("cuda", torch.cuda.current_device())
     with _SIDE_STREAMS_LOCK:
         if device not in _SIDE_STREAMS:
-            _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+            # high priority: its few small kernels a batch would otherwise queue behind the model's for SMs
+            _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
         return _SIDE_STREAMS[device]
 
 

@@ -141,7 +141,7 @@ class InputOptions:
 
     decoder: str = "auto"
     gpu_augment: str = "auto"
-    cache: bool = False
+    cache: bool | str = "auto"      # 'auto', 'on', 'off' (True/False: a config.yaml from before 'auto')
     cache_mode: str = "auto"
     cache_dir: str = ".dlenv-cache"
     workers: int | str = "auto"
@@ -157,10 +157,14 @@ class InputOptions:
 
     def gpu_path(self, device: Any) -> bool:
         """Whether batches are augmented on the device (`fastpath`) rather than by torchvision transforms
-        in the workers (`loaders`). --cache and --decoder nvjpeg imply it; 'auto' is on for CUDA."""
-        if self.cache or self.decoder == "nvjpeg" or self.gpu_augment == "on":
+        in the workers (`loaders`). --cache on and a GPU decoder imply it; 'auto' is on for CUDA."""
+        if self.cache_on() or self.decoder in decode.GPU_DECODERS or self.gpu_augment == "on":
             return True
         return self.gpu_augment == "auto" and torch.device(device).type == "cuda"
+
+    def cache_on(self) -> bool:
+        """--cache given as on (or true), not auto."""
+        return self.cache is True or self.cache == "on"
 
 
 @dataclass(frozen=True)
@@ -170,8 +174,8 @@ class InputPlan:
     img_size: int
     batch_size: int
     on_device: bool             # augmentation on the device (fastpath), else in the workers (loaders)
-    decoder: str                # 'pil', 'cv2', 'tvio' or 'nvjpeg'
-    cpu_decoder: str            # where nvJPEG cannot decode (the cache, the CPU path): the best CPU one
+    decoder: str                # 'pil', 'cv2', 'tvio', 'nvjpeg' or 'nvimgcodec'
+    cpu_decoder: str            # where the GPU cannot decode (the cache, the CPU path): the best CPU one
     workers: int
     cache: bool = False
     cache_mode: str = "auto"    # 'ram', 'disk', or 'auto' (the cache picks by size, see data.cache)
@@ -182,6 +186,7 @@ class InputPlan:
     hflip: bool = True
     augment: str = "standard"
     norm: tuple[tuple, tuple] | None = None  # (mean, std) of pretrained weights; None: ImageNet's
+    cache_why: str = ""         # why --cache auto decodes once (empty: it was asked for, or is off)
     interpolation: str = "bilinear"  # every resize and crop: pretrained weights' own (bicubic for most timm's)
 
     def describe(self, device: Any) -> str:
@@ -189,8 +194,13 @@ class InputPlan:
         if self.decoder == SYNTHETIC:
             return f"input: synthetic batches made on {torch.device(device).type}"
         where = torch.device(device).type if self.on_device else "the workers"
-        source = "--cache" if self.cache else f"decoder {self.decoder}"
-        return f"input: {source}, augmentation on {where} ({self.augmentation()}), {self.workers} workers"
+        if self.cache:
+            source = "decoded once into memory" if self.cache_why else "--cache"
+        else:
+            source = f"decoder {self.decoder}"
+        workers = "" if self.cache or self.decoder in decode.GPU_DECODERS else f", {self.workers} workers"
+        line = f"input: {source}, augmentation on {where} ({self.augmentation()}){workers}"
+        return f"{line}; {self.cache_why}" if self.cache_why else line
 
     def augmentation(self) -> str:
         """The training augmentation in words: preset, crop range, flips, interpolation."""
@@ -222,9 +232,10 @@ def decide(opts: InputOptions, located: Located, device: Any, batch_size: int, i
     """The input plan for `located` data on `device` (`local_world_size` processes share the node).
 
     Workers: the number given, or 'auto' (CPUs and /dev/shm, shared by the node's processes). Where
-    augmentation runs: `InputOptions.gpu_path`. The decoder: 'auto' is nvJPEG where
-    `decode.prefer_nvjpeg` says so for these files (only when batches are augmented on a GPU and not
-    cached), else the fastest CPU decoder on a few of them. The cache: 'auto' becomes 'disk' when
+    augmentation runs: `InputOptions.gpu_path`. The cache: `decide_cache` (a small dataset is decoded
+    once). The decoder: 'auto' is nvImageCodec on the GPU's JPEG engines or nvJPEG where
+    `decode.resolve_decoder` says so for these files (only when batches are augmented on a GPU and not
+    cached), else the fastest CPU decoder on a few of them. The cache mode: 'auto' becomes 'disk' when
     several processes share the node (one file in the page cache, not a copy in each process).
     `norm`: the (mean, std) pretrained weights were trained with (dlenv.pretrained), else ImageNet's;
     `interpolation`: their resampling, else bilinear.
@@ -243,13 +254,41 @@ def decide(opts: InputOptions, located: Located, device: Any, batch_size: int, i
     if opts.workers == "auto":  # the processes of a node share its CPUs
         workers = workers_per_process(workers, local_world_size)
     paths = [p for p, _ in located.layout.train]
-    decoder = decode.resolve_decoder(opts.decoder, paths, size, gpu=device if on_device and not opts.cache else None,
+    cache, cache_why = decide_cache(opts, located.layout, on_device, size)
+    decoder = decode.resolve_decoder(opts.decoder, paths, size, gpu=device if on_device and not cache else None,
                                      batch=batch_size, workers=workers)
-    cpu_decoder = decoder if decoder != "nvjpeg" else decode.pick_decoder(paths, size)
+    cpu_decoder = decoder if decoder not in decode.GPU_DECODERS else decode.pick_decoder(paths, size)
     cache_mode = "disk" if opts.cache_mode == "auto" and local_world_size > 1 else opts.cache_mode
     preset, scale, ratio, hflip = decide_augment(opts, located.demo)
-    return InputPlan(img_size, batch_size, on_device, decoder, cpu_decoder, workers, opts.cache, cache_mode,
-                     opts.cache_dir, opts.bad_images, scale, ratio, hflip, preset, norm, interpolation)
+    return InputPlan(img_size, batch_size, on_device, decoder, cpu_decoder, workers, cache=cache,
+                     cache_mode=cache_mode, cache_dir=opts.cache_dir, bad_images=opts.bad_images,
+                     train_scale=scale, train_ratio=ratio, hflip=hflip, augment=preset, norm=norm,
+                     interpolation=interpolation, cache_why=cache_why)
+
+
+#: --cache auto decodes a dataset once when its decoded form (train + val, stored squares) takes at most
+#: this share of the memory available and at most AUTO_CACHE_MAX_BYTES: small datasets, which are
+#: otherwise decoded again every epoch for nothing. Larger ones stream from the files (or --cache on).
+AUTO_CACHE_SHARE = 1 / 8
+AUTO_CACHE_MAX_BYTES = 2 << 30
+
+
+def decide_cache(opts: InputOptions, layout: Any, on_device: bool, size: int) -> tuple[bool, str]:
+    """(decode once?, why, when 'auto' said yes). 'on'/'off' as given. 'auto': on for the device path
+    (the cache feeds GPU augmentation) when the user named no GPU decoder and the decoded dataset fits
+    AUTO_CACHE_SHARE of available memory and AUTO_CACHE_MAX_BYTES."""
+    from dlenv.data.cache import available_memory, nbytes
+
+    if opts.cache_on():
+        return True, ""
+    if opts.cache in (False, "off") or not on_device or opts.decoder in decode.GPU_DECODERS:
+        return False, ""
+    n = len(layout.train) + len(layout.val)
+    need = nbytes(n, size)
+    if need > AUTO_CACHE_MAX_BYTES or need > AUTO_CACHE_SHARE * available_memory():
+        return False, ""
+    return True, (f"{n:,} images take {need / 2**20:,.0f} MiB decoded, a small share of free memory "
+                  "(--cache off decodes every epoch instead)")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -287,18 +326,29 @@ def _device_loaders(layout: Any, plan: InputPlan, device: torch.device, seed: in
     """DeviceLoaders (dlenv.data.fastpath) over the plan's source: the cache, nvJPEG, or DataLoader workers."""
     from dlenv.cpus import usable_cpus
     from dlenv.data.cache import build_cache
-    from dlenv.data.fastpath import CacheSource, DeviceLoader, NvjpegSource, WorkerSource, stored_tensors
+    from dlenv.data.fastpath import (
+        CacheSource,
+        DeviceLoader,
+        NvimgcodecSource,
+        NvjpegSource,
+        WorkerSource,
+        stored_tensors,
+    )
     from dlenv.data.gpu_aug import GpuAugment
     from dlenv.data.loaders import ImageDataset
     from dlenv.data.sampler import ResumableSampler
 
-    nvjpeg = plan.decoder == "nvjpeg" and not plan.cache
-    if nvjpeg:
+    gpu_decoder = plan.decoder if plan.decoder in decode.GPU_DECODERS and not plan.cache else None
+    if gpu_decoder:
         from dlenv import compat
+        from dlenv.data import hwdecode
 
-        why = compat.cuda_jpeg_unavailable(device) if device.type == "cuda" else "the device is not a GPU"
+        if device.type != "cuda":
+            why = "the device is not a GPU"
+        else:
+            why = compat.cuda_jpeg_unavailable(device) if gpu_decoder == "nvjpeg" else hwdecode.unavailable(device)
         if why:
-            raise UserError(f"--decoder nvjpeg: {why}; use --decoder auto")
+            raise UserError(f"--decoder {gpu_decoder}: {why}; use --decoder auto")
     size = decode.stored_size(plan.img_size)
     pin = device.type == "cuda"
     splits = [(layout.train, train_sampler, True)] + ([(layout.val, val_sampler, False)] if layout.val else [])
@@ -314,7 +364,9 @@ def _device_loaders(layout: Any, plan: InputPlan, device: torch.device, seed: in
             decoded = build_cache(samples, size, plan.cpu_decoder, plan.cache_mode, plan.cache_dir, usable_cpus(),
                                   plan.bad_images, say)
             source: Any = CacheSource(decoded, sampler, plan.batch_size, pin)
-        elif nvjpeg:
+        elif gpu_decoder == "nvimgcodec":
+            source = NvimgcodecSource(samples, sampler, plan.batch_size, size, plan.bad_images, device)
+        elif gpu_decoder:
             source = NvjpegSource(samples, sampler, plan.batch_size, size, plan.bad_images)
         else:
             ds = ImageDataset(samples, stored_tensors, plan.bad_images,

@@ -1,0 +1,158 @@
+"""dlenv.data.hwdecode and the nvImageCodec source on a CPU: what happens without the library, its start-up
+noise kept off the console, the test image, and the source's batches and bad files with a stand-in for the
+library (the real library on a GPU: tests/test_fastpath_gpu.py)."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from imagedata import photo
+from PIL import Image
+
+from dlenv.data import decode, hwdecode
+from dlenv.data.decode import decode_stored
+from dlenv.data.loaders import BadImageError
+
+
+@pytest.fixture
+def no_library(monkeypatch):
+    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)  # import fails
+    monkeypatch.setattr(hwdecode, "_module_cache", [])
+
+
+def test_without_the_library_one_line_names_the_wheel(no_library):
+    mod, why = hwdecode.module()
+    assert mod is None and f"pip install {hwdecode.wheel_name()}" in why and "\n" not in why
+    assert hwdecode.unavailable("cpu") == "the device is not a CUDA GPU"
+    assert not hwdecode.has_engines("cpu")
+    with pytest.raises(RuntimeError, match="nvImageCodec is not installed"):
+        hwdecode.HwJpegDecoder("cpu")
+
+
+@pytest.mark.parametrize("cuda,wheel", [("11.7", "nvidia-nvimgcodec-cu11"), ("12.4", "nvidia-nvimgcodec-cu12"),
+                                        ("13.0", "nvidia-nvimgcodec-cu13"), (None, "nvidia-nvimgcodec-cu12")])
+def test_wheel_follows_torchs_cuda(monkeypatch, cuda, wheel):
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    assert hwdecode.wheel_name() == wheel
+
+
+def test_start_up_noise_goes_to_the_debug_log_not_the_console(capfd, caplog):
+    caplog.set_level(logging.DEBUG, logger="dlenv.data.hwdecode")
+    print("before", flush=True)
+    with hwdecode._quiet():
+        os.write(1, b"[ERROR] [nvjpeg2k_ext] Failed to load\n")
+        os.write(2, b"Failed to load nvtiff library!\n")
+    print("after", flush=True)
+    out, err = capfd.readouterr()
+    assert out == "before\nafter\n" and err == ""
+    assert "nvjpeg2k_ext" in caplog.text and "nvtiff" in caplog.text
+
+
+def test_probe_image_is_a_baseline_420_jpeg():
+    from PIL import JpegImagePlugin
+
+    im = Image.open(io.BytesIO(hwdecode.probe_jpeg().tobytes()))
+    assert im.format == "JPEG" and im.size == (256, 256) and not im.info.get("progressive")
+    assert JpegImagePlugin.get_sampling(im) == 2  # 4:2:0, what every JPEG engine decodes
+
+
+class FakeDecoder:
+    """nvImageCodec's read() as the source uses it: (H, W, 3) uint8 per path, None where it cannot decode."""
+
+    made: list[tuple] = []
+
+    def __init__(self, device, threads=2, backends=()):
+        FakeDecoder.made.append(tuple(backends))
+
+    def read(self, paths):
+        out = []
+        for p in paths:
+            try:
+                out.append(torch.from_numpy(np.array(Image.open(p).convert("RGB"))))
+            except Exception:
+                out.append(None)
+        return out
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    FakeDecoder.made = []
+    monkeypatch.setattr(hwdecode, "HwJpegDecoder", FakeDecoder)
+    monkeypatch.setattr(hwdecode, "has_engines", lambda device: True)
+    return FakeDecoder
+
+
+def _source(samples, bad_images="skip"):
+    from dlenv.data.fastpath import NvimgcodecSource
+
+    return NvimgcodecSource(samples, None, len(samples), 40, bad_images, "cpu")
+
+
+def test_source_batches_match_pillows_stored_form(tmp_path, fake):
+    samples = [(str(photo(tmp_path / f"{i}.jpg", w=60 + 10 * i, h=48, seed=i)), i % 2) for i in range(4)]
+    src = _source(samples)
+    assert fake.made == [("HW_GPU_ONLY", "CPU_ONLY")]  # with engines: never the CUDA decoder on the SMs
+    images, sizes, labels = src.upload(next(iter(src)), torch.device("cpu"))
+    assert images.shape == (4, 40, 40, 3) and images.dtype == torch.uint8
+    for k, (path, label) in enumerate(samples):
+        ref, wh = decode_stored(path, 40, "pil")
+        assert tuple(sizes[k].tolist()) == wh and labels[k].item() == label
+        assert np.abs(images[k].numpy().astype(int) - ref).mean() < 2
+
+
+def test_without_engines_every_backend_is_allowed(tmp_path, fake, monkeypatch):
+    monkeypatch.setattr(hwdecode, "has_engines", lambda device: False)
+    _source([(str(photo(tmp_path / "a.jpg")), 0)])
+    assert fake.made == [()]
+
+
+@pytest.mark.parametrize("bad", [b"\xff\xd8\xff broken", b"", b"not an image at all"])
+def test_source_bad_files_skip_or_stop_and_pngs_go_to_pillow(tmp_path, fake, bad):
+    samples = [(str(photo(tmp_path / f"{i}.jpg", seed=i)), 0) for i in range(3)]
+    Path(samples[1][0]).write_bytes(bad)
+    Image.new("RGB", (50, 30), (200, 10, 10)).save(tmp_path / "p.png")
+    samples.append((str(tmp_path / "p.png"), 1))
+    src = _source(samples)
+    images, sizes, _ = src.upload(next(iter(src)), torch.device("cpu"))
+    assert torch.equal(images[1], images[2]) and list(src.bad_paths) == [samples[1][0]]
+    assert tuple(sizes[3].tolist()) == (50, 30) and images[3, 20, 20].tolist() == [200, 10, 10]
+    with pytest.raises(BadImageError, match="1.jpg"):
+        src = _source(samples, "error")
+        src.upload(next(iter(src)), torch.device("cpu"))
+
+
+def test_auto_takes_the_engines_with_few_cores_only(tmp_path, monkeypatch):
+    import types
+
+    from dlenv import compat
+
+    files = [str(photo(tmp_path / f"{i}.jpg", seed=i)) for i in range(4)]
+    card = types.SimpleNamespace(total_memory=80 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: card)
+    monkeypatch.setattr(compat, "cuda_jpeg_batch_decode", lambda: True)
+    monkeypatch.setattr(compat, "cuda_jpeg_unavailable", lambda device="cuda": None)
+    engines = {"on": True}
+    monkeypatch.setattr(hwdecode, "has_engines", lambda device: engines["on"])
+    few, enough = decode.NVJPEG_BELOW_WORKERS - 1, decode.NVJPEG_BELOW_WORKERS
+    cases = [  # (engines, workers, decoder auto picks)
+        (True, few, "nvimgcodec"), (True, 0, "nvimgcodec"), (True, enough, None),
+        (False, few, "nvjpeg"), (False, enough, None),
+    ]
+    for on, workers, want in cases:
+        engines["on"] = on
+        got = decode.resolve_decoder("auto", files, 32, gpu="cuda", workers=workers)
+        assert got == want if want else got in decode.CPU_DECODERS, (on, workers, got)
+    engines["on"] = True
+    assert decode.resolve_decoder("auto", files, 32, workers=few) in decode.CPU_DECODERS  # no GPU path
+    Image.new("RGB", (8, 8)).save(tmp_path / "p.png")
+    assert not decode.prefer_engines([str(tmp_path / "p.png")] * 4, "cuda", workers=few)  # PNGs
+    assert decode.resolve_decoder("nvimgcodec") == "nvimgcodec"
+    with pytest.raises(Exception, match="nvimgcodec"):
+        decode.resolve_decoder("nvimgcodecs")
