@@ -225,6 +225,24 @@ def test_nvjpeg_decodes_on_the_gpu_like_the_cpu():
     assert (gpu - cpu).abs().float().mean() < 2.0  # IDCT rounding differs, the image does not
 
 
+def test_nvimagecodec_loads_quietly_in_the_image(capfd):
+    """The env ships nvImageCodec for the GPU's JPEG engines; loading it says nothing on the console
+    (its optional JPEG 2000 / TIFF plug-ins complain at import when their wheels are absent)."""
+    from dlenv.data import hwdecode
+
+    mod, why = hwdecode.module()
+    assert mod is not None, why
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""
+
+
+@pytest.mark.gpu
+def test_nvimagecodec_decodes_on_the_gpu():
+    from dlenv.data import hwdecode
+
+    assert hwdecode.unavailable("cuda") is None, hwdecode.unavailable("cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_compile_as_a_user_without_a_passwd_entry():
