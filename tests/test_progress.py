@@ -78,3 +78,16 @@ def test_run_eta_counts_every_epoch_left_and_its_validations():
     clock.t += 9
     eta.trained(9)
     assert eta.seconds_left() == pytest.approx(10 + 2 * 5) and eta.text() == "run ETA 0:20"
+
+
+def test_run_eta_has_an_estimate_from_the_first_step_then_the_measured_rate():
+    clock = Clock()
+    eta = RunEta(train_batches=30, validations=3, val_batches=6, clock=clock)  # 3 epochs of 10
+    eta.start()
+    assert eta.text() == "run ETA ?"  # nothing known before the first step
+    clock.t += 2
+    eta.trained(1)  # the first step took 2 s (start-up included): 29 batches left at 2 s, validations a third
+    assert eta.seconds_left() == pytest.approx(29 * 2 + 3 * 6 * 2 / 3) and eta.text() == "run ETA 1:10"
+    clock.t += 9
+    eta.trained(9)  # now measured: 1 s a batch
+    assert eta.seconds_left() == pytest.approx(20 * 1 + 3 * 2)

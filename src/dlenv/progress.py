@@ -90,9 +90,11 @@ class RunEta:
     its validations still to run at the cost of the last one (before the first: a third of a training
     batch per validation batch, as a forward pass alone costs about that).
 
-    `trained(n)` after n more training batches, `validated(seconds)` after each validation, `pause()`
-    before time that is neither (saving, the epoch's end), `seconds_left()` for the estimate (None
-    before the first batch)."""
+    `start()` at an epoch's start, `trained(n)` after n more training batches, `validated(seconds)`
+    after each validation, `pause()` before time that is neither (saving, the epoch's end),
+    `seconds_left()` for the estimate. Before a rate is measured (two calls of `trained` apart), the
+    first step's time since `start()` stands in for it, so the first progress line already has an
+    estimate; None only before any batch (or without `start()`)."""
 
     def __init__(self, train_batches: int, validations: int, val_batches: int,
                  clock: Callable[[], float] = time.monotonic):
@@ -101,12 +103,21 @@ class RunEta:
         self.train_s, self.done = 0.0, 0
         self.val_s: float | None = None
         self.mark: float | None = None
+        self.begun: float | None = None  # when the epoch started, until its first batch is counted
+        self.first_s: float | None = None  # a batch's time from the first step alone, until one is measured
+
+    def start(self) -> None:
+        self.begun, self.mark = self.clock(), None
 
     def trained(self, n: int) -> None:
         now = self.clock()
         if self.mark is not None:
             self.train_s += now - self.mark
             self.done += n
+        elif self.begun is not None and n > 0:
+            # the first step's time, the workers' start-up and the first batch's wait included: a first
+            # guess, rather high than low, which the rate measured from here on replaces at the next call
+            self.first_s, self.begun = (now - self.begun) / n, None
         self.mark = now  # the first call only starts the clock: it follows the workers' start-up
         self.train_left = max(0, self.train_left - n)
 
@@ -118,12 +129,16 @@ class RunEta:
         self.mark = None
 
     def seconds_left(self) -> float | None:
-        if not self.done:
+        if self.done:
+            per_batch = self.train_s / self.done
+        elif self.first_s is not None:
+            per_batch = self.first_s
+        else:
             return None
-        per_batch = self.train_s / self.done
+        # validation before the first one is measured: a share of the training time (see the class)
         per_val = self.val_s if self.val_s is not None else per_batch * self.val_batches / 3
         return self.train_left * per_batch + self.val_left * per_val
 
     def text(self) -> str:
-        """'run ETA M:SS' (or '?' until a batch has been timed)."""
+        """'run ETA M:SS' ('?' while `seconds_left()` has no estimate)."""
         return f"run ETA {clock_text(self.seconds_left())}"

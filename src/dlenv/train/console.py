@@ -91,6 +91,8 @@ class Progress:
     def __init__(self, total: int, start: int, desc: str, enabled: bool, interval: float = progress.LOG_INTERVAL_S,
                  run_eta: progress.RunEta | None = None):
         self.total, self.done, self.run_eta = total, start, run_eta
+        if run_eta is not None:
+            run_eta.start()  # the first step's time then gives the first line its run ETA
         self.shown = progress.Progress(total, desc, start=start, enabled=enabled, unit="batch", interval=interval)
 
     def update(self, done: int, loss: float, ips: float, mem_gib: float) -> None:
