@@ -15,6 +15,7 @@ are the trainer's defaults (auto).
 
     python3 scripts/bench_pipeline.py --out /tmp/out             # about 5-6 minutes on an H200, 16 CPUs
     python3 scripts/bench_pipeline.py --only synthetic,cache-ram --train-images 5000
+    python3 scripts/bench_pipeline.py --cores 4,8,16 --only default,gpu-augment,nvimgcodec --train-images 12000
 
 Writes bench_pipeline.csv and bench_pipeline.md to --out.
 """
@@ -113,6 +114,36 @@ def table(rows: list[dict], info: str) -> str:
     return "\n".join(out)
 
 
+def per_core_count(a: argparse.Namespace, argv: list[str]) -> int:
+    """Run the bench once per --cores count, each in its own process held to that many cores (the first
+    ones of this process's affinity), into --out/cores<N>; print the tables one after another."""
+    import subprocess
+
+    counts = [int(c) for c in a.cores.split(",") if c.strip()]
+    have = len(os.sched_getaffinity(0))
+    rest, skip = [], False
+    for arg in argv:  # this command line without --cores and --out
+        if skip:
+            skip = False
+        elif arg in ("--cores", "--out"):
+            skip = True
+        elif not arg.startswith(("--cores=", "--out=")):
+            rest.append(arg)
+    tables, rc = [], 0
+    for n in counts:
+        if n > have:
+            print(f"--cores {n}: this process may use {have} CPUs; skipped", flush=True)
+            continue
+        out = a.out / f"cores{n}"
+        rc |= subprocess.call([sys.executable, __file__, *rest, "--pin", str(n), "--out", str(out)])
+        if (out / "bench_pipeline.md").is_file():
+            tables.append(f"### {n} cores\n\n" + (out / "bench_pipeline.md").read_text())
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "bench_pipeline_cores.md").write_text("\n".join(tables))
+    print("\n".join(tables))
+    return rc
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("."), help="folder for bench_pipeline.csv/.md")
@@ -130,7 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="resnet50")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a quick check of the script itself")
     p.add_argument("--loader-only", action="store_true", help="measure the loaders alone, no training runs")
+    p.add_argument("--cores", default="", help="comma-separated CPU counts (e.g. 4,8,16): the whole bench once "
+                                               "per count, in a process held to that many cores (as taskset)")
+    p.add_argument("--pin", type=int, default=0, help=argparse.SUPPRESS)  # one count of --cores, in the child
     a = p.parse_args(argv)
+    if a.cores:
+        return per_core_count(a, sys.argv[1:] if argv is None else argv)
+    if a.pin:
+        cpus = sorted(os.sched_getaffinity(0))[:a.pin]
+        os.sched_setaffinity(0, cpus)  # DataLoader workers inherit it; usable_cpus() reads it
+        torch.set_num_threads(len(cpus))
     dev = torch.device(a.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         print("bench_pipeline needs a CUDA GPU (or --device cpu to check the script)", file=sys.stderr)
