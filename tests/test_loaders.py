@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
 from collections import namedtuple
 from pathlib import Path
 
@@ -108,6 +109,18 @@ def test_loader_error_raises_clean_bad_image_error(with_bad, workers, capfd):
     assert "Traceback" not in capfd.readouterr().err
 
 
+def test_a_failed_pass_stops_its_workers_at_once(with_bad):
+    # not left to the garbage collector: `e` (its traceback) keeps the iterator in a reference cycle with
+    # this frame, and collected there its workers never heard to stop: torch waited 5 s for each of them
+    before = set(multiprocessing.active_children())
+    loader = build_eval_loader(with_bad, 16, batch_size=2, workers=2, bad_images="error")
+    with pytest.raises(BadImageError) as e:
+        for _ in loader:
+            pass
+    assert not set(multiprocessing.active_children()) - before
+    assert with_bad[2][0] in str(e.value)
+
+
 def test_all_images_bad_is_a_user_error(tmp_path):
     for i in range(3):
         (tmp_path / f"{i}.png").write_bytes(b"")
@@ -204,3 +217,16 @@ def test_build_loaders_without_val(tmp_path):
 def test_eval_loader_keeps_sample_order(layout):
     loader = build_eval_loader(layout.train, 16, batch_size=4, workers=0)
     assert _labels(loader) == [y for _, y in layout.train]
+
+
+def test_close_stops_persistent_workers_and_a_later_pass_starts_new_ones(layout):
+    # the trainer closes its loaders at the end of a run (train.fit), however it ends
+    before = set(multiprocessing.active_children())
+    train, _ = build_loaders(layout, 16, batch_size=4, workers=2, seed=1)
+    first = _labels(train)
+    assert len(set(multiprocessing.active_children()) - before) == 2  # persistent: alive between passes
+    train.close()
+    assert not set(multiprocessing.active_children()) - before
+    assert sorted(_labels(train)) == sorted(first)
+    train.close()
+    assert not set(multiprocessing.active_children()) - before

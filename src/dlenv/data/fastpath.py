@@ -183,6 +183,11 @@ class WorkerSource:
         images, sizes, labels = batch
         return images.to(device, non_blocking=True), sizes, labels.to(device, non_blocking=True)
 
+    def close(self) -> None:
+        """Shut the workers down now (the end of a run; see loaders.SafeLoader)."""
+        self.loader.close()
+        self._batches = None
+
 
 def _read(path: str) -> tuple[torch.Tensor, int]:
     """A file's bytes as a uint8 tensor, and its EXIF orientation (1 for not-JPEGs). A FIFO or device
@@ -424,6 +429,12 @@ class DeviceLoader:
 
     def __len__(self) -> int:
         return len(self.source)
+
+    def close(self) -> None:
+        """Shut down the source's worker processes, where it has any (the end of a run)."""
+        close = getattr(self.source, "close", None)
+        if close is not None:
+            close()
 
     def batch_seed(self, epoch: int, position: int) -> int:
         """The augmentation seed of the batch that starts at `position` of `epoch`."""

@@ -92,12 +92,22 @@ def fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Data
     finally:
         if run.tb is not None:
             run.tb.close()
+        _close_loaders(data)
     best = run.best if run.best is not None and run.best.is_file() else None
     summary.update(epochs=state.epoch, step=state.step, best_metric=state.best_metric,
                    best=str(best) if best else None)
     say(console.done_line(state.epoch, time.perf_counter() - t_run, "top-1" if data.val is not None else "-loss",
                           state.best_metric, best, run.dir))
     return summary
+
+
+def _close_loaders(data: pipeline.Data) -> None:
+    """Shut the loaders' worker processes down at the end of a run, however it ends: left to the garbage
+    collector, each would cost a 5 s wait at some later point of the process (loaders.SafeLoader)."""
+    for loader in (data.train, data.val):
+        close = getattr(loader, "close", None)
+        if close is not None:
+            close()
 
 
 def _stopped(summary: dict[str, Any], signum: int | None, last_path: Path | None, say) -> dict[str, Any]:
