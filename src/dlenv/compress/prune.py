@@ -185,7 +185,12 @@ def main(cfg: Any) -> int:
     if train_loader is not None:
         print(f"fine-tuning {cfg.finetune_epochs} epoch(s) on {len(train_loader.dataset)} training images, "
               f"lr {cfg.finetune_lr:g}, masks kept")
-        finetune(model, train_loader, device, cfg.finetune_epochs, cfg.finetune_lr)
+        try:
+            finetune(model, train_loader, device, cfg.finetune_epochs, cfg.finetune_lr)
+        finally:  # its persistent workers, now rather than at a garbage collection (loaders.SafeLoader)
+            close = getattr(train_loader, "close", None)
+            if close is not None:
+                close()
     model.cpu()
     make_permanent(layers)
     model.eval()
