@@ -238,7 +238,6 @@ class NvjpegSource(_Sampled):
         return chunk, data, turns
 
     def upload(self, batch: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-
         chunk, data, turns = batch
         paths = [self.samples[i][0] for i in chunk]
         images: list[torch.Tensor | None] = [None] * len(chunk)
