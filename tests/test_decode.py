@@ -231,7 +231,7 @@ def test_nvjpeg_source_turns_rotated_photos_upright_on_the_cpu(tmp_path):
     import torch
     from PIL import ImageOps
 
-    from dlenv.data.fastpath import NvjpegSource
+    from dlenv.data.gpudecode import NvjpegSource
 
     paths = [str(_rotated_jpeg(tmp_path / f"{o}.jpg", o)) for o in (1, 6, 3, 8)]
     src = NvjpegSource([(p, 0) for p in paths], None, 4, 40, "error")
@@ -251,7 +251,7 @@ def test_nvjpeg_on_cuda_turns_rotated_photos_upright(tmp_path):
     from PIL import ImageOps
 
     from dlenv import compat
-    from dlenv.data.fastpath import NvjpegSource
+    from dlenv.data.gpudecode import NvjpegSource
 
     if compat.cuda_jpeg_unavailable("cuda"):
         pytest.skip(compat.cuda_jpeg_unavailable("cuda"))

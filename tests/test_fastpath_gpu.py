@@ -13,9 +13,9 @@ from imagedata import make_photo_layout
 from dlenv import compat, config
 from dlenv.data import hwdecode
 from dlenv.data.decode import decode_stored
-from dlenv.data.fastpath import NvimgcodecSource, NvjpegSource
 from dlenv.data.folder import find_layout
 from dlenv.data.gpu_aug import GpuAugment
+from dlenv.data.gpudecode import NvimgcodecSource, NvjpegSource
 from dlenv.data.loaders import BadImageError
 from dlenv.data.pipeline import InputPlan, make_loaders
 from dlenv.data.sampler import ResumableSampler

@@ -90,7 +90,7 @@ def fake(monkeypatch):
 
 
 def _source(samples, bad_images="skip"):
-    from dlenv.data.fastpath import NvimgcodecSource
+    from dlenv.data.gpudecode import NvimgcodecSource
 
     return NvimgcodecSource(samples, None, len(samples), 40, bad_images, "cpu")
 

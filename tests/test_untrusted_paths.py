@@ -262,7 +262,7 @@ def test_data_report_on_special_files(special_ds):
 
 
 def _decoders():
-    from dlenv.data import decode, fastpath, report
+    from dlenv.data import decode, gpudecode, report
 
     return [
         ("load_rgb", decode.load_rgb),
@@ -271,7 +271,7 @@ def _decoders():
         ("decode_stored-pil", lambda p: decode.decode_stored(p, 32, "pil")),
         ("decode_stored-cv2", lambda p: decode.decode_stored(p, 32, "cv2")),
         ("decode_stored-tvio", lambda p: decode.decode_stored(p, 32, "tvio")),
-        ("nvjpeg-reader", fastpath._read),
+        ("nvjpeg-reader", gpudecode._read),
         ("mean_pixels", lambda p: _raise_if(decode.mean_pixels([p]) != 0.0)),
         ("report-quick", lambda p: _raise_if(report._quick_check(p)[1] is None)),
         ("report-decode", lambda p: _raise_if(report.decode_problem(p) is None)),

@@ -130,7 +130,7 @@ def resolve_decoder(name: str, paths: Sequence[str] = (), size: int = 258, gpu: 
 #: decoders that decode whole batches on the GPU (dlenv.data.fastpath)
 GPU_DECODERS = ("nvjpeg", "nvimgcodec")
 #: bytes of GPU memory per decoded pixel while a GPU-decoded batch is squashed: the RGB image, its
-#: stacked copy and the float copy the antialiased resize works on (fastpath._squash)
+#: stacked copy and the float copy the antialiased resize works on (gpudecode._squash)
 NVJPEG_BYTES_PER_PIXEL = 18
 #: the share of the GPU's memory a decoded batch may take for 'auto' to decode on the GPU
 NVJPEG_MEMORY_SHARE = 0.05

@@ -323,18 +323,13 @@ def make_loaders(layout: Any, plan: InputPlan, device: Any, *, seed: int = 0, dt
 def _device_loaders(layout: Any, plan: InputPlan, device: torch.device, seed: int, dtype: torch.dtype,
                     memory_format: torch.memory_format, train_sampler: Any, val_sampler: Any,
                     say: Callable[[str], None], epochs: int | None = None) -> tuple[Any, Any]:
-    """DeviceLoaders (dlenv.data.fastpath) over the plan's source: the cache, nvJPEG, or DataLoader workers."""
+    """DeviceLoaders (dlenv.data.fastpath) over the plan's source: the cache, DataLoader workers, or a GPU decoder
+    (dlenv.data.gpudecode: nvJPEG or nvImageCodec)."""
     from dlenv.cpus import usable_cpus
     from dlenv.data.cache import build_cache
-    from dlenv.data.fastpath import (
-        CacheSource,
-        DeviceLoader,
-        NvimgcodecSource,
-        NvjpegSource,
-        WorkerSource,
-        stored_tensors,
-    )
+    from dlenv.data.fastpath import CacheSource, DeviceLoader, WorkerSource, stored_tensors
     from dlenv.data.gpu_aug import GpuAugment
+    from dlenv.data.gpudecode import NvimgcodecSource, NvjpegSource
     from dlenv.data.loaders import ImageDataset
     from dlenv.data.sampler import ResumableSampler
 
