@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -86,21 +86,8 @@ class NvjpegSource(SampledSource):
                 images[k] = upright(img, turns[k]) if turn and img is not None else img
         except RuntimeError:
             pass  # one bad file fails the whole batch call: the loop below decodes one by one
-        bad: list[tuple[int, str]] = []
-        for k, img in enumerate(images):
-            if img is None:
-                try:
-                    images[k] = self._one(paths[k], data[k], turns[k], device)
-                except Exception as e:  # the file is what's wrong
-                    bad.append((k, bad_image_reason(e)))
-        good = [k for k in range(len(chunk)) if images[k] is not None]
-        for k, reason in bad:
-            if self.bad_images == "error" or not good:
-                raise BadImageError(paths[k], reason)
-            if paths[k] not in self.bad_paths:
-                self.bad_paths[paths[k]] = reason
-                log.warning("skipping unreadable image %s (%s)", paths[k], reason)
-            images[k] = images[next((g for g in good if g > k), good[0])]  # the next readable one
+        _fill_in(images, paths, lambda k: self._one(paths[k], data[k], turns[k], device), self.bad_images,
+                 self.bad_paths)
         sizes = torch.tensor([[img.shape[2], img.shape[1]] for img in images], dtype=torch.int32)
         labels = torch.tensor([self.samples[i][1] for i in chunk], dtype=torch.long)
         return _squash(images, self.size), sizes, labels.to(device, non_blocking=True)
@@ -176,24 +163,33 @@ class NvimgcodecSource(SampledSource):
                 images[k] = img
         except RuntimeError:
             pass  # the whole call failed: the loop below decodes one by one
-        bad: list[tuple[int, str]] = []
-        for k, img in enumerate(images):
-            if img is None:
-                try:
-                    images[k] = torch.from_numpy(np.array(load_rgb(paths[k]))).to(device)  # a writable copy
-                except Exception as e:  # the file is what's wrong
-                    bad.append((k, bad_image_reason(e)))
-        good = [k for k in range(len(chunk)) if images[k] is not None]
-        for k, reason in bad:
-            if self.bad_images == "error" or not good:
-                raise BadImageError(paths[k], reason)
-            if paths[k] not in self.bad_paths:
-                self.bad_paths[paths[k]] = reason
-                log.warning("skipping unreadable image %s (%s)", paths[k], reason)
-            images[k] = images[next((g for g in good if g > k), good[0])]  # the next readable one
+        _fill_in(images, paths, lambda k: torch.from_numpy(np.array(load_rgb(paths[k]))).to(device),
+                 self.bad_images, self.bad_paths)  # np.array: a writable copy for torch
         sizes = torch.tensor([[img.shape[1], img.shape[0]] for img in images], dtype=torch.int32)
         labels = torch.tensor([self.samples[i][1] for i in chunk], dtype=torch.long)
         return _squash(images, self.size, channels_last=True), sizes, labels.to(device, non_blocking=True)
+
+
+def _fill_in(images: list[torch.Tensor | None], paths: list[str], decode_one: Callable[[int], torch.Tensor],
+             bad_images: str, bad_paths: dict[str, str]) -> None:
+    """Decode the batch's gaps (None) one by one with `decode_one(k)`; a file that fails there too is
+    replaced by the next readable image of the batch and logged once (recorded in `bad_paths`), or,
+    with bad_images 'error' or nothing readable, raises BadImageError naming it."""
+    bad: list[tuple[int, str]] = []
+    for k, img in enumerate(images):
+        if img is None:
+            try:
+                images[k] = decode_one(k)
+            except Exception as e:  # the file is what's wrong
+                bad.append((k, bad_image_reason(e)))
+    good = [k for k in range(len(images)) if images[k] is not None]
+    for k, reason in bad:
+        if bad_images == "error" or not good:
+            raise BadImageError(paths[k], reason)
+        if paths[k] not in bad_paths:
+            bad_paths[paths[k]] = reason
+            log.warning("skipping unreadable image %s (%s)", paths[k], reason)
+        images[k] = images[next((g for g in good if g > k), good[0])]  # the next readable one
 
 
 def _squash(images: list[torch.Tensor], size: int, channels_last: bool = False) -> torch.Tensor:
