@@ -36,8 +36,10 @@ def test_without_the_library_one_line_names_the_wheel(no_library):
         hwdecode.HwJpegDecoder("cpu")
 
 
-@pytest.mark.parametrize("cuda,wheel", [("11.7", "nvidia-nvimgcodec-cu11"), ("12.4", "nvidia-nvimgcodec-cu12"),
-                                        ("13.0", "nvidia-nvimgcodec-cu13"), (None, "nvidia-nvimgcodec-cu12")])
+@pytest.mark.parametrize("cuda,wheel", [("11.7", "'nvidia-nvimgcodec-cu11[nvjpeg]'"),
+                                        ("12.4", "'nvidia-nvimgcodec-cu12[nvjpeg]'"),
+                                        ("13.0", "'nvidia-nvimgcodec-cu13[nvjpeg]'"),
+                                        (None, "'nvidia-nvimgcodec-cu12[nvjpeg]'")])
 def test_wheel_follows_torchs_cuda(monkeypatch, cuda, wheel):
     monkeypatch.setattr(torch.version, "cuda", cuda)
     assert hwdecode.wheel_name() == wheel
@@ -53,6 +55,16 @@ def test_start_up_noise_goes_to_the_debug_log_not_the_console(capfd, caplog):
     out, err = capfd.readouterr()
     assert out == "before\nafter\n" and err == ""
     assert "nvjpeg2k_ext" in caplog.text and "nvtiff" in caplog.text
+
+
+def test_without_a_temporary_folder_the_library_still_loads(monkeypatch, capfd):
+    def no_tmp(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(hwdecode.tempfile, "TemporaryFile", no_tmp)
+    with hwdecode._quiet():
+        os.write(1, b"still said\n")
+    assert capfd.readouterr().out == "still said\n"
 
 
 def test_probe_image_is_a_baseline_420_jpeg():

@@ -41,24 +41,40 @@ _engines_cache: dict[int, bool] = {}
 @contextlib.contextmanager
 def _quiet() -> Any:
     """File descriptors 1 and 2 into a temporary file for the block; its text goes to the debug log.
-    For start-up only (plug-in loading), before the loader's threads run."""
-    with tempfile.TemporaryFile() as sink:
-        saved = [os.dup(1), os.dup(2)]
-        try:
-            for stream in (sys.stdout, sys.stderr):  # what Python holds back goes out first
-                with contextlib.suppress(OSError, ValueError, AttributeError):
-                    stream.flush()
-            for fd in (1, 2):
-                os.dup2(sink.fileno(), fd)
-            yield
-        finally:
-            for fd, old in zip((1, 2), saved, strict=True):
-                os.dup2(old, fd)
-                os.close(old)
+    For start-up only (plug-in loading), before the loader's threads run. Where that cannot be set up
+    (no writable temporary folder, a closed descriptor) the block runs as it is: noise over failure."""
+    saved: list[int] = []
+    try:
+        sink = tempfile.TemporaryFile()  # noqa: SIM115 (closed at the end, and below if a dup fails)
+    except OSError:
+        yield
+        return
+    try:
+        for fd in (1, 2):
+            saved.append(os.dup(fd))
+    except OSError:
+        for old in saved:
+            os.close(old)
+        sink.close()
+        yield
+        return
+    try:
+        for stream in (sys.stdout, sys.stderr):  # what Python holds back goes out first
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                stream.flush()
+        for fd in (1, 2):
+            os.dup2(sink.fileno(), fd)
+        yield
+    finally:
+        for fd, old in zip((1, 2), saved, strict=True):
+            os.dup2(old, fd)
+            os.close(old)
+        with contextlib.suppress(OSError):
             sink.seek(0)
             text = sink.read().decode(errors="replace").strip()
             if text:
                 log.debug("nvImageCodec at start-up: %s", " | ".join(text.splitlines()))
+        sink.close()
 
 
 def module() -> tuple[Any, str | None]:
@@ -76,11 +92,12 @@ def module() -> tuple[Any, str | None]:
 
 
 def wheel_name() -> str:
-    """The nvImageCodec wheel for this torch's CUDA (nvidia-nvimgcodec-cu11, -cu12 or -cu13)."""
+    """What to pip install for this torch's CUDA: nvidia-nvimgcodec-cu11, -cu12 or -cu13, with the nvJPEG
+    library its JPEG decoders load (the [nvjpeg] extra), quoted for a shell."""
     import torch
 
     major = (torch.version.cuda or "12").split(".")[0]
-    return f"nvidia-nvimgcodec-cu{major}"
+    return f"'nvidia-nvimgcodec-cu{major}[nvjpeg]'"
 
 
 def unavailable(device: Any) -> str | None:
