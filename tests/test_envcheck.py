@@ -281,6 +281,25 @@ def test_bf16_only_from_ampere():
     assert envcheck.kernel_dtypes((9, 0)) == ["fp32", "fp16", "bf16"]
 
 
+@pytest.mark.parametrize("version,engines,fix,status,says", [
+    ("0.9.0", True, "", "ok", "hardware JPEG engines (nvImageCodec 0.9.0): --decoder auto uses them"),
+    ("0.6.1", False, "", "info", "no hardware JPEG engines on this GPU (nvImageCodec 0.6.1)"),
+    (None, None, "pip install 'nvidia-nvimgcodec-cu11[nvjpeg]'", "info", "nvImageCodec not installed"),
+])
+def test_the_gpus_jpeg_engines_are_reported_never_failed(version, engines, fix, status, says):
+    facts = gpu_facts(nvimgcodec=version, nvimgcodec_fix=fix)
+    facts.gpus[0].jpeg_engines = engines
+    results, ok, _ = judge(facts)
+    check = by_name(results, "jpeg 0")
+    assert ok and check.status == status and says in check.detail, check
+    assert (fix in check.fix) if fix else check.fix == ""
+
+
+def test_no_jpeg_row_for_a_gpu_whose_kernels_fail():
+    facts = gpu_facts(kernels=[Kernel("conv2d", "fp32", False, 1.0)])
+    assert not any(c.name == "jpeg 0" for c in judge(facts)[0])
+
+
 def test_screen_fits_and_json_is_complete():
     facts = gpu_facts(capability=(9, 0), archs=ARCHS_MODERN, name="NVIDIA H200")
     results, ok, line = judge(facts)
@@ -419,3 +438,25 @@ def test_gpus_all_is_named_only_in_dlenvs_image_and_not_with_allow_cpu():
     assert "--gpus all" in judge(cpu_facts(install="image", in_container=True))[2]
     gpu = by_name(judge(cpu_facts(install="image"), allow_cpu=True)[0], "GPU")
     assert not gpu.fix and "runs on the CPU" in gpu.detail
+
+
+def test_collect_asks_each_working_gpu_for_jpeg_engines(monkeypatch):
+    import types
+
+    import torch
+
+    from dlenv.data import hwdecode
+    from dlenv.envcheck import facts as facts_mod
+
+    asked = []
+    monkeypatch.setattr(hwdecode, "module", lambda: (types.SimpleNamespace(__version__="0.9.0"), None))
+    monkeypatch.setattr(hwdecode, "has_engines", lambda device: asked.append(str(device)) or True)
+    facts = gpu_facts()
+    facts.gpus.append(Gpu(1, "NVIDIA H200", 141 * GiB, (9, 0), [Kernel("conv2d", "fp32", False, 1.0)]))
+    facts_mod._collect_jpeg_engines(torch, facts)
+    assert facts.nvimgcodec == "0.9.0" and asked == ["cuda:0"]  # GPU 1's kernels failed: not asked
+    assert facts.gpus[0].jpeg_engines is True and facts.gpus[1].jpeg_engines is None
+    monkeypatch.setattr(hwdecode, "module", lambda: (None, "nvImageCodec is not installed"))
+    facts = gpu_facts()
+    facts_mod._collect_jpeg_engines(torch, facts)
+    assert facts.nvimgcodec is None and facts.nvimgcodec_fix.startswith("pip install 'nvidia-nvimgcodec-cu")

@@ -33,6 +33,7 @@ class Gpu:
     memory_bytes: int
     capability: tuple[int, int]
     kernels: list[Kernel] = field(default_factory=list)
+    jpeg_engines: bool | None = None  # nvImageCodec's hardware backend decodes here; None: not checked
 
 
 @dataclass
@@ -62,6 +63,8 @@ class Facts:
     disk_free: int = 0
     in_container: bool = False
     install: str = "image"             # how dlenv was installed: image, conda, venv or pip (install_kind)
+    nvimgcodec: str | None = None      # nvImageCodec's version, where it loads (GPU JPEG decoding)
+    nvimgcodec_fix: str = ""           # where it does not: what to install
 
 
 def cudnn_string(v: int | None) -> str | None:
@@ -164,6 +167,22 @@ def _collect_gpus(torch: Any, facts: Facts) -> None:
         if arch_list_supports(facts.arch_list, gpu.capability):  # else the checks say why, no kernels
             gpu.kernels = [kernel_check(f"cuda:{gpu.index}", op, dt)
                            for dt in kernel_dtypes(gpu.capability) for op in cases()]
+    if facts.gpus:
+        _collect_jpeg_engines(torch, facts)
+
+
+def _collect_jpeg_engines(torch: Any, facts: Facts) -> None:
+    """nvImageCodec's version and, per GPU, whether its hardware JPEG engines decode (dlenv.data.hwdecode)."""
+    from dlenv.data import hwdecode
+
+    mod, why = hwdecode.module()
+    if mod is None:
+        facts.nvimgcodec_fix = f"pip install {hwdecode.wheel_name()}"
+        return
+    facts.nvimgcodec = str(getattr(mod, "__version__", "?"))
+    for gpu in facts.gpus:
+        if gpu.kernels and all(k.passed for k in gpu.kernels):  # a GPU torch cannot use is not asked
+            gpu.jpeg_engines = hwdecode.has_engines(torch.device("cuda", gpu.index))
 
 
 def collect(workers: int | str = "auto", workspace: str | Path | None = None) -> Facts:

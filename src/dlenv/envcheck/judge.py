@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dlenv.cpus import SMALL_SHM, workers_that_fit
-from dlenv.envcheck.facts import Facts
+from dlenv.envcheck.facts import Facts, Gpu
 from dlenv.envcheck.kernels import TOLERANCE
 from dlenv.envcheck.pins import MODERN_ENV_FILE, pin_matches
 
@@ -212,6 +212,7 @@ def _gpu_checks(facts: Facts) -> list[Check]:
         if not failed:
             out.append(Check("ok", f"kernels {gpu.index}", f"{ops} fwd+bwd vs CPU fp32 · max rel. error "
                              f"{errors}"))
+            out.append(_jpeg_check(facts, gpu))
             continue
         what = "; ".join(f"{k.op} {k.dtype}: " + (k.message or f"error {k.error:.1e} > {TOLERANCE[k.dtype]:.0e}")
                          for k in failed)
@@ -219,6 +220,21 @@ def _gpu_checks(facts: Facts) -> list[Check]:
                else "wrong results on this GPU: paste this screen into a bug report (driver or hardware?)")
         out.append(Check("fail", f"kernels {gpu.index}", what, fix))
     return out
+
+
+def _jpeg_check(facts: Facts, gpu: Gpu) -> Check:
+    """Where JPEGs can decode besides the CPU: the GPU's hardware engines through nvImageCodec, which
+    `--decoder auto` takes with fewer than 8 CPU workers (docs/input-pipeline.md)."""
+    name = f"jpeg {gpu.index}"
+    if facts.nvimgcodec is None:
+        return Check("info", name, "nvImageCodec not installed: JPEGs decode on the CPU (or nvJPEG)",
+                     f"with few CPU cores per GPU, {facts.nvimgcodec_fix} lets GPUs with JPEG engines "
+                     "decode them" if facts.nvimgcodec_fix else "")
+    if gpu.jpeg_engines:
+        return Check("ok", name, f"hardware JPEG engines (nvImageCodec {facts.nvimgcodec}): --decoder auto "
+                     "uses them with fewer than 8 CPU workers")
+    return Check("info", name, f"no hardware JPEG engines on this GPU (nvImageCodec {facts.nvimgcodec}): "
+                 "JPEGs decode on the CPU (or nvJPEG with few cores)")
 
 
 def _shm_check(facts: Facts) -> Check:
