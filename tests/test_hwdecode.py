@@ -168,3 +168,34 @@ def test_auto_takes_the_engines_with_few_cores_only(tmp_path, monkeypatch):
     assert decode.resolve_decoder("nvimgcodec") == "nvimgcodec"
     with pytest.raises(Exception, match="nvimgcodec"):
         decode.resolve_decoder("nvimgcodecs")
+
+
+class _Library:
+    """nvImageCodec's Decoder as HwJpegDecoder calls it: `images=` refused (before 0.7) or paths refused."""
+
+    def __init__(self, takes_images: bool, takes_paths: bool = True):
+        self.takes_images, self.takes_paths, self.calls = takes_images, takes_paths, []
+
+    def read(self, srcs, images=None, cuda_stream=0):
+        self.calls.append(("images" if images is not None else "plain", type(srcs[0]).__name__))
+        if images is not None and not self.takes_images:
+            raise TypeError("read() got an unexpected keyword argument 'images'")
+        if isinstance(srcs[0], str) and not self.takes_paths:
+            raise TypeError("incompatible function arguments")
+        return [np.zeros((2, 3, 3), np.uint8) for _ in srcs]
+
+
+@pytest.mark.parametrize("takes_images,takes_paths,reuse_after", [(True, True, True), (False, True, False),
+                                                                  (True, False, True)])
+def test_output_reuse_is_given_up_only_when_images_is_refused(monkeypatch, takes_images, takes_paths,
+                                                               reuse_after):
+    lib = _Library(takes_images, takes_paths)
+    dec = object.__new__(hwdecode.HwJpegDecoder)
+    dec.mod = type("mod", (), {"CodeStream": type("CodeStream", (), {"__init__": lambda self, p: None})})
+    dec.device, dec.decoder, dec._pool, dec._reuse = torch.device("cpu"), lib, [], True
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0}))
+    monkeypatch.setattr(torch, "as_tensor", lambda img, device=None: torch.from_numpy(img))
+    for _ in range(3):
+        out = dec.read(["a.jpg", "b.jpg"])
+        assert [tuple(t.shape) for t in out] == [(2, 3, 3), (2, 3, 3)]
+    assert dec._reuse is reuse_after, lib.calls

@@ -197,13 +197,13 @@ class HwJpegDecoder:
         import torch
 
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        out = None
         if self._reuse and len(self._pool) >= len(srcs):
             try:
                 out = call(srcs, images=self._pool[:len(srcs)], cuda_stream=stream)
-            except TypeError:  # nvImageCodec before 0.7: no output reuse
-                self._reuse = False
-        if out is None:
+            except TypeError:
+                out = call(srcs, cuda_stream=stream)  # a TypeError here is about srcs: reuse untouched
+                self._reuse = False  # it was `images=`: nvImageCodec before 0.7 reuses no output
+        else:
             out = call(srcs, cuda_stream=stream)
             if self._reuse and all(img is not None for img in out) and len(out) > len(self._pool):
                 self._pool = list(out)

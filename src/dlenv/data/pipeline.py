@@ -274,9 +274,9 @@ AUTO_CACHE_MAX_BYTES = 2 << 30
 
 
 def decide_cache(opts: InputOptions, layout: Any, on_device: bool, size: int) -> tuple[bool, str]:
-    """(decode once?, why, when 'auto' said yes). 'on'/'off' as given. 'auto': on for the device path
-    (the cache feeds GPU augmentation) when the user named no GPU decoder and the decoded dataset fits
-    AUTO_CACHE_SHARE of available memory and AUTO_CACHE_MAX_BYTES."""
+    """(decode once?, the line that says why: only when 'auto' chose it). 'on'/'off' as given. 'auto': on
+    for the device path (the cache feeds GPU augmentation) when the user named no GPU decoder and the
+    decoded dataset fits AUTO_CACHE_SHARE of available memory and AUTO_CACHE_MAX_BYTES."""
     from dlenv.data.cache import available_memory, nbytes
 
     if opts.cache_on():
