@@ -153,11 +153,28 @@ def test_named_again_with_model_it_is_the_users_choice(project, tmp_path, caplog
     ({"ref": "m.py:b", "args": {f"a{i}": 1 for i in range(40)}}, "40 factory arguments, more than 32"),
     ({"ref": "m.py:b", "args": {"num_classes": 3}}, "names the factory argument 'num_classes'"),
     ({"ref": "m.py:b", "args": {"not a name": 3}}, "names the factory argument 'not a name'"),
+    # img_size is the trainer's own record for a factory that takes it, bounded as an image size
+    ({"ref": "m.py:b", "args": {"img_size": 100000}}, r"gives img_size=100000, not an image size of 16 to 2048"),
+    ({"ref": "m.py:b", "args": {"img_size": 8}}, r"gives img_size=8, not an image size"),
+    ({"ref": "m.py:b", "args": {"img_size": "32"}}, r"gives img_size='32', not an image size"),
+    ({"ref": "m.py:b", "args": {"img_size": True}}, r"gives img_size=True, not an image size"),
+    ({"ref": "m.py:b", "args": {"img_size": 32.0}}, r"gives img_size=32.0, not an image size"),
 ])
 def test_what_a_file_says_about_the_factory_is_bounded(project, source, match):
     with pytest.raises(UserError, match=match) as err:
         modelsource.check_source(source, None, "ck")
     one_line(err)
+
+
+@pytest.mark.parametrize("args", [{"img_size": 16}, {"img_size": 2048, "depth": 3}, {"depth": 1, "drop": 0.5},
+                                  {"img_size": 224, "patch_size": 16, "class_token": True, "act_layer": "gelu"}])
+def test_every_keyword_a_trainer_records_is_read_back(project, args):
+    """The arguments a run records (--model-args and the img_size dlenv gives a factory that takes one)
+    are what a file's record is read back as: val, prune, export and --resume build the trained model."""
+    path = project / "models" / "vit.py"
+    ref, saved_args = modelsource.read_source(_source("models/vit.py:build", path, args), "ck")[::2]
+    assert (ref, saved_args) == ("models/vit.py:build", args)
+    assert modelsource.check_source(_source("models/vit.py:build", path, args), None, "ck").text == ref
 
 
 @pytest.mark.parametrize("given", [None, "models/resnet.py:build"])

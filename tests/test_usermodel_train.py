@@ -185,6 +185,32 @@ def test_val_prune_export_rebuild_the_model_and_refuse_without_its_file(trained,
     assert VERBS[verb](trained, model="resnet_moved.py:build") == 0
 
 
+@pytest.mark.parametrize("verb", ["val", "export", "resume"])
+@pytest.mark.parametrize("img_size, trained_at", [(None, 16), (24, 24)], ids=["declared-16", "img-size-24"])
+def test_a_factory_taking_img_size_is_rebuilt_by_every_command(project, verb, img_size, trained_at):
+    """vit.py's build(num_classes, img_size=16, ...) gets --img-size (or its own default) from the trainer,
+    which records it in model_source; val, export and --resume rebuild it from that record, at the size
+    it was trained at (the GPU suite's vit.py case caught val refusing it: 'not a keyword argument name')."""
+    ref = "models/vit.py:build"
+    if verb == "resume":
+        def on_step(state):
+            if state.step == 1:
+                signal.raise_signal(signal.SIGTERM)
+
+        part = train(on_step=on_step, model=ref, img_size=img_size)
+        assert part["exit_code"] == 143
+        resumed = train(resume=part["last"])
+        assert resumed["exit_code"] == 0 and resumed["step"] == 4
+        weights = Path(resumed["last"])
+    else:
+        weights = Path(train(model=ref, img_size=img_size)["best"])
+        assert VERBS[verb](weights) == 0
+    ckpt = runstate.load_checkpoint(weights)
+    assert ckpt["model_source"]["args"] == {"img_size": trained_at} and ckpt["img_size"] == trained_at
+    model = models.model_from_checkpoint(ckpt, source=str(weights))[0]
+    assert model.pos.shape[1] == (trained_at // 4) ** 2  # built to the trained size: one position a patch
+
+
 def test_a_changed_file_is_refused_and_named_again_warns_in_one_line(trained, project, caplog):
     path = project / "models" / "resnet.py"
     path.write_text(path.read_text() + "\n# a comment changes the hash, not the weights\n")

@@ -26,7 +26,6 @@ from typing import Any
 
 from dlenv.errors import UserError
 from dlenv.usermodel import (
-    RESERVED,
     Reference,
     build,
     file_sha256,
@@ -71,9 +70,19 @@ def read_source(source: Any, what: str) -> tuple[str, str | None, dict[str, Any]
         raise UserError(f"{what}: its model_source gives {len(args)} factory arguments, more than {MAX_ARGS}; "
                         "the file was edited or damaged, use another checkpoint")
     for k, v in args.items():
-        if not (isinstance(k, str) and k.isidentifier() and k not in RESERVED):
+        # num_classes comes from the checkpoint's own (bounded) entry, never from here. img_size is what
+        # the trainer gave a factory that takes one (usermodel.factory_kwargs) and so is in every such
+        # record; it is a size the model is built to (a ViT's position table), bounded as one.
+        if not (isinstance(k, str) and k.isidentifier() and k != "num_classes"):
             raise UserError(f"{what}: its model_source names the factory argument {str(k)[:40]!r}, not a keyword "
                             "argument name; the file was edited or damaged, use another checkpoint")
+        if k == "img_size":
+            from dlenv.runstate import MAX_IMG_SIZE
+
+            if not (isinstance(v, int) and not isinstance(v, bool) and 16 <= v <= MAX_IMG_SIZE):
+                raise UserError(f"{what}: its model_source gives img_size={repr(v)[:40]}, not an image size of 16 "
+                                f"to {MAX_IMG_SIZE} pixels; the file was edited or damaged, use another checkpoint")
+            continue
         if not _arg_ok(v):
             shown = repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."
             raise UserError(f"{what}: its model_source gives {k}={shown}, beyond the bounds for a value read "
