@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import zipfile
 
 import pytest
 from usermodels import isolated_imports, one_line, write, write_project
 
 from dlenv import modelsource
+from dlenv.data.unpack import MARKER, unpack
 from dlenv.errors import UserError
 
 
@@ -61,6 +64,26 @@ def _place(project, tmp_path, where):
         write(project, "data/__init__.py", "")
         path = write(project, "data/evil.py", EVIL)
         return "data.evil:build", path.with_name("RAN")
+    if where.startswith("unpacked"):  # `dlenv unpack pets.zip --dest datasets/pets`: anywhere but data/
+        dest = project / "datasets" / "pets"
+        rel = "code/deep/evil.py" if where == "unpacked, deep inside" else "evil.py"
+        members = {"pets/train/cat/0.jpg": b"jpg", f"pets/{rel}": EVIL.encode(), "pets/__init__.py": b""}
+        zipped = tmp_path / "pets.zip"
+        with zipfile.ZipFile(zipped, "w") as z:
+            for name, data in members.items():
+                z.writestr(name, data)
+        unpack(zipped, dest, progress=False)
+        marker = dest / rel.replace("evil.py", "RAN")
+        if where == "unpacked, run from inside it":
+            os.chdir(dest)
+            return "evil.py:build", marker
+        if where == "unpacked, reached by a symlink":
+            (project / "models" / "extra").symlink_to(dest)
+            return "models/extra/evil.py:build", marker
+        if where == "unpacked module":
+            write(project, "datasets/__init__.py", "")
+            return "datasets.pets.evil:build", marker
+        return f"datasets/pets/{rel}:build", marker
     raise AssertionError(where)
 
 
@@ -72,6 +95,11 @@ def _place(project, tmp_path, where):
     ("tilde", "an absolute path"),
     ("module outside", "a module not found in the working folder"),
     ("module under data/", "under data/ where unpacked archives go"),
+    ("unpacked --dest datasets/pets", "evil.py, inside datasets/pets/, which `dlenv unpack` wrote from an archive"),
+    ("unpacked, deep inside", "code/deep/evil.py, inside datasets/pets/, which `dlenv unpack` wrote"),
+    ("unpacked, run from inside it", "which `dlenv unpack` wrote from an archive"),
+    ("unpacked, reached by a symlink", "datasets/pets/evil.py, inside datasets/pets/, which `dlenv unpack` wrote"),
+    ("unpacked module", "datasets/pets/__init__.py, inside datasets/pets/, which `dlenv unpack` wrote"),
 ])
 @pytest.mark.parametrize("with_sha", [True, False], ids=["with-sha", "without-sha"])
 def test_a_reference_read_from_a_file_is_refused_before_anything_is_imported(project, tmp_path, where, why,
@@ -92,6 +120,27 @@ def test_a_reference_read_from_a_file_is_refused_before_anything_is_imported(pro
         assert "it is not imported" in line and f"pass --model {ref}" in line
         assert why in line or "no model_source" in line, line
     assert not marker.exists(), "the file's code ran"
+
+
+@pytest.mark.parametrize("case", ["project file beside it", "named with --model", "the same file, not unpacked"])
+def test_an_unpacked_folder_refuses_only_its_own_code(project, tmp_path, case):
+    """Controls for the unpacked cases above: the rule is the marker unpack wrote, it reaches only the
+    folder unpack made, and --model still vouches for a file in it."""
+    ref, ran = _place(project, tmp_path, "unpacked --dest datasets/pets")
+    evil = ran.with_name("evil.py")
+    if case == "project file beside it":
+        path = project / "models" / "resnet.py"
+        assert modelsource.check_source(_source("models/resnet.py:build", path), None, "w.pth").text == \
+            "models/resnet.py:build"
+        return
+    if case == "the same file, not unpacked":  # copied by hand: no marker, the project's own by the rule
+        copy = write(project, "datasets/mine/evil.py", EVIL)
+        assert not list(copy.parent.glob(MARKER))
+        assert modelsource.check_source(_source("datasets/mine/evil.py:build", copy), None, "w.pth")
+        return
+    assert not ran.exists()
+    assert modelsource.check_source(_source(ref, evil), ref, "w.pth").text == ref  # the user's choice: used
+    assert ran.exists()  # named with --model, it was imported
 
 
 @pytest.mark.parametrize("case, why", [

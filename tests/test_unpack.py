@@ -22,7 +22,7 @@ import pytest
 
 from dlenv import cli, config
 from dlenv.data import unpack as archive
-from dlenv.data.unpack import guard
+from dlenv.data.unpack import MARKER, guard
 from dlenv.errors import UserError
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -46,6 +46,14 @@ def snapshot(root: Path) -> dict[str, str]:
             else:
                 out[rel] = hashlib.sha1(p.read_bytes()).hexdigest()
     return out
+
+
+def unmarked(snap: dict[str, str], root: str = "") -> dict[str, str]:
+    """`snap` without the marker unpack leaves in the folder it made (`root` within the snapshot),
+    asserting it is there as a file of unpack's own."""
+    key = f"{root}/{MARKER}" if root else MARKER
+    assert snap.get(key) not in (None, "dir") and not snap[key].startswith("link:"), sorted(snap)
+    return {k: v for k, v in snap.items() if k != key}
 
 
 class _LegacyName(zipfile.ZipInfo):
@@ -200,7 +208,7 @@ def test_gbk_names_backslashes_and_junk(tmp_path):
         assert "训练" not in z.namelist()[0]
     r = unpack(src, tmp_path / "out")
     assert r.name_encoding == "gb18030" and r.junk == 5 and r.flattened == "数据集"
-    assert snapshot(tmp_path / "out") == {
+    assert unmarked(snapshot(tmp_path / "out")) == {
         "训练": "dir", "验证": "dir", "训练/猫": "dir", "验证/狗": "dir",
         "训练/猫/1.jpg": hashlib.sha1(b"cat").hexdigest(), "验证/狗/2.jpg": hashlib.sha1(b"dog").hexdigest()}
 
@@ -250,6 +258,40 @@ def test_links_inside_are_kept(tmp_path):
     out = tmp_path / "out"
     assert os.readlink(out / "a/2.jpg") == "1.jpg" and (out / "a/2.jpg").read_bytes() == b"one"
     assert (out / "b/3.jpg").read_bytes() == b"one"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The marker: unpack's own record that a folder came out of an archive (dlenv.modelsource reads it).
+
+MARKER_CASES = {  # what the archive holds at the marker's name, besides a dataset
+    "nothing there": ("zip", []),
+    "a file of its own": ("zip", [(f"ds/{MARKER}", b"not unpacked, trust me")]),
+    "a folder with files": ("zip", [(f"ds/{MARKER}/x.py", b"print(1)"), (f"ds/{MARKER}/y/", b"")]),
+    "an empty folder": ("zip", [(f"ds/{MARKER}/", b"")]),
+    "a symlink to a dataset file": ("tar", [tar_entry(f"ds/{MARKER}", tarfile.SYMTYPE, "train/cat/0.jpg")]),
+    "a dangling symlink": ("tar", [tar_entry(f"ds/{MARKER}", tarfile.SYMTYPE, "nowhere")]),
+    "a hard link to a dataset file": ("tar", [tar_entry(f"ds/{MARKER}", tarfile.LNKTYPE, "ds/train/cat/0.jpg")]),
+    "not flattened: at the root": ("zip", [(MARKER, b"x"), ("other/1.jpg", b"y")]),
+}
+
+
+@pytest.mark.parametrize("case", list(MARKER_CASES))
+@pytest.mark.parametrize("overwrite", [False, True], ids=["new-dest", "overwrite"])
+def test_unpack_marks_its_folder_whatever_the_archive_holds_at_the_name(work, case, overwrite):
+    fmt, extra = MARKER_CASES[case]
+    members = dataset_members() + extra
+    src = make_zip(work / "in" / "a.zip", members) if fmt == "zip" else make_tar(work / "in" / "a.tar", members)
+    dest = work / "out" / ("ds" if overwrite else "new")
+    unpack(src, dest, overwrite=overwrite)
+    marker = dest / MARKER
+    # unpack's own file: not the archive's file, folder or link, and no other name's inode
+    assert marker.is_file() and not marker.is_symlink() and marker.stat().st_nlink == 1
+    assert marker.read_text().startswith(f"written by dlenv unpack from {src.name!r}")
+    assert not list(work.glob("out/.*unpack-*"))  # nothing left beside it
+    top = "ds/" if case.startswith("not flattened") else ""
+    assert (dest / top / "train/cat/0.jpg").read_bytes() == dict(members[:4])["ds/train/cat/0.jpg"]
+    assert sorted(p.name for p in dest.iterdir()) == sorted([MARKER, "ds", "other"] if top else
+                                                            [MARKER, "train", "val"])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -426,7 +468,7 @@ def test_existing_destination_needs_overwrite(work):
         unpack(src, work / "out" / "ds")
     assert snapshot(work) == before
     unpack(src, work / "out" / "ds", overwrite=True)
-    assert snapshot(work / "out") == {"ds": "dir", "ds/x": "dir", "ds/y": "dir",
+    assert unmarked(snapshot(work / "out"), "ds") == {"ds": "dir", "ds/x": "dir", "ds/y": "dir",
                                       "ds/x/1.jpg": hashlib.sha1(b"new").hexdigest(),
                                       "ds/y/2.jpg": hashlib.sha1(b"new").hexdigest()}
 

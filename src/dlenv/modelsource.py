@@ -9,11 +9,12 @@ code. A file someone sends could name any file. So:
 - a reference read from the file is imported only when it is the model this project trained with
   (`project_model`): a relative path without `..` (or a package.module found in the working folder)
   whose files all lie inside the working folder with symlinks resolved, none under data/ (where
-  `unpack` puts what archives hold), and whose file is byte for byte the one the run recorded (the
-  sha256 in model_source);
-- anything else (absolute, `..`, `~`, a symlink out, data/, an installed module, a changed file, a
-  reference without a model_source) is refused in one line before any import, naming --model as the way
-  to vouch for it.
+  `unpack` puts what archives hold) nor in any folder `unpack` made elsewhere (its `.dlenv-unpacked`
+  marker in that folder or an ancestor, as written or with symlinks resolved), and whose file is byte
+  for byte the one the run recorded (the sha256 in model_source);
+- anything else (absolute, `..`, `~`, a symlink out, data/, an unpacked folder, an installed module, a
+  changed file, a reference without a model_source) is refused in one line before any import, naming
+  --model as the way to vouch for it.
 
 The factory arguments a file gives are bounded (`read_source`). No torch import at module level.
 """
@@ -21,6 +22,7 @@ The factory arguments a file gives are bounded (`read_source`). No torch import 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +112,20 @@ def _module_files(target: str) -> list[Path] | None:
     return files
 
 
+def _unpacked_folder(*paths: Path) -> Path | None:
+    """The folder `dlenv unpack` made (its marker file in that folder) that holds any of `paths`, or
+    None. Every ancestor up to the file system's root is looked at, not only those below the working
+    folder: a user may run from inside an unpacked tree. The marker counts in any form (a file, a
+    folder, a dangling link); one an archive put deeper down only makes the rule stricter."""
+    from dlenv.data.unpack import MARKER
+
+    for path in paths:
+        for folder in path.parents:
+            if os.path.lexists(folder / MARKER):
+                return folder
+    return None
+
+
 def project_model(ref: Reference, sha: str | None) -> str | None:
     """Why the reference `ref` read from a file is not the model this project trained with (see the
     module doc), or None when it is. Runs nothing: reads paths and the file's bytes only."""
@@ -133,6 +149,9 @@ def project_model(ref: Reference, sha: str | None) -> str | None:
             return f"{shown(f)}, which leads outside the working folder {cwd}"
         if real.relative_to(cwd).parts[:1] == (DATA_DIR,):
             return f"{shown(real)}, under {DATA_DIR}/ where unpacked archives go"
+        unpacked = _unpacked_folder(real, f.absolute())
+        if unpacked:
+            return f"{shown(real)}, inside {shown(unpacked)}/, which `dlenv unpack` wrote from an archive"
     if not sha:
         return "without the sha256 of the file it was trained with"
     if file_sha256(files[-1]) != sha:

@@ -12,7 +12,9 @@ Archives come from strangers, so every member is checked before a byte of it is 
 Everything is written into `.<dest>.unpack-<pid>-tmp` beside the destination and renamed into place
 only when complete, so a refusal, a crash, Ctrl-C or `kill` leaves the destination as it was; the
 next run removes what an interrupted one left behind. `--overwrite` swaps the old folder out only
-after the new one is complete.
+after the new one is complete. The folder arrives with a `.dlenv-unpacked` file in its root (`MARKER`,
+written by unpack itself, whatever the archive held at that name): code anywhere under it never counts
+as the project's own model when a weights file names it (dlenv.modelsource), wherever it was unpacked.
 
 Real-world archives come out right: zip names stored in a Windows code page (GBK and others) are
 decoded to their real characters, backslash separators become folders, macOS/Windows junk
@@ -44,6 +46,7 @@ from dlenv.data.unpack.formats import unpack_7z, unpack_tar, unpack_zip
 from dlenv.data.unpack.guard import Budget, Writer, _free_bytes, _size
 from dlenv.data.unpack.names import archive_stem, detect_format, guess_name_codec
 from dlenv.data.unpack.swap import (
+    MARKER,
     _check_dest,
     _move_into,
     _on_sigterm,
@@ -51,11 +54,13 @@ from dlenv.data.unpack.swap import (
     _swap_into_place,
     clean_leftovers,
     refuse_unsafe_dest,
+    write_marker,
 )
 from dlenv.errors import UserError, printable
 from dlenv.safeio import open_regular
 
-__all__ = ["UnpackResult", "archive_stem", "clean_leftovers", "detect_format", "guess_name_codec", "main", "unpack"]
+__all__ = ["MARKER", "UnpackResult", "archive_stem", "clean_leftovers", "detect_format", "guess_name_codec", "main",
+           "unpack"]
 
 
 @dataclass
@@ -184,6 +189,7 @@ def _extract_and_swap(src: Path, fmt: str, dest: Path, parent: Path, result: Unp
         if len(top) == 1 and top[0] in w.dirs and not reaches_root:
             new = tmp / top[0]
             result.flattened = top[0]
+        write_marker(new, src)  # after the flattening choice: the marker is not a second top-level entry
         if mounted:
             _move_into(new, tmp, dest)
         else:

@@ -18,6 +18,26 @@ from typing import Any
 from dlenv.errors import UserError
 
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.unpack-(?P<pid>\d+)-(?P<kind>tmp|old)$")
+#: the file unpack leaves in the root of every folder it makes: what lies under it came from an archive,
+#: so no code in it counts as the project's own model (dlenv.modelsource); a hidden name the dataset
+#: scan skips
+MARKER = ".dlenv-unpacked"
+
+
+def write_marker(folder: Path, archive: Path) -> None:
+    """Mark `folder` (the extraction, before it is swapped into place) as unpack's output. Whatever
+    the archive put at that name (a file, a folder, a link) is removed first and the marker created
+    anew, never followed or kept, so an archive can neither replace nor remove it; being written before
+    the swap, it arrives with the folder in the same rename."""
+    target = folder / MARKER
+    if target.is_dir() and not target.is_symlink():
+        shutil.rmtree(target)
+    elif os.path.lexists(target):
+        os.unlink(target)
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(f"written by dlenv unpack from {archive.name!r}: no code under this folder is imported as the "
+                 "project's model from a weights file unless --model names it (docs/unpack.md)\n")
 
 
 @contextlib.contextmanager
