@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dlenv.cfgfile import load_yaml
+from dlenv.cpus import usable_cpus
 from dlenv.errors import UserError
 from dlenv.pretrained import parse_pretrained
 from dlenv.usermodel import model_args_text
@@ -49,12 +50,16 @@ _PARSERS: dict[type, Callable[[Any], Any]] = {bool: _bool, int: _int, float: _fl
 
 def opt(default: Any, help: str, *, parse: Callable[[Any], Any] | None = None,
         choices: tuple[str, ...] | None = None, positional: bool = False,
-        min: float | None = None, max: float | None = None, bare: str | None = None) -> Any:
+        min: float | None = None, max: float | None = None, why: str | None = None,
+        here: Callable[[], tuple[int, str]] | None = None, bare: str | None = None) -> Any:
     """Declare one option: its default, its help line, and how a string becomes its value.
 
     `parse` defaults to the type of `default`; give it when the default is None or mixed ('auto'|int).
-    `min`/`max` bound numbers (inclusive); `choices` bound strings. `bare` is the value of the flag
-    given without one (`--compile` = `--compile on`), for options that were once plain switches.
+    `min`/`max` bound numbers (inclusive; each number of a list); `why` ends the line of a value over
+    `max`. `here` is a bound that depends on this machine: () -> (most, why), applied to what a user
+    gives now (flags, --cfg), not to the options a saved run was made with. `choices` bound strings.
+    `bare` is the value of the flag given without one (`--compile` = `--compile on`), for options that
+    were once plain switches.
     """
     if parse is None:
         if default is None:
@@ -62,7 +67,7 @@ def opt(default: Any, help: str, *, parse: Callable[[Any], Any] | None = None,
         parse = _PARSERS[type(default)]
     return field(default=default, metadata={
         "help": help, "parse": parse, "choices": choices, "positional": positional,
-        "min": min, "max": max, "bare": bare,
+        "min": min, "max": max, "why": why, "here": here, "bare": bare,
     })
 
 
@@ -73,6 +78,28 @@ _DEVICE_HELP = "cuda, cuda:N, cpu or auto (the first GPU if there is one)"
 #: the largest --seed: torch, NumPy and the samplers take 64-bit seeds, and each rank adds its number
 SEED_MAX = 2**63 - 1
 _DECODERS = ("auto", "pil", "cv2", "tvio", "nvjpeg", "nvimgcodec")
+#: the largest --batch-size, --accum-steps and --effective-batch: 2^20 images is far past what any GPU
+#: holds at any size; a larger number is a slip of the keyboard (10^12 was accepted and printed)
+BATCH_MAX = 2**20
+_BATCH_WHY = "2^20 images, far more than any GPU holds; use auto for the largest that fits"
+#: the largest --img-size (and demo-data --size): the bound dlenv.runstate.MAX_IMG_SIZE puts on a
+#: checkpoint's img_size (a test holds the two equal; runstate imports torch, so it is not imported
+#: here). 1,000,000 px used to reach the model's forward and ask torch for 24 TB
+IMG_SIZE_MAX = 2048
+_IMG_WHY = "the largest image size dlenv trains, validates or reads from a checkpoint"
+#: --workers may be at most max(WORKERS_FLOOR, WORKERS_PER_CPU x the CPUs this process may use):
+#: refused, not capped, so a run does what its config.yaml says. Loading waits on files as well as
+#: CPUs, so a few workers per CPU can pay; thousands only spawn processes (10,000 were started)
+WORKERS_FLOOR, WORKERS_PER_CPU = 64, 4
+
+
+def workers_here() -> tuple[int, str]:
+    """(the most --workers on this machine, why), for `opt(here=)`."""
+    cpus = usable_cpus()
+    most = max(WORKERS_FLOOR, WORKERS_PER_CPU * cpus)
+    return most, (f"the most worker processes dlenv starts here ({WORKERS_PER_CPU} x the {cpus} CPU"
+                  f"{'s' if cpus != 1 else ''} this process may use, at least {WORKERS_FLOOR}); use auto "
+                  "or a smaller number")
 
 
 def _trust_pickle() -> Any:
@@ -93,9 +120,10 @@ class TrainConfig:
                            min=0.0, max=0.9)
     img_size: int | None = opt(None, "training image size in pixels, or auto (the default): the training "
                                      "images' typical size, capped for speed (the choice and its reason are "
-                                     "printed); a pretrained model's own size wins", parse=auto_int, min=16)
-    workers: int | str = opt("auto", "DataLoader worker processes: a number, or auto (from CPU count and "
-                                     "/dev/shm)", parse=workers_or_auto)
+                                     "printed); a pretrained model's own size wins", parse=auto_int, min=16,
+                               max=IMG_SIZE_MAX, why=_IMG_WHY)
+    workers: int | str = opt("auto", "DataLoader worker processes: a number (at most 4 per CPU, or 64), or "
+                                     "auto (from CPU count and /dev/shm)", parse=workers_or_auto, here=workers_here)
     bad_images: str = opt("skip", "an image that fails to decode: skip it (reported once) or stop the run",
                           choices=("skip", "error"))
     cache: str = opt("auto", "decode the dataset once to uint8 at a fixed size and augment on the GPU: on, "
@@ -160,10 +188,11 @@ class TrainConfig:
     amp_dtype: str = opt("auto", "AMP dtype: auto (bf16 where supported, else fp16), fp16 or bf16",
                          choices=("auto", "fp16", "bf16"))
     batch_size: int | str = opt(32, "micro-batch per GPU, or auto: the largest that fits",
-                                parse=int_or_auto)
-    accum_steps: int = opt(1, "micro-batches per optimizer step (gradient accumulation)", min=1)
+                                parse=int_or_auto, max=BATCH_MAX, why=_BATCH_WHY)
+    accum_steps: int = opt(1, "micro-batches per optimizer step (gradient accumulation)", min=1,
+                           max=BATCH_MAX, why="2^20 micro-batches per step")
     effective_batch: int | None = opt(None, "images per optimizer step over all GPUs; sets --accum-steps",
-                                      parse=_int, min=1)
+                                      parse=_int, min=1, max=BATCH_MAX, why="2^20 images per step")
     # optimization
     epochs: int | None = opt(None, "epochs to train, or auto: 10, or the CPU recipe's on the demo data without "
                                    "a GPU", parse=auto_int, min=1)
@@ -215,10 +244,11 @@ class ValConfig:
     model: str | None = opt(None, "architecture, for a bare state dict from another tool; or the checkpoint's "
                                   "FILE.py:factory again, to trust one outside the working folder", parse=_str)
     trust_pickle: bool = _trust_pickle()
-    batch_size: int = opt(64, "batch size", min=1)
-    img_size: int | None = opt(None, "image size; default: the checkpoint's", parse=_int, min=16)
+    batch_size: int = opt(64, "batch size", min=1, max=BATCH_MAX, why=_BATCH_WHY)
+    img_size: int | None = opt(None, "image size; default: the checkpoint's", parse=_int, min=16,
+                               max=IMG_SIZE_MAX, why=_IMG_WHY)
     workers: int | str = opt("auto", "DataLoader worker processes: a number (0: load in the main "
-                                     "process), or auto", parse=workers_or_auto)
+                                     "process), or auto", parse=workers_or_auto, here=workers_here)
     amp: bool = opt(False, "validate under AMP even if the checkpoint was trained in fp32")
     precision: str = opt("auto", "auto: the precision the checkpoint was trained in (its AMP dtype, or fp32); "
                                  "or fp32, fp16, bf16", choices=("auto", "fp32", "fp16", "bf16"))
@@ -261,7 +291,7 @@ class DataReportConfig:
     val_split: float = opt(0.2, "fraction held out for validation when the data has no val/ folder",
                            min=0.0, max=0.9)
     workers: int | str = opt("auto", "processes for --check-images (0: in this process), or auto",
-                             parse=workers_or_auto)
+                             parse=workers_or_auto, here=workers_here)
 
 
 @dataclass(frozen=True)
@@ -271,7 +301,7 @@ class DemoDataConfig:
     dest: str = opt("data/demo", "where to write the demo dataset")
     train_per_class: int = opt(300, "training images per class", min=1)
     val_per_class: int = opt(60, "validation images per class", min=1)
-    size: int = opt(64, "image size in pixels", min=16)
+    size: int = opt(64, "image size in pixels", min=16, max=IMG_SIZE_MAX, why=_IMG_WHY)
     seed: int = opt(0, "random seed (the same seed gives the same images)", min=0, max=SEED_MAX)
     overwrite: bool = opt(False, "replace an existing demo dataset")
 
@@ -283,7 +313,7 @@ class VerifyEnvConfig:
     json: bool = opt(False, "print JSON instead of text")
     allow_cpu: bool = opt(False, "pass on a machine without a GPU")
     workers: int | str = opt("auto", "DataLoader workers the trainer would use (for the /dev/shm check)",
-                             parse=workers_or_auto)
+                             parse=workers_or_auto, here=workers_here)
 
 
 @dataclass(frozen=True)
@@ -291,8 +321,8 @@ class BenchMemoryConfig:
     """Options of `bench-memory`."""
 
     model: str = opt("resnet50", "torchvision model name")
-    batch_size: int = opt(64, "batch size", min=1)
-    img_size: int = opt(224, "image size", min=16)
+    batch_size: int = opt(64, "batch size", min=1, max=BATCH_MAX, why=_BATCH_WHY)
+    img_size: int = opt(224, "image size", min=16, max=IMG_SIZE_MAX, why=_IMG_WHY)
     steps: int = opt(10, "training steps measured per configuration", min=2)
     warmup: int = opt(3, "untimed steps before the timed ones (cuDNN autotuning, allocator warm-up)", min=0)
     channels_last: bool = opt(True, "also measure channels_last variants of convolutional models")
@@ -312,11 +342,12 @@ class BenchDataConfig:
 
     data: str | None = opt(None, "dataset folder; default: the demo dataset", parse=_str)
     model: str = opt("resnet50", "model whose synthetic-data speed is the target")
-    batch_size: int = opt(128, "batch size", min=1)
+    batch_size: int = opt(128, "batch size", min=1, max=BATCH_MAX, why=_BATCH_WHY)
     img_size: int | None = opt(None, "image size, or auto (the default): what training uses, the data's typical "
-                                     "size capped at 224", parse=auto_int, min=16)
+                                     "size capped at 224", parse=auto_int, min=16, max=IMG_SIZE_MAX, why=_IMG_WHY)
     amp: bool = opt(True, "measure the model under AMP")
-    workers: tuple = opt((0, 2, 4, 8, 16), "worker counts to try, comma-separated", parse=int_list)
+    workers: tuple = opt((0, 2, 4, 8, 16), "worker counts to try, comma-separated", parse=int_list, min=0,
+                         here=workers_here)
     batches: int = opt(30, "batches timed per measurement", min=2)
     device: str = opt("auto", _DEVICE_HELP)
     decoder: str = opt("auto", "JPEG decoder, as for train", choices=_DECODERS)
@@ -342,9 +373,9 @@ class PruneConfig:
     finetune_epochs: int = opt(0, "epochs of fine-tuning after pruning (on the checkpoint's training "
                                   "data; pruned weights stay zero)", min=0)
     finetune_lr: float = opt(0.01, "SGD learning rate of the fine-tuning", min=0.0)
-    batch_size: int = opt(64, "batch size", min=1)
+    batch_size: int = opt(64, "batch size", min=1, max=BATCH_MAX, why=_BATCH_WHY)
     workers: int | str = opt("auto", "DataLoader worker processes, or auto",
-                             parse=workers_or_auto)
+                             parse=workers_or_auto, here=workers_here)
     device: str = opt("auto", _DEVICE_HELP)
     out: str | None = opt(None, "output checkpoint; default <stem>_pruned.pth beside the input", parse=_str)
 
@@ -365,9 +396,9 @@ class ExportConfig:
     data: str | None = opt(None, "images for the output check and static calibration; default: the "
                                  "checkpoint's", parse=_str)
     calib_batches: int = opt(8, "calibration batches for --quantize static", min=1)
-    batch_size: int = opt(32, "batch size for checks and calibration", min=1)
+    batch_size: int = opt(32, "batch size for checks and calibration", min=1, max=BATCH_MAX, why=_BATCH_WHY)
     workers: int | str = opt("auto", "DataLoader worker processes, or auto",
-                             parse=workers_or_auto)
+                             parse=workers_or_auto, here=workers_here)
     opset: int = opt(17, "ONNX opset", min=7)
     out: str | None = opt(None, "output file; default beside the checkpoint", parse=_str)
 
@@ -422,7 +453,7 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _parse_one(cls: type, f: dataclasses.Field, value: Any) -> Any:
+def _parse_one(cls: type, f: dataclasses.Field, value: Any, here: bool = True) -> Any:
     md = f.metadata
     if value is None:
         if f.default is None:
@@ -434,37 +465,92 @@ def _parse_one(cls: type, f: dataclasses.Field, value: Any) -> Any:
         raise UserError(f"{flag(f.name)} {value!r}: {e}; see --help") from None
     if md["choices"] and v not in md["choices"]:
         raise UserError(f"{flag(f.name)} {value!r} is not one of: {', '.join(md['choices'])}")
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        if md["min"] is not None and v < md["min"]:
+    numbers = list(v) if isinstance(v, tuple) else [v]  # a list's bounds hold for each of its numbers
+    for x in numbers:
+        if not isinstance(x, (int, float)) or isinstance(x, bool):
+            continue
+        if md["min"] is not None and x < md["min"]:
             raise UserError(f"{flag(f.name)} {value!r} is below its minimum {md['min']}")
-        if md["max"] is not None and v > md["max"]:
-            raise UserError(f"{flag(f.name)} {value!r} is above its maximum {md['max']}")
+        if md["max"] is not None and x > md["max"]:
+            why = f" ({md['why']})" if md["why"] else ""
+            raise UserError(f"{flag(f.name)} {value!r} is above its maximum {md['max']:,}{why}")
+        if here and md["here"] is not None:
+            most, why = md["here"]()
+            if x > most:
+                raise UserError(f"{flag(f.name)} {value!r} is above {most:,}, {why}")
     return v
+
+
+#: what a command other than train takes from a run's config.yaml (train's options, every one): the
+#: options that mean the same there. The others are left out, in one line: train's --weights is the
+#: file it started from, not the one to validate; its --data given to val would validate on every image
+#: of a folder of class folders (training images too), where the checkpoint names the held-out part.
+_FROM_RUN: dict[type, tuple[str, ...]] = {
+    ValConfig: ("batch_size", "workers", "device"),
+    PruneConfig: ("batch_size", "workers", "device"),
+    ExportConfig: ("batch_size", "workers"),
+    DataReportConfig: ("val_split", "workers"),
+    VerifyEnvConfig: ("workers",),
+    BenchMemoryConfig: ("model", "batch_size", "img_size", "channels_last", "amp_dtype", "device"),
+    BenchDataConfig: ("data", "model", "batch_size", "img_size", "device", "decoder", "gpu_augment",
+                      "cache_mode", "cache_dir"),
+}
+
+
+def _command_of(cls: type) -> str:
+    return next((c.name for c in COMMANDS.values() if c.config is cls), cls.__name__)
+
+
+def _from_file(cls: type, yaml_file: str | Path, say: Callable[[str], None]) -> dict[str, Any]:
+    """The options of `cls` in a --cfg file. A run's config.yaml (it holds options of train that `cls`
+    lacks) gives another command only what `_FROM_RUN` names, the rest left out in one line; a key that
+    no command has is refused with the list of valid ones."""
+    data = load_yaml(yaml_file)
+    valid = {f.name for f in options(cls)}
+    names = {key: str(key).replace("-", "_") for key in data}
+    train = {f.name for f in options(TrainConfig)}
+    unknown = [key for key, name in names.items() if name not in valid and (cls is TrainConfig or name not in train)]
+    if unknown:
+        raise UserError(f"unknown option {unknown[0]!r} in config file {yaml_file}; valid options: "
+                        f"{', '.join(sorted(f.replace('_', '-') for f in valid))}")
+    if all(name in valid for name in names.values()):
+        return data
+    keep = set(_FROM_RUN.get(cls, ())) & valid
+    taken = {key: v for key, v in data.items() if names[key] in keep}
+    what = (f"takes {', '.join(flag(names[k]) for k in taken)} from it and leaves" if taken else "leaves")
+    why = " (the checkpoint says what it was trained on)" if "weights" in valid else ""
+    say(f"config file {yaml_file} holds a training run's options: dlenv {_command_of(cls)} {what} the other "
+        f"{len(data) - len(taken)} out{why}")
+    return taken
 
 
 def build(cls: type, yaml_file: str | Path | None = None, /, **given: Any) -> Any:
     """Build a frozen config: defaults < YAML file < `given` (already-typed or string values).
 
-    Keys may use dashes or underscores. Raises UserError for unknown keys (listing the valid ones),
-    values that don't parse, choices and ranges.
+    Keys may use dashes or underscores. A run's config.yaml may be passed to another command (val,
+    prune, ...): `_from_file` says in one line what it takes from it. Raises UserError for unknown
+    keys (listing the valid ones), values that don't parse, choices and ranges.
     """
+    return _build(cls, yaml_file, given, here=True)
+
+
+def _build(cls: type, yaml_file: str | Path | None, given: dict[str, Any], here: bool) -> Any:
     valid = {f.name: f for f in options(cls)}
     merged: dict[str, Any] = {}
     from_file: set[str] = set()
-    layers = [load_yaml(yaml_file) if yaml_file else {}, given]
+    layers = [_from_file(cls, yaml_file, print) if yaml_file else {}, given]
     for i, layer in enumerate(layers):
         for key, value in layer.items():
             name = str(key).replace("-", "_")
             if name not in valid:
-                where = f" in config file {yaml_file}" if i == 0 else ""
-                raise UserError(f"unknown option {key!r}{where}; valid options: "
+                raise UserError(f"unknown option {key!r}; valid options: "
                                 f"{', '.join(sorted(f.replace('_', '-') for f in valid))}")
             merged[name] = value
             (from_file.add if i == 0 else from_file.discard)(name)
     values = {}
     for name, v in merged.items():
         try:
-            values[name] = _parse_one(cls, valid[name], v)
+            values[name] = _parse_one(cls, valid[name], v, here)
         except UserError as e:
             if name in from_file:  # say where the bad value came from
                 raise UserError(f"{e} (set in config file {yaml_file})") from None
@@ -482,6 +568,8 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def from_dict(cls: type, data: dict[str, Any]) -> Any:
-    """Rebuild a config saved by `to_dict`, ignoring keys this version no longer has."""
+    """Rebuild a config saved by `to_dict`, ignoring keys this version no longer has. The bounds that
+    depend on this machine (`opt(here=)`) are not applied: a run made with 100 workers on 128 CPUs
+    still validates or resumes on 8 (a resume takes --workers from its own command)."""
     names = {f.name for f in options(cls)}
-    return build(cls, **{k: v for k, v in data.items() if k in names})
+    return _build(cls, None, {k: v for k, v in data.items() if k in names}, here=False)

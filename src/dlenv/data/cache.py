@@ -8,7 +8,10 @@ and each batch afterwards is a copy out of one big array; cropping and flipping 
 - ram: a NumPy array in this process, decoded at every start.
 - disk: a memory-mapped file under --cache-dir, written to a temporary name and renamed into place
   when complete, then reused by later runs while the files (paths, sizes, modification times) and the
-  image size are the same; the operating system keeps the hot part in its page cache.
+  image size are the same; the operating system keeps the hot part in its page cache. The cache's own
+  files are data from disk too: their sizes, the .npy header's shape and dtype and the numbers in it
+  are checked against the dataset before anything is mapped or loaded, and a mismatch is decoded
+  again, in one line.
 - auto: an existing disk cache for the same data, else ram when it takes under half the available
   memory, else disk.
 
@@ -35,8 +38,9 @@ import numpy as np
 from dlenv.atomic import write_atomic, write_bytes, write_file
 from dlenv.data.decode import decode_stored
 from dlenv.data.loaders import BadImageError, bad_image_reason
+from dlenv.data.report import skipped_line
 from dlenv.errors import UserError
-from dlenv.safeio import SMALL_FILE, read_regular
+from dlenv.safeio import SMALL_FILE, open_regular, read_regular
 
 log = logging.getLogger("dlenv.data")
 
@@ -112,18 +116,76 @@ def _paths(cache_dir: Path, key: str) -> tuple[Path, Path, Path]:
     return stem.with_suffix(".u8"), stem.with_suffix(".sizes.npy"), stem.with_suffix(".json")
 
 
-def _complete(cache_dir: Path, key: str, n: int, size: int) -> dict | None:
-    """The meta of a complete disk cache for `key`, or None."""
-    data, sizes, meta = _paths(cache_dir, key)
+#: the widest or tallest decoded image a sizes file may name: Pillow refuses an image of over ~179 million
+#: pixels, so no decode gives a side this long; a bigger (or non-positive) number is a damaged file
+MAX_SIDE = 1 << 28
+
+
+class _Stale(Exception):
+    """A disk cache marked complete whose files do not match the dataset; str() says how."""
+
+
+def _read_sizes(path: Path, n: int) -> np.ndarray:
+    """The (n, 2) int32 sizes file, loaded only after its .npy header says exactly that shape and dtype
+    and its byte size matches: np.load alone would unpickle an object array, allocate whatever a header
+    asks for (7 TiB), or hand back any shape. Raises _Stale saying what is wrong."""
+    want = n * 2 * 4
+    try:  # a regular file of at most the array and a header: a FIFO, /dev/zero or a huge file is refused
+        with open_regular(path, "cache sizes file", want + 64 * 1024) as f:
+            version = np.lib.format.read_magic(f)
+            if version not in ((1, 0), (2, 0)):
+                raise _Stale(f"{path.name} is .npy format {version[0]}.{version[1]}, not the 1.0 dlenv writes")
+            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                           else np.lib.format.read_array_header_2_0)
+            shape, fortran, dtype = read_header(f)
+            if dtype != np.dtype("<i4") or fortran or shape != (n, 2):
+                raise _Stale(f"{path.name} holds a {'x'.join(map(str, shape)) or 'scalar'} {dtype} array"
+                             f"{' (Fortran order)' if fortran else ''}, not the {n}x2 int32 of this dataset")
+            if os.fstat(f.fileno()).st_size != f.tell() + want:
+                raise _Stale(f"{path.name} is {os.fstat(f.fileno()).st_size:,} bytes, not the "
+                             f"{f.tell() + want:,} its header and this dataset make")
+            f.seek(0)
+            return np.load(f, allow_pickle=False)
+    except (UserError, ValueError, EOFError, SyntaxError) as e:  # what numpy says of a header it cannot read
+        raise _Stale(f"{path.name} is not a sizes file ({' '.join(str(e).split())[:200]})") from None
+
+
+def _complete(cache_dir: Path, key: str, n: int, size: int) -> tuple[dict | None, np.ndarray | None, str | None]:
+    """(meta, sizes, None) of a complete disk cache for `key`; (None, None, None) when there is none (no
+    meta file: never built, or cut short before its meta was written); (None, None, why) when one is
+    marked complete but its files do not match this dataset (edited, damaged, or cut by a full disk)."""
+    data, sizes_path, meta = _paths(cache_dir, key)
+    if not os.path.lexists(meta):
+        return None, None, None
     try:  # only a small regular file: a FIFO or /dev/zero put there must not hang or fill memory
         m = json.loads(read_regular(meta, SMALL_FILE, "cache meta"))
-    except (OSError, ValueError, UserError):
-        return None
-    if not isinstance(m, dict):
-        return None
-    ok = (m.get("key") == key and m.get("n") == n and m.get("size") == size and sizes.is_file()
-          and data.is_file() and data.stat().st_size == nbytes(n, size))
-    return m if ok else None
+        if not isinstance(m, dict):
+            raise _Stale(f"{meta.name} is not a cache's meta file")
+        if m.get("key") != key or m.get("n") != n or m.get("size") != size:
+            raise _Stale(f"{meta.name} describes other data")
+        have = os.stat(data).st_size if os.path.isfile(data) else None
+        if have != nbytes(n, size):
+            raise _Stale(f"{data.name} is {'missing' if have is None else f'{have:,} bytes'}, not the "
+                         f"{nbytes(n, size):,} of {n:,} images at {size} px")
+        sizes = _read_sizes(sizes_path, n)
+        bad = _bad_rows(m, n)
+        good = np.ones(n, bool)
+        good[list(bad)] = False
+        if good.any() and not ((sizes[good] >= 1) & (sizes[good] <= MAX_SIDE)).all():
+            raise _Stale(f"{sizes_path.name} holds image sizes that no decoded image has")
+    except (OSError, ValueError, UserError) as e:  # unreadable, not JSON, not a regular file
+        return None, None, f"{meta.name} cannot be read ({' '.join(str(e).split())[:200]})"
+    except _Stale as e:
+        return None, None, str(e)
+    return m, sizes, None
+
+
+def _bad_rows(meta: dict, n: int) -> dict[int, str]:
+    """{index: reason} of the files that failed to decode, as the meta file lists them: only indices of
+    this dataset (a bad one would index past the arrays)."""
+    listed = meta.get("bad")
+    listed = listed if isinstance(listed, dict) else {}
+    return {int(k): str(v) for k, v in listed.items() if str(k).isdigit() and int(k) < n}
 
 
 def choose_mode(mode: str, n: int, size: int, cache_dir: Path, key: str) -> str:
@@ -132,7 +194,7 @@ def choose_mode(mode: str, n: int, size: int, cache_dir: Path, key: str) -> str:
         return mode
     if mode != "auto":
         raise UserError(f"--cache-mode {mode!r} is not one of: auto, ram, disk")
-    if _complete(cache_dir, key, n, size) is not None:
+    if _complete(cache_dir, key, n, size)[0] is not None:
         return "disk"
     return "ram" if nbytes(n, size) < available_memory() // 2 else "disk"
 
@@ -185,7 +247,7 @@ def build_cache(samples: Sequence[tuple[str, int]], size: int, decoder: str = "p
                 say: Callable[[str], None] = print) -> DecodedCache:
     """Decode `samples` once to size x size uint8 squares (or reuse a matching disk cache).
 
-    Files that fail to decode are logged once each and replaced by the next readable sample
+    Files that fail to decode are logged in one line and replaced by the next readable sample
     (bad_images='skip'), or stop with BadImageError (bad_images='error'). Raises UserError when the
     cache does not fit in memory (ram) or on disk (disk); nothing half-written is ever reused.
     """
@@ -217,8 +279,8 @@ def build_cache(samples: Sequence[tuple[str, int]], size: int, decoder: str = "p
         say(f"--cache: {n:,} images decoded in {time.perf_counter() - t0:.1f} s ({where})")
     cache = DecodedCache(images, sizes, labels, source, where,
                          bad={samples[i][0]: r for i, r in sorted(bad.items())}, reused=reused)
-    for path, reason in cache.bad.items():
-        log.warning("skipping unreadable image %s (%s)", path, reason)
+    if cache.bad:  # one line, however many: a folder of 30,000 empty files is not 30,000 lines
+        log.warning("%s", skipped_line(cache.bad))
     return cache
 
 
@@ -228,41 +290,48 @@ def _disk_cache(samples: Sequence[tuple[str, int]], size: int, decoder: str, cac
     """(images memmap, sizes, {index: reason} of bad files, file, reused) for a disk cache."""
     n = len(samples)
     data, sizes_path, meta_path = _paths(cache_dir, key)
-    meta = _complete(cache_dir, key, n, size)
-    reused = meta is not None
-    if reused:
+    meta, sizes, stale = _complete(cache_dir, key, n, size)
+    if meta is not None:
         say(f"--cache: reusing {data} ({n:,} images at {size} px)")
-    else:
-        try:
-            cache_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"--cache-dir {cache_dir}: cannot create it ({e.strerror}); pass a writable "
-                            "folder") from None
-        need = nbytes(n, size)
-        free = shutil.disk_usage(cache_dir).free
-        if need + (64 << 20) > free:
-            raise UserError(f"--cache disk: {n:,} images at {size} px take {need / 2**30:.1f} GiB but "
-                            f"{cache_dir} has {free / 2**30:.1f} GiB free; free some space, pass another "
-                            "--cache-dir, or use --cache-mode ram")
-        say(f"--cache: decoding {n:,} images once to {size}x{size} uint8 in {data} ({need / 2**30:.1f} GiB)")
-        sizes = np.zeros((n, 2), np.int32)
-        bad: dict[int, str] = {}
+        images = np.memmap(data, np.uint8, "c", shape=(n, size, size, 3))  # "c": writable view, file untouched
+        return images, sizes, _bad_rows(meta, n), str(data), True
+    if stale is not None:
+        say(f"--cache: {data.parent} holds a cache of this dataset that does not match it ({stale}); "
+            "decoding again")
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--cache-dir {cache_dir}: cannot create it ({e.strerror}); pass a writable "
+                        "folder") from None
+    need = nbytes(n, size)
+    free = shutil.disk_usage(cache_dir).free
+    if need + (64 << 20) > free:
+        raise UserError(f"--cache disk: {n:,} images at {size} px take {need / 2**30:.1f} GiB but "
+                        f"{cache_dir} has {free / 2**30:.1f} GiB free; free some space, pass another "
+                        "--cache-dir, or use --cache-mode ram")
+    say(f"--cache: decoding {n:,} images once to {size}x{size} uint8 in {data} ({need / 2**30:.1f} GiB)")
+    sizes = np.zeros((n, 2), np.int32)
+    bad: dict[int, str] = {}
 
-        def fill(tmp: Path) -> None:
-            images = np.memmap(tmp, np.uint8, "w+", shape=(n, size, size, 3))
-            bad.update(_fill(images, sizes, samples, size, decoder, workers))
-            _substitutes(bad, samples, bad_images)  # raises for bad_images='error' before anything is kept
-            images.flush()
-            del images
+    def fill(tmp: Path) -> None:
+        images = np.memmap(tmp, np.uint8, "w+", shape=(n, size, size, 3))
+        bad.update(_fill(images, sizes, samples, size, decoder, workers))
+        _substitutes(bad, samples, bad_images)  # raises for bad_images='error' before anything is kept
+        images.flush()
+        del images
 
-        write_atomic(data, fill)
-        write_file(sizes_path, lambda f: np.save(f, sizes), durable=True)
-        # the meta file goes last: its presence is what marks the cache complete
-        meta = {"key": key, "n": n, "size": size, "version": VERSION, "decoder": decoder,
-                "bad": {str(i): r for i, r in bad.items()}}
-        write_bytes(meta_path, json.dumps(meta).encode(), durable=True)
-    # indices read from a file: only those of this dataset (a bad one would index past the arrays)
-    bad = {int(k): str(v) for k, v in dict(meta.get("bad") or {}).items() if str(k).isdigit() and int(k) < n}
-    images = np.memmap(data, np.uint8, "c", shape=(n, size, size, 3))  # "c": writable view, file untouched
-    return images, np.load(sizes_path), bad, str(data), reused
-
+    for path in (data, sizes_path, meta_path):  # a folder or FIFO in a cache file's place cannot be replaced
+        if os.path.lexists(path) and not (path.is_symlink() or path.is_file()):
+            raise UserError(f"--cache-dir {cache_dir}: {path.name} is not a regular file, and dlenv keeps a "
+                            "cache file under that name; remove it or pass another --cache-dir")
+    # a stale meta goes first: until the new one is written, nothing marks these files complete
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(meta_path)
+    write_atomic(data, fill)
+    write_file(sizes_path, lambda f: np.save(f, sizes), durable=True)
+    # the meta file goes last: its presence is what marks the cache complete
+    meta = {"key": key, "n": n, "size": size, "version": VERSION, "decoder": decoder,
+            "bad": {str(i): r for i, r in bad.items()}}
+    write_bytes(meta_path, json.dumps(meta).encode(), durable=True)
+    images = np.memmap(data, np.uint8, "c", shape=(n, size, size, 3))
+    return images, sizes, bad, str(data), False
