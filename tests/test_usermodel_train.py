@@ -8,11 +8,13 @@ resume, DDP (gloo), --batch-size auto and --compile work as they do for torchvis
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -20,9 +22,9 @@ import torch
 import yaml
 from imagedata import make_train_val
 from test_checkpointing import _assert_same, _compare_plain_and_checkpointed, _train_step
-from usermodels import MODELS, isolated_imports, write_project
+from usermodels import MODELS, RESNET, isolated_imports, write_project
 
-from dlenv import compat, config, models, runstate, usermodel
+from dlenv import cli, compat, config, models, runstate, usermodel
 from dlenv import train as train_mod
 from dlenv.compress import export_main, prune_main
 from dlenv.config import ExportConfig, PruneConfig, TrainConfig, ValConfig
@@ -209,6 +211,35 @@ def test_a_factory_taking_img_size_is_rebuilt_by_every_command(project, verb, im
     assert ckpt["model_source"]["args"] == {"img_size": trained_at} and ckpt["img_size"] == trained_at
     model = models.model_from_checkpoint(ckpt, source=str(weights))[0]
     assert model.pos.shape[1] == (trained_at // 4) ** 2  # built to the trained size: one position a patch
+
+
+@pytest.mark.parametrize("verb", ["val", pytest.param("prune", marks=pytest.mark.slow), "export"])
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
+def test_code_from_an_unpacked_archive_is_not_the_projects_model(trained, project, tmp_path, verb, suffix):
+    """Issue 34's case: `dlenv unpack pets.zip --dest datasets/pets` keeps net.py; a weights file in the
+    archive names it with its sha256. val, prune and export import it only when --model names it."""
+    net = "import pathlib\npathlib.Path(__file__).with_name('RAN').touch()\n" + RESNET
+    ref = "datasets/pets/net.py:build"
+    ckpt = runstate.load_checkpoint(trained)
+    ckpt.update(model_name=ref, config={**ckpt["config"], "model": ref},
+                model_source={"ref": ref, "sha256": hashlib.sha256(net.encode()).hexdigest(), "args": {"width": 4},
+                              "file": None})
+    weights = runstate.save_checkpoint(ckpt, tmp_path / f"w{suffix}")
+    with zipfile.ZipFile(tmp_path / "pets.zip", "w") as z:
+        z.writestr("pets/train/cat/0.jpg", b"jpg")
+        z.writestr("pets/net.py", net)
+        z.write(weights, f"pets/w{suffix}")
+    assert cli.main(["unpack", str(tmp_path / "pets.zip"), "--dest", "datasets/pets", "--no-report"]) == 0
+    unpacked = project / "datasets" / "pets" / f"w{suffix}"
+    with pytest.raises(UserError, match=r"names --model datasets/pets/net.py:build, datasets/pets/net.py, inside "
+                                        r"datasets/pets/, which `dlenv unpack` wrote from an archive; importing it "
+                                        r"would run its code, so it is not imported. If you trust it, pass "
+                                        r"--model datasets/pets/net.py:build") as err:
+        VERBS[verb](unpacked)
+    one_line(err)
+    assert not (project / "datasets" / "pets" / "RAN").exists()
+    assert VERBS[verb](unpacked, model=ref) == 0  # vouched for: imported, the trained model rebuilt
+    assert (project / "datasets" / "pets" / "RAN").exists()
 
 
 def test_a_changed_file_is_refused_and_named_again_warns_in_one_line(trained, project, caplog):
