@@ -141,3 +141,59 @@ def test_one_class_names_only_folders_that_exist(tmp_path, folders, suggested):
     for word in msg.split():  # every path it names exists
         if str(tmp_path) in word:
             assert Path(word.strip("(),;:.").rstrip("/")).exists(), (word, msg)
+
+
+# ------------------------------------------------------------------------ one class name, two Unicode forms
+
+NFC, NFD = "caf\u00e9", "cafe\u0301"
+HAN_NFC, HAN_NFD = "\ud55c", "\u1112\u1161\u11ab"  # the Hangul syllable 'han', composed and as three jamo
+
+SPELLINGS = [  # (train/ names, val/ names, test/ names): the same classes, spelled either way
+    ((NFC, "tea"), (NFD, "tea"), ()),
+    ((NFD, "tea"), (NFC, "tea"), ()),
+    ((NFC, "tea"), (NFC, "tea"), (NFD,)),
+    ((HAN_NFD, "tea"), (HAN_NFC, "tea"), (HAN_NFC,)),
+]
+
+
+@pytest.mark.parametrize(("train", "val", "test"), SPELLINGS, ids=["nfc-nfd", "nfd-nfc", "test-nfd", "hangul"])
+def test_a_class_spelled_nfc_in_one_split_and_nfd_in_another_is_one_class(tmp_path, train, val, test):
+    make_image_folder(tmp_path / "train", classes=train, per_class=2)
+    make_image_folder(tmp_path / "val", classes=val, per_class=2, seed=1)
+    if test:
+        make_image_folder(tmp_path / "test", classes=test, per_class=1, seed=2)
+    lay = find_layout(tmp_path)
+    assert lay.classes == sorted(train)  # spelled as train/ spells them; the order as before
+    first = lay.classes.index(train[0])
+    assert sorted(y for _, y in lay.val) == sorted([first, first, 1 - first, 1 - first])
+    assert all(y == first for _, y in lay.test) and len(lay.test) == len(test)
+    assert {folder.class_key(Path(p).parent.name) for p, _ in lay.val} == {folder.class_key(c) for c in val}
+
+
+TWINS = [  # (where the two folders are, their names): refused in one line naming both
+    ("", (NFC, NFD)),
+    ("train", (NFC, NFD)),
+    ("val", (NFD, NFC)),
+    ("", (HAN_NFC, HAN_NFD)),
+]
+
+
+@pytest.mark.parametrize(("where", "names"), TWINS, ids=["flat", "train", "val", "hangul"])
+def test_two_folders_of_one_name_in_two_forms_are_refused_naming_both(tmp_path, where, names):
+    if where == "val":
+        make_image_folder(tmp_path / "train", classes=(NFC, "tea"), per_class=2)
+        make_image_folder(tmp_path / "val", classes=(*names, "tea"), per_class=1)
+    else:
+        make_image_folder(tmp_path / where, classes=(*names, "tea"), per_class=2)
+    with pytest.raises(UserError) as e:
+        find_layout(tmp_path)
+    line = str(e.value)
+    assert "\n" not in line and "two Unicode forms" in line
+    assert ascii(names[0]) in line and ascii(names[1]) in line
+
+
+@pytest.mark.parametrize(("a", "b", "same"), [
+    (NFC, NFD, True), (HAN_NFC, HAN_NFD, True), ("cat", "cat", True), ("Cat", "cat", False), (NFC, "cafe", False),
+])
+def test_class_key_is_the_nfc_form(a, b, same):
+    assert (folder.class_key(a) == folder.class_key(b)) is same

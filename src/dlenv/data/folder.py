@@ -107,14 +107,36 @@ def _images_under(d: Path, other: list[str], special: list[str]) -> list[str]:
     return sorted(found)
 
 
+def class_key(name: str) -> str:
+    """What two class names are compared by: their NFC form. macOS and some zip tools write 'café' as
+    'cafe' + a combining accent (NFD), others as one letter (NFC); the two look the same everywhere and
+    are one class. Val's matching of a checkpoint's class names to a folder's compares by this too."""
+    return unicodedata.normalize("NFC", name)
+
+
 def _class_folders(d: Path, other: list[str], special: list[str]) -> dict[str, list[str]]:
-    """{class name: its image paths} for the subfolders of d that hold images."""
+    """{class name: its image paths} for the subfolders of d that hold images. Raises UserError for two
+    folders that are one name in two Unicode forms (which of them would be the class?)."""
     found = {name: _images_under(p, other, special) for name, p in sorted(_subdirs(d).items())}
     loose = [n for n in os.listdir(d) if is_image(n)]
     if loose and not any(found.values()):
         raise UserError(f"{d} holds images directly ({loose[0]}, ...) but no class folders; {_EXPECTED}")
     other.extend(os.path.join(d, n) for n in loose)
-    return {k: v for k, v in found.items() if v}
+    found = {k: v for k, v in found.items() if v}
+    seen: dict[str, str] = {}
+    for name in found:
+        twin = seen.setdefault(class_key(name), name)
+        if twin != name:  # ascii() shows the difference: 'caf\xe9' (NFC) and 'cafe\u0301' (NFD)
+            raise UserError(f"{printable(d)} has class folders {ascii(twin)} and {ascii(name)}: one name written "
+                            "in two Unicode forms (NFC and NFD, as macOS and some zip tools write names); move "
+                            "the images of one into the other")
+    return found
+
+
+def _named_as(per_class: dict[str, list[str]], classes: list[str]) -> dict[str, list[str]]:
+    """`per_class` (val/ or test/) with each folder named as train/ spells the same class (`class_key`)."""
+    spelling = {class_key(c): c for c in classes}
+    return {spelling.get(class_key(c), c): paths for c, paths in per_class.items()}
 
 
 def _samples(per_class: dict[str, list[str]], index: dict[str, int]) -> list[Sample]:
@@ -157,13 +179,13 @@ def _scan(root: str | Path, val_split: float, seed: int) -> tuple[Layout, list[s
             raise UserError(f"{dirs['train']} has no class folders with images; {_EXPECTED}")
         classes = sorted(train)
         if val_dir is not None:
-            val = _class_folders(val_dir, other, special)
+            val = _named_as(_class_folders(val_dir, other, special), classes)
             _same_classes(classes, sorted(val), dirs["train"], val_dir)
             split = "folders"
         else:
             train, val = _split_per_class(train, val_split, seed)
             split = "val_split"
-        test = _class_folders(dirs["test"], other, special) if "test" in dirs else {}
+        test = _named_as(_class_folders(dirs["test"], other, special), classes) if "test" in dirs else {}
         unknown = sorted(set(test) - set(classes))
         if unknown:
             raise UserError(f"{dirs['test']} has classes that train/ lacks: {', '.join(unknown)}; "
@@ -208,30 +230,22 @@ def _same_classes(train: list[str], val: list[str], train_dir: Path, val_dir: Pa
             parts.append(f"only in {val_dir.name}/: {', '.join(only_val)}")
         if only_train:
             parts.append(f"only in {train_dir.name}/: {', '.join(only_train)}")
-        nfc = {unicodedata.normalize("NFC", c) for c in only_train} == {
-            unicodedata.normalize("NFC", c) for c in only_val}
-        hint = (" (the names look alike but are written in two Unicode forms, NFC and NFD, as macOS and "
-                "some zip tools do; rename one side)") if nfc else ""
-        raise UserError(f"{val_dir.name}/ and {train_dir.name}/ have different classes ({'; '.join(parts)})"
-                        f"{hint}; give both the same class folders")
+        raise UserError(f"{val_dir.name}/ and {train_dir.name}/ have different classes ({'; '.join(parts)}); "
+                        "give both the same class folders")
 
 
 def similar_classes(classes: list[str]) -> list[str]:
-    """One warning line per group of class names that differ only by Unicode normalisation (NFC vs NFD
-    'café') or by case ('Cat'/'cat'): they become separate classes, which is rarely what was meant."""
+    """One warning line per group of class names that differ only by case ('Cat'/'cat'), or by case and
+    Unicode normalisation ('CAFÉ'/'café' in NFD): they become separate classes, which is rarely what was
+    meant. (Names that differ by normalisation alone are one class, or refused: `_class_folders`.)"""
     groups: dict[str, list[str]] = defaultdict(list)
     for c in classes:
-        groups[unicodedata.normalize("NFC", c).casefold()].append(c)
+        groups[class_key(c).casefold()].append(c)
     out = []
     for names in groups.values():
         if len(names) < 2:
             continue
-        if len({unicodedata.normalize("NFC", n) for n in names}) == 1:
-            how = "only by Unicode normalisation (the same letters written as NFC and NFD)"
-        elif len({n.casefold() for n in names}) == 1:
-            how = "only by case"
-        else:
-            how = "only by case and Unicode normalisation"
+        how = "only by case" if len({n.casefold() for n in names}) == 1 else "only by case and Unicode normalisation"
         # where normalisation differs, ascii() shows how: 'caf\xe9' (NFC) against 'cafe\u0301' (NFD)
         shown = ", ".join(repr(n) if how == "only by case" else ascii(n) for n in names)
         out.append(f"classes {shown} differ {how}; they are {len(names)} separate classes. "
@@ -242,9 +256,10 @@ def similar_classes(classes: list[str]) -> list[str]:
 def find_layout(root: str | Path, val_split: float = 0.2, seed: int = 0) -> Layout:
     """Find the dataset under `root` (see the module docstring for the layouts).
 
-    Classes are sorted by name; samples are sorted by class, then path. Returns a Layout. Raises
-    UserError when root is not a folder, holds no images in class folders, has a single class, or
-    its val/ (or test/) classes differ from train/'s (naming them).
+    Classes are sorted by name, spelled as train/'s folders are (val/ and test/ folders match them by
+    `class_key`); samples are sorted by class, then path. Returns a Layout. Raises UserError when root
+    is not a folder, holds no images in class folders, has a single class, has two class folders that
+    are one name in two Unicode forms, or its val/ (or test/) classes differ from train/'s (naming them).
     """
     layout = _scan(root, val_split, seed)[0]
     for line in similar_classes(layout.classes):
