@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from dlenv import compat, modelsource, pretrained, runstate, smallcnn, usermodel
-from dlenv.errors import UserError
+from dlenv.errors import UserError, printable
 
 log = logging.getLogger(__name__)
 
@@ -218,12 +218,39 @@ def is_convolutional(model: nn.Module) -> bool:
     return False
 
 
-def _num_classes_from(sd: dict[str, Any]) -> int:
-    """The class count of a bare classification state dict: the rows of its last 2-D weight."""
-    weights = [v for k, v in sd.items() if k.endswith("weight") and v.ndim == 2]
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether some elements of `t` share storage (a stride of 0, as expand() makes, or overlapping
+    strides): a shape that costs no bytes, which no trained weight has. Dimensions in order of stride,
+    each must step past everything the smaller ones span."""
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1)
+    span = 0  # the highest offset the dimensions so far reach
+    for stride, n in dims:
+        if stride <= span:
+            return True
+        span += stride * (n - 1)
+    return False
+
+
+def _num_classes_from(sd: dict[str, Any], source: str) -> int:
+    """The class count of a bare classification state dict: the rows of its last 2-D weight, a number
+    read from a file and so bounded as a dlenv checkpoint's num_classes (runstate.MAX_CLASSES), from a
+    tensor whose every element is stored. Raises UserError naming the tensor, its shape and the bound."""
+    weights = [(k, v) for k, v in sd.items() if k.endswith("weight") and v.ndim == 2]
     if not weights:
-        raise UserError("cannot tell the number of classes from this state dict (no linear layer found)")
-    return int(weights[-1].shape[0])
+        raise UserError(f"{source}: cannot tell the number of classes from this state dict (no linear layer "
+                        "found); save a classifier's weights with torch.save(model.state_dict(), path)")
+    key, head = weights[-1]
+    shape = "x".join(str(n) for n in head.shape)
+    rows = int(head.shape[0])
+    if not 1 <= rows <= runstate.MAX_CLASSES:
+        raise UserError(f"{source}: its head {printable(key)[:80]} ({shape}) gives {rows:,} classes, not a class "
+                        f"count of 1 to {runstate.MAX_CLASSES:,}; the file was edited or damaged, use another "
+                        "weights file")
+    if _overlaps(head):
+        raise UserError(f"{source}: its head {printable(key)[:80]} ({shape}) repeats stored numbers (strides "
+                        f"{tuple(head.stride())}: zero or overlapping), which no trained weight does; the file was "
+                        "edited or damaged, use another weights file")
+    return rows
 
 
 def model_from_checkpoint(ckpt: Any, model_name: str | None = None, source: str = "checkpoint"):
@@ -247,7 +274,7 @@ def model_from_checkpoint(ckpt: Any, model_name: str | None = None, source: str 
         # dlenv builds googlenet / inception_v3 without their auxiliary heads (training-only outputs)
         aux = AUX_HEADS.get(name, ())
         sd = {k: v for k, v in runstate.strip_prefixes(ckpt).items() if not (aux and k.startswith(aux))}
-        num_classes = _num_classes_from(sd)
+        num_classes = _num_classes_from(sd, source)
         class_names = [str(i) for i in range(num_classes)]
         img_size = None
     else:
