@@ -112,3 +112,160 @@ def test_unwritable_cache_dir_is_a_user_error(samples, tmp_path):
     blocker.write_text("x")
     with pytest.raises(UserError, match="--cache-dir"):
         build_cache(samples, SIZE, mode="disk", cache_dir=blocker / "sub", say=_quiet)
+
+
+# ------------------------------------------------------------------------- the cache's own files, tampered
+
+N = 5  # images in `samples`
+
+
+def _npy(header: dict, body: bytes = b"", version=(1, 0)) -> bytes:
+    import io
+
+    f = io.BytesIO()
+    (np.lib.format.write_array_header_1_0 if version == (1, 0) else np.lib.format.write_array_header_2_0)(f, header)
+    return f.getvalue() + body
+
+
+def _npy_raw(header: bytes) -> bytes:
+    """A 1.0 .npy header of these bytes exactly, padded as numpy pads (a dict literal, or not)."""
+    header += b" " * (63 - (len(header) + 10) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header
+
+
+def _saved(arr, **kw) -> bytes:
+    import io
+
+    f = io.BytesIO()
+    np.save(f, arr, **kw)
+    return f.getvalue()
+
+
+class _Touch:
+    """Unpickled, it creates the marker file: what an object array in the sizes file would run."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+GOOD = np.full((N, 2), 40, np.int32)
+SIZES_FILES = {  # sizes-file content -> what the one line says of it
+    "object array": (lambda marker: _saved(np.array([_Touch(marker)] * N, dtype=object), allow_pickle=True),
+                     "object"),
+    "wrong shape": (lambda m: _saved(np.zeros((N + 1, 2), np.int32)), "6x2 int32 array, not the 5x2"),
+    "one column": (lambda m: _saved(np.zeros((N, 1), np.int32)), "5x1 int32"),
+    "flat": (lambda m: _saved(np.zeros(2 * N, np.int32)), "10 int32"),
+    "scalar": (lambda m: _saved(np.int32(7)), "scalar int32"),
+    "float64": (lambda m: _saved(GOOD.astype(np.float64)), "float64"),
+    "int64": (lambda m: _saved(GOOD.astype(np.int64)), "int64"),
+    "big-endian": (lambda m: _saved(GOOD.astype(">i4")), ">i4"),
+    "fortran order": (lambda m: _saved(np.asfortranarray(np.zeros((2, N), np.int32).T)), "Fortran order"),
+    "7 TiB header": (lambda m: _npy({"descr": "<i4", "fortran_order": False, "shape": (2**40, 2)}, b"\0" * 40),
+                     "1099511627776x2"),
+    "7 TiB in 2.0": (lambda m: _npy({"descr": "<i4", "fortran_order": False, "shape": (2**40, 2)}, b"", (2, 0)),
+                     "1099511627776x2"),
+    "cut short": (lambda m: _saved(GOOD)[:-4], "bytes, not the"),
+    "trailing bytes": (lambda m: _saved(GOOD) + b"\0" * 8, "bytes, not the"),
+    "zero width": (lambda m: _saved(np.zeros((N, 2), np.int32)), "image sizes that no decoded image has"),
+    "negative": (lambda m: _saved(-GOOD), "image sizes that no decoded image has"),
+    "huge side": (lambda m: _saved(GOOD * 2**25), "image sizes that no decoded image has"),
+    "not npy": (lambda m: b"width,height\n40,30\n", "not a sizes file"),
+    "empty": (lambda m: b"", "not a sizes file"),
+    "npy 3.0": (lambda m: b"\x93NUMPY\x03\x00" + _saved(GOOD)[8:], "format 3.0"),
+    "bad header": (lambda m: b"\x93NUMPY\x01\x00\x10\x00{'descr': __imp" + b" " * 10 + b"\n", "not a sizes file"),
+    "nested header": (lambda m: _npy_raw(b"{'descr': " + b"(" * 3000 + b")" * 3000 + b"}"), "not a sizes file"),
+    "header of code": (lambda m: _npy_raw(f"{{'descr': __import__('os').system('touch {m}')}}".encode()),
+                       "not a sizes file"),
+}
+OTHER_FILES = {  # (which file, its new content) -> what the one line says
+    "data cut": (".u8", lambda old: old[:-100], "bytes, not the"),
+    "data longer": (".u8", lambda old: old + b"\0", "bytes, not the"),
+    "data empty": (".u8", lambda old: b"", "0 bytes, not the"),
+    "meta other n": (".json", lambda old: old.replace(b'"n": 5', b'"n": 6'), "describes other data"),
+    "meta a list": (".json", lambda old: b"[1, 2]", "is not a cache's meta file"),
+    "meta not json": (".json", lambda old: b"\xff\xfe garbage", "cannot be read"),
+}
+
+
+def _tampered(samples, tmp_path, which, content, capsys=None):
+    """Build a disk cache, replace one of its files by `content(old bytes)`, build again: (the second
+    cache, what it said)."""
+    build_cache(samples, SIZE, "pil", "disk", tmp_path / "c", say=_quiet)
+    path = next((tmp_path / "c").glob(f"*{which}"))
+    new = content(path.read_bytes())
+    path.unlink()
+    path.write_bytes(new)
+    said = []
+    again = build_cache(samples, SIZE, "pil", "auto", tmp_path / "c", say=said.append)
+    return again, said
+
+
+def _equals_direct(c, samples):
+    for i, (path, _) in enumerate(samples):
+        arr, wh = decode_stored(path, SIZE, "pil")
+        assert np.array_equal(c.images[i], arr) and tuple(c.sizes[i]) == wh
+
+
+@pytest.mark.parametrize("case", list(SIZES_FILES))
+def test_a_tampered_sizes_file_is_rebuilt_in_one_line(samples, tmp_path, case):
+    marker = tmp_path / "RAN"
+    content, expect = SIZES_FILES[case]
+    again, said = _tampered(samples, tmp_path, ".sizes.npy", lambda old: content(marker))
+    stale = [s for s in said if "decoding again" in s]
+    assert len(stale) == 1 and expect in stale[0] and "\n" not in stale[0], said
+    assert not again.reused and not marker.exists()  # never unpickled
+    _equals_direct(again, samples)
+    assert build_cache(samples, SIZE, "pil", "disk", tmp_path / "c", say=_quiet).reused  # the rebuilt one holds
+
+
+@pytest.mark.parametrize("case", list(OTHER_FILES))
+def test_a_tampered_data_or_meta_file_is_rebuilt_in_one_line(samples, tmp_path, case):
+    which, content, expect = OTHER_FILES[case]
+    again, said = _tampered(samples, tmp_path, which, content)
+    stale = [s for s in said if "decoding again" in s]
+    assert len(stale) == 1 and expect in stale[0], said
+    assert not again.reused
+    _equals_direct(again, samples)
+
+
+def test_a_fifo_as_the_sizes_file_is_rebuilt_and_a_folder_refused(samples, tmp_path):
+    build_cache(samples, SIZE, "pil", "disk", tmp_path / "c", say=_quiet)
+    sizes = next((tmp_path / "c").glob("*.sizes.npy"))
+    sizes.unlink()
+    os.mkfifo(sizes)  # opening it to read would wait for a writer forever
+    said = []
+    again = build_cache(samples, SIZE, "pil", "disk", tmp_path / "c", say=said.append)
+    assert not again.reused and any("a named pipe" in s and "decoding again" in s for s in said), said
+    sizes.unlink()
+    sizes.mkdir()
+    with pytest.raises(UserError, match="is a folder, and dlenv keeps a cache file under that name"):
+        build_cache(samples, SIZE, "pil", "disk", tmp_path / "c", say=_quiet)
+
+
+def test_a_bad_row_of_zeros_is_not_a_mismatch(samples, tmp_path):
+    with open(samples[2][0], "wb") as f:  # a file that fails to decode keeps a (0, 0) row
+        f.write(b"")
+    build_cache(samples, SIZE, "pil", "disk", tmp_path / "c", say=_quiet)
+    assert build_cache(samples, SIZE, "pil", "disk", tmp_path / "c", say=_quiet).reused
+
+
+@pytest.mark.parametrize(("n_bad", "expect"), [
+    (1, "skipping 1 unreadable image: "),
+    (3, "skipping 3 unreadable images: "),
+    (30, "skipping 30 unreadable images: "),
+])
+def test_unreadable_files_are_one_line_however_many(tmp_path, n_bad, expect, caplog):
+    samples = [(str(photo(tmp_path / f"ok{i}.jpg", 40, 30, seed=i)), i % 2) for i in range(2)]
+    for i in range(n_bad):
+        (tmp_path / f"empty{i:03d}.jpg").write_bytes(b"")
+        samples.append((str(tmp_path / f"empty{i:03d}.jpg"), i % 2))
+    caplog.set_level(logging.WARNING, "dlenv.data")
+    c = build_cache(samples, SIZE, "pil", "ram", say=_quiet)
+    assert len(c.bad) == n_bad
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith(expect) and "\n" not in lines[0]
+    assert "empty000.jpg" in lines[0]
+    assert (f"and {n_bad - 3} more" in lines[0]) == (n_bad > 3)

@@ -12,8 +12,8 @@ and each batch afterwards is a copy out of one big array; cropping and flipping 
   files are data from disk too: their sizes, the .npy header's shape and dtype and the numbers in it
   are checked against the dataset before anything is mapped or loaded, and a mismatch is decoded
   again, in one line.
-- auto: an existing disk cache for the same data, else ram when it takes under half the available
-  memory, else disk.
+- auto: an existing disk cache for the same data (rebuilt there if its files do not match), else ram
+  when it takes under half the available memory, else disk.
 
 Decoding runs in threads: Pillow, OpenCV and torchvision release the GIL while decoding and resizing.
 """
@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from tokenize import TokenError
 
 import numpy as np
 
@@ -146,7 +147,8 @@ def _read_sizes(path: Path, n: int) -> np.ndarray:
                              f"{f.tell() + want:,} its header and this dataset make")
             f.seek(0)
             return np.load(f, allow_pickle=False)
-    except (UserError, ValueError, EOFError, SyntaxError) as e:  # what numpy says of a header it cannot read
+    except (UserError, OSError, ValueError, EOFError, SyntaxError, TokenError, RecursionError) as e:
+        # ...what numpy's header parser (ast, then tokenize for old headers) raises on a header it cannot read
         raise _Stale(f"{path.name} is not a sizes file ({' '.join(str(e).split())[:200]})") from None
 
 
@@ -194,7 +196,8 @@ def choose_mode(mode: str, n: int, size: int, cache_dir: Path, key: str) -> str:
         return mode
     if mode != "auto":
         raise UserError(f"--cache-mode {mode!r} is not one of: auto, ram, disk")
-    if _complete(cache_dir, key, n, size)[0] is not None:
+    meta, _, stale = _complete(cache_dir, key, n, size)
+    if meta is not None or stale is not None:  # a damaged one is rebuilt where it was, not left beside ram
         return "disk"
     return "ram" if nbytes(n, size) < available_memory() // 2 else "disk"
 
@@ -320,10 +323,10 @@ def _disk_cache(samples: Sequence[tuple[str, int]], size: int, decoder: str, cac
         images.flush()
         del images
 
-    for path in (data, sizes_path, meta_path):  # a folder or FIFO in a cache file's place cannot be replaced
-        if os.path.lexists(path) and not (path.is_symlink() or path.is_file()):
-            raise UserError(f"--cache-dir {cache_dir}: {path.name} is not a regular file, and dlenv keeps a "
-                            "cache file under that name; remove it or pass another --cache-dir")
+    for path in (data, sizes_path, meta_path):  # os.replace puts a file over anything but a folder
+        if path.is_dir() and not path.is_symlink():
+            raise UserError(f"--cache-dir {cache_dir}: {path.name} is a folder, and dlenv keeps a cache file "
+                            "under that name; remove it or pass another --cache-dir")
     # a stale meta goes first: until the new one is written, nothing marks these files complete
     with contextlib.suppress(FileNotFoundError):
         os.unlink(meta_path)
