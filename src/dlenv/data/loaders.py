@@ -196,13 +196,19 @@ class SafeLoader(DataLoader):
 
     def __init__(self, dataset: ImageDataset, **kwargs: Any):
         dataset.report_in_main = True
+        if kwargs.get("num_workers", 0) > 0:  # every SafeLoader's workers, copies made elsewhere too
+            kwargs["worker_init_fn"] = partial(_worker_start, kwargs.get("worker_init_fn"))
         super().__init__(dataset, collate_fn=_collate, **kwargs)
         self.bad_paths: dict[str, str] = {}
 
     def __iter__(self):
         # DataLoader's iterator (and its worker processes) made now, in the caller's thread; only the
-        # checking below is deferred to the first batch
-        return self._checked(super().__iter__())
+        # checking below is deferred to the first batch. The stop signals wait while the workers are
+        # forked: a worker takes them from its first instruction to its _worker_start, where it learns to
+        # leave them to the main process (torch's own SIGTERM handler, set before that, would end it)
+        with _stop_signals_held():
+            batches = super().__iter__()
+        return self._checked(batches)
 
     def _checked(self, batches: Any) -> Any:
         try:
@@ -306,8 +312,52 @@ def resolve_workers(workers: int | str, batch_size: int | None = None, img_size:
     return n
 
 
+#: what stops a run (Ctrl-C, docker stop / systemd / scancel / timeout, the terminal closing): the main
+#: process alone decides on these; its DataLoader workers leave them to it
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _stop_signals_held():
+    """Hold the stop signals back in this thread (the one that forks the workers) for the block; any
+    that arrived meanwhile are delivered at its end. The workers start with them held too."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _leave_stop_signals_to_the_main_process() -> None:
+    """In a DataLoader worker: the stop signals sent to the whole process group (a terminal's Ctrl-C or
+    hangup, `timeout`, `kill -- -PGID`) or to every process of a cgroup (systemd, Slurm) no longer end it.
+
+    The main process finishes its optimizer step, saves last.pth and shuts its workers down itself;
+    a worker that died of the same signal first would only make torch raise "DataLoader worker is killed
+    by signal" in the middle of that save. SIGINT and SIGHUP are ignored. SIGTERM stays held, and a
+    thread takes each one and ends the worker only when the parent sent it: that is how torch and
+    multiprocessing stop a worker that does not exit when told to (torch's own handler, replaced here,
+    makes the same distinction). A worker whose main process died anyway exits by torch's watchdog.
+    """
+    import threading
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])  # this thread, and every thread it starts
+    parent = os.getppid()
+
+    def from_parent_only() -> None:
+        while True:
+            if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+                os._exit(0)
+
+    threading.Thread(target=from_parent_only, name="dlenv-sigterm", daemon=True).start()
+    for s in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, signal.SIG_IGN)  # one that is pending since the fork is dropped, too
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGHUP])
+
+
 def _worker_start(then: Callable[[int], None] | None, worker_id: int) -> None:
-    """In each DataLoader worker, before `then`: a worker that runs out of /dev/shm dies quietly by
+    """In each DataLoader worker, before `then`: the stop signals are left to the main process
+    (`_leave_stop_signals_to_the_main_process`), and a worker that runs out of /dev/shm dies quietly by
     SIGBUS, and the main process says so in one line (`errors.environment_fault`).
 
     Out of shared memory, a worker either touches a page of a tensor tmpfs cannot back (SIGBUS: torch's
@@ -321,6 +371,7 @@ def _worker_start(then: Callable[[int], None] | None, worker_id: int) -> None:
 
     from dlenv.errors import shm_full
 
+    _leave_stop_signals_to_the_main_process()
     with contextlib.suppress(ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
     signal.signal(signal.SIGBUS, signal.SIG_DFL)
@@ -344,8 +395,7 @@ def make_loader(dataset: ImageDataset, batch_size: int, workers: int, pin_memory
         pin_memory = torch.cuda.is_available()
     extra: dict[str, Any] = {}
     if workers > 0:
-        extra = {"persistent_workers": persistent, "prefetch_factor": PREFETCH_FACTOR,
-                 "worker_init_fn": partial(_worker_start, kwargs.pop("worker_init_fn", None))}
+        extra = {"persistent_workers": persistent, "prefetch_factor": PREFETCH_FACTOR}
     if "batch_sampler" not in kwargs:  # a batch sampler makes the batches itself
         extra["batch_size"] = batch_size
     return SafeLoader(dataset, num_workers=workers, pin_memory=pin_memory, **extra, **kwargs)

@@ -1,17 +1,27 @@
-"""What the trainer says and hears: the progress bar, the epoch line, the data-wait advice, and
-SIGINT/SIGTERM.
+"""What the trainer says and hears: the progress bar, the epoch line, the data-wait advice, and the stop
+signals SIGINT (Ctrl-C), SIGTERM (docker stop, systemd, scancel, timeout) and SIGHUP (the terminal or
+SSH session closed).
 
 A signal does not stop the run where it lands: `Stop` only notes it, and the loop asks `requested()`
-after each optimizer step, so the run stops at a step boundary, saves last.pth and exits 130 / 143.
-In a run of several processes a signal may reach some ranks only (or at another step), so the ranks
-vote at points every rank passes. A second signal stops at once (Python's default behaviour).
+after each optimizer step (and after each epoch's validation and saves), so the run stops at a step
+boundary, saves last.pth and exits 130 / 143 / 129. In a run of several processes a signal may reach
+some ranks only (or at another step), so the ranks vote at points every rank passes. A second signal
+stops at once (Python's default behaviour), except the same signal again within DUPLICATE_S: that is
+one request that came twice (a shell passes its hangup on to the jobs the kernel already told; a
+cgroup-wide stop reaches a rank and also its launcher, which forwards it). Before the loop there is
+nothing to save yet: `StartUp` ends the run at once, in one line. The DataLoader workers leave these
+signals to the main process (dlenv.data.loaders), which shuts them down itself when it stops.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import signal
+import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,44 +29,97 @@ from typing import Any
 from dlenv import distributed, invocation, progress
 from dlenv.errors import EXIT_SIGINT, EXIT_SIGTERM
 
+#: 128 + SIGHUP, as shells report a process the hangup ended
+EXIT_SIGHUP = 128 + signal.SIGHUP
+
 #: exit status for each stop signal (128 + its number, as shells report it)
-SIGNAL_EXIT = {signal.SIGINT: EXIT_SIGINT, signal.SIGTERM: EXIT_SIGTERM}
+SIGNAL_EXIT = {signal.SIGINT: EXIT_SIGINT, signal.SIGTERM: EXIT_SIGTERM, signal.SIGHUP: EXIT_SIGHUP}
+#: seconds within which the same signal again is the same request, not "stop at once"
+DUPLICATE_S = 1.0
 #: data-wait share of an epoch above which the trainer explains the bottleneck
 WAIT_LIMIT = 0.2
 
 
 def printer(enabled: bool) -> Callable[[str], None]:
-    """`say(msg)`: print and flush on the main process, nothing elsewhere."""
+    """`say(msg)`: print and flush on the main process, nothing elsewhere. A console that is gone (the
+    terminal or SSH session closed: EIO; a log pipe closed: EPIPE) is silenced, not a reason to stop."""
     def say(msg: str) -> None:
         if enabled:
-            print(msg, flush=True)
+            try:
+                print(msg, flush=True)
+            except OSError as e:
+                if e.errno not in _GONE:
+                    raise
+                silence_console()
 
     return say
 
 
+def _hung_up(fd: int) -> bool:
+    """Whether `fd` is a terminal that hung up: still a character device, no longer answering as a tty."""
+    import stat
+
+    try:
+        return stat.S_ISCHR(os.fstat(fd).st_mode) and not os.isatty(fd) and not os.path.samefile(
+            f"/proc/self/fd/{fd}", os.devnull)
+    except OSError:
+        return False
+
+
+#: what writing to a console that is no longer there fails with
+_GONE = (errno.EIO, errno.EPIPE, errno.ENXIO)
+
+
+def silence_console() -> None:
+    """Point stdout, which just failed, at /dev/null for the rest of the process (and stderr too where
+    it is the same hung-up terminal): after a hangup every write to the terminal fails, and a progress
+    line must not end the run that SIGHUP is saving. A stderr that still works (a log file) is kept."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                fd = stream.fileno()
+            except (AttributeError, ValueError, OSError):  # not a real file (captured): nothing to silence
+                continue
+            if stream is sys.stderr and not _hung_up(fd):
+                continue
+            os.dup2(null, fd)
+            # what the buffer still holds goes nowhere too, instead of failing again at the next write
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+    finally:
+        os.close(null)
+
+
 class Stop:
-    """SIGINT/SIGTERM handlers that ask the loop to stop at the next optimizer step; a second signal
-    stops at once. A context manager: the previous handlers come back at its end."""
+    """SIGINT/SIGTERM/SIGHUP handlers that ask the loop to stop at the next optimizer step; a second
+    signal stops at once (the same one within DUPLICATE_S counts once). `moment` names where the run
+    is, for the line the signal gets ("this optimizer step", "this epoch's validation"). A context
+    manager: the previous handlers come back at its end."""
 
     def __init__(self, say: Callable[[str], None], world_size: int = 1):
         self.signum: int | None = None
         self.say, self.world_size = say, world_size
+        self.moment = "this optimizer step"
         self._pid = os.getpid()
         self._old: dict[int, Any] = {}
+        self._at = 0.0
 
     def _handle(self, signum, frame):
         if os.getpid() != self._pid:
-            # a DataLoader worker: it inherited this handler through fork, and a terminal's Ctrl-C reaches
-            # its whole process group; the trainer stops the workers itself once it has saved
+            # a DataLoader worker that has not reached its own start-up yet (dlenv.data.loaders); the
+            # trainer stops the workers itself once it has saved
             return
         if self.signum is not None:
+            if signum == self.signum and time.monotonic() - self._at < DUPLICATE_S:
+                return
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        self.signum = signum
-        self.say(f"\n{signal.Signals(signum).name}: saving last.pth at the end of this optimizer step "
+        self.signum, self._at = signum, time.monotonic()
+        self.say(f"\n{signal.Signals(signum).name}: saving last.pth at the end of {self.moment} "
                  "(send it again to stop at once)")
 
     def requested(self, check_peers: bool = True) -> bool:
@@ -75,6 +138,49 @@ class Stop:
     def __exit__(self, *exc):
         for s, h in self._old.items():
             signal.signal(s, h)
+
+
+class StoppedEarly(BaseException):
+    """A stop signal before the training loop (a BaseException, as KeyboardInterrupt is: no `except
+    Exception` on the way may take it for a failure of its own)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class StartUp:
+    """The stop signals from the start of a run to its loop (loading data, building the model, the
+    --batch-size auto probe): nothing is trained yet, so a signal ends the run at once by raising
+    StoppedEarly; `stopped_early_line` says so. A context manager: the previous handlers come back at
+    its end. The loop's `Stop` replaces it for the epochs."""
+
+    def __init__(self):
+        self._pid = os.getpid()
+        self._old: dict[int, Any] = {}
+
+    def _handle(self, signum, frame):
+        if os.getpid() == self._pid:  # not in a DataLoader worker before its start-up (dlenv.data.loaders)
+            raise StoppedEarly(signum)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in SIGNAL_EXIT:
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def stopped_early_line(signum: int, resume: str | None) -> str:
+    """What a run stopped before its first step says: nothing was trained, and what to run again."""
+    name = signal.Signals(signum).name
+    if resume:
+        return (f"stopped by {name} while starting, before the first step; the run to resume is as it was. "
+                f"Resume with: {invocation.again('train', f'--resume {resume}')}")
+    return f"stopped by {name} while starting, before the first step; nothing was trained or saved"
 
 
 def stopped_line(signum: int | None, last_path: Path | None) -> str:

@@ -65,34 +65,37 @@ def fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Data
     epochs = _Epochs(decided, parts, data, run, memory.MemoryMonitor(parts.device), say)
     epochs.eta, t_run = console.run_eta(decided.epochs, decided.batches_per_epoch, state.epoch, state.batch_in_epoch,
                                         data.val), time.perf_counter()
-    try:
-        with console.Stop(say, decided.world_size) as stop:
+    # the handlers stay until the workers are shut down: a signal in that last moment is only noted
+    with console.Stop(say, decided.world_size) as stop:
+        try:
             while state.epoch < decided.epochs:
                 t_epoch = time.perf_counter()
+                stop.moment = "this optimizer step"
                 stats = epochs.train(state, stop, on_step)
                 if stats.interrupted:
                     if run.is_main:
+                        stop.moment = "this save"
                         saved.save_last(parts, state, data.sampler, run.meta, run.last)
                     return _stopped(summary, stop.signum, run.last, say)
-                row = epochs.end(state, stats, t_epoch)
+                row = epochs.end(state, stats, t_epoch, stop)
                 summary["compile_s"] = summary["compile_s"] + stats.compile_s
                 summary.update(img_per_s=row["img_per_s"], peak_alloc_gib=row["mem_alloc_gib"],
                                batch_size=row["batch_size"], accum_steps=row["accum_steps"])
                 if stop.requested():
                     return _stopped(summary, stop.signum, run.last, say)
-    except NonFiniteLoss as e:
-        raise UserError(f"training stopped: {e}. {saved.last_good(run.last)} Try a lower --lr, --clip-grad 1.0, "
-                        "or --amp-dtype bf16 instead of fp16", exit_code=EXIT_NONFINITE) from None
-    except RuntimeError as e:
-        if decided.world_size > 1 and distributed.is_peer_error(e):  # e.g. in DDP's gradient all-reduce
-            raise distributed.peer_failure(e, "a training step") from None
-        if not compat.is_oom(e):
-            raise
-        raise UserError(epochs.oom_advice(state), exit_code=EXIT_OOM) from None
-    finally:
-        if run.tb is not None:
-            run.tb.close()
-        _close_loaders(data)
+        except NonFiniteLoss as e:
+            raise UserError(f"training stopped: {e}. {saved.last_good(run.last)} Try a lower --lr, --clip-grad "
+                            "1.0, or --amp-dtype bf16 instead of fp16", exit_code=EXIT_NONFINITE) from None
+        except RuntimeError as e:
+            if decided.world_size > 1 and distributed.is_peer_error(e):  # e.g. in DDP's gradient all-reduce
+                raise distributed.peer_failure(e, "a training step") from None
+            if not compat.is_oom(e):
+                raise
+            raise UserError(epochs.oom_advice(state), exit_code=EXIT_OOM) from None
+        finally:
+            if run.tb is not None:
+                run.tb.close()
+            _close_loaders(data)
     best = run.best if run.best is not None and run.best.is_file() else None
     summary.update(epochs=state.epoch, step=state.step, best_metric=state.best_metric,
                    best=str(best) if best else None)
@@ -147,13 +150,15 @@ class _Epochs:
         finally:
             progress.close()
 
-    def end(self, state: TrainState, stats: loop.EpochStats, t_epoch: float) -> dict[str, Any]:
+    def end(self, state: TrainState, stats: loop.EpochStats, t_epoch: float, stop: console.Stop) -> dict[str, Any]:
         """Validate, count the epoch, append its results.csv row, save last.pth (best_model.pth when the
-        metric improved) and memory.md; returns the row."""
+        metric improved) and memory.md; returns the row. A stop signal meanwhile is taken after all of
+        that (`stop.moment` names where it came)."""
         parts, data, run, world = self.parts, self.data, self.run, self.plan.world_size
         peak_alloc, peak_reserved = self.monitor.peak()
         evaluated = parts.ema.module if parts.ema is not None else parts.bare
         t_val = time.perf_counter()
+        stop.moment = "this epoch (its validation, then the save)"
         val = (loop.validate(evaluated, data.val, parts.precision, parts.device, parts.memory_format)
                if data.val is not None else None)
         if self.eta is not None:
@@ -174,6 +179,7 @@ class _Epochs:
                "epoch_s": time.perf_counter() - t_epoch, "mem_alloc_gib": peak_alloc,
                "mem_reserved_gib": peak_reserved, "batch_size": math.ceil(state.micro_batch / state.chunks),
                "accum_steps": state.accum_steps * state.chunks, "oom_retries": state.oom_retries}
+        stop.moment = "this epoch's save"
         if run.is_main:
             results.append_row(run.dir / "results.csv", row)
             if run.tb is not None:

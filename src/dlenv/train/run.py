@@ -8,8 +8,8 @@
 
 Each epoch validates, appends a row to results.csv, saves last.pth (and best_model.pth on
 improvement) atomically, and on a GPU writes memory.md (memory per phase of the step and the
-allocator's state, dlenv.memory). Nothing is lost: SIGINT/SIGTERM end the current optimizer step,
-save last.pth (with sampler position and RNG states) and exit 130/143; `--resume` continues there,
+allocator's state, dlenv.memory). Nothing is lost: SIGINT/SIGTERM/SIGHUP end the current optimizer step,
+save last.pth (with sampler position and RNG states) and exit 130/143/129; `--resume` continues there,
 bit for bit on a CPU with --deterministic and --workers 0. CUDA out of memory stops with advice
 (exit 3; with --batch-size auto the batch is split and retried instead); a run of non-finite losses
 or skipped fp16 steps stops with exit 4. Neither overwrites the last good checkpoint.
@@ -51,14 +51,18 @@ def main(cfg: TrainConfig) -> int:
 def train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None = None) -> dict[str, Any]:
     """Train as `cfg` says; returns a summary dict.
 
-    Summary keys: run_dir, status ("done" or "interrupted"), exit_code (0, 130, 143), epochs (completed),
+    Summary keys: run_dir, status ("done" or "interrupted"), exit_code (0, 130, 143, 129), epochs (completed),
     step, best_metric, last, best, precision, batch_size, accum_steps, img_per_s and peak_alloc_gib
     (of the last epoch). `on_step(state)` is called after every optimizer step (tests, tools).
     Raises UserError for bad input, CUDA out of memory (exit_code 3) and a run of non-finite losses
     (exit_code 4); the last good checkpoint is intact in each case.
     """
-    with _GlobalSettings():
-        summary = _train(cfg, on_step)
+    try:
+        with console.StartUp(), _GlobalSettings():  # fit's console.Stop takes the signals for the loop
+            summary = _train(cfg, on_step)
+    except console.StoppedEarly as e:  # nothing trained yet: one line, and a resumed run's files untouched
+        console.printer(os.environ.get("RANK", "0") == "0")(console.stopped_early_line(e.signum, cfg.resume))
+        return {"run_dir": None, "status": "interrupted", "exit_code": console.SIGNAL_EXIT[e.signum]}
     distributed.cleanup()  # after a normal end only: with a dead peer, teardown could wait for it
     return summary
 
