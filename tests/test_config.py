@@ -225,3 +225,145 @@ def test_a_run_name_that_would_act_on_a_terminal_is_refused(name, capsys):
 @pytest.mark.parametrize("name", ["exp", "exp-2", "resnet50_amp", "café", "实验一", "run.v2", "a b", "🐱"])
 def test_plain_run_names_are_kept(name):
     assert config.build(config.TrainConfig, name=name).name == name
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bounds on --workers, --batch-size and --img-size (issue 34 item 8 and the weak items).
+
+
+def _commands_with(option: str) -> list[str]:
+    return [n for n, c in config.COMMANDS.items() if any(f.name == option for f in dataclasses.fields(c.config))]
+
+
+@pytest.mark.parametrize(("cpus", "most"), [(1, 64), (2, 64), (16, 64), (17, 68), (64, 256)])
+@pytest.mark.parametrize("name", _commands_with("workers"))
+def test_workers_at_most_4_per_cpu_or_64(monkeypatch, name, cpus, most):
+    monkeypatch.setattr(config, "usable_cpus", lambda: cpus)
+    cls = config.COMMANDS[name].config
+    as_typed = (lambda n: f"0,{n}") if name == "bench-data" else str  # bench-data takes a list of counts
+    assert config.build(cls, workers=as_typed(most)).workers in (most, (0, most))
+    with pytest.raises(UserError) as e:
+        config.build(cls, workers=as_typed(most + 1))
+    assert f"is above {most:,}, the most worker processes dlenv starts here ({4} x the {cpus} CPU" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_saved_runs_workers_are_not_judged_by_this_machine(monkeypatch):
+    monkeypatch.setattr(config, "usable_cpus", lambda: 2)
+    saved = config.to_dict(config.build(config.TrainConfig, workers=60))
+    assert config.from_dict(config.TrainConfig, {**saved, "workers": 500}).workers == 500  # made on 128 CPUs
+    with pytest.raises(UserError, match="--workers 500 is above 64"):
+        config.build(config.TrainConfig, workers=500)  # typed here: this machine's bound
+
+
+def test_bench_data_workers_refuse_a_negative_count():
+    with pytest.raises(UserError, match="--workers '0,-2' is below its minimum 0"):
+        config.build(config.BenchDataConfig, workers="0,-2")
+
+
+BATCHES = [(name, "batch_size") for name in _commands_with("batch_size")] + [
+    ("train", "accum_steps"), ("train", "effective_batch")]
+
+
+@pytest.mark.parametrize(("name", "option"), BATCHES, ids=[f"{n} {o}" for n, o in BATCHES])
+@pytest.mark.parametrize("value", [str(2**20 + 1), "1e12", 10**12, "1000000000000"])
+def test_batch_sizes_at_most_2_to_the_20(name, option, value):
+    cls = config.COMMANDS[name].config
+    assert getattr(config.build(cls, **{option: str(2**20)}), option) == 2**20
+    with pytest.raises(UserError) as e:
+        config.build(cls, **{option: value})
+    assert f"{config.flag(option)} {value!r} is above its maximum 1,048,576 (2^20" in str(e.value)
+
+
+IMG_SIZES = [(name, "img_size") for name in _commands_with("img_size")] + [("demo-data", "size")]
+
+
+@pytest.mark.parametrize(("name", "option"), IMG_SIZES, ids=[f"{n} {o}" for n, o in IMG_SIZES])
+@pytest.mark.parametrize("value", ["2049", "1000000", 10**6, "1e9"])
+def test_image_sizes_at_most_2048(name, option, value):
+    cls = config.COMMANDS[name].config
+    assert getattr(config.build(cls, **{option: "2048"}), option) == 2048
+    with pytest.raises(UserError) as e:
+        config.build(cls, **{option: value})
+    assert f"{config.flag(option)} {value!r} is above its maximum 2,048 (the largest image size" in str(e.value)
+
+
+def test_the_img_size_bound_is_the_one_checkpoints_have():
+    from dlenv import runstate
+
+    assert config.IMG_SIZE_MAX == runstate.MAX_IMG_SIZE
+
+
+# ---------------------------------------------------------------------------------------------------
+# A run's config.yaml given to another command (issue 34: val --cfg runs/x/config.yaml).
+
+
+@pytest.fixture
+def run_yaml(tmp_path):
+    """A run's config.yaml as train writes it: every option of train, resolved."""
+    import yaml
+
+    cfg = config.build(config.TrainConfig, data="ds", weights="start.pth", model="resnet18", batch_size=48,
+                       workers=3, device="cpu", img_size=64, val_split=0.3, amp=True)
+    path = tmp_path / "config.yaml"
+    path.write_text("# dlenv train: the options of this run\n" + yaml.safe_dump(config.to_dict(cfg), sort_keys=False))
+    return path
+
+
+FROM_RUN = [  # command -> what it takes from the run's file (everything else stays at its default)
+    ("val", {"batch_size": 48, "workers": 3, "device": "cpu"}),
+    ("prune", {"batch_size": 48, "workers": 3, "device": "cpu"}),
+    ("export", {"batch_size": 48, "workers": 3}),
+    ("data-report", {"val_split": 0.3, "workers": 3}),
+    ("verify-env", {"workers": 3}),
+    ("plot", {}),
+    ("bench-memory", {"model": "resnet18", "batch_size": 48, "img_size": 64, "device": "cpu"}),
+    ("bench-data", {"data": "ds", "model": "resnet18", "batch_size": 48, "img_size": 64, "device": "cpu"}),
+]
+
+
+@pytest.mark.parametrize(("name", "taken"), FROM_RUN, ids=[n for n, _ in FROM_RUN])
+def test_a_runs_config_yaml_gives_other_commands_what_means_the_same(run_yaml, capsys, name, taken):
+    cls = config.COMMANDS[name].config
+    cfg = config.build(cls, run_yaml)
+    default = cls()
+    for f in dataclasses.fields(cls):
+        assert getattr(cfg, f.name) == taken.get(f.name, getattr(default, f.name)), f.name
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and f"holds a training run's options: dlenv {name} " in out[0]
+    kept = config._FROM_RUN.get(cls, ())
+    assert set(taken) <= set(kept) and all(config.flag(n) in out[0] for n in kept)
+    assert f"the other {len(config.to_dict(config.TrainConfig())) - len(kept)} out" in out[0]
+
+
+def test_val_never_takes_trains_weights_data_or_model(run_yaml, capsys):
+    cfg = config.build(config.ValConfig, run_yaml)
+    assert (cfg.weights, cfg.data, cfg.model) == (None, None, None)  # start.pth is not the run's checkpoint
+    out = capsys.readouterr().out
+    assert "dlenv val takes " in out and all(f in out for f in ("--batch-size", "--workers", "--device"))
+    assert not any(f in out for f in ("--weights", "--data", "--model"))
+    assert config.build(config.ValConfig, run_yaml, weights="runs/x/best_model.pth").weights == "runs/x/best_model.pth"
+
+
+@pytest.mark.parametrize(("extra", "bad"), [("lrate: 0.1\n", "lrate"), ("batchsize: 8\n", "batchsize"),
+                                            ("42: x\n", "42")])
+@pytest.mark.parametrize("name", ["val", "prune", "train"])
+def test_a_key_no_command_has_still_fails_with_the_valid_ones(run_yaml, name, extra, bad):
+    run_yaml.write_text(run_yaml.read_text() + extra)
+    with pytest.raises(UserError) as e:
+        config.build(config.COMMANDS[name].config, run_yaml)
+    assert f"unknown option {bad!r} in config file" in str(e.value) and "valid options: " in str(e.value)
+
+
+def test_a_file_of_vals_own_options_is_taken_whole_and_quietly(tmp_path, capsys):
+    y = tmp_path / "val.yaml"
+    y.write_text("weights: runs/x/best_model.pth\ndata: other\nbatch-size: 8\n")
+    cfg = config.build(config.ValConfig, y)
+    assert (cfg.weights, cfg.data, cfg.batch_size) == ("runs/x/best_model.pth", "other", 8)
+    assert capsys.readouterr().out == ""
+
+
+def test_what_other_commands_take_from_a_run_are_options_of_both():
+    train = {f.name for f in dataclasses.fields(config.TrainConfig)}
+    for cls, names in config._FROM_RUN.items():
+        assert set(names) <= train & {f.name for f in dataclasses.fields(cls)}, cls
