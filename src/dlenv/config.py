@@ -511,7 +511,7 @@ def _from_file(cls: type, yaml_file: str | Path, say: Callable[[str], None]) -> 
     train = {f.name for f in options(TrainConfig)}
     unknown = [key for key, name in names.items() if name not in valid and (cls is TrainConfig or name not in train)]
     if unknown:
-        raise UserError(f"unknown option {unknown[0]!r} in config file {yaml_file}; valid options: "
+        raise UserError(f"unknown option {str(unknown[0])!r} in config file {yaml_file}; valid options: "
                         f"{', '.join(sorted(f.replace('_', '-') for f in valid))}")
     if all(name in valid for name in names.values()):
         return data
