@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import dlenv
-from dlenv import compat, pickleguard, runstate, weights
+from dlenv import compat, pickleguard, runstate, torchfile, weights
 from dlenv.cli import main as cli_main
 from dlenv.errors import UserError
 from dlenv.models import build_model
@@ -166,7 +166,7 @@ EVIL = [
     ("a torch.device", lambda t, m: torch.save({"d": torch.device("cpu")}, t / "f.pth"), "global torch.device"),
     ("a whole nn.Module", lambda t, m: torch.save(torch.nn.Linear(2, 2), t / "f.pth"), "global torch.nn"),
     ("the pre-1.0 tar format", lambda t, m: _tar(t / "f.pth", m), "pre-1.0 tar format"),
-    ("two members of one name", lambda t, m: _duplicate(t / "f.pth", m), "two members of the same name"),
+    ("two members of one name", lambda t, m: _duplicate(t / "f.pth", m), "two members whose names are equal"),
 ]
 
 
@@ -254,15 +254,16 @@ ALLOWED = [
     ("a torchvision state dict", lambda: build_model("resnet18", 3).state_dict(), {}),
     ("the legacy format", lambda: build_model("squeezenet1_1", 3).state_dict(),
      {"_use_new_zipfile_serialization": False}),
-    ("pickle protocol 4 (passes; torch's loader refuses FRAME)", lambda: build_model("squeezenet1_1", 3).state_dict(),
-     {"pickle_protocol": 4}),
+    ("pickle protocol 4", lambda: build_model("squeezenet1_1", 3).state_dict(), {"pickle_protocol": 4}),
+    ("pickle protocol 5, legacy format", lambda: build_model("squeezenet1_1", 3).state_dict(),
+     {"pickle_protocol": 5, "_use_new_zipfile_serialization": False}),
     ("nested under state_dict", lambda: {"state_dict": build_model("squeezenet1_1", 3).state_dict(), "epoch": 3}, {}),
     ("parameters (keep_vars)", lambda: build_model("squeezenet1_1", 3).state_dict(keep_vars=True), {}),
     ("dtypes, views and shared storage", _tensors, {}),
     ("dtypes in the legacy format", _tensors, {"_use_new_zipfile_serialization": False}),
     ("plain data", lambda: {"n": None, "t": (1, "a", -7), "l": [True, False], "dt": torch.float16,
                             "big": 2**80, "od": collections.OrderedDict(a=1), "w": torch.ones(2)}, {}),
-    ("floats (2.x's loader reads them; 1.13's does not)", lambda: {"lr": 0.1, "w": torch.ones(2)}, {}),
+    ("floats", lambda: {"lr": 0.1, "w": torch.ones(2)}, {}),
     ("a timm state dict", _timm_state, {}),
 ]
 
@@ -273,13 +274,9 @@ def test_state_dicts_and_plain_data_load_without_consent(tmp_path, make, save):
     path = tmp_path / "w.pth"
     torch.save(obj, path, **save)
     with open(path, "rb") as fh:
-        pickleguard.check(fh)  # the allowlist passes it, on both lanes
-    if ("lr" in obj and compat.TORCH_VERSION < (2, 0)) or save.get("pickle_protocol", 2) > 2:
-        # torch's own weights_only loader knows no FRAME (protocol 4), and 1.13's no float opcode: torch
-        # refuses after the allowlist passed (dlenv's own files encode their floats for it: runstate)
-        with pytest.raises(UserError, match="refusing to load"):
-            runstate.load_checkpoint(path, SAFE)
-        return
+        torchfile.check(fh)  # the allowlist passes it, on both lanes
+    # built by dlenv from the bytes it judged, not by torch's weights_only loader (which knows no FRAME,
+    # and on 1.13 no float): every case loads on both lanes, exactly as torch itself reads it
     back = runstate.load_checkpoint(path, SAFE)
     want = torch.load(path, weights_only=False)  # we made it: the reference reading
     flat_back, flat_want = _flat(back), _flat(want)
@@ -501,7 +498,7 @@ def test_dlenvs_own_files_resume_and_validate_without_the_flag(trained, tmp_path
     run = trained / "runs" / "exp"
     for name in ("last.pth", "best_model.pth"):
         with open(run / name, "rb") as fh:
-            pickleguard.check(fh)
+            torchfile.check(fh)
     assert cli_main(["val", "--weights", str(run / "best_model.pth"), "--out", str(tmp_path / "v2"), *COMMON]) == 0
     assert cli_main(["train", "--resume", str(run / "last.pth"), *COMMON]) == 0  # 1 of 1 epochs: done at once
     assert not list(run.glob("*.hmac"))
@@ -595,7 +592,7 @@ def test_a_mutated_file_passes_or_is_refused_never_anything_else(tmp_path, fmt):
         else:
             buf.write(bytes(data))
         try:
-            pickleguard.check(buf)
+            torchfile.check(buf)
             outcomes["passed"] += 1
         except pickleguard.Refused:
             outcomes["refused"] += 1
@@ -609,4 +606,4 @@ def test_a_length_field_cannot_make_the_check_read_a_large_file_into_memory(tmp_
     path = tmp_path / "big.pth"
     path.write_bytes(head + b"\x80\x02X\x00\x00\x00\x80" + bytes(64 * 1024))
     with open(path, "rb") as fh, pytest.raises(pickleguard.Damaged, match="more than the 4,096 bytes"):
-        pickleguard.check(fh)
+        torchfile.check(fh)

@@ -18,15 +18,21 @@ holds what a state dict or a dlenv checkpoint needs:
 
 Everything else is refused before torch is called: any other global (os.system, builtins.eval,
 getattr, ...), INST/OBJ/NEWOBJ/EXT, persistent ids other than torch's storages, a TorchScript archive,
-the pre-1.0 tar format, a zip with two members of one name, a pickle cut short. A refusal carries one
-short reason; dlenv.weights turns it into the line the user sees.
+the pre-1.0 tar format, a zip with two members whose names are equal or differ only in letter case, a
+pickle cut short. A refusal carries one short reason; dlenv.weights turns it into the line the user sees.
+
+The machine also builds what it checks. It asks a `Builder` to stand for each storage, tensor and
+parameter: the inert one here only checks; dlenv.torchfile's builds real tensors from the records it
+reads through torch's own zip reader, so that what was judged is exactly what is loaded and torch.load
+never sees an untrusted file (module doc there).
 
 Why not a library: fickling (the maintained pickle analyser) rates a pickle by heuristics over its
 decompiled AST and leaves the policy to the caller; what this check needs is narrower and stricter,
 twenty allowed names, and the bounds of torch's own storage records, which fickling does not know.
 So it is these few hundred lines on the standard library, with no dependency to pin.
 
-No torch import: the check must not depend on the library whose loader it guards.
+No torch import: the opcodes are judged by the standard library alone; the archive (which zip reader)
+and the builder (which tensors) are handed in by dlenv.torchfile.
 """
 
 from __future__ import annotations
@@ -37,8 +43,8 @@ import math
 import pickletools
 import re
 import tarfile
-import zipfile
-from typing import Any, BinaryIO
+from collections.abc import Callable
+from typing import Any, BinaryIO, Protocol
 
 #: bounds on what is read into memory to check it: a data.pkl (a state dict of 10,000 tensors is ~2 MB)
 PICKLE_LIMIT = 256 * 2**20
@@ -66,6 +72,12 @@ class Damaged(Refused):
     refused all the same, and reported as damage rather than as content."""
 
 
+class Forged(Refused):
+    """The file is built to be read two ways (two zip readers see different members, two names equal but
+    for letter case, a storage or tensor past the bytes that hold it): torch.save never writes such a
+    file, so it is never handed to torch, not even with --trust-pickle."""
+
+
 # ---------------------------------------------------------------------------------------------------
 # Inert values the stack holds in place of what the real unpickler would build
 
@@ -81,25 +93,60 @@ class _StorageType:
 
 
 class _Storage:
-    def __init__(self, numel: int):
-        self.numel = numel
+    """A storage of `numel` elements; `value` is what a builder made of it (None when only checking),
+    `base` where it starts in `value` (a legacy file's storage views)."""
+
+    def __init__(self, numel: int, value: Any = None, base: int = 0):
+        self.numel, self.value, self.base = numel, value, base
 
 
 class _Tensor:
     """A tensor as a value (also a dict key: hashed by identity, as torch's are)."""
 
 
+class Builder:
+    """What the checked values stand for. This one is inert (a check builds nothing); dlenv.torchfile's
+    subclass returns real tensors. Each method is called only after its arguments passed the checks."""
+
+    def storage(self, stype: _StorageType, numel: int, data: Callable[[], bytes] | None) -> _Storage:
+        """A storage of `numel` elements of `stype`: from `data()` (a zip record), or to be filled by
+        `fill` (the legacy format, whose bytes follow the pickles)."""
+        return _Storage(numel)
+
+    def view(self, root: _Storage, offset: int, numel: int) -> _Storage:
+        return _Storage(numel, root.value, root.base + offset)
+
+    def fill(self, storage: _Storage, fh: BinaryIO, nbytes: int) -> None:
+        fh.seek(nbytes, io.SEEK_CUR)
+
+    def tensor(self, storage: _Storage, offset: int, size: tuple, stride: tuple, requires_grad: bool) -> Any:
+        return _Tensor()
+
+    def parameter(self, tensor: Any, requires_grad: bool) -> Any:
+        return _Tensor()
+
+    def dtype(self, name: str) -> Any:
+        return _Global(name)
+
+    def is_tensor(self, value: Any) -> bool:
+        return isinstance(value, _Tensor)
+
+
+_INERT = Builder()
+
 _CALLABLES = {"collections.OrderedDict", "torch.Size", "torch._utils._rebuild_tensor",
               "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_parameter"}
 
 
-def _global(module: Any, name: Any) -> Any:
+def _global(module: Any, name: Any, build: Builder) -> Any:
     if not (isinstance(module, str) and isinstance(name, str)):
         raise Refused("a global named by something other than text")
     full = f"{module}.{name}"
     if full in STORAGES:
         return _StorageType(full)
-    if full in DTYPES or full in _CALLABLES:
+    if full in DTYPES:
+        return build.dtype(full)
+    if full in _CALLABLES:
         return _Global(full)
     raise Refused(f"it names the global {full[:80]}, which a file of weights does not need")
 
@@ -116,20 +163,20 @@ def _empty_hooks(v: Any) -> bool:
     return isinstance(v, collections.OrderedDict) and not v
 
 
-def _tensor(storage: Any, offset: Any, size: Any, stride: Any) -> _Tensor:
+def _tensor(build: Builder, storage: Any, offset: Any, size: Any, stride: Any, requires_grad: bool = False) -> Any:
     if not isinstance(storage, _Storage):
         raise Refused("a tensor rebuilt from something other than a storage")
     if not (_is_int(offset) and _ints(size) and _ints(stride) and len(size) == len(stride)):
         raise Refused("a tensor whose offset, sizes or strides are not counts")
     if math.prod(size) and offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) >= storage.numel:
-        raise Refused(f"a tensor of sizes {size[:8]} reaches past the end of its storage of {storage.numel} "
-                      "elements")
+        raise Forged(f"a tensor of sizes {size[:8]} reaches past the end of its storage of {storage.numel} "
+                     "elements")
     if offset > storage.numel:
-        raise Refused("a tensor that starts past the end of its storage")
-    return _Tensor()
+        raise Forged("a tensor that starts past the end of its storage")
+    return build.tensor(storage, offset, size, stride, requires_grad)
 
 
-def _call(func: Any, args: Any) -> Any:
+def _call(func: Any, args: Any, build: Builder) -> Any:
     """What calling allowed `func` with `args` stands for, after checking the arguments."""
     if not isinstance(func, _Global) or func.name not in _CALLABLES:
         what = func.name if isinstance(func, (_Global, _StorageType)) else type(func).__name__
@@ -152,18 +199,18 @@ def _call(func: Any, args: Any) -> Any:
             return args[0]
         raise Refused("a torch.Size of other values than counts")
     if name == "torch._utils._rebuild_parameter":
-        if len(args) == 3 and isinstance(args[0], _Tensor) and isinstance(args[1], bool) and _empty_hooks(args[2]):
-            return _Tensor()
+        if len(args) == 3 and build.is_tensor(args[0]) and isinstance(args[1], bool) and _empty_hooks(args[2]):
+            return build.parameter(args[0], args[1])
         raise Refused("a parameter rebuilt from other arguments than a tensor (or with hooks)")
     if name == "torch._utils._rebuild_tensor":
         if len(args) == 4:
-            return _tensor(*args)
+            return _tensor(build, *args)
         raise Refused("a tensor rebuilt with other arguments than torch writes")
     # _rebuild_tensor_v2(storage, offset, size, stride, requires_grad, backward_hooks[, metadata])
     if len(args) in (6, 7) and isinstance(args[4], bool) and _empty_hooks(args[5]) and (
             len(args) == 6 or (isinstance(args[6], dict)
                                and all(isinstance(k, str) and isinstance(v, bool) for k, v in args[6].items()))):
-        return _tensor(*args[:4])
+        return _tensor(build, *args[:5])
     raise Refused("a tensor rebuilt with other arguments than torch writes (or with hooks)")
 
 
@@ -179,7 +226,7 @@ _CONST = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False}
 _NOOP = {"PROTO", "FRAME"}
 
 
-def _play(data: Any, persistent: Any, allow_globals: bool = True) -> Any:
+def _play(data: Any, persistent: Any, allow_globals: bool = True, build: Builder = _INERT) -> Any:
     """Play one pickle's opcodes on inert values; returns what it would return. `persistent(pid)`
     stands for a persistent id. Raises Refused for anything outside the allowlist."""
     stack: list[Any] = []
@@ -289,19 +336,21 @@ def _play(data: Any, persistent: Any, allow_globals: bool = True) -> Any:
                 stack.append(memo[int(arg)])
             elif name == "GLOBAL" and allow_globals:
                 module, _, attr = str(arg).partition(" ")
-                stack.append(_global(module, attr))
+                stack.append(_global(module, attr, build))
             elif name == "STACK_GLOBAL" and allow_globals:
                 attr, module = pop(), pop()
-                stack.append(_global(module, attr))
+                stack.append(_global(module, attr, build))
             elif name == "REDUCE" and allow_globals:
                 args, func = pop(), pop()
-                stack.append(_call(func, args))
+                stack.append(_call(func, args, build))
             elif name == "BUILD" and allow_globals:
                 state = pop()
                 inst = top()
                 if not (type(inst) is collections.OrderedDict and isinstance(state, dict)
                         and all(isinstance(k, str) for k in state)):
                     raise Refused("BUILD (setting the state of an object) on something other than a state dict")
+                if "_metadata" in state:  # the one attribute a state dict carries (load_state_dict reads it)
+                    inst._metadata = state["_metadata"]
             elif name == "BINPERSID" and allow_globals:
                 stack.append(persistent(pop()))
             elif name in ("GLOBAL", "STACK_GLOBAL", "REDUCE", "BUILD", "BINPERSID"):
@@ -334,43 +383,53 @@ def _storage_pid(pid: Any, extra: int) -> tuple[_StorageType, str, int, Any]:
     return stype, key, numel, pid[5] if extra else None
 
 
-def _check_zip(fh: BinaryIO) -> None:
-    try:
-        zf = zipfile.ZipFile(fh)
-        infos = zf.infolist()
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError) as e:
-        raise Damaged(f"a damaged zip ({str(e)[:80]})") from None
-    names = [i.filename for i in infos]
-    if not infos or "/" not in names[0]:
-        raise Refused("a zip without torch's archive folder")
-    if len(set(names)) != len(names):
-        # Python's zipfile and torch's reader could pick different members of one name
-        raise Refused("a zip with two members of the same name")
-    prefix = names[0].split("/", 1)[0] + "/"  # torch reads the folder of the first member
-    sizes = {i.filename: i.file_size for i in infos}
-    if prefix + "constants.pkl" in sizes:
+class Archive(Protocol):
+    """A zip as one reader sees it: its records' names relative to the archive folder, in directory
+    order, and their bytes. dlenv.torchfile's is torch's own reader, the one torch.load uses."""
+
+    def names(self) -> list[str]: ...
+
+    def size(self, name: str) -> int: ...
+
+    def read(self, name: str) -> bytes: ...
+
+
+def _check_zip(archive: Archive, build: Builder) -> Any:
+    names = archive.names()
+    folded = [n.casefold() for n in names]
+    if len(set(folded)) != len(folded):
+        # torch's record lookup ignores letter case: with two such names, which one it loads is not ours
+        raise Forged("a zip with two members whose names are equal or differ only in letter case")
+    present = set(names)
+    if "constants.pkl" in present or any(n.startswith("code/") for n in names):
+        # torch 1.13's torch.load hands such a file to torch.jit.load, even under weights_only=True
         raise Refused("a TorchScript archive, not a checkpoint")
-    pkl = prefix + "data.pkl"
-    if pkl not in sizes:
-        raise Refused(f"a zip without {pkl}")
-    if sizes[pkl] > PICKLE_LIMIT:
-        raise Refused(f"its pickle is {sizes[pkl]:,} bytes, more than the {PICKLE_LIMIT:,} a checkpoint needs")
-    try:
-        with zf.open(pkl) as member:
-            data = member.read(PICKLE_LIMIT + 1)
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError, NotImplementedError) as e:
-        raise Damaged(f"a damaged zip member {pkl} ({str(e)[:80]})") from None
+    if "data.pkl" not in present:
+        raise Refused("a zip without data.pkl")
+    if "byteorder" in present and archive.read("byteorder").strip() not in (b"little", b""):
+        raise Refused("weights written on a big-endian machine (re-save them on this one)")
+    size = archive.size("data.pkl")
+    if size > PICKLE_LIMIT:
+        raise Refused(f"its pickle is {size:,} bytes, more than the {PICKLE_LIMIT:,} a checkpoint needs")
+    data = archive.read("data.pkl")
+    storages: dict[str, tuple[str, _Storage]] = {}
 
     def persistent(pid: Any) -> _Storage:
         stype, key, numel, _ = _storage_pid(pid, 0)
-        record = prefix + "data/" + key
-        if record not in sizes:
+        if key in storages:  # one record, one storage (tensors that share it share memory, as in torch)
+            if (storages[key][0], storages[key][1].numel) != (stype.name, numel):
+                raise Forged("one storage record read as two types or sizes")
+            return storages[key][1]
+        record = "data/" + key
+        if record not in present:
             raise Damaged(f"a storage whose record {record} is not in the file")
-        if numel * stype.itemsize > sizes[record]:
-            raise Refused(f"a storage of {numel:,} elements in a record of {sizes[record]:,} bytes")
-        return _Storage(numel)
+        have = archive.size(record)
+        if numel * stype.itemsize > have:
+            raise Forged(f"a storage of {numel:,} elements in a record of {have:,} bytes")
+        storages[key] = (stype.name, build.storage(stype, numel, lambda: archive.read(record)))
+        return storages[key][1]
 
-    _play(io.BytesIO(data), persistent)
+    return _play(io.BytesIO(data), persistent, build=build)
 
 
 class _Bounded:
@@ -399,9 +458,10 @@ class _Bounded:
         return self.fh.tell()
 
 
-def _check_legacy(fh: BinaryIO) -> None:
+def _check_legacy(fh: BinaryIO, build: Builder) -> Any:
     """torch's format before 1.6: magic, protocol, sys_info, the object, the storage keys (five
-    pickles), then each storage as an 8-byte element count and its bytes."""
+    pickles), then each storage as an 8-byte element count and its bytes. Python's own reads of the file,
+    as torch's legacy loader makes them: one reader."""
     start = fh.tell()
     try:  # torch tries the older tar format first: a file that opens as a tar goes down that path
         tarfile.open(fileobj=fh, mode="r:").close()
@@ -411,58 +471,70 @@ def _check_legacy(fh: BinaryIO) -> None:
     if is_tar:
         raise Refused("the pre-1.0 tar format of torch.save")
     fh.seek(start)
+    end = fh.seek(0, io.SEEK_END)
+    fh.seek(start)
     pickles = _Bounded(fh, PICKLE_LIMIT)
     if _play(pickles, None, allow_globals=False) != _LEGACY_MAGIC:
         raise Refused("a pickle that is not a torch.save file")
     if _play(pickles, None, allow_globals=False) != _LEGACY_PROTOCOL:
         raise Refused("a torch.save file of an unknown protocol")
-    if not isinstance(_play(pickles, None, allow_globals=False), dict):
+    sys_info = _play(pickles, None, allow_globals=False)
+    if not isinstance(sys_info, dict):
         raise Refused("a torch.save file without its sys_info")
-    storages: dict[str, tuple[_StorageType, int]] = {}
+    if sys_info.get("little_endian", True) is not True:
+        raise Refused("weights written on a big-endian machine (re-save them on this one)")
+    storages: dict[str, tuple[_StorageType, _Storage]] = {}
     views: list[tuple[str, int, int]] = []
 
     def persistent(pid: Any) -> _Storage:
         stype, key, numel, view = _storage_pid(pid, 1)
-        if key in storages and (storages[key][0].name, storages[key][1]) != (stype.name, numel):
-            raise Refused("one storage key with two types or sizes")
-        storages[key] = (stype, numel)
+        if key in storages and (storages[key][0].name, storages[key][1].numel) != (stype.name, numel):
+            raise Forged("one storage key with two types or sizes")
+        if key not in storages:
+            if numel * stype.itemsize > end:  # before anything is allocated for it
+                raise Forged(f"a storage of {numel:,} elements in a file of {end:,} bytes")
+            storages[key] = (stype, build.storage(stype, numel, None))
+        root = storages[key][1]
         if view is None:
-            return _Storage(numel)
+            return root
         if not (isinstance(view, tuple) and len(view) == 3 and isinstance(view[0], str)
                 and _is_int(view[1]) and _is_int(view[2])):
             raise Refused("a storage view of a malformed shape")
+        if view[1] + view[2] > numel:
+            raise Forged("a storage view past the end of its storage")
         views.append((key, view[1], view[2]))
-        return _Storage(view[2])
+        return build.view(root, view[1], view[2])
 
-    _play(pickles, persistent)
+    obj = _play(pickles, persistent, build=build)
     keys = _play(pickles, None, allow_globals=False)
-    if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)) or set(keys) != set(storages):
+    if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)) or set(keys) != set(storages) \
+            or len(keys) != len(set(keys)):
         raise Refused("storage keys that do not match its storages")
-    for key, offset, size in views:
-        if offset + size > storages[key][1]:
-            raise Refused("a storage view past the end of its storage")
     # then each storage in key order: its element count (int64, little-endian) and its bytes
-    pos, end = fh.tell(), fh.seek(0, io.SEEK_END)
+    pos = fh.tell()
     for key in keys:
         fh.seek(pos)
         head = fh.read(8)
-        stype, numel = storages[key]
-        if len(head) < 8 or int.from_bytes(head, "little", signed=True) != numel:
-            raise Damaged(f"storage {key[:16]} does not hold the {numel:,} elements its tensors use")
-        pos += 8 + numel * stype.itemsize
-        if pos > end:
+        stype, storage = storages[key]
+        if len(head) < 8 or int.from_bytes(head, "little", signed=True) != storage.numel:
+            raise Damaged(f"storage {key[:16]} does not hold the {storage.numel:,} elements its tensors use")
+        nbytes = storage.numel * stype.itemsize
+        if pos + 8 + nbytes > end:
             raise Damaged(f"storage {key[:16]} reaches past the end of the file (cut short?)")
+        build.fill(storage, fh, nbytes)
+        pos += 8 + nbytes
+    return obj
 
 
-def check(fh: BinaryIO) -> None:
-    """Check the .pth file open in `fh` (binary, seekable) from its start; raises Refused with the reason
-    when it holds anything outside the allowlist (module doc). Leaves the position anywhere."""
+def read(fh: BinaryIO, open_archive: Callable[[BinaryIO], Archive], build: Builder = _INERT) -> Any:
+    """Judge the .pth file open in `fh` (binary, seekable) from its start, and return what `build` makes of
+    it; raises Refused (or Damaged, Forged) with the reason when it holds anything outside the allowlist
+    (module doc). `open_archive(fh)` is the zip reader to judge a zip by: the one that will load it."""
     fh.seek(0)
     head = fh.read(4)
     fh.seek(0)
     if head == b"PK\x03\x04":  # the same test torch.load makes to choose the zip reader
-        _check_zip(fh)
-    elif head[:1] == b"\x80":
-        _check_legacy(fh)
-    else:
-        raise Refused("not a file torch.save writes (neither its zip nor its older pickle format)")
+        return _check_zip(open_archive(fh), build)
+    if head[:1] == b"\x80":
+        return _check_legacy(fh, build)
+    raise Refused("not a file torch.save writes (neither its zip nor its older pickle format)")

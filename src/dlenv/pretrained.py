@@ -326,10 +326,14 @@ def _fetch_torchvision(w: Weights, progress: bool) -> Path:
     if _offline():
         raise UserError(_not_cached(w, dest, "offline: " + OFFLINE_ENV + " or HF_HUB_OFFLINE is set"))
     folder.mkdir(parents=True, exist_ok=True)
+    part = folder / f".{w.file}.{os.getpid()}.judge"
     try:
-        # torch.hub's own downloader: a temporary file beside `dest`, a tqdm bar, the hash prefix checked
-        # before the file is moved into place (a bad download never lands in the cache)
-        torch.hub.download_url_to_file(w.url, str(dest), hash_prefix=w.hash_prefix, progress=progress)
+        # torch.hub's own downloader (a tqdm bar, the hash prefix checked), into a name of our own: the
+        # file is judged like any --weights file before it is moved into the cache, so a forged file
+        # served by a mirror never lands there (the 8-digit prefix is no proof: a forger matches it)
+        torch.hub.download_url_to_file(w.url, str(part), hash_prefix=w.hash_prefix, progress=progress)
+        _judge(part, w)
+        os.replace(part, dest)
     except RuntimeError as e:
         if "invalid hash value" in str(e):
             raise UserError(f"{w.url} does not match its checksum (sha256 should start {w.hash_prefix}); "
@@ -338,7 +342,22 @@ def _fetch_torchvision(w: Weights, progress: bool) -> Path:
         raise
     except OSError as e:  # URLError, HTTPError, connection refused, DNS: all mean "cannot reach it"
         raise UserError(_not_cached(w, dest, _reason(e))) from None
+    finally:
+        part.unlink(missing_ok=True)
     return dest
+
+
+def _judge(path: Path, w: Weights) -> None:
+    """Refuse a downloaded .pth the allowlist does not pass (UserError naming the URL), building nothing."""
+    from dlenv import pickleguard, safeio, torchfile
+
+    with safeio.open_regular(path, "weights file") as fh:
+        try:
+            torchfile.check(fh)
+        except pickleguard.Refused as e:
+            raise UserError(f"refusing to unpickle {w.url}: it is not the plain state dict torchvision serves "
+                            f"({e}); nothing in it was run and nothing was saved. Check the mirror "
+                            f"({MIRROR_ENV})") from None
 
 
 def _check_prefix(path: Path, w: Weights) -> None:

@@ -3,15 +3,17 @@ safetensors reader and writer.
 
 pickle (`.pth`, `.pt`, anything but .safetensors)
     A pickle can run code when it is loaded, and torch.load(weights_only=True), which restricts what it
-    rebuilds, could itself be beaten before PyTorch 2.10 (the default profile runs 1.13.1). So before
-    torch sees the file, dlenv.pickleguard plays its opcodes against an allowlist: the tensors, storages,
-    OrderedDicts and plain data a state dict or a dlenv checkpoint is made of, with every tensor checked
-    to lie inside the bytes the file holds for it. Such a file loads on any PyTorch, from anywhere,
-    without a sidecar or a key: dlenv's own last.pth and best_model.pth, copied anywhere, and the plain
-    state dicts torchvision, timm and `torch.save(model.state_dict())` write.
+    rebuilds, could itself be beaten before PyTorch 2.10 (the default profile runs 1.13.1). So torch.load
+    never sees the file: dlenv.torchfile reads it through torch's own zip reader, dlenv.pickleguard plays
+    its opcodes against an allowlist (the tensors, storages, OrderedDicts and plain data a state dict or a
+    dlenv checkpoint is made of, every tensor inside the bytes the file holds for it) and builds the
+    tensors from the very bytes it judged. Such a file loads on any PyTorch, from anywhere, without a
+    sidecar or a key: dlenv's own last.pth and best_model.pth, copied anywhere, and the plain state dicts
+    torchvision, timm and `torch.save(model.state_dict())` write.
     Anything else stops before the first byte is unpickled, with one line naming what the file holds,
     unless the user consents for this one command with --trust-pickle (never from a YAML file): then
-    torch.load(weights_only=True) reads it, and refuses arbitrary objects itself.
+    torch.load(weights_only=True) reads it, and refuses arbitrary objects itself. A file made to be read
+    two ways (pickleguard.Forged) is refused even then.
 
 safetensors (`*.safetensors`)
     A JSON header of names, dtypes and shapes, then raw tensor bytes: reading it runs no code, on any
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dlenv import pickleguard, safeio
+from dlenv import pickleguard, safeio, torchfile
 from dlenv.atomic import write_atomic
 from dlenv.errors import UserError, printable
 
@@ -91,27 +93,35 @@ def refusal(path: Path, reason: str) -> str:
 
 
 def load(path: str | Path, policy: LoadPolicy, map_location: Any = "cpu") -> Any:
-    """The contents of a pickled weights file: checked by dlenv.pickleguard, then
-    torch.load(weights_only=True) from the same open file. A file the check refuses is read only under
-    `policy.trust_pickle`. (A .safetensors path is `read_safetensors`'s.)
+    """The contents of a pickled weights file, on the CPU: judged and built by dlenv.torchfile from the
+    bytes torch's reader gives, never by torch.load. A file the allowlist refuses is read by
+    torch.load(weights_only=True) only under `policy.trust_pickle`; a forged or damaged one never.
+    (A .safetensors path is `read_safetensors`'s.)
 
-    Raises UserError for a path that is not a regular file and for a refused pickle; torch.load's own
-    errors (a corrupt file, an unknown global under --trust-pickle) propagate to the caller.
+    Raises UserError for a path that is not a regular file and for a refused or damaged file; torch.load's
+    own errors (an unknown global under --trust-pickle) propagate to the caller.
     """
     from dlenv import compat
 
+    if map_location not in ("cpu", None):
+        raise ValueError(f"weights are loaded on the CPU, not map_location={map_location!r}: move them after")
     path = Path(path)
+    shown = printable(str(path))
     with safeio.open_regular(path, "weights file") as fh:
         try:
-            pickleguard.check(fh)
+            return torchfile.load(fh)
         except pickleguard.Damaged as e:
-            raise UserError(f"{printable(str(path))} is truncated or corrupt ({e}); nothing in it was run. Use "
-                            "another copy (a download or copy that did not finish?)") from None
+            raise UserError(f"{shown} is truncated or corrupt ({e}); nothing in it was run. Use another copy "
+                            "(a download or copy that did not finish?)") from None
+        except pickleguard.Forged as e:
+            raise UserError(f"refusing to unpickle {shown}: it is built in a way torch.save never writes ({e}); "
+                            "nothing in it was run, and --trust-pickle does not open it. Get the weights again "
+                            "from where they came from") from None
         except pickleguard.Refused as e:
             if not policy.trust_pickle:
                 raise UserError(refusal(path, str(e))) from None
         fh.seek(0)
-        return compat.load_weights_only(fh, map_location=map_location)
+        return compat.load_weights_only(fh, map_location="cpu")
 
 
 def read_safetensors(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
