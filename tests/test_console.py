@@ -42,3 +42,81 @@ def test_the_first_progress_line_has_the_whole_runs_eta(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and lines[0].startswith("epoch 1/3 1/10 (10%)  elapsed ")
     assert lines[0].endswith("  loss 2.5000  10 img/s  0.0 GiB  run ETA 0:58")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The stop signals (issue 34 item 7; the real process-group cases are in tests/test_signals.py).
+
+
+def test_sighup_stops_like_sigterm_with_its_own_exit_status():
+    import signal
+
+    assert console.SIGNAL_EXIT[signal.SIGHUP] == 129
+    assert console.SIGNAL_EXIT[signal.SIGTERM] == 143 and console.SIGNAL_EXIT[signal.SIGINT] == 130
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_a_stop_signal_is_noted_once_and_the_same_one_again_at_once_is_the_same_request(name, monkeypatch):
+    import signal
+
+    said = []
+    signum = getattr(signal, name)
+    with console.Stop(said.append) as stop:
+        stop.moment = "this epoch's validation"
+        signal.raise_signal(signum)
+        signal.raise_signal(signum)  # a shell passing the hangup on, a launcher forwarding the stop
+        assert stop.requested() and stop.signum == signum
+    assert said == [f"\n{name}: saving last.pth at the end of this epoch's validation (send it again to stop at once)"]
+    assert signal.getsignal(signum) is not stop._handle  # the previous handler is back
+
+
+def test_a_second_signal_later_stops_at_once():
+    import signal
+
+    with console.Stop(lambda msg: None) as stop:
+        signal.raise_signal(signal.SIGINT)
+        stop._at -= console.DUPLICATE_S  # a second later: a person who means it
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_a_signal_while_starting_ends_the_run_at_once_in_one_line(name, monkeypatch):
+    import signal
+
+    monkeypatch.setenv(invocation.ENV, "dlenv train")
+    with pytest.raises(console.StoppedEarly) as caught, console.StartUp():
+        signal.raise_signal(getattr(signal, name))
+    assert caught.value.signum == getattr(signal, name)
+    assert not isinstance(caught.value, Exception)  # no `except Exception` on the way takes it
+    assert console.stopped_early_line(caught.value.signum, None) == (
+        f"stopped by {name} while starting, before the first step; nothing was trained or saved")
+    assert console.stopped_early_line(caught.value.signum, "runs/exp/last.pth").endswith(
+        "the run to resume is as it was. Resume with: dlenv train --resume runs/exp/last.pth")
+
+
+def test_a_console_that_is_gone_is_silenced_not_a_crash(monkeypatch):
+    import errno
+    import sys
+
+    silenced = []
+    monkeypatch.setattr(console, "silence_console", lambda: silenced.append(True))
+
+    class Gone:
+        def write(self, text):
+            raise OSError(errno.EIO, "Input/output error")
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stdout", Gone())
+    console.printer(True)("SIGHUP: saving last.pth ...")  # the terminal hung up: no exception
+    assert silenced == [True]
+
+    class Full(Gone):
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sys, "stdout", Full())
+    with pytest.raises(OSError):  # a log on a full disk is still the disk's fault, said as such
+        console.printer(True)("x")

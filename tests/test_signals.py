@@ -98,6 +98,11 @@ raise SystemExit(main(["train", *sys.argv[1:]]))
 
 SIGNALS = [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGHUP, 129)]
 MOMENTS = ["start-up", "mid-epoch", "validation", "save"]
+# every signal at every moment; the quick run (`dlenv test`) takes SIGTERM at each moment and each signal
+# mid-epoch, about 10 s a case on 2 cores (two trainer processes); CI runs them all
+CASES = [pytest.param(signum, code, moment, id=f"{signum.name}-{moment}",
+                      marks=() if signum == signal.SIGTERM or moment == "mid-epoch" else pytest.mark.slow)
+         for signum, code in SIGNALS for moment in MOMENTS]
 #: what a crash, not a stop, looks like
 CRASH = ("Traceback", "bug in dlenv", "DataLoader worker", "killed by signal", "exited unexpectedly")
 
@@ -187,9 +192,8 @@ def _resume_command(out: str) -> list[str]:
     return [sys.executable, *command[1:]]  # `python SCRIPT ...` as printed, by this lane's python
 
 
-@pytest.mark.parametrize("moment", MOMENTS)
-@pytest.mark.parametrize("signum, code", SIGNALS, ids=[s.name for s, _ in SIGNALS])
-def test_a_signal_to_the_whole_group_stops_in_one_line_and_the_run_resumes(tmp_path, dataset, moment, signum, code):
+@pytest.mark.parametrize("signum, code, moment", CASES)
+def test_a_signal_to_the_whole_group_stops_in_one_line_and_the_run_resumes(tmp_path, dataset, signum, code, moment):
     trainer = Trainer(tmp_path, dataset)
     proc = trainer.start(moment)
     trainer.wait_for_moment(proc)
@@ -244,14 +248,13 @@ def test_the_terminal_closing_saves_the_epoch_in_progress(tmp_path, dataset):
     assert trainer.epochs() == list(range(1, EPOCHS + 1))
 
 
-@pytest.mark.parametrize("twice", [1, 2], ids=["once", "twice-at-once"])
-def test_the_same_signal_again_at_once_is_one_request(tmp_path, dataset, twice):
+def test_the_same_signal_again_at_once_is_one_request(tmp_path, dataset):
     """A shell passes the hangup on to jobs the kernel already told; a cgroup stop reaches a rank and its
     launcher: the same signal twice in a moment is one request (saved, 143), not "stop at once"."""
     trainer = Trainer(tmp_path, dataset)
     proc = trainer.start("mid-epoch")
     trainer.wait_for_moment(proc)
-    for _ in range(twice):
+    for _ in range(2):
         os.killpg(proc.pid, signal.SIGTERM)
     (trainer.marks / "sent").write_text("")
     out = _finish(proc)
@@ -277,3 +280,33 @@ def test_a_second_signal_during_the_save_stops_at_once_and_last_pth_is_the_previ
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert trainer.epochs() == list(range(1, EPOCHS + 1))
     assert not list(trainer.last.parent.glob(".last.pth.*.tmp"))  # the resume removed the killed write's
+
+
+def test_a_worker_ignores_stop_signals_from_others_and_ends_when_its_parent_terminates_it(tmp_path):
+    """The mechanism underneath: a SafeLoader's worker survives SIGINT, SIGHUP and SIGTERM sent by another
+    process (the group's sender), and still exits at once when its parent terminates it, as torch's
+    shutdown and multiprocessing's exit do with a worker that does not stop when told."""
+    from imagedata import make_image_folder
+
+    from dlenv.data.loaders import ImageDataset, build_transforms, make_loader
+
+    make_image_folder(tmp_path / "ds", per_class=4)
+    samples = [(str(p), 0) for p in sorted((tmp_path / "ds").rglob("*.png"))]
+    assert samples
+    loader = make_loader(ImageDataset(samples, build_transforms(16, False)), 2, 2, False, True)
+    batches = iter(loader)
+    next(batches)
+    workers = list(loader._iterator._workers)  # persistent: the loader keeps its iterator
+    try:
+        for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+            for w in workers:  # sent by another process, as `timeout` or a terminal sends it
+                subprocess.run(["kill", f"-{signal.Signals(s).name[3:]}", str(w.pid)], check=True)
+        time.sleep(0.5)
+        assert all(w.is_alive() for w in workers)
+        assert len(list(batches)) == 3  # they still serve the rest of the pass
+        workers[0].terminate()  # SIGTERM from the parent
+        workers[0].join(timeout=5)
+        assert workers[0].exitcode == 0
+    finally:
+        loader.close()
+    assert not any(w.is_alive() for w in workers)

@@ -2,7 +2,7 @@
 
 `launch(cfg)` runs `python -m dlenv.launch <torchrun options> -m dlenv.cli train <flags>`: torchrun
 (`torch.distributed.run`) with N processes per node, the multi-node flags going to its rendezvous,
-and forwards SIGTERM/SIGINT to it once, so rank 0 saves one checkpoint. `python -m dlenv.launch` is
+and forwards SIGTERM/SIGINT/SIGHUP to it once, so rank 0 saves one checkpoint. `python -m dlenv.launch` is
 torchrun's main ending in one line that names the rank that failed, instead of a traceback.
 
 Nothing here imports torch at module level: the launching process only parses flags and waits.
@@ -110,8 +110,10 @@ def launch(cfg: Any) -> int:
 
     The launcher is a process of its own session, so a Ctrl-C in the terminal reaches only this
     process, which forwards it (and SIGTERM, SIGHUP) to torchrun, which passes it to every worker
-    once: the workers finish the step and rank 0 saves last.pth (exit 130/143). A second signal is
-    forwarded too and stops them at once. Raises UserError for options that cannot launch.
+    once: the workers finish the step and rank 0 saves last.pth (exit 130/143/129). A second signal is
+    forwarded too and stops them at once; the same signal within a second of the first is taken as
+    the same request (dlenv.train.console): where systemd or scancel signal every process, a rank hears
+    it from them and again from torchrun. Raises UserError for options that cannot launch.
     """
     check_launch(cfg)
     env = dict(os.environ)
