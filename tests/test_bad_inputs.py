@@ -79,6 +79,7 @@ def ws(tmp_path_factory):
     (bad / "list.yaml").write_text("- lr\n- 0.1\n")
     (bad / "nan.yaml").write_text("lr: .nan\n")
     (bad / "afile").write_text("a file, where a folder is expected\n")
+    (bad / "run_typo.yaml").write_text((run / "config.yaml").read_text() + "lrate: 0.1\n")
     shutil.copy(run / "best_model.pth", bad / "old_pruned.pth")
     good = runstate.load_checkpoint(run / "last.pth")
     for name, change in {
@@ -212,6 +213,27 @@ OPTIONS = [
     (["demo-data", "--size", "inf"], "--size 'inf'"),
     (["data-report", "--val-split", "nan"], "--val-split 'nan'"),
     (["unpack", "--max-ratio", "nan"], "--max-ratio 'nan': expected a finite number"),
+    # issue 34: numbers that used to start 10,000 processes or reach an allocation of terabytes
+    (["train", "--workers", "10000"], "the most worker processes dlenv starts here"),
+    (["train", "--batch-size", "1e12"], "--batch-size '1e12' is above its maximum 1,048,576 (2^20 images"),
+    (["train", "--batch-size", "1000000000000"], "--batch-size '1000000000000' is above its maximum 1,048,576"),
+    (["train", "--effective-batch", "1e12"], "--effective-batch '1e12' is above its maximum 1,048,576"),
+    (["train", "--img-size", "1000000"], "--img-size '1000000' is above its maximum 2,048"),
+    (["val", "--workers", "10000"], "--workers '10000' is above "),
+    (["val", "--batch-size", "1e12"], "--batch-size '1e12' is above its maximum 1,048,576"),
+    (["val", "--img-size", "1000000"], "--img-size '1000000' is above its maximum 2,048"),
+    (["prune", "--workers", "10000"], "--workers '10000' is above "),
+    (["export", "--batch-size", "1e12"], "--batch-size '1e12' is above its maximum"),
+    (["bench-data", "--workers", "0,10000"], "--workers '0,10000' is above "),
+    (["bench-memory", "--img-size", "1000000"], "--img-size '1000000' is above its maximum 2,048"),
+    (["demo-data", "--size", "1000000"], "--size '1000000' is above its maximum 2,048"),
+    (["data-report", "--workers", "10000"], "--workers '10000' is above "),
+    (["verify-env", "--workers", "10000"], "--workers '10000' is above "),
+    (["train", "--cfg", "bad/run_typo.yaml"], "unknown option 'lrate' in config file bad/run_typo.yaml"),
+    # a run's own config.yaml is read by val (its train-only options left out in one line): what stops
+    # this row is the checkpoint val was not given
+    (["val", "--cfg", "runs/exp/config.yaml"], "--weights is required"),
+    (["val", "--cfg", "bad/run_typo.yaml"], "unknown option 'lrate' in config file bad/run_typo.yaml"),
 ]
 
 
