@@ -187,7 +187,7 @@ class TrainConfig:
     amp: bool = opt(False, "automatic mixed precision")
     amp_dtype: str = opt("auto", "AMP dtype: auto (bf16 where supported, else fp16), fp16 or bf16",
                          choices=("auto", "fp16", "bf16"))
-    batch_size: int | str = opt(32, "micro-batch per GPU, or auto: the largest that fits",
+    batch_size: int | str = opt(32, "micro-batch per GPU (at most 2^20), or auto: the largest that fits",
                                 parse=int_or_auto, max=BATCH_MAX, why=_BATCH_WHY)
     accum_steps: int = opt(1, "micro-batches per optimizer step (gradient accumulation)", min=1,
                            max=BATCH_MAX, why="2^20 micro-batches per step")
@@ -248,7 +248,8 @@ class ValConfig:
     img_size: int | None = opt(None, "image size; default: the checkpoint's", parse=_int, min=16,
                                max=IMG_SIZE_MAX, why=_IMG_WHY)
     workers: int | str = opt("auto", "DataLoader worker processes: a number (0: load in the main "
-                                     "process), or auto", parse=workers_or_auto, here=workers_here)
+                                     "process; at most 4 per CPU, or 64), or auto", parse=workers_or_auto,
+                             here=workers_here)
     amp: bool = opt(False, "validate under AMP even if the checkpoint was trained in fp32")
     precision: str = opt("auto", "auto: the precision the checkpoint was trained in (its AMP dtype, or fp32); "
                                  "or fp32, fp16, bf16", choices=("auto", "fp32", "fp16", "bf16"))
