@@ -1,11 +1,11 @@
-"""The pickle inside a .pth file, checked against an allowlist before torch sees one byte of it.
+"""The pickle inside a .pth file, judged against an allowlist: torch's unpickler never sees it.
 
 A .pth file is a pickle (in a zip since PyTorch 1.6; before, a run of pickles followed by raw storage
-bytes), and unpickling can run code. torch.load(weights_only=True) restricts what it rebuilds, but its
-unpickler could be beaten before PyTorch 2.10 (CVE-2025-32434; CVE-2026-24747, memory corruption), and
-the default profile runs 1.13.1. So dlenv reads the pickle's opcodes first with `pickletools.genops`
-(which parses and runs nothing) and plays them on a stack of inert values. A file passes only when it
-holds what a state dict or a dlenv checkpoint needs:
+bytes; dlenv.torchfile reads both formats), and unpickling can run code. torch.load(weights_only=True)
+restricts what it rebuilds, but its unpickler could be beaten before PyTorch 2.10 (CVE-2025-32434;
+CVE-2026-24747, memory corruption), and the default profile runs 1.13.1. So dlenv reads the pickle's
+opcodes with `pickletools.genops` (which parses and runs nothing) and plays them on a stack machine of
+its own. A file passes only when it holds what a state dict or a dlenv checkpoint needs:
 
 - data: None, bools, ints, floats, strings, bytes, tuples, lists, dicts, sets;
 - the globals `collections.OrderedDict`, `torch.Size`, `torch._utils._rebuild_tensor_v2` (and v1),
@@ -16,23 +16,22 @@ holds what a state dict or a dlenv checkpoint needs:
   for it (a count larger than its record is the memory-corruption class of bug);
 - BUILD only of an OrderedDict with a dict of names (a state dict's `_metadata`).
 
-Everything else is refused before torch is called: any other global (os.system, builtins.eval,
-getattr, ...), INST/OBJ/NEWOBJ/EXT, persistent ids other than torch's storages, a TorchScript archive,
-the pre-1.0 tar format, a zip with two members whose names are equal or differ only in letter case, a
-pickle cut short. A refusal carries one short reason; dlenv.weights turns it into the line the user sees.
+Everything else is refused: any other global (os.system, builtins.eval, getattr, ...),
+INST/OBJ/NEWOBJ/EXT, persistent ids other than torch's storages, a pickle cut short. A refusal carries
+one short reason (`Refused`; `Damaged` for a broken file, `Forged` for one built to be read two ways);
+dlenv.weights turns it into the line the user sees.
 
-The machine also builds what it checks. It asks a `Builder` to stand for each storage, tensor and
-parameter: the inert one here only checks; dlenv.torchfile's builds real tensors from the records it
-reads through torch's own zip reader, so that what was judged is exactly what is loaded and torch.load
-never sees an untrusted file (module doc there).
+The machine also builds what it checks: it asks a `Builder` for each storage, tensor, parameter and
+dtype once its arguments have passed. The inert one here only checks; dlenv.torchfile's builds real
+tensors from the records it read through torch's own zip reader, so that what was judged is exactly
+what is loaded, and torch.load never sees an untrusted file.
 
 Why not a library: fickling (the maintained pickle analyser) rates a pickle by heuristics over its
 decompiled AST and leaves the policy to the caller; what this check needs is narrower and stricter,
 twenty allowed names, and the bounds of torch's own storage records, which fickling does not know.
 So it is these few hundred lines on the standard library, with no dependency to pin.
 
-No torch import: the opcodes are judged by the standard library alone; the archive (which zip reader)
-and the builder (which tensors) are handed in by dlenv.torchfile.
+No torch import: the opcodes are judged by the standard library alone, whatever torch is installed.
 """
 
 from __future__ import annotations
@@ -42,15 +41,12 @@ import io
 import math
 import pickletools
 import re
-import tarfile
 from collections.abc import Callable
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO
 
 #: bounds on what is read into memory to check it: a data.pkl (a state dict of 10,000 tensors is ~2 MB)
 PICKLE_LIMIT = 256 * 2**20
 MAX_DIMS = 64
-_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
-_LEGACY_PROTOCOL = 1001
 
 #: storage type -> bytes per element (the plain types torch writes; quantized and others are refused)
 STORAGES = {f"torch.{n}Storage": s for n, s in (
@@ -87,12 +83,12 @@ class _Global:
         self.name = name
 
 
-class _StorageType:
+class StorageType:
     def __init__(self, name: str):
         self.name, self.itemsize = name, STORAGES[name]
 
 
-class _Storage:
+class Storage:
     """A storage of `numel` elements; `value` is what a builder made of it (None when only checking),
     `base` where it starts in `value` (a legacy file's storage views)."""
 
@@ -108,18 +104,18 @@ class Builder:
     """What the checked values stand for. This one is inert (a check builds nothing); dlenv.torchfile's
     subclass returns real tensors. Each method is called only after its arguments passed the checks."""
 
-    def storage(self, stype: _StorageType, numel: int, data: Callable[[], bytes] | None) -> _Storage:
+    def storage(self, stype: StorageType, numel: int, data: Callable[[], bytes] | None) -> Storage:
         """A storage of `numel` elements of `stype`: from `data()` (a zip record), or to be filled by
         `fill` (the legacy format, whose bytes follow the pickles)."""
-        return _Storage(numel)
+        return Storage(numel)
 
-    def view(self, root: _Storage, offset: int, numel: int) -> _Storage:
-        return _Storage(numel, root.value, root.base + offset)
+    def view(self, root: Storage, offset: int, numel: int) -> Storage:
+        return Storage(numel, root.value, root.base + offset)
 
-    def fill(self, storage: _Storage, fh: BinaryIO, nbytes: int) -> None:
+    def fill(self, storage: Storage, fh: BinaryIO, nbytes: int) -> None:
         fh.seek(nbytes, io.SEEK_CUR)
 
-    def tensor(self, storage: _Storage, offset: int, size: tuple, stride: tuple, requires_grad: bool) -> Any:
+    def tensor(self, storage: Storage, offset: int, size: tuple, stride: tuple, requires_grad: bool) -> Any:
         return _Tensor()
 
     def parameter(self, tensor: Any, requires_grad: bool) -> Any:
@@ -143,7 +139,7 @@ def _global(module: Any, name: Any, build: Builder) -> Any:
         raise Refused("a global named by something other than text")
     full = f"{module}.{name}"
     if full in STORAGES:
-        return _StorageType(full)
+        return StorageType(full)
     if full in DTYPES:
         return build.dtype(full)
     if full in _CALLABLES:
@@ -151,12 +147,12 @@ def _global(module: Any, name: Any, build: Builder) -> Any:
     raise Refused(f"it names the global {full[:80]}, which a file of weights does not need")
 
 
-def _is_int(v: Any, low: int = 0) -> bool:
+def is_count(v: Any, low: int = 0) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= low
 
 
 def _ints(v: Any) -> bool:
-    return isinstance(v, tuple) and len(v) <= MAX_DIMS and all(_is_int(x) for x in v)
+    return isinstance(v, tuple) and len(v) <= MAX_DIMS and all(is_count(x) for x in v)
 
 
 def _empty_hooks(v: Any) -> bool:
@@ -164,9 +160,9 @@ def _empty_hooks(v: Any) -> bool:
 
 
 def _tensor(build: Builder, storage: Any, offset: Any, size: Any, stride: Any, requires_grad: bool = False) -> Any:
-    if not isinstance(storage, _Storage):
+    if not isinstance(storage, Storage):
         raise Refused("a tensor rebuilt from something other than a storage")
-    if not (_is_int(offset) and _ints(size) and _ints(stride) and len(size) == len(stride)):
+    if not (is_count(offset) and _ints(size) and _ints(stride) and len(size) == len(stride)):
         raise Refused("a tensor whose offset, sizes or strides are not counts")
     if math.prod(size) and offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) >= storage.numel:
         raise Forged(f"a tensor of sizes {size[:8]} reaches past the end of its storage of {storage.numel} "
@@ -179,7 +175,7 @@ def _tensor(build: Builder, storage: Any, offset: Any, size: Any, stride: Any, r
 def _call(func: Any, args: Any, build: Builder) -> Any:
     """What calling allowed `func` with `args` stands for, after checking the arguments."""
     if not isinstance(func, _Global) or func.name not in _CALLABLES:
-        what = func.name if isinstance(func, (_Global, _StorageType)) else type(func).__name__
+        what = func.name if isinstance(func, (_Global, StorageType)) else type(func).__name__
         raise Refused(f"it calls {what}, which a file of weights does not need")
     if not isinstance(args, tuple):
         raise Refused(f"{func.name} called with arguments that are not a tuple")
@@ -226,7 +222,7 @@ _CONST = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False}
 _NOOP = {"PROTO", "FRAME"}
 
 
-def _play(data: Any, persistent: Any, allow_globals: bool = True, build: Builder = _INERT) -> Any:
+def play(data: Any, persistent: Any, allow_globals: bool = True, build: Builder = _INERT) -> Any:
     """Play one pickle's opcodes on inert values; returns what it would return. `persistent(pid)`
     stands for a persistent id. Raises Refused for anything outside the allowlist."""
     stack: list[Any] = []
@@ -367,174 +363,14 @@ def _play(data: Any, persistent: Any, allow_globals: bool = True, build: Builder
     raise Damaged("a pickle without its end (STOP)")
 
 
-# ---------------------------------------------------------------------------------------------------
-# The two file formats torch.load reads
-
-
-def _storage_pid(pid: Any, extra: int) -> tuple[_StorageType, str, int, Any]:
+def storage_pid(pid: Any, extra: int) -> tuple[StorageType, str, int, Any]:
+    """(type, key, element count, view) of a storage's persistent id; `extra` 1 for the legacy format's view."""
     if not (isinstance(pid, tuple) and len(pid) == 5 + extra and pid[0] == "storage"):
         raise Refused("a persistent id other than a torch storage")
     _, stype, key, location, numel = pid[:5]
-    if not isinstance(stype, _StorageType):
+    if not isinstance(stype, StorageType):
         raise Refused("a storage of a type other than the plain ones")
     if not (isinstance(key, str) and len(key) <= 64 and isinstance(location, str) and _LOCATION.match(location)
-            and _is_int(numel)):
+            and is_count(numel)):
         raise Refused("a storage with a malformed key, location or size")
     return stype, key, numel, pid[5] if extra else None
-
-
-class Archive(Protocol):
-    """A zip as one reader sees it: its records' names relative to the archive folder, in directory
-    order, and their bytes. dlenv.torchfile's is torch's own reader, the one torch.load uses."""
-
-    def names(self) -> list[str]: ...
-
-    def size(self, name: str) -> int: ...
-
-    def read(self, name: str) -> bytes: ...
-
-
-def _check_zip(archive: Archive, build: Builder) -> Any:
-    names = archive.names()
-    folded = [n.casefold() for n in names]
-    if len(set(folded)) != len(folded):
-        # torch's record lookup ignores letter case: with two such names, which one it loads is not ours
-        raise Forged("a zip with two members whose names are equal or differ only in letter case")
-    present = set(names)
-    if "constants.pkl" in present or any(n.startswith("code/") for n in names):
-        # torch 1.13's torch.load hands such a file to torch.jit.load, even under weights_only=True
-        raise Refused("a TorchScript archive, not a checkpoint")
-    if "data.pkl" not in present:
-        raise Refused("a zip without data.pkl")
-    if "byteorder" in present and archive.read("byteorder").strip() not in (b"little", b""):
-        raise Refused("weights written on a big-endian machine (re-save them on this one)")
-    size = archive.size("data.pkl")
-    if size > PICKLE_LIMIT:
-        raise Refused(f"its pickle is {size:,} bytes, more than the {PICKLE_LIMIT:,} a checkpoint needs")
-    data = archive.read("data.pkl")
-    storages: dict[str, tuple[str, _Storage]] = {}
-
-    def persistent(pid: Any) -> _Storage:
-        stype, key, numel, _ = _storage_pid(pid, 0)
-        if key in storages:  # one record, one storage (tensors that share it share memory, as in torch)
-            if (storages[key][0], storages[key][1].numel) != (stype.name, numel):
-                raise Forged("one storage record read as two types or sizes")
-            return storages[key][1]
-        record = "data/" + key
-        if record not in present:
-            raise Damaged(f"a storage whose record {record} is not in the file")
-        have = archive.size(record)
-        if numel * stype.itemsize > have:
-            raise Forged(f"a storage of {numel:,} elements in a record of {have:,} bytes")
-        storages[key] = (stype.name, build.storage(stype, numel, lambda: archive.read(record)))
-        return storages[key][1]
-
-    return _play(io.BytesIO(data), persistent, build=build)
-
-
-class _Bounded:
-    """The reads genops makes of a file, refused past `limit` bytes from where it starts: a length field
-    in a pickle (BINUNICODE8, LONG4) cannot make it read gigabytes of a large file into memory."""
-
-    def __init__(self, fh: BinaryIO, limit: int):
-        self.fh, self.end = fh, fh.tell() + limit
-
-    def _room(self, n: int) -> int:
-        room = self.end - self.fh.tell()
-        if n > room:
-            raise Damaged(f"its pickles are more than the {PICKLE_LIMIT:,} bytes a checkpoint needs")
-        return n
-
-    def read(self, n: int = -1) -> bytes:
-        return self.fh.read(self._room(n if n >= 0 else self.end - self.fh.tell()))
-
-    def readline(self) -> bytes:
-        room = self.end - self.fh.tell()
-        line = self.fh.readline(room + 1)
-        self._room(len(line))
-        return line
-
-    def tell(self) -> int:
-        return self.fh.tell()
-
-
-def _check_legacy(fh: BinaryIO, build: Builder) -> Any:
-    """torch's format before 1.6: magic, protocol, sys_info, the object, the storage keys (five
-    pickles), then each storage as an 8-byte element count and its bytes. Python's own reads of the file,
-    as torch's legacy loader makes them: one reader."""
-    start = fh.tell()
-    try:  # torch tries the older tar format first: a file that opens as a tar goes down that path
-        tarfile.open(fileobj=fh, mode="r:").close()
-        is_tar = True
-    except (tarfile.TarError, OSError, ValueError, EOFError):
-        is_tar = False
-    if is_tar:
-        raise Refused("the pre-1.0 tar format of torch.save")
-    fh.seek(start)
-    end = fh.seek(0, io.SEEK_END)
-    fh.seek(start)
-    pickles = _Bounded(fh, PICKLE_LIMIT)
-    if _play(pickles, None, allow_globals=False) != _LEGACY_MAGIC:
-        raise Refused("a pickle that is not a torch.save file")
-    if _play(pickles, None, allow_globals=False) != _LEGACY_PROTOCOL:
-        raise Refused("a torch.save file of an unknown protocol")
-    sys_info = _play(pickles, None, allow_globals=False)
-    if not isinstance(sys_info, dict):
-        raise Refused("a torch.save file without its sys_info")
-    if sys_info.get("little_endian", True) is not True:
-        raise Refused("weights written on a big-endian machine (re-save them on this one)")
-    storages: dict[str, tuple[_StorageType, _Storage]] = {}
-    views: list[tuple[str, int, int]] = []
-
-    def persistent(pid: Any) -> _Storage:
-        stype, key, numel, view = _storage_pid(pid, 1)
-        if key in storages and (storages[key][0].name, storages[key][1].numel) != (stype.name, numel):
-            raise Forged("one storage key with two types or sizes")
-        if key not in storages:
-            if numel * stype.itemsize > end:  # before anything is allocated for it
-                raise Forged(f"a storage of {numel:,} elements in a file of {end:,} bytes")
-            storages[key] = (stype, build.storage(stype, numel, None))
-        root = storages[key][1]
-        if view is None:
-            return root
-        if not (isinstance(view, tuple) and len(view) == 3 and isinstance(view[0], str)
-                and _is_int(view[1]) and _is_int(view[2])):
-            raise Refused("a storage view of a malformed shape")
-        if view[1] + view[2] > numel:
-            raise Forged("a storage view past the end of its storage")
-        views.append((key, view[1], view[2]))
-        return build.view(root, view[1], view[2])
-
-    obj = _play(pickles, persistent, build=build)
-    keys = _play(pickles, None, allow_globals=False)
-    if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)) or set(keys) != set(storages) \
-            or len(keys) != len(set(keys)):
-        raise Refused("storage keys that do not match its storages")
-    # then each storage in key order: its element count (int64, little-endian) and its bytes
-    pos = fh.tell()
-    for key in keys:
-        fh.seek(pos)
-        head = fh.read(8)
-        stype, storage = storages[key]
-        if len(head) < 8 or int.from_bytes(head, "little", signed=True) != storage.numel:
-            raise Damaged(f"storage {key[:16]} does not hold the {storage.numel:,} elements its tensors use")
-        nbytes = storage.numel * stype.itemsize
-        if pos + 8 + nbytes > end:
-            raise Damaged(f"storage {key[:16]} reaches past the end of the file (cut short?)")
-        build.fill(storage, fh, nbytes)
-        pos += 8 + nbytes
-    return obj
-
-
-def read(fh: BinaryIO, open_archive: Callable[[BinaryIO], Archive], build: Builder = _INERT) -> Any:
-    """Judge the .pth file open in `fh` (binary, seekable) from its start, and return what `build` makes of
-    it; raises Refused (or Damaged, Forged) with the reason when it holds anything outside the allowlist
-    (module doc). `open_archive(fh)` is the zip reader to judge a zip by: the one that will load it."""
-    fh.seek(0)
-    head = fh.read(4)
-    fh.seek(0)
-    if head == b"PK\x03\x04":  # the same test torch.load makes to choose the zip reader
-        return _check_zip(open_archive(fh), build)
-    if head[:1] == b"\x80":
-        return _check_legacy(fh, build)
-    raise Refused("not a file torch.save writes (neither its zip nor its older pickle format)")

@@ -20,12 +20,17 @@ Tensors are built on the CPU, each storage once (tensors that shared memory when
 
 from __future__ import annotations
 
+import io
+import tarfile
 import zipfile
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from dlenv import pickleguard
-from dlenv.pickleguard import Damaged, Forged, _Storage, _StorageType
+from dlenv.pickleguard import Damaged, Forged, Refused, Storage, StorageType, is_count, play, storage_pid
+
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_PROTOCOL = 1001
 
 #: storage type -> the dtype its elements are
 _DTYPE = {"Double": "float64", "Float": "float32", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64",
@@ -85,7 +90,7 @@ class _Tensors(pickleguard.Builder):
 
         self.torch = torch
 
-    def storage(self, stype: _StorageType, numel: int, data: Callable[[], bytes] | None) -> _Storage:
+    def storage(self, stype: StorageType, numel: int, data: Callable[[], bytes] | None) -> Storage:
         torch = self.torch
         nbytes = numel * stype.itemsize
         if data is None or not nbytes:
@@ -93,13 +98,13 @@ class _Tensors(pickleguard.Builder):
         else:  # one copy of the record, writable (the optimizer state loaded from it is updated in place)
             flat = torch.frombuffer(bytearray(memoryview(data())[:nbytes]), dtype=torch.uint8)
         name = stype.name.rsplit(".", 1)[1].removesuffix("Storage")
-        return _Storage(numel, flat.view(getattr(torch, _DTYPE[name])))
+        return Storage(numel, flat.view(getattr(torch, _DTYPE[name])))
 
-    def fill(self, storage: _Storage, fh: BinaryIO, nbytes: int) -> None:
+    def fill(self, storage: Storage, fh: BinaryIO, nbytes: int) -> None:
         if nbytes and fh.readinto(storage.value.view(self.torch.uint8).numpy()) != nbytes:
             raise Damaged("a storage cut short (the file ends inside it)")
 
-    def tensor(self, storage: _Storage, offset: int, size: tuple, stride: tuple, requires_grad: bool) -> Any:
+    def tensor(self, storage: Storage, offset: int, size: tuple, stride: tuple, requires_grad: bool) -> Any:
         t = storage.value.as_strided(size, stride, storage.base + offset)
         if requires_grad:
             if not (t.is_floating_point() or t.is_complex()):
@@ -119,12 +124,160 @@ class _Tensors(pickleguard.Builder):
         return isinstance(value, self.torch.Tensor)
 
 
+
+
+def _check_zip(archive: _TorchArchive, build: pickleguard.Builder) -> Any:
+    names = archive.names()
+    folded = [n.casefold() for n in names]
+    if len(set(folded)) != len(folded):
+        # torch's record lookup ignores letter case: with two such names, which one it loads is not ours
+        raise Forged("a zip with two members whose names are equal or differ only in letter case")
+    present = set(names)
+    if "constants.pkl" in present or any(n.startswith("code/") for n in names):
+        # torch 1.13's torch.load hands such a file to torch.jit.load, even under weights_only=True
+        raise Refused("a TorchScript archive, not a checkpoint")
+    if "data.pkl" not in present:
+        raise Refused("a zip without data.pkl")
+    if "byteorder" in present and archive.read("byteorder").strip() not in (b"little", b""):
+        raise Refused("weights written on a big-endian machine (re-save them on this one)")
+    size = archive.size("data.pkl")
+    if size > pickleguard.PICKLE_LIMIT:
+        raise Refused(f"its pickle is {size:,} bytes, more than the {pickleguard.PICKLE_LIMIT:,} a checkpoint needs")
+    data = archive.read("data.pkl")
+    storages: dict[str, tuple[str, Storage]] = {}
+
+    def persistent(pid: Any) -> Storage:
+        stype, key, numel, _ = storage_pid(pid, 0)
+        if key in storages:  # one record, one storage (tensors that share it share memory, as in torch)
+            if (storages[key][0], storages[key][1].numel) != (stype.name, numel):
+                raise Forged("one storage record read as two types or sizes")
+            return storages[key][1]
+        record = "data/" + key
+        if record not in present:
+            raise Damaged(f"a storage whose record {record} is not in the file")
+        have = archive.size(record)
+        if numel * stype.itemsize > have:
+            raise Forged(f"a storage of {numel:,} elements in a record of {have:,} bytes")
+        storages[key] = (stype.name, build.storage(stype, numel, lambda: archive.read(record)))
+        return storages[key][1]
+
+    return play(io.BytesIO(data), persistent, build=build)
+
+
+class _Bounded:
+    """The reads genops makes of a file, refused past `limit` bytes from where it starts: a length field
+    in a pickle (BINUNICODE8, LONG4) cannot make it read gigabytes of a large file into memory."""
+
+    def __init__(self, fh: BinaryIO, limit: int):
+        self.fh, self.end = fh, fh.tell() + limit
+
+    def _room(self, n: int) -> int:
+        room = self.end - self.fh.tell()
+        if n > room:
+            raise Damaged(f"its pickles are more than the {pickleguard.PICKLE_LIMIT:,} bytes a checkpoint needs")
+        return n
+
+    def read(self, n: int = -1) -> bytes:
+        return self.fh.read(self._room(n if n >= 0 else self.end - self.fh.tell()))
+
+    def readline(self) -> bytes:
+        room = self.end - self.fh.tell()
+        line = self.fh.readline(room + 1)
+        self._room(len(line))
+        return line
+
+    def tell(self) -> int:
+        return self.fh.tell()
+
+
+def _check_legacy(fh: BinaryIO, build: pickleguard.Builder) -> Any:
+    """torch's format before 1.6: magic, protocol, sys_info, the object, the storage keys (five
+    pickles), then each storage as an 8-byte element count and its bytes. Python's own reads of the file,
+    as torch's legacy loader makes them: one reader."""
+    start = fh.tell()
+    try:  # torch tries the older tar format first: a file that opens as a tar goes down that path
+        tarfile.open(fileobj=fh, mode="r:").close()
+        is_tar = True
+    except (tarfile.TarError, OSError, ValueError, EOFError):
+        is_tar = False
+    if is_tar:
+        raise Refused("the pre-1.0 tar format of torch.save")
+    fh.seek(start)
+    end = fh.seek(0, io.SEEK_END)
+    fh.seek(start)
+    pickles = _Bounded(fh, pickleguard.PICKLE_LIMIT)
+    if play(pickles, None, allow_globals=False) != _LEGACY_MAGIC:
+        raise Refused("a pickle that is not a torch.save file")
+    if play(pickles, None, allow_globals=False) != _LEGACY_PROTOCOL:
+        raise Refused("a torch.save file of an unknown protocol")
+    sys_info = play(pickles, None, allow_globals=False)
+    if not isinstance(sys_info, dict):
+        raise Refused("a torch.save file without its sys_info")
+    if sys_info.get("little_endian", True) is not True:
+        raise Refused("weights written on a big-endian machine (re-save them on this one)")
+    storages: dict[str, tuple[StorageType, Storage]] = {}
+    views: list[tuple[str, int, int]] = []
+
+    def persistent(pid: Any) -> Storage:
+        stype, key, numel, view = storage_pid(pid, 1)
+        if key in storages and (storages[key][0].name, storages[key][1].numel) != (stype.name, numel):
+            raise Forged("one storage key with two types or sizes")
+        if key not in storages:
+            if numel * stype.itemsize > end:  # before anything is allocated for it
+                raise Forged(f"a storage of {numel:,} elements in a file of {end:,} bytes")
+            storages[key] = (stype, build.storage(stype, numel, None))
+        root = storages[key][1]
+        if view is None:
+            return root
+        if not (isinstance(view, tuple) and len(view) == 3 and isinstance(view[0], str)
+                and is_count(view[1]) and is_count(view[2])):
+            raise Refused("a storage view of a malformed shape")
+        if view[1] + view[2] > numel:
+            raise Forged("a storage view past the end of its storage")
+        views.append((key, view[1], view[2]))
+        return build.view(root, view[1], view[2])
+
+    obj = play(pickles, persistent, build=build)
+    keys = play(pickles, None, allow_globals=False)
+    if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)) or set(keys) != set(storages) \
+            or len(keys) != len(set(keys)):
+        raise Refused("storage keys that do not match its storages")
+    # then each storage in key order: its element count (int64, little-endian) and its bytes
+    pos = fh.tell()
+    for key in keys:
+        fh.seek(pos)
+        head = fh.read(8)
+        stype, storage = storages[key]
+        if len(head) < 8 or int.from_bytes(head, "little", signed=True) != storage.numel:
+            raise Damaged(f"storage {key[:16]} does not hold the {storage.numel:,} elements its tensors use")
+        nbytes = storage.numel * stype.itemsize
+        if pos + 8 + nbytes > end:
+            raise Damaged(f"storage {key[:16]} reaches past the end of the file (cut short?)")
+        build.fill(storage, fh, nbytes)
+        pos += 8 + nbytes
+    return obj
+
+
+def read(fh: BinaryIO, build: pickleguard.Builder) -> Any:
+    """Judge the .pth file open in `fh` (binary, seekable) from its start, and return what `build` makes of
+    it; raises Refused (or Damaged, Forged) with the reason when it holds anything outside the allowlist
+    (dlenv.pickleguard's module doc)."""
+    fh.seek(0)
+    head = fh.read(4)
+    fh.seek(0)
+    if head == b"PK\x03\x04":  # the same test torch.load makes to choose the zip reader
+        return _check_zip(_TorchArchive(fh), build)
+    if head[:1] == b"\x80":
+        return _check_legacy(fh, build)
+    raise Refused("not a file torch.save writes (neither its zip nor its older pickle format)")
+
+
 def load(fh: BinaryIO) -> Any:
     """What the .pth file open in `fh` holds, built from the bytes the allowlist judged (module doc).
     Raises pickleguard.Refused (Damaged, Forged) with the reason for a file outside the allowlist."""
-    return pickleguard.read(fh, _TorchArchive, _Tensors())
+    return read(fh, _Tensors())
 
 
 def check(fh: BinaryIO) -> None:
     """Judge the file open in `fh` as `load` would, through the same reader, building nothing."""
-    pickleguard.read(fh, _TorchArchive)
+    read(fh, pickleguard.Builder())
