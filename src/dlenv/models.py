@@ -302,9 +302,7 @@ def _timm_args(ckpt: dict[str, Any], name: str, img_size: Any, source: str) -> d
                                         else None)
     except (ValueError, TypeError) as e:
         raise UserError(f"{source}: its model_args cannot be read ({e}); pass --model again") from None
-    size = args.pop("img_size", None)
-    args = modelsource.read_source({"ref": name, "args": args}, source)[2]
-    return {**args, **({"img_size": size} if size is not None else {})}
+    return modelsource.read_source({"ref": name, "args": args}, source)[2]
 
 
 # ---------------------------------------------------------------------------------------------------
