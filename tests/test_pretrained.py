@@ -269,3 +269,103 @@ def test_a_timm_checkpoint_rebuilds_with_its_arguments_and_size(cwd):
     ckpt["config"]["model_args"] = "depth=100000000"
     with pytest.raises(UserError, match="depth=100000000, beyond the bounds"):
         models.model_from_checkpoint(ckpt, source="x.pth")
+
+
+# ---------------------------------------------------------------------------------------------------
+# What a new user hit (issue 33, section 4): each cause named as it is, checksums never skipped
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_hub_is_said_at_once_not_as_a_missing_file(cwd, monkeypatch, capsys):
+    import time
+
+    pytest.importorskip("timm")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    start = time.monotonic()
+    with pytest.raises(UserError) as err:
+        pretrained.fetch(pretrained.resolve("timm/resnet18", "DEFAULT"))
+    msg = str(err.value)
+    assert "\n" not in msg and "cannot be reached" in msg and "has no" not in msg, msg
+    assert time.monotonic() - start < 10, "huggingface_hub's retries were waited for"
+    assert "Retrying" not in capsys.readouterr().err
+
+
+def test_a_404_from_the_torchvision_mirror_says_the_mirror_lacks_the_file(resnet18_server, cwd, monkeypatch):
+    path, _, _ = resnet18_server
+    path.unlink()  # the server is up; the file is not there
+    with pytest.raises(UserError) as err:
+        pretrained.fetch(pretrained.resolve("resnet18", "DEFAULT"))
+    msg = str(err.value)
+    assert "\n" not in msg and "answered 404" in msg and "does not have" in msg and "cannot be reached" not in msg
+    assert not any((cwd / ".cache" / "torch" / "hub" / "checkpoints").iterdir())
+
+
+def test_a_downloaded_torchvision_file_is_readable_by_the_team(resnet18_server, cwd):
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        got = pretrained.fetch(pretrained.resolve("resnet18", "DEFAULT"))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(got.stat().st_mode) == 0o644
+
+
+def test_a_download_is_one_line_in_a_log(resnet18_server, cwd, capsys):
+    pretrained.fetch(pretrained.resolve("resnet18", "DEFAULT"), progress=False)
+    err = capsys.readouterr().err
+    assert "--pretrained: downloading http://127.0.0.1:" in err and "into .cache/torch/hub/checkpoints/" in err
+
+
+def _as_plain_file(path: Path) -> Path:
+    """What a filesystem without symlinks (or `cp -r`) leaves: the snapshot entry a copy, not a link."""
+    blob = path.resolve()
+    path.unlink()
+    path.write_bytes(blob.read_bytes())
+    return blob
+
+
+@pytest.mark.parametrize("case, keep_blob, record, change, want", [
+    ("a cp -r copy: its blob is there", True, False, False, None),
+    ("a cp -r copy, changed", True, False, True, "nothing in the cache records"),
+    ("no symlinks, downloaded by dlenv", False, True, False, None),
+    ("no symlinks, downloaded by dlenv, changed", False, True, True, "does not match its checksum"),
+    ("a plain file nothing vouches for", False, False, False, "nothing in the cache records"),
+])
+def test_a_hub_file_that_is_a_plain_file_is_still_checked(timm_server, cwd, case, keep_blob, record, change, want):
+    from dlenv import hubcache
+
+    w = pretrained.resolve("timm/resnet18", "DEFAULT")
+    path = pretrained.fetch(w)
+    blob = _as_plain_file(path)
+    if not keep_blob:
+        blob.unlink()
+    if record:
+        hubcache.record(path, pretrained.hf_cache())
+    if change:
+        path.write_bytes(path.read_bytes()[:-1] + b"\0")
+    if want is None:
+        assert pretrained.fetch(w) == path
+    else:
+        with pytest.raises(UserError, match=want) as err:
+            pretrained.fetch(w)
+        assert "\n" not in str(err.value)
+
+
+def test_timm_says_the_head_starts_fresh(timm_server, cwd, caplog):
+    import logging
+
+    w = pretrained.resolve("timm/resnet18", "DEFAULT")
+    state = pretrained.load_state(w, pretrained.fetch(w))
+    with caplog.at_level(logging.WARNING):
+        pretrained.timm_model("timm/resnet18", 4, state, {})
+    said = [r.getMessage() for r in caplog.records]
+    assert any("fc.weight" in m and "has 1000 classes, the data has 4; it starts fresh" in m for m in said), said

@@ -31,14 +31,19 @@ No torch or timm import at module level: dlenv.config imports `parse_pretrained`
 
 from __future__ import annotations
 
-import hashlib
+import logging
 import os
 import re
+import sys
+import urllib.error
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dlenv import hubcache
 from dlenv.errors import UserError
+
+log = logging.getLogger(__name__)
 
 TIMM_PREFIX = "timm/"
 TORCHVISION_HOST = "https://download.pytorch.org/models"
@@ -285,7 +290,7 @@ def timm_model(model: str, num_classes: int, state: dict[str, Any] | None, kwarg
                         "--pretrained [TAG] (or --weights FILE)")
     extra = {"pretrained": True, "pretrained_cfg_overlay": {"state_dict": state}} if state is not None else {}
     try:
-        return timm.create_model(arch, num_classes=num_classes, **extra, **kwargs)
+        net = timm.create_model(arch, num_classes=num_classes, **extra, **kwargs)
     except TypeError as e:
         raise UserError(f"--model {model} --model-args: {e}") from None
     except RuntimeError as e:  # a state dict that does not fit (strict load)
@@ -293,18 +298,17 @@ def timm_model(model: str, num_classes: int, state: dict[str, Any] | None, kwarg
             raise
         raise UserError(f"--pretrained: the weights do not fit timm's {arch} "
                         f"({str(e).strip().splitlines()[0][:160]})") from None
+    if state is not None:  # timm drops a head of another class count silently: say so, as for torchvision
+        own = net.state_dict()
+        head = [k for k, v in state.items() if k in own and getattr(v, "shape", None) != own[k].shape]
+        if head:
+            log.warning("--pretrained %s: head %s has %d classes, the data has %d; it starts fresh (fine-tuning)",
+                        arch, ", ".join(head), state[head[0]].shape[0], num_classes)
+    return net
 
 
 # ---------------------------------------------------------------------------------------------------
 # Fetching: at most once, checked
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def fetch(w: Weights, progress: bool = True) -> Path:
@@ -331,8 +335,10 @@ def _fetch_torchvision(w: Weights, progress: bool) -> Path:
         # torch.hub's own downloader (a tqdm bar, the hash prefix checked), into a name of our own: the
         # file is judged like any --weights file before it is moved into the cache, so a forged file
         # served by a mirror never lands there (the 8-digit prefix is no proof: a forger matches it)
+        _say_download(w.url, dest)
         torch.hub.download_url_to_file(w.url, str(part), hash_prefix=w.hash_prefix, progress=progress)
         _judge(part, w)
+        _readable(part)
         os.replace(part, dest)
     except RuntimeError as e:
         if "invalid hash value" in str(e):
@@ -340,11 +346,29 @@ def _fetch_torchvision(w: Weights, progress: bool) -> Path:
                             "refusing it, nothing was saved. Check the mirror (" + MIRROR_ENV + ") or try again"
                             ) from None
         raise
-    except OSError as e:  # URLError, HTTPError, connection refused, DNS: all mean "cannot reach it"
-        raise UserError(_not_cached(w, dest, _reason(e))) from None
+    except urllib.error.HTTPError as e:  # the server answered: it is there, the file is not
+        raise UserError(f"--pretrained: {w.url} answered {e.code} {e.reason}: "
+                        + ("the mirror (" + MIRROR_ENV + ") does not have " + w.file + "; copy it there or unset "
+                           + MIRROR_ENV if os.environ.get(MIRROR_ENV) else "try again later") + "; nothing was saved"
+                        ) from None
+    except OSError as e:  # URLError, connection refused, DNS: all mean "cannot reach it"
+        raise UserError(_not_cached(w, dest, hubcache.reason(e))) from None
     finally:
         part.unlink(missing_ok=True)
     return dest
+
+
+def _say_download(url: str, dest: Path) -> None:
+    """One line before a download, so that a log without a progress bar still shows what happened."""
+    print(f"--pretrained: downloading {url} into {_shown(dest.parent)}/", file=sys.stderr, flush=True)
+
+
+def _readable(path: Path) -> None:
+    """The mode a new file gets from the umask: torch.hub's temporary file is 0600, and a cache shared
+    by a team (TORCH_HOME) would be unreadable to the others."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def _judge(path: Path, w: Weights) -> None:
@@ -361,14 +385,9 @@ def _judge(path: Path, w: Weights) -> None:
 
 
 def _check_prefix(path: Path, w: Weights) -> None:
-    if w.hash_prefix and not sha256_of(path).startswith(w.hash_prefix):
+    if w.hash_prefix and not hubcache.sha256_of(path).startswith(w.hash_prefix):
         raise UserError(f"{_shown(path)} does not match its checksum (sha256 should start {w.hash_prefix}): "
                         "it is corrupt or was changed; delete it and run again to download it anew")
-
-
-def _reason(e: BaseException) -> str:
-    reason = getattr(e, "reason", None) or getattr(e, "strerror", None) or str(e) or type(e).__name__
-    return str(reason).strip().splitlines()[0][:120] if str(reason).strip() else type(e).__name__
 
 
 def _not_cached(w: Weights, dest: Path, why: str) -> str:
@@ -395,25 +414,24 @@ def _fetch_hub(w: Weights, progress: bool) -> Path:
             raise UserError(_not_cached(w, cache, "offline: " + OFFLINE_ENV + " or HF_HUB_OFFLINE is set"))
         if not progress:
             hub_utils.disable_progress_bars()
+        why = hubcache.unreachable(hf_endpoint())
+        if why:
+            raise UserError(_not_cached(w, cache, why))
+        _say_download(f"{hf_endpoint()}/{w.repo}/{w.file}", cache / "hub")
         try:
             path = Path(hub.hf_hub_download(w.repo, w.file, cache_dir=str(cache), endpoint=hf_endpoint()))
+        except hub_utils.LocalEntryNotFoundError as e:  # a subclass of EntryNotFoundError: the hub was not reached
+            raise UserError(_not_cached(w, cache, hubcache.reason(e))) from None
         except hub_utils.EntryNotFoundError:
             raise UserError(f"--pretrained: {w.repo} on {hf_endpoint()} has no {w.file}") from None
         except hub_utils.RepositoryNotFoundError:
             raise UserError(f"--pretrained: {hf_endpoint()} has no repository {w.repo} (or it needs a login: "
                             "HF_TOKEN)") from None
-        except (hub_utils.LocalEntryNotFoundError, OSError) as e:
-            raise UserError(_not_cached(w, cache, _reason(e))) from None
-    _check_blob(path, w)
+        except OSError as e:
+            raise UserError(_not_cached(w, cache, hubcache.reason(e))) from None
+        hubcache.record(path, cache)
+    hubcache.check_blob(path, cache, f"{_shown(path)} ({w.repo})")
     return path
-
-
-def _check_blob(path: Path, w: Weights) -> None:
-    """A hub file is a link to a blob named by its ETag, which for LFS files is the sha256."""
-    blob = path.resolve()
-    if re.fullmatch(r"[a-f0-9]{64}", blob.name) and sha256_of(blob) != blob.name:
-        raise UserError(f"{_shown(path)} ({w.repo}) does not match its checksum (sha256 {blob.name[:12]}...): "
-                        f"it is corrupt or was changed; delete {_shown(blob)} and run again")
 
 
 # ---------------------------------------------------------------------------------------------------
