@@ -196,7 +196,7 @@ def test_dest_that_is_a_mount_point(work, state, flags, code, expect):
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["code"] == code and result["mounted"], (result, r.stderr)
     if code == EXIT_OK:
-        assert {"train/cat/0.jpg", "val/dog/1.jpg"} <= set(result["tree"]), result
+        assert {"train/cat/0.jpg", "val/dog/1.jpg", ".dlenv-unpacked"} <= set(result["tree"]), result  # + the marker
         assert not [t for t in result["tree"] if ".unpack-" in t], result  # nothing left behind
         if expect:
             assert expect.replace(".x.", f".{dest.name}.") in r.stdout, r.stdout
