@@ -236,4 +236,5 @@ def test_the_trainers_stop_signals_exit_by_the_table():
     from dlenv import errors
     from dlenv.train import console
 
-    assert console.SIGNAL_EXIT == {signal.SIGINT: errors.EXIT_SIGINT, signal.SIGTERM: errors.EXIT_SIGTERM}
+    assert console.SIGNAL_EXIT == {signal.SIGINT: errors.EXIT_SIGINT, signal.SIGTERM: errors.EXIT_SIGTERM,
+                                   signal.SIGHUP: errors.EXIT_SIGHUP}

@@ -27,6 +27,7 @@ EXIT_FAULT = 5           #: the machine: full disk, read-only folder, permission
 EXIT_PEER = 6            #: another process of a multi-GPU run failed; this one stopped because of it
 EXIT_SIGINT = 130        #: Ctrl-C (128 + SIGINT), after saving
 EXIT_SIGTERM = 143       #: docker stop / kill (128 + SIGTERM), after saving
+EXIT_SIGHUP = 129        #: the terminal or SSH session closed (128 + SIGHUP), after saving
 
 #: status -> what it means, for docs/faults.md and `dlenv --help`-free lookups
 EXIT_CODES: dict[int, str] = {
@@ -40,6 +41,7 @@ EXIT_CODES: dict[int, str] = {
     EXIT_PEER: "another process of the multi-GPU run failed (its own line names the cause)",
     EXIT_SIGINT: "interrupted by Ctrl-C (train saves first)",
     EXIT_SIGTERM: "stopped by docker stop / SIGTERM (train saves first)",
+    EXIT_SIGHUP: "the terminal or SSH session closed, SIGHUP (train saves first)",
 }
 
 #: printed after the traceback of an error dlenv did not expect

@@ -27,10 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dlenv import distributed, invocation, progress
-from dlenv.errors import EXIT_SIGINT, EXIT_SIGTERM
-
-#: 128 + SIGHUP, as shells report a process the hangup ended
-EXIT_SIGHUP = 128 + signal.SIGHUP
+from dlenv.errors import EXIT_SIGHUP, EXIT_SIGINT, EXIT_SIGTERM
 
 #: exit status for each stop signal (128 + its number, as shells report it)
 SIGNAL_EXIT = {signal.SIGINT: EXIT_SIGINT, signal.SIGTERM: EXIT_SIGTERM, signal.SIGHUP: EXIT_SIGHUP}
