@@ -1,9 +1,15 @@
-"""Run folder naming (exp, exp2, ...) and --resume auto."""
+"""Run folder naming (exp, exp2, ..., exp3-2), the run lock and its file, and --resume auto."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +23,22 @@ def test_names_increment_like_yolo(tmp_path):
     assert runs.new_run_dir(tmp_path, "exp").name == "exp3"
     assert runs.new_run_dir(tmp_path, "exp", exist_ok=True).name == "exp"
     assert runs.new_run_dir(tmp_path, "other").name == "other"
+
+
+@pytest.mark.parametrize("taken,asked,got", [
+    # config.yaml records the folder a run got, so `--cfg runs/exp3/config.yaml` asks for exp3 again
+    (["exp", "exp2", "exp3"], "exp3", "exp3-2"),
+    (["exp3", "exp3-2"], "exp3", "exp3-3"),
+    (["resnet50"], "resnet50", "resnet50-2"),
+    ([], "exp3", "exp3"),                        # a free name is used as asked
+    (["exp", "exp2", "exp3"], "exp", "exp4"),    # the plain series is unchanged
+    (["exp3-2"], "exp3-2", "exp3-3"),
+    (["v2a"], "v2a", "v2a2"),                    # only a trailing digit takes the dash
+], ids=["cfg-of-exp3", "again", "digits-in-name", "free", "series", "dash-again", "inner-digit"])
+def test_a_taken_name_ending_in_a_digit_goes_on_with_a_dash(tmp_path, taken, asked, got):
+    for name in taken:
+        (tmp_path / name).mkdir()
+    assert runs.new_run_dir(tmp_path, asked).name == got
 
 
 @pytest.mark.parametrize("name", ["a/b", "..", ""])
@@ -56,13 +78,142 @@ def test_a_locked_run_folder_refuses_another_process(tmp_path):
 
 
 def test_the_lock_goes_with_the_object_that_holds_it(tmp_path):
-    import fcntl
-
     run = runs.new_run_dir(tmp_path, "exp")
     lock = runs.lock_run_dir(run)
-    del lock  # the trainer's local variable going out of scope at the end of a run
-    fd = os.open(run / runs.LOCK_FILE, os.O_RDWR)
+    fd = os.open(run / runs.LOCK_FILE, os.O_RDWR)  # opened while held, as a second run would
     try:
+        del lock  # the trainer's local variable going out of scope at the end of a run
+        assert not (run / runs.LOCK_FILE).exists()
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: would raise if still held
     finally:
         os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The lock file: there while the run runs, gone when it ends, however it ends.
+
+
+def test_release_removes_the_lock_file_and_a_second_release_is_harmless(tmp_path):
+    run = runs.new_run_dir(tmp_path, "exp")
+    with runs.lock_run_dir(run) as lock:
+        assert (run / runs.LOCK_FILE).read_text() == f"{os.getpid()}\n"
+    assert not (run / runs.LOCK_FILE).exists()
+    lock.release()
+    again = runs.lock_run_dir(run)  # a released lock is not handed out again: a fresh one is taken
+    assert again is not lock and (run / runs.LOCK_FILE).is_file()
+    del again
+    assert not (run / runs.LOCK_FILE).exists()
+
+
+def test_release_never_removes_another_runs_lock_file(tmp_path):
+    run = runs.new_run_dir(tmp_path, "exp")
+    lock = runs.lock_run_dir(run)
+    os.unlink(run / runs.LOCK_FILE)
+    (run / runs.LOCK_FILE).write_text("12345\n")  # another run's file under the same name
+    lock.release()
+    assert (run / runs.LOCK_FILE).read_text() == "12345\n"
+
+
+def test_a_run_that_opened_the_file_before_it_was_removed_takes_a_fresh_one(tmp_path, monkeypatch):
+    """The race the removal opens: B opens the lock file, A releases (removes it), B gets the flock on
+    the removed file. B must notice and lock the file now at that name, or a third run C could hold
+    the new file at the same time."""
+    run = runs.new_run_dir(tmp_path, "exp")
+    stale = os.open(run / runs.LOCK_FILE, os.O_RDWR | os.O_CREAT)
+    os.unlink(run / runs.LOCK_FILE)  # what A's release does after B's open
+    real_open, opened = os.open, []
+
+    def first_open_is_stale(path, flags, mode=0o777):
+        opened.append(path)
+        return os.dup(stale) if len(opened) == 1 else real_open(path, flags, mode)
+
+    monkeypatch.setattr(runs.os, "open", first_open_is_stale)
+    lock = runs.lock_run_dir(run)
+    monkeypatch.undo()
+    os.close(stale)
+    assert len(opened) == 2  # the stale file was let go and the name opened again
+    fd = os.open(run / runs.LOCK_FILE, os.O_RDWR)
+    try:
+        with pytest.raises(BlockingIOError):  # the file at the name is the one locked
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+    lock.release()
+
+
+_HOLDER = textwrap.dedent("""
+    import os, signal, sys, time
+    from dlenv import runs
+
+    def stop(signum, frame):  # what the trainer's console.Stop turns SIGTERM into: an orderly end
+        raise SystemExit(143)
+
+    signal.signal(signal.SIGTERM, stop)
+    lock = runs.lock_run_dir(sys.argv[1])
+    print("locked", flush=True)
+    how = sys.argv[2]
+    if how == "error":
+        raise RuntimeError("a step failed")
+    if how == "exit":
+        sys.exit(0)
+    if how != "normal":
+        time.sleep(60)  # until the signal
+""")
+
+
+@pytest.mark.parametrize("how,signum,code", [
+    ("normal", None, 0),                   # the script ends holding it
+    ("exit", None, 0),                     # sys.exit while held
+    ("error", None, 1),                    # an exception ends the process, its traceback holding the lock
+    ("wait", signal.SIGTERM, 143),         # docker stop: the handler ends the process in order
+    ("wait", signal.SIGINT, -signal.SIGINT),  # Ctrl-C: KeyboardInterrupt, then Python ends by SIGINT
+])
+def test_the_lock_file_goes_when_the_process_ends(tmp_path, how, signum, code):
+    run = runs.new_run_dir(tmp_path, "exp")
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(run), how], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    if signum is not None:
+        assert (run / runs.LOCK_FILE).read_text() == f"{proc.pid}\n"  # there while it runs
+        proc.send_signal(signum)
+    proc.communicate(timeout=30)
+    assert proc.returncode == code
+    assert not (run / runs.LOCK_FILE).exists()
+
+
+def test_a_killed_run_leaves_its_file_but_no_lock(tmp_path):
+    run = runs.new_run_dir(tmp_path, "exp")
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(run), "wait"], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    proc.kill()
+    proc.communicate(timeout=30)
+    assert (run / runs.LOCK_FILE).is_file()  # SIGKILL: no code runs
+    with runs.lock_run_dir(run):  # the kernel ended the flock: the next run takes it
+        assert (run / runs.LOCK_FILE).read_text() == f"{os.getpid()}\n"
+    assert not (run / runs.LOCK_FILE).exists()
+
+
+@pytest.mark.parametrize("end", ["done", "sigterm", "error"])
+def test_the_trainer_keeps_the_file_while_it_runs_and_removes_it_at_the_end(tmp_path, data, tiny, end):
+    from tinymodels import tiny_config
+
+    from dlenv import train as train_mod
+
+    lock_file = tmp_path / "runs" / "exp" / runs.LOCK_FILE
+    seen = []
+
+    def on_step(state):
+        seen.append(lock_file.read_text() == f"{os.getpid()}\n")
+        if end == "sigterm" and len(seen) == 2:
+            signal.raise_signal(signal.SIGTERM)
+        if end == "error" and len(seen) == 2:
+            raise RuntimeError("a step failed")
+
+    if end == "error":
+        with pytest.raises(RuntimeError, match="a step failed"):
+            train_mod.train(tiny_config(tmp_path, data), on_step=on_step)
+    else:
+        summary = train_mod.train(tiny_config(tmp_path, data), on_step=on_step)
+        assert summary["exit_code"] == (143 if end == "sigterm" else 0)
+    assert seen and all(seen)
+    assert not lock_file.exists() and Path(lock_file.parent / "config.yaml").is_file()

@@ -1,16 +1,20 @@
 """Run folders: `runs/exp`, `runs/exp2`, `runs/exp3`, ... as YOLO users know them, and `--resume auto`.
 
 `new_run_dir` picks the first free name and creates it in one `mkdir` (so two runs started at once
-never share a folder); `--exist-ok` writes into the named folder as is. `lock_run_dir` is what keeps
-two runs out of one folder all the same (`--exist-ok`, or two resumes of one run): the trainer holds
-an exclusive `flock` on the folder's `.dlenv.lock` for the run's life, and the kernel releases it when
-the process ends, however it ends. `find_resume` turns `--resume PATH|auto` into a checkpoint path:
+never share a folder); a taken name that ends in a digit gets `-2`, `-3`, ... (`exp3-2`, not `exp32`:
+a run's config.yaml records the folder it got, so `--cfg runs/exp3/config.yaml` asks for `exp3`
+again). `--exist-ok` writes into the named folder as is. `lock_run_dir` is what keeps two runs out
+of one folder all the same (`--exist-ok`, or two resumes of one run): the trainer holds an exclusive
+`flock` on the folder's `.dlenv.lock` for the run's life; the lock file is removed when the run ends
+(`RunLock.release`: when the trainer lets go of it, or at exit), and a kill that leaves it behind
+leaves no lock, as the kernel releases a flock with its process. `find_resume` turns `--resume PATH|auto` into a checkpoint path:
 auto is the newest `last.pth` under the project folder. The names of a run folder's files are written
 here once (LAST, BEST; dlenv.runstate writes and reads them). No torch here.
 """
 
 from __future__ import annotations
 
+import atexit
 import errno
 import fcntl
 import os
@@ -28,18 +32,48 @@ BEST = "best_model.pth"
 
 
 class RunLock:
-    """An exclusive lock on a run folder, held while this object lives (or until `release`)."""
+    """An exclusive lock on a run folder, held while this object lives (or until `release`); also a
+    context manager that releases it when its block ends."""
 
     def __init__(self, path: Path, fd: int | None):
         self.path, self._fd = path, fd
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the file releases the flock
-            self._fd = None
+        """Remove the folder's lock file and end the lock; a second call does nothing.
+
+        The file is removed while the lock is still held, and only while the name still points at this
+        lock's file: a run that opened the file a moment earlier and gets the lock after this one finds
+        the name gone and starts over (`lock_run_dir`), so two runs never hold two different files.
+        """
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            if _same_file(fd, self.path / LOCK_FILE):
+                os.unlink(self.path / LOCK_FILE)
+        except OSError:
+            pass  # the folder was removed or made read-only meanwhile: the lock still ends below
+        finally:
+            os.close(fd)  # closing the file releases the flock
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
     def __del__(self) -> None:
         self.release()
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether `path` names the file open as `fd` (False when the name is gone)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 # folder -> its RunLock in this process: taking it again in the same process (an in-process resume
@@ -59,18 +93,22 @@ def lock_run_dir(run_dir: str | Path) -> RunLock:
     if held is not None and held._fd is not None:
         return held
     lock_path = run_dir / LOCK_FILE
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            os.close(fd)  # no locks here (ENOLCK, EOPNOTSUPP): nothing to hold
-            return RunLock(run_dir, None)
-        owner = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
-        os.close(fd)
-        raise UserError(f"{run_dir} is in use by another run (process {owner}); two runs in one folder "
-                        "would mix their results.csv and checkpoints. Wait for it to end, or pass another "
-                        "--name") from None
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                os.close(fd)  # no locks here (ENOLCK, EOPNOTSUPP): nothing to hold
+                return RunLock(run_dir, None)
+            owner = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise UserError(f"{run_dir} is in use by another run (process {owner}); two runs in one folder "
+                            "would mix their results.csv and checkpoints. Wait for it to end, or pass another "
+                            "--name") from None
+        if _same_file(fd, lock_path):
+            break
+        os.close(fd)  # the run that held it ended and removed the file between our open and flock
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     lock = RunLock(run_dir, fd)
@@ -78,11 +116,19 @@ def lock_run_dir(run_dir: str | Path) -> RunLock:
     return lock
 
 
+@atexit.register
+def _release_all() -> None:
+    """At exit, end the locks something still holds (a traceback kept its run), removing their files."""
+    for lock in list(_HELD.values()):
+        lock.release()
+
+
 def new_run_dir(project: str | Path, name: str, exist_ok: bool = False) -> Path:
     """Create and return project/name, or the first free project/name2, name3, ... .
 
-    With `exist_ok` the folder project/name is used even if it exists. Raises UserError for a name
-    that is not a plain folder name.
+    A name that ends in a digit goes on with a dash: exp3, exp3-2, exp3-3 (exp32 would read as the
+    32nd exp, and resnet50's next is not resnet502); exp3-2 asked again goes on to exp3-3. With `exist_ok` the folder project/name is used
+    even if it exists. Raises UserError for a name that is not a plain folder name.
     """
     if not name or name in (".", "..") or re.search(r"[/\\]", name):
         raise UserError(f"--name {name!r} must be a plain folder name (no slashes), e.g. --name exp")
@@ -95,14 +141,17 @@ def new_run_dir(project: str | Path, name: str, exist_ok: bool = False) -> Path:
         path = project / name
         path.mkdir(exist_ok=True)
         return path
-    n = 1
+    path = project / name
+    again = re.fullmatch(r"(.*\d)-(\d+)", name)  # exp3-2 asked again goes on to exp3-3, not exp3-2-2
+    stem, n = (again[1], int(again[2])) if again else (name, 1)
+    sep = "-" if stem[-1].isdigit() else ""
     while True:
-        path = project / (name if n == 1 else f"{name}{n}")
         try:
             path.mkdir()  # atomic: fails if another run took this name a moment ago
             return path
         except FileExistsError:
             n += 1
+            path = project / f"{stem}{sep}{n}"
 
 
 def find_resume(resume: str, project: str | Path = "runs") -> Path:
