@@ -310,3 +310,18 @@ def test_a_worker_ignores_stop_signals_from_others_and_ends_when_its_parent_term
     finally:
         loader.close()
     assert not any(w.is_alive() for w in workers)
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)], ids=["TERM", "HUP"])
+def test_a_signal_while_pytorch_loads_is_one_line(tmp_path, signum, code):
+    """Before the trainer has handlers of its own (torch takes seconds to import): one line and the code,
+    whether the signal lands during the import (the CLI's guard) or just after (the trainer's)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "tests")])}
+    proc = subprocess.Popen([sys.executable, "-m", "dlenv", "train", "--device", "cpu", "--workers", "0",
+                             "--epochs", "1", "--project", str(tmp_path / "runs")], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout.readline().startswith("dlenv train: loading PyTorch")
+    os.killpg(proc.pid, signum)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, (out, err)
+    assert "stopped by " + signum.name in out + err and not any(c in out + err for c in CRASH), (out, err)

@@ -13,8 +13,10 @@ actually runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import signal
 import subprocess
 import sys
 import traceback
@@ -27,7 +29,9 @@ from dlenv.errors import (
     EXIT_BUG,
     EXIT_FAULT,
     EXIT_INPUT,
+    EXIT_SIGHUP,
     EXIT_SIGINT,
+    EXIT_SIGTERM,
     UserError,
     environment_fault,
     printable,
@@ -95,6 +99,33 @@ def run_tests(gpu: bool = False, extra: list[str] | tuple[str, ...] = (), full: 
     return subprocess.call(cmd + list(extra))
 
 
+class _Stopped(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stoppable_import():
+    """SIGTERM or SIGHUP while PyTorch loads (seconds, before any command has handlers of its own) ends
+    in one line and 143 / 129, not a silent death; SIGINT already does (KeyboardInterrupt)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise _Stopped(signum)
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def run_command(name: str, given: dict[str, Any], yaml_file: str | None = None) -> int:
     """Build `name`'s config from `given` flags (and a YAML file) and run it; returns the exit code."""
     cmd = config.COMMANDS[name]
@@ -104,8 +135,13 @@ def run_command(name: str, given: dict[str, Any], yaml_file: str | None = None) 
         if name == "train" and "torch" not in sys.modules and os.environ.get("RANK", "0") == "0":
             # PyTorch and CUDA take seconds to load (7-11 s on a GPU box): say so at once, not after
             print("dlenv train: loading PyTorch ...", flush=True)
-        result = getattr(importlib.import_module(module), func)(cfg)  # loads take cfg's LoadPolicy
-        return int(result or 0)
+        with _stoppable_import():
+            target = getattr(importlib.import_module(module), func)
+        return int(target(cfg) or 0)  # loads take cfg's LoadPolicy
+    except _Stopped as e:
+        print(f"dlenv {name}: stopped by {signal.Signals(e.signum).name} while loading PyTorch; nothing was "
+              "started", file=sys.stderr)
+        return EXIT_SIGHUP if e.signum == signal.SIGHUP else EXIT_SIGTERM
     except UserError as e:
         print(f"dlenv {name}: error: {printable(e)}", file=sys.stderr)  # one line, whatever a name holds
         return e.exit_code
