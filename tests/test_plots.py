@@ -227,3 +227,100 @@ def test_compare_of_cpu_runs_only_has_no_empty_memory_panel(tmp_path):
     assert [ax.get_title() for ax in fig.axes] == ["Validation top-1"]
     assert {ln.get_label() for ln in fig.axes[0].get_lines()} == {"cpu1", "cpu2"}
     assert "no GPU memory" in fig._suptitle.get_text()
+
+
+# --------------------------------------------------------------------------------------------------
+# compare.png: a colour per run however many, natural order, each run's data and model named.
+
+
+def _frames(tmp_path: Path, names: list[str]) -> dict:
+    return {n: read_results(_make_run(tmp_path / n, epochs=2, scale=1 + i / 100) / "results.csv")
+            for i, n in enumerate(names)}
+
+
+@pytest.mark.parametrize("n", [2, 10, 11, 25, 60])
+def test_compare_gives_every_run_a_colour_of_its_own(tmp_path, n):
+    from matplotlib.colors import to_rgba
+
+    fig = plots.plot_compare(_frames(tmp_path, [f"exp{i}" for i in range(1, n + 1)]))
+    acc = _axis(fig, "Validation top-1")
+    colours = {ln.get_label(): to_rgba(ln.get_color()) for ln in acc.get_lines()}
+    assert len(colours) == n and len(set(colours.values())) == n
+    mem = [ax for ax in fig.axes if ax.get_title().startswith("Peak GPU memory")][0]
+    for ln in mem.get_lines():  # a run's allocated and reserved lines share its colour
+        assert to_rgba(ln.get_color()) == colours[ln.get_label().lstrip("_")]
+    assert all(sum(c[:3]) > 0.3 for c in colours.values())  # none near-black
+
+
+@pytest.mark.parametrize("names,expected", [
+    (["exp10", "exp2", "exp", "exp3-2", "exp3"], ["exp", "exp2", "exp3", "exp3-2", "exp10"]),
+    (["b2", "B10", "a100", "a9"], ["a9", "a100", "b2", "B10"]),
+    (["run-1.10", "run-1.9", "run-1"], ["run-1", "run-1.9", "run-1.10"]),
+])
+def test_runs_are_in_natural_order_in_find_runs_and_the_legend(tmp_path, names, expected):
+    for name in names:
+        _make_run(tmp_path / "runs" / name, epochs=1)
+    assert [p.name for p in plots.find_runs(tmp_path / "runs")] == expected
+    fig = plots.plot_compare(_frames(tmp_path / "frames", names))
+    legend = _axis(fig, "Validation top-1").get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == expected
+
+
+def _config(run: Path, text: str) -> None:
+    (run / "config.yaml").write_text("# dlenv train: the options of this run\n" + text, encoding="utf-8")
+
+
+def test_compare_and_results_name_each_runs_data_and_model(tmp_path, monkeypatch):
+    runs = tmp_path / "runs"
+    _config(_make_run(runs / "exp", 2), "data: data/digits\nmodel: small_cnn\nsynthetic: false\n")
+    _config(_make_run(runs / "exp2", 2), "data: data/digits/\nmodel: resnet18\npretrained: DEFAULT\n")
+    _config(_make_run(runs / "exp10", 2), "data: null\nmodel: small_cnn\n")
+    _make_run(runs / "old", 2)  # no config.yaml: plotted under its name alone
+    figs = {}
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: figs.setdefault(Path(path).relative_to(runs), fig))
+    plots.plot_log_dir(runs)
+    legend = _axis(figs[Path("compare.png")], "Validation top-1").get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "exp: small_cnn on digits", "exp2: resnet18 (pretrained) on digits", "exp10: small_cnn on demo data", "old"]
+    assert figs[Path("compare.png")]._suptitle.get_text() == "4 runs compared"
+    assert figs[Path("exp2/results.png")]._suptitle.get_text().startswith("exp2 (resnet18 (pretrained) on digits): ")
+
+
+def test_runs_that_share_data_and_model_say_it_in_the_title(tmp_path):
+    frames = _frames(tmp_path, ["exp", "exp2"])
+    fig = plots.plot_compare(frames, {"exp": "resnet18 on digits", "exp2": "resnet18 on digits"})
+    assert fig._suptitle.get_text() == "2 runs compared: resnet18 on digits"
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("data: data/flowers\nmodel: timm/convnext_atto\n", "timm/convnext_atto on flowers"),
+    ("synthetic: true\nmodel: resnet50\n", "resnet50 on synthetic data"),
+    ("data: ds\nmodel: [1, 2]\n", "a model on ds"),                       # not a string: not shown
+    ("data: 7\nmodel: m\n", "m on its data"),
+    ("data: ds\nmodel: '" + "x" * 500 + "'\n", "x" * 37 + "... on ds"),   # bounded
+    ("data: ds\nmodel: \"evil\\e[2J\"\n", "evil\\x1b[2J on ds"),          # control characters escaped
+    ("other: 1\n", "a model on demo data"),
+], ids=["path", "synthetic", "list", "number", "long", "escape", "neither"])
+def test_describe_run_shows_only_bounded_printable_strings(tmp_path, text, expected):
+    run = tmp_path / "r"
+    run.mkdir()
+    _config(run, text)
+    assert plots.describe_run(run) == expected
+
+
+@pytest.mark.parametrize("content", [
+    b"a: &x [1]\nb: *x\n",            # an alias: refused as in any config file
+    b"\xff\xfe not utf-8\n",
+    b"- a list\n- not a mapping\n",
+    b"data: [unclosed\n",
+], ids=["alias", "bytes", "list", "broken"])
+def test_an_unreadable_config_yaml_is_one_note_and_the_run_is_still_plotted(tmp_path, capsys, monkeypatch,
+                                                                           content):
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: Path(path))  # the figures, not their PNGs
+    run = _make_run(tmp_path / "runs" / "exp", 1)
+    _make_run(tmp_path / "runs" / "exp2", 1)
+    (run / "config.yaml").write_bytes(content)
+    assert plots.describe_run(run) is None
+    notes = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("note:")]
+    assert len(notes) == 1 and "config.yaml" in notes[0] and "plotted without its data and model" in notes[0]
+    assert len(plots.plot_log_dir(tmp_path / "runs")) == 3

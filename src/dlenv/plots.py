@@ -4,8 +4,10 @@ Reads only `results.csv` (the contract in `dlenv.results`), never a checkpoint o
 it works on a run still in progress, a single epoch included. For every run under DIR it writes
 `results.png` beside the CSV (losses, accuracy, learning rate, throughput, data wait, peak memory
 against epoch); with several runs it also writes `DIR/compare.png`, overlaying their val top-1 and
-peak memory. Figures are built on `matplotlib.figure.Figure` with the Agg renderer and no pyplot, so
-nothing global changes and no display is needed.
+peak memory, in natural order (exp, exp2, exp10), a colour of its own for each run however many, each
+named with the data and model of its config.yaml (`exp2: resnet18 on digits`). Figures are built on
+`matplotlib.figure.Figure` with the Agg renderer and no pyplot, so nothing global changes and no
+display is needed.
 
 This module never imports torch.
 """
@@ -13,14 +15,19 @@ This module never imports torch.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
 from dlenv.atomic import write_atomic
-from dlenv.errors import UserError
+from dlenv.cfgfile import load_yaml
+from dlenv.errors import UserError, printable
 from dlenv.results import COLUMNS, read_results
 
 RESULTS = "results.csv"
+CONFIG = "config.yaml"
+#: the longest data or model name shown in a legend; longer ones are cut with "..."
+_NAME_CHARS = 40
 
 #: (panel title, y-axis label, [(column, legend label)]) for each panel of results.png, row by row.
 PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
@@ -50,7 +57,65 @@ def find_runs(log_dir: str | Path) -> list[Path]:
     if not runs:
         raise UserError(f"--log-dir {root}: no {RESULTS} in it or its subfolders; train a run first "
                         "(invoke train) or pass the folder that holds runs/<name>/results.csv")
-    return sorted(set(runs))
+    return sorted(set(runs), key=lambda p: natural_key(p.relative_to(root).as_posix()))
+
+
+def natural_key(name: str) -> tuple:
+    """Sort key that orders the numbers in names by value: exp, exp2, exp3-2, exp10 (not exp, exp10, exp2).
+
+    re.split with a group alternates text and digits, text first, so items at one position always
+    compare str to str or int to int.
+    """
+    parts = re.split(r"(\d+)", name)
+    return tuple(int(t) if i % 2 else t.lower() for i, t in enumerate(parts)), name
+
+
+def run_colors(n: int) -> list[Any]:
+    """A colour for each of `n` runs, no two alike: matplotlib's ten default colours (C0-C9) up to ten
+    runs, else `n` evenly spaced samples of the turbo colormap (the default cycle repeats after ten)."""
+    if n <= 10:
+        return [f"C{i}" for i in range(n)]
+    from matplotlib import colormaps
+
+    turbo = colormaps["turbo"]
+    # the ends of turbo are near-black; 0.05-0.95 keeps every colour visible on white
+    return [tuple(turbo(0.05 + 0.9 * i / (n - 1))) for i in range(n)]
+
+
+def describe_run(run: Path) -> str | None:
+    """'MODEL on DATA' from the run's config.yaml (`resnet18 on digits`), or None without a readable one.
+
+    The file is read as any config file (size-limited, no aliases); only string values are shown,
+    printable and cut to _NAME_CHARS. A file that cannot be read is said in one line and the run is
+    plotted without the description.
+    """
+    path = run / CONFIG
+    if not path.is_file():
+        return None
+    try:
+        options = load_yaml(path)
+    except UserError as e:
+        print(f"note: {e}; {run.name} is plotted without its data and model")
+        return None
+
+    def text(value: Any) -> str | None:
+        if not isinstance(value, str) or not value.strip():
+            return None
+        value = printable(value.strip())
+        return value if len(value) <= _NAME_CHARS else value[:_NAME_CHARS - 3] + "..."
+
+    model = text(options.get("model"))
+    if options.get("synthetic") is True:
+        data = "synthetic data"
+    elif options.get("data") is None:
+        data = "demo data"
+    else:
+        data = text(Path(str(options["data"])).name) if isinstance(options.get("data"), str) else None
+    if text(options.get("pretrained")):
+        model = f"{model} (pretrained)" if model else None
+    if model is None and data is None:
+        return None
+    return f"{model or 'a model'} on {data or 'its data'}"
 
 
 def run_label(run: Path, log_dir: Path) -> str:
@@ -137,15 +202,26 @@ def plot_run(df: Any, title: str):
     return fig
 
 
-def plot_compare(runs: dict[str, Any]):
+def plot_compare(runs: dict[str, Any], about: dict[str, str | None] | None = None):
     """The compare.png figure: val top-1 and peak memory of several runs ({label: DataFrame}).
 
+    `about` gives a run's data and model (`describe_run`), shown after its label in the legend
+    ("exp2: resnet18 on digits") and in the title when every run shares it. Runs are drawn in natural
+    order of their labels (exp, exp2, exp10), each in its own colour (`run_colors`).
+
     Returns a Figure with two Axes ("Validation top-1", "Peak GPU memory"); in each, one line per run
-    labelled with the run's label (memory: allocated solid, reserved dashed with label '_'-prefixed).
+    labelled as above (memory: allocated solid, reserved dashed with label '_'-prefixed).
     A CPU run (memory all zero) gets no memory line but a "CPU run: label" note; when every run is a
     CPU run there is no memory panel at all (the title says so), only top-1.
     """
     from matplotlib.figure import Figure
+
+    about = about or {}
+    named = {k: f"{k}: {about[k]}" if about.get(k) else k for k in sorted(runs, key=natural_key)}
+    colors = dict(zip(named.values(), run_colors(len(named)), strict=True))
+    shared = {about.get(k) for k in named}
+    common = f": {shared.pop()}" if len(shared) == 1 and None not in shared else ""
+    runs = {named[k]: runs[k] for k in named}
 
     def zeros(df: Any) -> bool:  # what a CPU run records as GPU memory
         alloc, reserved = _series(df, "mem_alloc_gib")[1], _series(df, "mem_reserved_gib")[1]
@@ -154,14 +230,14 @@ def plot_compare(runs: dict[str, Any]):
     if runs and all(zeros(df) for df in runs.values()):
         fig = Figure(figsize=(8, 5.5), layout="constrained")
         ax_acc = fig.subplots(1, 1)
-        fig.suptitle(f"{len(runs)} runs compared (CPU runs: no GPU memory to draw)", fontsize=14)
+        fig.suptitle(f"{len(runs)} runs compared{common} (CPU runs: no GPU memory to draw)", fontsize=14)
         ax_acc.set_title("Validation top-1")
         ax_acc.set_ylabel("top-1 accuracy (%)")
         all_epochs: list[float] = []
-        for i, (label, df) in enumerate(runs.items()):
+        for label, df in runs.items():
             epochs, top1 = _series(df, "top1")
             if epochs:
-                ax_acc.plot(epochs, top1, color=f"C{i % 10}", marker="o" if len(df) <= 30 else None, markersize=4,
+                ax_acc.plot(epochs, top1, color=colors[label], marker="o" if len(df) <= 30 else None, markersize=4,
                             label=label)
             all_epochs += epochs
         _style_epoch_axis(ax_acc, all_epochs)
@@ -172,15 +248,15 @@ def plot_compare(runs: dict[str, Any]):
         return fig
     fig = Figure(figsize=(14, 5.5), layout="constrained")
     ax_acc, ax_mem = fig.subplots(1, 2)
-    fig.suptitle(f"{len(runs)} runs compared", fontsize=14)
+    fig.suptitle(f"{len(runs)} runs compared{common}", fontsize=14)
     ax_acc.set_title("Validation top-1")
     ax_acc.set_ylabel("top-1 accuracy (%)")
     ax_mem.set_title("Peak GPU memory (solid: allocated, dashed: reserved)")
     ax_mem.set_ylabel("memory (GiB)")
     all_epochs: list[float] = []
     cpu_runs: list[str] = []
-    for i, (label, df) in enumerate(runs.items()):
-        color = f"C{i % 10}"
+    for label, df in runs.items():
+        color = colors[label]
         marker = "o" if len(df) <= 30 else None
         epochs, top1 = _series(df, "top1")
         if epochs:
@@ -230,6 +306,7 @@ def plot_log_dir(log_dir: str | Path) -> list[Path]:
     root = Path(log_dir)
     written: list[Path] = []
     frames: dict[str, Any] = {}
+    about: dict[str, str | None] = {}
     for run in find_runs(root):
         label = run_label(run, root)
         df = read_results(run / RESULTS)  # never raises on content: unreadable lines are left out
@@ -245,14 +322,16 @@ def plot_log_dir(log_dir: str | Path) -> list[Path]:
         if unknown:
             print(f"note: {run / RESULTS} has columns this version does not plot: {', '.join(unknown)}")
         df = df.sort_values("epoch")
-        written.append(save_figure(plot_run(df, label), run / "results.png"))
+        about[label] = describe_run(run)
+        title = f"{label} ({about[label]})" if about[label] else label
+        written.append(save_figure(plot_run(df, title), run / "results.png"))
         frames[label] = df
         print(f"{label}: {len(df)} epoch(s) -> {run / 'results.png'}")
     if not frames:
         raise UserError(f"--log-dir {root}: no run has a complete epoch in its {RESULTS} yet; "
                         "wait for the first epoch to finish")
     if len(frames) > 1:
-        written.append(save_figure(plot_compare(frames), root / "compare.png"))
+        written.append(save_figure(plot_compare(frames, about), root / "compare.png"))
         print(f"{len(frames)} runs compared -> {root / 'compare.png'}")
     return written
 

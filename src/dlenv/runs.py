@@ -7,9 +7,10 @@ again). `--exist-ok` writes into the named folder as is. `lock_run_dir` is what 
 of one folder all the same (`--exist-ok`, or two resumes of one run): the trainer holds an exclusive
 `flock` on the folder's `.dlenv.lock` for the run's life; the lock file is removed when the run ends
 (`RunLock.release`: when the trainer lets go of it, or at exit), and a kill that leaves it behind
-leaves no lock, as the kernel releases a flock with its process. `find_resume` turns `--resume PATH|auto` into a checkpoint path:
-auto is the newest `last.pth` under the project folder. The names of a run folder's files are written
-here once (LAST, BEST; dlenv.runstate writes and reads them). No torch here.
+leaves no lock, as the kernel releases a flock with its process. `find_resume` turns
+`--resume PATH|auto` into a checkpoint path: auto is the newest `last.pth` under the project folder.
+The names of a run folder's files are written here once (LAST, BEST; dlenv.runstate writes and reads
+them). No torch here.
 """
 
 from __future__ import annotations
@@ -127,8 +128,9 @@ def new_run_dir(project: str | Path, name: str, exist_ok: bool = False) -> Path:
     """Create and return project/name, or the first free project/name2, name3, ... .
 
     A name that ends in a digit goes on with a dash: exp3, exp3-2, exp3-3 (exp32 would read as the
-    32nd exp, and resnet50's next is not resnet502); exp3-2 asked again goes on to exp3-3. With `exist_ok` the folder project/name is used
-    even if it exists. Raises UserError for a name that is not a plain folder name.
+    32nd exp, and resnet50's next is not resnet502); exp3-2 asked again goes on to exp3-3. With
+    `exist_ok` the folder project/name is used even if it exists. Raises UserError for a name that
+    is not a plain folder name.
     """
     if not name or name in (".", "..") or re.search(r"[/\\]", name):
         raise UserError(f"--name {name!r} must be a plain folder name (no slashes), e.g. --name exp")
