@@ -1,10 +1,13 @@
 """Numbers a bare state dict gives (issue 34, item 5): the class count val reads from a head's shape is
 bounded as a dlenv checkpoint's num_classes is (1 to 100,000, dlenv.runstate.MAX_CLASSES), and read only
 from a tensor whose every element is stored: a stride of 0 (expand) or overlapping strides give a shape
-that costs no bytes. Each refusal is one line naming the file, the tensor and the bound.
+that costs no bytes. Each refusal is one line naming the file, the tensor and the bound. A key is as
+long as the file's bytes allow: prefixes are stripped in time linear in it, and messages cut it short.
 (A dlenv checkpoint's own entries: test_bad_inputs.py and test_runstate.py.)"""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -79,3 +82,34 @@ def test_dlenv_val_refuses_a_head_beyond_the_bound_in_one_line(tmp_path, monkeyp
     assert len(lines) == 1 and lines[0].startswith("dlenv val: error: "), err
     assert f"w{suffix}: its head fc.weight (100001x1) gives 100,001 classes, not a class count of 1 to 100,000" \
         in lines[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Keys: as long as the file's bytes allow
+
+
+@pytest.mark.parametrize("key, stripped", [
+    ("module." * 1_000_000 + "fc.weight", "fc.weight"),  # 7 MB of prefixes: one slice, not a copy per prefix
+    ("module._orig_mod.fc.weight", "fc.weight"),
+    ("_orig_mod.module.fc.weight", "module.fc.weight"),  # DDP inside compile: module. is stripped first
+    ("module.module._orig_mod._orig_mod.fc.weight", "fc.weight"),
+    ("fc.module.weight", "fc.module.weight"),
+])
+def test_prefixes_are_stripped_in_time_linear_in_the_key(key, stripped):
+    start = time.perf_counter()
+    assert list(runstate.strip_prefixes({key: torch.zeros(1)})) == [stripped]
+    assert time.perf_counter() - start < 2.0  # the old cut-one-at-a-time loop took minutes for the first row
+
+
+@pytest.mark.parametrize("key", ["x" * 1_000_000, "a\nb\x1b[2J" * 1000, "fc.weight\n" * 10])
+def test_a_state_dict_that_does_not_fit_names_its_keys_in_one_short_line(key):
+    sd = {**resnet18(num_classes=10).state_dict(), key: torch.zeros(1)}
+    with pytest.raises(UserError, match=r"w.pth does not match architecture 'resnet18' \(0 missing, 1 unexpected") \
+            as err:
+        models.model_from_checkpoint(sd, "resnet18", source="w.pth")
+    line = str(err.value)
+    assert "\n" not in line and "\x1b" not in line and len(line) < 600, line[:200]
+    model = resnet18(num_classes=10)
+    with pytest.raises(UserError) as err:
+        models._load_state(model, sd, "resnet18", 10, "--weights w.pth")  # train --weights
+    assert "\n" not in str(err.value) and len(str(err.value)) < 600

@@ -194,14 +194,14 @@ def _load_state(model: nn.Module, sd: dict[str, Any], name: str, num_classes: in
     unexpected = [k for k in sd if k not in own and not (aux and k.startswith(aux))]
     missing = [k for k in own if k not in sd]
     if wrong or unexpected or missing:
-        some = ", ".join((wrong + unexpected + missing)[:3])
+        some = runstate.shown_keys(wrong + unexpected + missing, 3)
         raise UserError(f"{what} does not fit {name} ({len(missing)} missing, {len(unexpected)} "
                         f"unexpected, {len(wrong)} of another shape, e.g. {some}); pass the --model "
                         "these weights were trained as")
     model.load_state_dict({k: v for k, v in sd.items() if k in own and k not in head}, strict=False)
     if head:
         log.warning("%s: head %s has %d classes, the data has %d; it starts fresh (fine-tuning)",
-                    what, ", ".join(head), sd[head[0]].shape[0], num_classes)
+                    what, runstate.shown_keys(head, 4), sd[head[0]].shape[0], num_classes)
 
 
 def is_convolutional(model: nn.Module) -> bool:

@@ -356,11 +356,20 @@ def strip_prefixes(sd: dict[str, Any]) -> dict[str, Any]:
     """Remove DDP's 'module.' and torch.compile's '_orig_mod.' prefixes from another tool's keys."""
     out = {}
     for k, v in sd.items():
+        # one slice at the end: cutting a prefix at a time copies the rest of the key each time, hours
+        # for a key of a million prefixes (a file's keys are as long as its bytes allow)
+        start = 0
         for p in ("module.", "_orig_mod."):
-            while k.startswith(p):
-                k = k[len(p):]
-        out[k] = v
+            while k.startswith(p, start):
+                start += len(p)
+        out[k[start:]] = v
     return out
+
+
+def shown_keys(keys: list[str], n: int) -> str:
+    """The first `n` state dict keys for a message: each escaped and cut to 80 characters (a file's keys
+    can be megabytes long and hold newlines), so the message stays one readable line."""
+    return ", ".join(printable(k)[:80] for k in keys[:n])
 
 
 def load_model_state(model: torch.nn.Module, sd: dict[str, Any], source: str | Path, name: str | None = None,
@@ -381,10 +390,10 @@ def load_model_state(model: torch.nn.Module, sd: dict[str, Any], source: str | P
                 and own[k].shape[0] == num_classes and sd[k].shape[1:] == own[k].shape[1:]]
         if head == wrong:
             raise UserError(f"{source}: its metadata says num_classes {num_classes} but its weights' head "
-                            f"{head[0]} has {sd[head[0]].shape[0]} outputs; the file was edited or damaged, "
-                            "use another checkpoint")
+                            f"{shown_keys(head, 1)} has {sd[head[0]].shape[0]} outputs; the file was edited or "
+                            "damaged, use another checkpoint")
     if missing or unexpected or wrong:
-        some = ", ".join((missing + unexpected + wrong)[:4])
+        some = shown_keys(missing + unexpected + wrong, 4)
         raise UserError(f"{source} does not match {arch} ({len(missing)} missing, {len(unexpected)} "
                         f"unexpected keys, {len(wrong)} of another shape, e.g. {some}); the model or the number "
                         "of classes differs from what it was trained with: pass the right --model, or data with "
