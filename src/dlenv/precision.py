@@ -17,7 +17,13 @@ no loss scaling; fp16 does, and its scaler skips a step whose gradients overflow
 from __future__ import annotations
 
 import contextlib
+import itertools
+import json
+import math
+import os
+import platform
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -67,13 +73,19 @@ _CPU_PROBE_STEPS, _CPU_PROBE_BATCH = 2, 8
 
 
 def decide_precision(amp: bool, amp_dtype: str, device: Any,
-                     step_seconds: Callable[[str], float] | None = None) -> tuple[str, str]:
+                     step_seconds: Callable[[str], float] | None = None,
+                     cache: str | Path | None = None, what: str = "") -> tuple[str, str]:
     """(mode, why): the precision a run trains in, and the sentence config.yaml and the log give for it.
 
     As `resolve_precision`, except that --amp on a CPU never makes the run slower: with --amp-dtype auto,
     `step_seconds(mode)` times this model's training step in fp32 and bf16, and bf16 is kept only where
     it was faster. (Many CPUs emulate bfloat16, and autocast's casts then cost more than they save:
     3x slower for ResNet-18 on a 2-core VM, docs/benchmarks.md.) --amp-dtype bf16 forces bf16.
+
+    `cache` (`cpu_amp_cache()`): a file that keeps the verdict per CPU model, torch version, thread
+    count and `what` (the model and size step_seconds times), so the 2-6 s of timing happen once per
+    machine, not at every start. A cache that cannot be read, holds nonsense or cannot be written only
+    means measuring again.
     """
     mode = resolve_precision(amp, amp_dtype, device)
     kind = _device_type(device)
@@ -81,15 +93,104 @@ def decide_precision(amp: bool, amp_dtype: str, device: Any,
         return mode, "no --amp"
     if kind != "cpu" or amp_dtype != "auto" or step_seconds is None:
         return mode, f"--amp --amp-dtype {amp_dtype} on {kind}"
+    key = _machine_key(what)
+    ratio = _kept_ratio(Path(cache), key) if cache is not None else None
+    if ratio is not None:
+        return _cpu_verdict(ratio, f"measured once on this CPU, kept in {cache}")
     fp32 = step_seconds("fp32")
     try:
         bf16 = step_seconds("bf16")
     except RuntimeError as e:  # an op of this model without a bf16 CPU kernel: fp32 trains, bf16 cannot
         return "fp32", f"--amp on this CPU: a bf16 step failed ({str(e).splitlines()[0][:160]}), so training in fp32"
-    if bf16 < fp32:
-        return "bf16", f"--amp on this CPU: a bf16 step took {bf16 / fp32:.2f}x the time of fp32's (measured)"
-    return "fp32", (f"--amp on this CPU: a bf16 step took {bf16 / fp32:.2f}x the time of fp32's (measured: the CPU "
+    ratio = bf16 / fp32
+    if cache is not None:
+        _keep_ratio(Path(cache), key, ratio)
+    return _cpu_verdict(ratio, "measured")
+
+
+def _cpu_verdict(ratio: float, how: str) -> tuple[str, str]:
+    """(mode, why) for a bf16 step that took `ratio` times fp32's."""
+    if ratio < 1:
+        return "bf16", f"--amp on this CPU: a bf16 step took {ratio:.2f}x the time of fp32's ({how})"
+    return "fp32", (f"--amp on this CPU: a bf16 step took {ratio:.2f}x the time of fp32's ({how}: the CPU "
                     "emulates bfloat16), so training in fp32; --amp-dtype bf16 forces bf16")
+
+
+#: bounds on the CPU AMP cache: a ratio outside them is not a measurement but a damaged file; the file
+#: keeps the newest _CACHE_ENTRIES verdicts and is not read past _CACHE_BYTES
+_RATIO_RANGE, _CACHE_ENTRIES, _CACHE_BYTES = (0.01, 100.0), 64, 64 * 1024
+
+
+def cpu_amp_cache() -> Path | None:
+    """Where `decide_precision` keeps its CPU verdicts: $XDG_CACHE_HOME/dlenv/cpu-amp.json, else
+    ~/.cache/dlenv/cpu-amp.json (a relative XDG_CACHE_HOME is ignored, as the XDG spec says); None
+    where there is no home folder."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    try:
+        root = Path(base) if os.path.isabs(base) else Path.home() / ".cache"
+    except (KeyError, RuntimeError):  # no HOME and no passwd entry (docker run --user 12345)
+        return None
+    return root / "dlenv" / "cpu-amp.json"
+
+
+def _cpu_name() -> str:
+    """The CPU's model string (/proc/cpuinfo's first "model name"), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in itertools.islice(fh, 100):  # the first CPU's block names it
+                name, _, value = line.partition(":")
+                if name.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _machine_key(what: str) -> str:
+    key = f"{_cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    return f"{key} | {what[:200]}" if what else key
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    """The cache's verdicts ({key: {"bf16_over_fp32": ratio}}), {} when it is missing or unreadable."""
+    from dlenv.safeio import read_text
+
+    try:
+        data = json.loads(read_text(path, _CACHE_BYTES, "CPU AMP cache"))
+    except (OSError, UserError, ValueError):  # missing, not a regular file, too big, not UTF-8 or JSON
+        return {}
+    verdicts = data.get("verdicts") if isinstance(data, dict) and data.get("version") == 1 else None
+    return verdicts if isinstance(verdicts, dict) else {}
+
+
+def _kept_ratio(path: Path, key: str) -> float | None:
+    return _ratio_of(_read_cache(path).get(key))
+
+
+def _ratio_of(entry: Any) -> float | None:
+    """An entry's bf16/fp32 time ratio, or None unless it is a number within _RATIO_RANGE."""
+    ratio = entry.get("bf16_over_fp32") if isinstance(entry, dict) else None
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+        return None
+    return float(ratio) if _RATIO_RANGE[0] <= ratio <= _RATIO_RANGE[1] else None  # nan fails both
+
+
+def _keep_ratio(path: Path, key: str, ratio: float) -> None:
+    """Add the verdict to the cache atomically; any failure is silent (the next run measures again)."""
+    from dlenv.atomic import write_atomic
+
+    entry = {"bf16_over_fp32": round(ratio, 4)} if math.isfinite(ratio) else None
+    if _ratio_of(entry) is None:
+        return
+    verdicts = {k: v for k, v in _read_cache(path).items() if k != key and _ratio_of(v) is not None}
+    verdicts[key] = entry
+    verdicts = dict(list(verdicts.items())[-_CACHE_ENTRIES:])  # the newest; a file that cannot grow
+    text = json.dumps({"version": 1, "verdicts": verdicts}, indent=1) + "\n"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    except (OSError, UserError):
+        pass
 
 
 def cpu_step_seconds(build: Callable[[], torch.nn.Module], mode: str, img_size: int, num_classes: int) -> float:
