@@ -8,6 +8,7 @@ here: `dlenv --help` imports this module.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,3 +86,26 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise UserError(f"config file {p} must hold a mapping of option: value, not a "
                         f"{type(data).__name__}")
     return data
+
+
+def options_in(yaml_file: str | Path, valid: set[str], train: set[str], keep: tuple[str, ...], command: str,
+               say: Callable[[str], None]) -> dict[str, Any]:
+    """The options named `valid` in a --cfg file. A run's config.yaml (it holds `train`'s options, which a
+    command other than train lacks) gives that command only `keep`, the rest left out in one line said
+    through `say`; a key that no command has is refused with the list of valid ones."""
+    data = load_yaml(yaml_file)
+    names = {key: str(key).replace("-", "_") for key in data}
+    is_train = valid == train
+    unknown = [key for key, name in names.items() if name not in valid and (is_train or name not in train)]
+    if unknown:
+        raise UserError(f"unknown option {str(unknown[0])!r} in config file {yaml_file}; valid options: "
+                        f"{', '.join(sorted(f.replace('_', '-') for f in valid))}")
+    if all(name in valid for name in names.values()):
+        return data
+    taken = {key: v for key, v in data.items() if names[key] in set(keep) & valid}
+    what = (f"takes {', '.join('--' + names[k].replace('_', '-') for k in taken)} from it and leaves" if taken
+            else "leaves")
+    why = " (the checkpoint says what it was trained on)" if "weights" in valid else ""
+    say(f"config file {yaml_file} holds a training run's options: dlenv {command} {what} the other "
+        f"{len(data) - len(taken)} out{why}")
+    return taken

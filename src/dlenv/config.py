@@ -16,59 +16,37 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dlenv.cfgfile import load_yaml
-from dlenv.cpus import usable_cpus
+from dlenv.cfgfile import options_in
 from dlenv.errors import UserError
 from dlenv.pretrained import parse_pretrained
 from dlenv.usermodel import model_args_text
 from dlenv.values import (
     auto_float,
     auto_int,
+    flag,  # noqa: F401 (config.flag: the spelling of an option on the command line)
     folder_name,
     int_list,
     int_or_auto,
     on_off_auto,
+    opt,
     parse_bool,
     parse_float,
     parse_int,
+    parse_option,
     parse_str,
     ratio_or_auto,
     scale_range_or_auto,
+    workers_here,
     workers_or_auto,
 )
 
 # Value parsers (dlenv.values): each takes the string a user typed (or a YAML value) and returns the
 # typed value, raising ValueError with a short reason.
 _bool, _int, _float, _str = parse_bool, parse_int, parse_float, parse_str
-
-_PARSERS: dict[type, Callable[[Any], Any]] = {bool: _bool, int: _int, float: _float, str: _str}
-
-
-def opt(default: Any, help: str, *, parse: Callable[[Any], Any] | None = None,
-        choices: tuple[str, ...] | None = None, positional: bool = False,
-        min: float | None = None, max: float | None = None, why: str | None = None,
-        here: Callable[[], tuple[int, str]] | None = None, bare: str | None = None) -> Any:
-    """Declare one option: its default, its help line, and how a string becomes its value.
-
-    `parse` defaults to the type of `default`; give it when the default is None or mixed ('auto'|int).
-    `min`/`max` bound numbers (inclusive; each number of a list); `why` ends the line of a value over
-    `max`. `here` is a bound that depends on this machine: () -> (most, why), applied to what a user
-    gives now (flags, --cfg), not to the options a saved run was made with. `choices` bound strings.
-    `bare` is the value of the flag given without one (`--compile` = `--compile on`), for options that
-    were once plain switches.
-    """
-    if parse is None:
-        if default is None:
-            raise TypeError("an option whose default is None needs parse=")
-        parse = _PARSERS[type(default)]
-    return field(default=default, metadata={
-        "help": help, "parse": parse, "choices": choices, "positional": positional,
-        "min": min, "max": max, "why": why, "here": here, "bare": bare,
-    })
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -87,21 +65,6 @@ _BATCH_WHY = "2^20 images, far more than any GPU holds; use auto for the largest
 #: here). 1,000,000 px used to reach the model's forward and ask torch for 24 TB
 IMG_SIZE_MAX = 2048
 _IMG_WHY = "the largest image size dlenv trains, validates or reads from a checkpoint"
-#: --workers may be at most max(WORKERS_FLOOR, WORKERS_PER_CPU x the CPUs this process may use):
-#: refused, not capped, so a run does what its config.yaml says. Loading waits on files as well as
-#: CPUs, so a few workers per CPU can pay; thousands only spawn processes (10,000 were started)
-WORKERS_FLOOR, WORKERS_PER_CPU = 64, 4
-
-
-def workers_here() -> tuple[int, str]:
-    """(the most --workers on this machine, why), for `opt(here=)`."""
-    cpus = usable_cpus()
-    most = max(WORKERS_FLOOR, WORKERS_PER_CPU * cpus)
-    return most, (f"the most worker processes dlenv starts here ({WORKERS_PER_CPU} x the {cpus} CPU"
-                  f"{'s' if cpus != 1 else ''} this process may use, at least {WORKERS_FLOOR}); use auto "
-                  "or a smaller number")
-
-
 def _trust_pickle() -> Any:
     """--trust-pickle, declared once for every command that reads weights files (dlenv.weights)."""
     return opt(False, "hand torch.load(weights_only=True) a .pth that holds more than tensors and plain data "
@@ -449,39 +412,6 @@ def options(cls: type) -> list[dataclasses.Field]:
     return list(dataclasses.fields(cls))
 
 
-def flag(name: str) -> str:
-    """'batch_size' -> '--batch-size'."""
-    return "--" + name.replace("_", "-")
-
-
-def _parse_one(cls: type, f: dataclasses.Field, value: Any, here: bool = True) -> Any:
-    md = f.metadata
-    if value is None:
-        if f.default is None:
-            return None
-        raise UserError(f"{flag(f.name)} needs a value (default: {f.default})")
-    try:
-        v = md["parse"](value)
-    except (TypeError, ValueError) as e:
-        raise UserError(f"{flag(f.name)} {value!r}: {e}; see --help") from None
-    if md["choices"] and v not in md["choices"]:
-        raise UserError(f"{flag(f.name)} {value!r} is not one of: {', '.join(md['choices'])}")
-    numbers = list(v) if isinstance(v, tuple) else [v]  # a list's bounds hold for each of its numbers
-    for x in numbers:
-        if not isinstance(x, (int, float)) or isinstance(x, bool):
-            continue
-        if md["min"] is not None and x < md["min"]:
-            raise UserError(f"{flag(f.name)} {value!r} is below its minimum {md['min']}")
-        if md["max"] is not None and x > md["max"]:
-            why = f" ({md['why']})" if md["why"] else ""
-            raise UserError(f"{flag(f.name)} {value!r} is above its maximum {md['max']:,}{why}")
-        if here and md["here"] is not None:
-            most, why = md["here"]()
-            if x > most:
-                raise UserError(f"{flag(f.name)} {value!r} is above {most:,}, {why}")
-    return v
-
-
 #: what a command other than train takes from a run's config.yaml (train's options, every one): the
 #: options that mean the same there. The others are left out, in one line: train's --weights is the
 #: file it started from, not the one to validate; its --data given to val would validate on every image
@@ -503,26 +433,10 @@ def _command_of(cls: type) -> str:
 
 
 def _from_file(cls: type, yaml_file: str | Path, say: Callable[[str], None]) -> dict[str, Any]:
-    """The options of `cls` in a --cfg file. A run's config.yaml (it holds options of train that `cls`
-    lacks) gives another command only what `_FROM_RUN` names, the rest left out in one line; a key that
-    no command has is refused with the list of valid ones."""
-    data = load_yaml(yaml_file)
-    valid = {f.name for f in options(cls)}
-    names = {key: str(key).replace("-", "_") for key in data}
-    train = {f.name for f in options(TrainConfig)}
-    unknown = [key for key, name in names.items() if name not in valid and (cls is TrainConfig or name not in train)]
-    if unknown:
-        raise UserError(f"unknown option {str(unknown[0])!r} in config file {yaml_file}; valid options: "
-                        f"{', '.join(sorted(f.replace('_', '-') for f in valid))}")
-    if all(name in valid for name in names.values()):
-        return data
-    keep = set(_FROM_RUN.get(cls, ())) & valid
-    taken = {key: v for key, v in data.items() if names[key] in keep}
-    what = (f"takes {', '.join(flag(names[k]) for k in taken)} from it and leaves" if taken else "leaves")
-    why = " (the checkpoint says what it was trained on)" if "weights" in valid else ""
-    say(f"config file {yaml_file} holds a training run's options: dlenv {_command_of(cls)} {what} the other "
-        f"{len(data) - len(taken)} out{why}")
-    return taken
+    """The options of `cls` in a --cfg file (dlenv.cfgfile.options_in: a run's config.yaml gives another
+    command only what `_FROM_RUN` names)."""
+    return options_in(yaml_file, {f.name for f in options(cls)}, {f.name for f in options(TrainConfig)},
+                      () if cls is TrainConfig else _FROM_RUN.get(cls, ()), _command_of(cls), say)
 
 
 def build(cls: type, yaml_file: str | Path | None = None, /, **given: Any) -> Any:
@@ -551,7 +465,7 @@ def _build(cls: type, yaml_file: str | Path | None, given: dict[str, Any], here:
     values = {}
     for name, v in merged.items():
         try:
-            values[name] = _parse_one(cls, valid[name], v, here)
+            values[name] = parse_option(valid[name], v, here)
         except UserError as e:
             if name in from_file:  # say where the bad value came from
                 raise UserError(f"{e} (set in config file {yaml_file})") from None
