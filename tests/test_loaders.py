@@ -230,3 +230,26 @@ def test_close_stops_persistent_workers_and_a_later_pass_starts_new_ones(layout)
     assert sorted(_labels(train)) == sorted(first)
     train.close()
     assert not set(multiprocessing.active_children()) - before
+
+
+@pytest.mark.parametrize("n_bad, workers", [(1, 0), (3, 0), (4, 0), (30, 0), (30, 2)])
+def test_many_unreadable_files_are_a_few_lines_not_one_each(tmp_path, n_bad, workers, caplog):
+    """30,000 empty files printed 30,000 lines: the first few are named, the rest counted in one line."""
+    from dlenv.data.badimages import SKIPPED_SHOWN
+
+    make_image_folder(tmp_path, classes=("a", "b"), per_class=2, size=(16, 16))
+    for i in range(n_bad):
+        (tmp_path / "a" / f"empty{i:03d}.jpg").write_bytes(b"")
+    samples = list(find_layout(tmp_path, val_split=0.0).train)
+    caplog.set_level(logging.WARNING, "dlenv.data")
+    loader = build_eval_loader(samples, 16, batch_size=8, workers=workers)
+    for _ in range(2):  # two passes: nothing is said twice
+        assert sum(len(y) for _, y in loader) == len(samples)
+    said = [r.getMessage() for r in caplog.records if "unreadable" in r.getMessage()]
+    assert len(loader.bad_paths) == n_bad
+    if n_bad <= SKIPPED_SHOWN:
+        assert len(said) == n_bad, said
+    else:
+        assert len(said) == SKIPPED_SHOWN + 2, said  # the first few, "counted, not listed", the total
+        assert said[-1].startswith(f"skipping {n_bad:,} unreadable images:") and f"{n_bad - SKIPPED_SHOWN:,} more" \
+            in said[-1]

@@ -37,9 +37,9 @@ from tokenize import TokenError
 import numpy as np
 
 from dlenv.atomic import write_atomic, write_bytes, write_file
+from dlenv.data.badimages import skipped_line
 from dlenv.data.decode import decode_stored
 from dlenv.data.loaders import BadImageError, bad_image_reason
-from dlenv.data.report import skipped_line
 from dlenv.errors import UserError
 from dlenv.safeio import SMALL_FILE, open_regular, read_regular
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dlenv.data.badimages import note_skipped
 from dlenv.data.decode import exif_orientation, is_jpeg, load_rgb, upright
 from dlenv.data.fastpath import SampledSource, chunks
 from dlenv.data.loaders import BadImageError, bad_image_reason
@@ -186,9 +187,7 @@ def _fill_in(images: list[torch.Tensor | None], paths: list[str], decode_one: Ca
     for k, reason in bad:
         if bad_images == "error" or not good:
             raise BadImageError(paths[k], reason)
-        if paths[k] not in bad_paths:
-            bad_paths[paths[k]] = reason
-            log.warning("skipping unreadable image %s (%s)", paths[k], reason)
+        note_skipped(bad_paths, paths[k], reason)
         images[k] = images[next((g for g in good if g > k), good[0])]  # the next readable one
 
 

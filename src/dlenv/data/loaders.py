@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from dlenv.cpus import auto_workers, usable_cpus, workers_that_fit
+from dlenv.data.badimages import SKIPPED_SHOWN, note_skipped, skipped_line
 from dlenv.data.decode import decode_rgb, load_rgb, stored_size
 from dlenv.data.sampler import lone_last
 from dlenv.errors import UserError
@@ -122,7 +123,7 @@ class ImageDataset(Dataset):
         #: set by this module's loaders: hand bad files to the main process instead of raising/logging
         self.report_in_main = False
         self._known_bad: dict[int, str] = {}
-        self._logged: set[str] = set()
+        self._logged: dict[str, str] = {}
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -158,9 +159,7 @@ class ImageDataset(Dataset):
     def _substituted(self, item: tuple, bad: list[tuple[str, str]]) -> Any:
         if not self.report_in_main:
             for path, reason in bad:
-                if path not in self._logged:
-                    self._logged.add(path)
-                    log.warning("skipping unreadable image %s (%s)", path, reason)
+                note_skipped(self._logged, path, reason)
             return item
         out = _Item(item)
         out.bad = bad
@@ -200,6 +199,7 @@ class SafeLoader(DataLoader):
             kwargs["worker_init_fn"] = partial(_worker_start, kwargs.get("worker_init_fn"))
         super().__init__(dataset, collate_fn=_collate, **kwargs)
         self.bad_paths: dict[str, str] = {}
+        self._summed = 0
 
     def __iter__(self):
         # DataLoader's iterator (and its worker processes) made now, in the caller's thread; only the
@@ -217,11 +217,12 @@ class SafeLoader(DataLoader):
                     raise BadImageError(*batch.args)
                 if isinstance(batch, _Flagged):
                     for path, reason in batch.bad:
-                        if path not in self.bad_paths:
-                            self.bad_paths[path] = reason
-                            log.warning("skipping unreadable image %s (%s)", path, reason)
+                        note_skipped(self.bad_paths, path, reason)
                     batch = batch.batch
                 yield batch
+            if len(self.bad_paths) > SKIPPED_SHOWN and len(self.bad_paths) != self._summed:
+                self._summed = len(self.bad_paths)  # the pass's one line for all it skipped
+                log.warning("%s", skipped_line(self.bad_paths))
         except GeneratorExit:  # a pass left early: its own workers stop; persistent ones serve the next pass
             if not self.persistent_workers:
                 _shut_down(batches)

@@ -238,20 +238,6 @@ def dataset_report(root: str | Path, val_split: float = 0.2, seed: int = 0, chec
 
 #: paths shown per group of identical files in the text report (--json lists all)
 LEAK_PATHS_SHOWN = 3
-#: unreadable files named in the one line that says they are skipped
-SKIPPED_SHOWN = 3
-
-
-def skipped_line(bad: dict[str, str]) -> str:
-    """One line for the unreadable images a run skips ({path: reason}, not empty): the first
-    SKIPPED_SHOWN with their reasons, then a count of the rest, however many there are."""
-    shown = list(bad.items())[:SKIPPED_SHOWN]
-    more = len(bad) - len(shown)
-    return (f"skipping {len(bad):,} unreadable image{'s' if len(bad) != 1 else ''}: "
-            + ", ".join(f"{printable(p)} ({printable(r)})" for p, r in shown)
-            + (f" and {more:,} more; dlenv data-report DIR lists them all" if more else ""))
-
-
 def flip_hint(classes: list[str]) -> str:
     """The report's line on horizontal flips, which training does by default (--augment): a warning where
     most class names are single characters (digits, letters: a mirrored 'b' is a 'd', a mirrored '3' no
