@@ -21,6 +21,30 @@ def _fresh_invocation(monkeypatch):
     monkeypatch.setenv("DLENV_COMMAND", "")
 
 
+@pytest.fixture(autouse=True)
+def _gpu_memory_census(request):
+    """DLENV_GPU_CENSUS=FILE: for each GPU test, the CUDA memory its tensors still hold after it (live
+    tensors after gc, not the allocator's cache) appended to FILE, to find what one run leaves for the
+    next in one process (a notebook, --batch-size auto then training, a test session)."""
+    out = os.environ.get("DLENV_GPU_CENSUS")
+    if not out or "gpu" not in request.keywords or not _cuda_available():
+        yield
+        return
+    import gc
+
+    import torch
+
+    gc.collect()
+    before = torch.cuda.memory_allocated()
+    yield
+    gc.collect()
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_allocated()
+    with open(out, "a", encoding="utf-8") as fh:
+        fh.write(f"{(after - before) / 2**20:10.1f} MiB left ({after / 2**30:.2f} GiB live, "
+                 f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB reserved)  {request.node.nodeid}\n")
+
+
 def pytest_addoption(parser):
     parser.addoption("--image", default=None, help="image to test in tests/container (e.g. dlenv:cu116)")
 

@@ -173,16 +173,22 @@ def test_auto_decodes_on_the_gpu_only_for_jpegs_on_cuda(tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_auto_picks_nvjpeg_where_this_torchvision_batch_decodes_on_cuda(tmp_path):
+def test_auto_on_cuda_prefers_the_jpeg_engines_then_nvjpeg_then_the_cpu(tmp_path):
+    """The order resolve_decoder documents: nvImageCodec on the JPEG engines where they and the library are
+    there; else torchvision's batch decode on CUDA where it works; else a CPU decoder."""
     import torch
 
     from dlenv import compat
+    from dlenv.data import decode
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     files = [str(photo(tmp_path / f"{i}.jpg", seed=i)) for i in range(4)]
-    expected = compat.cuda_jpeg_batch_decode() and compat.cuda_jpeg_unavailable("cuda") is None
-    assert (resolve_decoder("auto", files, 32, gpu="cuda") == "nvjpeg") == expected
+    got = resolve_decoder("auto", files, 32, gpu="cuda", workers=2)
+    engines = decode.prefer_engines(files, "cuda", 256, 2)
+    nvjpeg = compat.cuda_jpeg_batch_decode() and compat.cuda_jpeg_unavailable("cuda") is None
+    want = "nvimgcodec" if engines else "nvjpeg" if nvjpeg else None
+    assert got == want if want else got in decode.CPU_DECODERS, (got, engines, nvjpeg)
 
 
 def _rotated_jpeg(path, orientation, w=50, h=30):
