@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from imagedata import make_image_folder
 
-from dlenv import config
+from dlenv import cfgfile, config
 from dlenv.errors import EXIT_INPUT, EXIT_OK, UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,7 +188,7 @@ def test_cfg_alias_refused_before_it_expands(tmp_path):
     y = _write(tmp_path / "b.yaml", (_LAUGHS + "\nmodel_args: *i\n").encode())
     t = time.perf_counter()
     with pytest.raises(UserError, match="alias"):
-        config.load_yaml(y)
+        cfgfile.load_yaml(y)
     assert time.perf_counter() - t < 1.0
 
 
