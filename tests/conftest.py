@@ -22,6 +22,13 @@ def _fresh_invocation(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _own_cache_folder(tmp_path_factory, monkeypatch):
+    """Tests (and the dlenv processes they start) keep dlenv's per-machine verdicts (the CPU AMP check)
+    in a folder of their own, never the machine's ~/.cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg-cache"))
+
+
+@pytest.fixture(autouse=True)
 def _gpu_memory_census(request):
     """DLENV_GPU_CENSUS=FILE: for each GPU test, the CUDA memory its tensors still hold after it (live
     tensors after gc, not the allocator's cache) appended to FILE, to find what one run leaves for the

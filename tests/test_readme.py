@@ -145,7 +145,7 @@ def test_readme_cpu_commands_exactly_as_printed(tmp_path):
     rows = (repo / "runs" / "exp" / "results.csv").read_text().splitlines()
     top1 = float(rows[-1].split(",")[rows[0].split(",").index("top1")])
     assert top1 >= 90.0, f"the demo's CPU recipe ended at top-1 {top1}"
-    assert "invoke:" in first.stdout and (home / ".invoke.yaml").is_file()
+    assert "setup-cpu: `dlenv VERB`" in first.stdout and not (home / ".invoke.yaml").exists()
     second = _timed(_block("cpu-tests"), repo, env, tmp_path / "command2.log")
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert re.search(r"tests \d+/\d+ .*ETA", second.stdout)

@@ -28,6 +28,7 @@ import torch
 
 from dlenv import pretrained
 from dlenv.atomic import check_output, write_bytes
+from dlenv.data.folder import class_key
 from dlenv.devices import resolve_device
 from dlenv.errors import EXIT_NONFINITE, UserError
 
@@ -367,7 +368,9 @@ def match_classes(data_classes: list[str], ckpt_classes: list[str], bare: bool, 
     """Map each data class index to the checkpoint's class index; UserError naming any difference.
 
     A bare state dict has no class names: the data's (sorted) classes are taken when the counts agree.
+    Names are compared in Unicode NFC (a folder spelled NFD on one machine is the same class).
     """
+    data_classes, ckpt_classes = [class_key(c) for c in data_classes], [class_key(c) for c in ckpt_classes]
     if bare:
         if len(data_classes) != len(ckpt_classes):
             raise UserError(f"{where} has {len(data_classes)} classes but the state dict's head has "

@@ -239,12 +239,14 @@ def resolve(cfg: TrainConfig, resume: Any, dist: distributed.DistInfo, device: t
 
 
 def _precision(cfg: TrainConfig, device: torch.device, spec: ModelSpec) -> Decision:
-    from dlenv.precision import cpu_step_seconds, decide_precision
+    from dlenv.precision import cpu_amp_cache, cpu_step_seconds, decide_precision
 
     def step_seconds(mode: str) -> float:  # CPU --amp: bf16 only where it is faster for this model
         return cpu_step_seconds(lambda: spec.build(with_weights=False), mode, spec.img_size.value, spec.num_classes)
 
-    return Decision(*decide_precision(cfg.amp, cfg.amp_dtype, device, step_seconds))
+    # the CPU's verdict is measured once per machine, model and size, and kept (seconds per start)
+    return Decision(*decide_precision(cfg.amp, cfg.amp_dtype, device, step_seconds, cache=cpu_amp_cache(),
+                                      what=f"{spec.name} at {spec.img_size.value} px"))
 
 
 def _dtype(mode: str) -> torch.dtype:
