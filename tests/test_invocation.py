@@ -83,33 +83,3 @@ def test_the_next_command_goes_through_the_same_front_door(monkeypatch, used, wa
     else:
         monkeypatch.setenv(invocation.ENV, used)
     assert invocation.command("val", "--weights w.pth") == want
-
-
-def test_set_up_invoke_writes_the_user_config_once_and_leaves_yours_alone(tmp_path):
-    line = invocation.set_up_invoke(tmp_path)
-    config = (tmp_path / ".invoke.yaml").read_text()
-    assert "wrote" in line and f"search_root: {invocation.invoke_root()}" in config
-    assert "already points" in invocation.set_up_invoke(tmp_path)
-    (tmp_path / ".invoke.yaml").write_text("run:\n  echo: true\n")
-    assert "left alone" in invocation.set_up_invoke(tmp_path) and "search_root" in invocation.set_up_invoke(tmp_path)
-    assert (tmp_path / ".invoke.yaml").read_text() == "run:\n  echo: true\n"
-
-
-def test_invoke_finds_dlenv_from_any_folder_once_set_up(tmp_path):
-    """Outside the image, in a folder with no tasks.py: 'Can't find any collection' before, the verbs after."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    src = Path(invocation.__file__).resolve().parents[1]
-    env = {**os.environ, "HOME": str(tmp_path),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(src), os.environ.get("PYTHONPATH")]))}
-    elsewhere = tmp_path / "project"
-    elsewhere.mkdir()
-    before = subprocess.run([sys.executable, "-m", "invoke", "--list"], cwd=elsewhere, env=env, capture_output=True,
-                            text=True, timeout=120)
-    assert before.returncode != 0 and "Can't find any collection" in before.stdout + before.stderr
-    invocation.set_up_invoke(tmp_path)
-    after = subprocess.run([sys.executable, "-m", "invoke", "--list"], cwd=elsewhere, env=env, capture_output=True,
-                           text=True, timeout=120)
-    assert after.returncode == 0 and "train" in after.stdout and "verify-env" in after.stdout, after.stderr

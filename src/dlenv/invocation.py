@@ -57,27 +57,3 @@ def command(verb: str, args: str) -> str:
         if used.startswith(front + " "):
             return f"{front} {verb} {args}"
     return f"dlenv {verb} {args}"
-
-
-def invoke_root() -> Path:
-    """The folder `tasks.search_root` names so that `invoke VERB` finds dlenv's tasks from anywhere."""
-    return Path(__file__).resolve().parent / "invokeroot"
-
-
-def set_up_invoke(home: str | Path | None = None) -> str:
-    """Make `invoke VERB` work from any folder for this user, once: write ~/.invoke.yaml with dlenv's search
-    root when there is none; leave an existing one alone. Returns the line that says which happened."""
-    config = Path(home if home is not None else Path.home()) / ".invoke.yaml"
-    line = f"tasks:\n  search_root: {invoke_root()}\n"
-    if config.exists():
-        if str(invoke_root()) in config.read_text(errors="replace"):
-            return f"invoke: {config} already points at dlenv's tasks; `invoke VERB` works from any folder"
-        return (f"invoke: {config} exists, so it was left alone; for `invoke VERB` from any folder add "
-                f"tasks: {{search_root: {invoke_root()}}} to it (else run invoke from this checkout)")
-    config.write_text("# written by dlenv (scripts/setup-cpu.sh): `invoke VERB` finds dlenv's tasks from any folder;\n"
-                      "# your own tasks: invoke -r . TASK\n" + line)
-    return f"invoke: wrote {config} (tasks.search_root: dlenv's tasks), so `invoke VERB` works from any folder"
-
-
-if __name__ == "__main__":  # python -m dlenv.invocation: scripts/setup-cpu.sh's last step
-    print(set_up_invoke())
