@@ -355,3 +355,31 @@ def test_the_train_package_runs_nothing_of_the_trainer_for_its_loop():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["['dlenv.train',", "'dlenv.train.loop']"]
+
+
+@pytest.mark.parametrize("resume_workers, exact", [("auto", True), (0, True), (2, False)],
+                         ids=["as printed (no --workers)", "--workers as the run", "--workers 2"])
+def test_a_resume_takes_the_runs_worker_count_unless_told(tmp_path, data, tiny, capsys, resume_workers, exact):
+    """Augmentation in DataLoader workers draws its random stream per worker: the printed resume (no
+    --workers, so 'auto') must continue with the run's count, or the resume is not exact (issue 33)."""
+    opts = dict(epochs=2, batch_size=2, workers=0, augment="standard")
+    full = train_mod.train(tiny_config(tmp_path / "a", data, **opts))
+
+    def on_step(state):
+        if state.step == 3:
+            signal.raise_signal(signal.SIGTERM)
+
+    part = train_mod.train(tiny_config(tmp_path / "b", data, **opts), on_step=on_step)
+    assert part["exit_code"] == 143
+    capsys.readouterr()
+    last = Path(part["run_dir"]) / "last.pth"
+    resumed = train_mod.train(tiny_config(tmp_path / "c", data, resume=str(last), workers=resume_workers))
+    out = capsys.readouterr().out
+    assert resumed["exit_code"] == 0
+    said = [ln for ln in out.splitlines() if "not exact" in ln]
+    a, b = _final(Path(full["run_dir"])), _final(Path(resumed["run_dir"]))
+    if exact:
+        assert not said and state_equal(a["model"], b["model"])
+    else:
+        assert len(said) == 1 and "--workers 2 (the run's 0)" in said[0], out
+        assert b["config"]["workers"] == 2 and not state_equal(a["model"], b["model"])

@@ -74,6 +74,9 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
     if resume is not None and resume.ignored:
         say(f"--resume continues {resume.run_dir} with its saved options; ignoring {', '.join(resume.ignored)} "
             f"(to change them, start a new run from its weights: --weights {cfg.resume})")
+    if resume is not None and resume.inexact:
+        say(f"--resume with {', '.join(resume.inexact)}: augmentation in DataLoader workers draws its random "
+            "stream per worker, so this resume is not exact (leave the flag out to continue with the run's)")
     device = resolve_device(cfg.device, dist.local_rank)
     _seed_everything(cfg.seed + dist.rank, cfg.deterministic, device)
     cfg, recipe = train_defaults(cfg, device.type)  # options left to auto; the demo's CPU recipe

@@ -33,6 +33,10 @@ from dlenv.train.loop import NonFiniteLoss, Parts, TrainState
 #: Options a resumed run takes from the new command: where it runs, not what it computes.
 RESUME_FROM_COMMAND = ("device", "workers", "gpus", "nnodes", "node_rank", "master_addr", "master_port",
                        "dist_timeout", "trust_pickle")
+#: ... except when the command leaves them at their default: then the run's own value, because it changes
+#: the numbers (augmentation in DataLoader workers draws its random stream per worker: another count, other
+#: crops; the printed resume command names no --workers, and must be exact)
+RESUME_FROM_RUN_UNLESS_GIVEN = ("workers",)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -156,6 +160,7 @@ class Resume:
     ckpt: dict[str, Any] | None
     path: Path
     ignored: list[str]          # flags given that a resume cannot change
+    inexact: list[str] = dataclasses.field(default_factory=list)  # given flags that make it differ from the run
     best: dict[str, Any] | None = None  # best_model.pth's content when the saved state is the best one
 
     @property
@@ -176,13 +181,13 @@ def open_resume(cfg: TrainConfig) -> tuple[TrainConfig, Resume | None]:
     path = runs.find_resume(cfg.resume, cfg.project)
     ckpt = runstate.load_checkpoint(path, weights.LoadPolicy.of(cfg))
     modelsource.check_resume(ckpt, cfg.model, f"--resume {path}")  # a model of your own: the import rule
-    cfg, ignored = resume_config(ckpt, cfg, path)
-    return cfg, Resume(ckpt, path, ignored)
+    cfg, ignored, inexact = resume_config(ckpt, cfg, path)
+    return cfg, Resume(ckpt, path, ignored, inexact)
 
 
-def resume_config(ckpt: dict[str, Any], given: TrainConfig, path: Path) -> tuple[TrainConfig, list[str]]:
+def resume_config(ckpt: dict[str, Any], given: TrainConfig, path: Path) -> tuple[TrainConfig, list[str], list[str]]:
     """(the saved run's options with only where it runs taken from this command, the flags given that a
-    resume cannot change)."""
+    resume cannot change, the flags given that make it differ from the run: 'FLAG N (the run's M)')."""
     if not runstate.is_dlenv_checkpoint(ckpt) or "config" not in ckpt or "optimizer" not in ckpt:
         raise UserError(f"--resume {path}: not a dlenv training checkpoint (no optimizer state); "
                         "pass a last.pth from runs/<name>/, or start from its weights with --weights")
@@ -192,7 +197,14 @@ def resume_config(ckpt: dict[str, Any], given: TrainConfig, path: Path) -> tuple
                if f.name not in (*RESUME_FROM_COMMAND, "resume")
                and getattr(given, f.name) != f.default and getattr(given, f.name) != getattr(saved, f.name)]
     kept = {name: getattr(given, name) for name in RESUME_FROM_COMMAND}
-    return dataclasses.replace(saved, resume=str(path), **kept), ignored
+    defaults = {f.name: f.default for f in config.options(TrainConfig)}
+    inexact = []
+    for name in RESUME_FROM_RUN_UNLESS_GIVEN:
+        if kept[name] == defaults[name]:
+            kept[name] = getattr(saved, name)
+        elif kept[name] != getattr(saved, name):
+            inexact.append(f"{config.flag(name)} {kept[name]} (the run's {getattr(saved, name)})")
+    return dataclasses.replace(saved, resume=str(path), **kept), ignored, inexact
 
 
 def restore(resume: Resume, parts: Parts, state: TrainState, sampler: Any) -> dict[str, Any]:
