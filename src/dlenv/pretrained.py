@@ -31,11 +31,13 @@ No torch or timm import at module level: dlenv.config imports `parse_pretrained`
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
 import sys
 import urllib.error
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -336,7 +338,14 @@ def _fetch_torchvision(w: Weights, progress: bool) -> Path:
         # file is judged like any --weights file before it is moved into the cache, so a forged file
         # served by a mirror never lands there (the 8-digit prefix is no proof: a forger matches it)
         _say_download(w.url, dest)
-        torch.hub.download_url_to_file(w.url, str(part), hash_prefix=w.hash_prefix, progress=progress)
+        with warnings.catch_warnings():
+            # torch.hub's downloader leaves its HTTP response to the garbage collector (1.13 to 2.14): an
+            # "unclosed socket" ResourceWarning later, somewhere else. Collected here, where it is known.
+            warnings.simplefilter("ignore", ResourceWarning)
+            try:
+                torch.hub.download_url_to_file(w.url, str(part), hash_prefix=w.hash_prefix, progress=progress)
+            finally:
+                gc.collect()
         _judge(part, w)
         _readable(part)
         os.replace(part, dest)
