@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import time
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +93,42 @@ def test_run_eta_has_an_estimate_from_the_first_step_then_the_measured_rate():
     clock.t += 9
     eta.trained(9)  # now measured: 1 s a batch
     assert eta.seconds_left() == pytest.approx(20 * 1 + 3 * 2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The trainer's img/s: the bar's last number is the epoch line's and results.csv's (one definition).
+
+
+def test_the_bar_and_the_epoch_line_give_one_img_per_s(tmp_path, data, tiny, monkeypatch, capsys):
+    """A first step 0.3 s slower than the rest (as a warm-up, the workers' start or a first allocation
+    makes it) used to leave the bar at the later batches' rate and the epoch line at the epoch's: two
+    numbers for one epoch. Both (and results.csv) are now the epoch's images over its training time."""
+    import re
+
+    import tinymodels
+    from tinymodels import tiny_config
+
+    from dlenv import results
+    from dlenv import train as train_mod
+
+    forward, calls = tinymodels.Tiny.forward, []
+
+    def slow_first(self, x):
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(0.3)
+        return forward(self, x)
+
+    monkeypatch.setattr(tinymodels.Tiny, "forward", slow_first)
+    summary = train_mod.train(tiny_config(tmp_path, data, epochs=1))
+    out = capsys.readouterr().out
+    speed = r"  ([\d,]+) img/s  "
+    bar = [ln for ln in out.splitlines() if ln.startswith("epoch 1/1 4/4 (100%)")]
+    line = [ln for ln in out.splitlines() if ln.startswith("epoch 1/1: ")]
+    assert len(bar) == 1 and len(line) == 1, out
+    shown = {what: float(re.search(speed, text[0]).group(1).replace(",", "")) for what, text in
+             (("bar", bar), ("epoch line", line))}
+    csv_ips = float(results.read_results(Path(summary["run_dir"]) / "results.csv")["img_per_s"].iloc[0])
+    # 16 images in a bit over 0.3 s: about 50 img/s; the later batches alone ran at thousands
+    assert shown["epoch line"] < 60 and shown["epoch line"] == pytest.approx(shown["bar"], abs=1.5), shown
+    assert round(csv_ips) == pytest.approx(shown["epoch line"], abs=1), (csv_ips, shown)

@@ -189,11 +189,12 @@ def stopped_line(signum: int | None, last_path: Path | None) -> str:
 class Progress:
     """The epoch's progress: a tqdm bar with its ETA on a terminal; in a log, a line after the first
     step and then every `interval` seconds (`dlenv.progress`), whatever a step costs. With `run_eta`
-    (a progress.RunEta) both also show the time left in the whole run."""
+    (a progress.RunEta) both also show the time left in the whole run. Its img/s is the epoch's so far
+    over all `world` processes, the number the epoch line and results.csv give at the epoch's end."""
 
     def __init__(self, total: int, start: int, desc: str, enabled: bool, interval: float = progress.LOG_INTERVAL_S,
-                 run_eta: progress.RunEta | None = None):
-        self.total, self.done, self.run_eta = total, start, run_eta
+                 run_eta: progress.RunEta | None = None, world: int = 1):
+        self.total, self.done, self.run_eta, self.world = total, start, run_eta, world
         if run_eta is not None:
             run_eta.start()  # the first step's time then gives the first line its run ETA
         self.shown = progress.Progress(total, desc, start=start, enabled=enabled, unit="batch", interval=interval)
@@ -204,7 +205,7 @@ class Progress:
             self.run_eta.trained(done - self.done)
             eta = f"  {self.run_eta.text()}"
         self.done = done
-        self.shown.update(done, f"loss {loss:.4f}  {ips:,.0f} img/s  {mem_gib:.1f} GiB{eta}")
+        self.shown.update(done, f"loss {loss:.4f}  {ips * self.world:,.0f} img/s  {mem_gib:.1f} GiB{eta}")
 
     def close(self) -> None:
         self.shown.close()

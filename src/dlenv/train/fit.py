@@ -143,7 +143,7 @@ class _Epochs:
         if parts.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(parts.device)
         progress = console.Progress(total, state.batch_in_epoch, f"epoch {state.epoch + 1}/{self.plan.epochs}",
-                                    self.run.is_main, run_eta=self.eta)
+                                    self.run.is_main, run_eta=self.eta, world=self.plan.world_size)
         rescue = loop.Rescue(parts, state, progress, self.say, retry_oom=self.plan.oom_retry)
         try:
             return loop.train_one_epoch(parts, batches, state, total, stop, progress, self.monitor, rescue, on_step)

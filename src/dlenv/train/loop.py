@@ -178,8 +178,7 @@ class _Tally:
         self.finite = torch.zeros((), device=device)
         self.bad_run = torch.zeros((), device=device)
         self.images, self.waited, self.vote_due, self.compile_s = 0, 0.0, False, 0.0
-        self.t0 = self.last_check = time.perf_counter()
-        self.last_images = 0
+        self.t0 = time.perf_counter()
 
     def wait_for(self, batches: Iterator) -> Any:
         """The next batch (None at the end), timing the wait."""
@@ -203,9 +202,7 @@ class _Tally:
         """Take a micro-batch that compiled out of the speed: compiling is a phase of its own."""
         self.compile_s += seconds
         self.t0 += seconds
-        self.last_check += seconds
         self.images -= images
-        self.last_images -= images
 
     def read(self) -> tuple[float, int]:
         """(mean finite loss so far, current run of non-finite losses); waits for the GPU."""
@@ -219,9 +216,10 @@ class _Tally:
     def check(self, state: TrainState, total: int) -> None:
         """Progress, and NonFiniteLoss after NONFINITE_LIMIT non-finite losses or skipped steps in a row."""
         mean_loss, bad_run = self.read()
-        now = time.perf_counter()
-        ips = (self.images - self.last_images) / max(now - self.last_check, 1e-9)
-        self.last_check, self.last_images = now, self.images
+        # img/s so far, as the epoch line and results.csv count it (`finish`: from the epoch's start, its
+        # data wait and first step included, compiling left out), so the bar's last number is the
+        # epoch line's; a rate over the last few batches only was another number for the same thing
+        ips = self.images / max(time.perf_counter() - self.t0, 1e-9)
         self.progress.update(state.batch_in_epoch, mean_loss, ips, self.monitor.peak()[0])
         self.vote_due = True
         if bad_run >= NONFINITE_LIMIT or state.skipped_run >= NONFINITE_LIMIT:
