@@ -22,6 +22,7 @@ from typing import Any
 
 from dlenv.cfgfile import options_in
 from dlenv.errors import UserError
+from dlenv.predict_options import PredictConfig
 from dlenv.pretrained import parse_pretrained
 from dlenv.usermodel import model_args_text
 from dlenv.values import (
@@ -400,6 +401,8 @@ COMMANDS: dict[str, Command] = {c.name: c for c in [
             "Prune a checkpoint's conv and linear weights and re-validate it."),
     Command("export", ExportConfig, "dlenv.compress:export_main",
             "Export a checkpoint to ONNX or TorchScript (optionally int8) and check its outputs."),
+    Command("predict", PredictConfig, "dlenv.predict:main",
+            "Predict images, a folder, a glob, a video or stdin paths with a trained model: top-k to a CSV."),
 ]}
 
 
