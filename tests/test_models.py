@@ -188,3 +188,70 @@ def test_bare_googlenet_state_dict_with_aux_heads_loads(tmp_path):
     model, classes, _ = model_from_checkpoint(sd, "googlenet")
     assert classes == ["0", "1", "2"]
     assert torch.equal(model.state_dict()["fc.weight"], theirs.state_dict()["fc.weight"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# torchvision ViTs at the image size asked (dlenv.tvargs): built at --img-size, --model-args image_size.
+
+
+@pytest.mark.parametrize("name,model_args,img_size,expect", [
+    ("vit_b_16", "", 32, {"image_size": 32}),
+    ("vit_b_32", "", 64, {"image_size": 64}),
+    ("vit_h_14", "", 56, {"image_size": 56}),
+    ("vit_b_16", "image_size=32", 32, {"image_size": 32}),   # the same number as --img-size: accepted
+    ("vit_b_16", "", None, {}),                               # no size yet: the builder's own 224
+    ("vit_l_16", "image_size=224", 224, {}),                  # 224 is the builder's size: nothing to pass
+    ("resnet18", "", 32, {}),                                 # any size, no arguments
+    ("vit_b_16", "", 40, r"multiples of 16 \(here 32 or 48; 224 as pretrained\); pass --img-size 32"),
+    ("vit_b_32", "", 16, r"multiples of 32 \(here 32; 224 as pretrained\); pass --img-size 32"),
+    ("vit_b_16", "image_size=64", 32, "resized to --img-size 32.*pass --img-size 64 instead"),
+    ("vit_b_16", "depth=2", 32, "--model-args depth: vit_b_16 takes only image_size"),
+    ("resnet18", "image_size=32", 32, "--model-args is for models of your own.*resnet18 takes none"),
+])
+def test_a_torchvision_builders_arguments(name, model_args, img_size, expect):
+    from dlenv.usermodel import factory_kwargs
+
+    if isinstance(expect, dict):
+        assert factory_kwargs(name, model_args, img_size) == expect
+        return
+    with pytest.raises(UserError, match=expect) as err:
+        factory_kwargs(name, model_args, img_size)
+    assert "\n" not in str(err.value)
+
+
+def test_vit_b_16_at_32_px_trains_forward_and_rebuilds_from_its_checkpoint():
+    """--model vit_b_16 --img-size 32 once ended in 'Wrong image height': the trainer's path (the plan's
+    factory_kwargs, then build_model) now builds it at 32 px, and val rebuilds it at the checkpoint's size."""
+    from dlenv.runstate import FORMAT
+    from dlenv.usermodel import factory_kwargs
+
+    torch.manual_seed(0)
+    model = build_model("vit_b_16", 3, model_args=factory_kwargs("vit_b_16", "", 32)).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        out = model(x)
+    assert out.shape == (2, 3) and model.encoder.pos_embedding.shape == (1, 5, 768)  # 2x2 patches + class token
+    ckpt = {"format": FORMAT, "model": model.state_dict(), "model_name": "vit_b_16", "num_classes": 3,
+            "class_names": ["a", "b", "c"], "img_size": 32, "config": {}, "epoch": 1}
+    again, names, size = model_from_checkpoint(ckpt)
+    with torch.no_grad():
+        assert size == 32 and torch.equal(again.eval()(x), out)
+    with pytest.raises(UserError, match="--img-size 40: vit_b_16 .* multiples of 16"):
+        build_model("vit_b_16", 3, image_size=40)  # torchvision's own assert, said in one line
+
+
+def test_pretrained_vit_weights_start_a_model_of_another_size(caplog):
+    """A pretrained ViT (224 px, 7x7 patches for vit_b_32) at --img-size 64: its position embedding is
+    resized to 2x2 patches (torchvision's interpolate_embeddings) and said in one line; the class token's
+    embedding and every other weight are the pretrained ones."""
+    torch.manual_seed(0)
+    trained = build_model("vit_b_32", 1000).state_dict()  # stands in for the downloaded ImageNet weights
+    with caplog.at_level(logging.WARNING, logger="dlenv"):
+        model = build_model("vit_b_32", 10, pretrained_state=trained, image_size=64)
+    pos = model.encoder.pos_embedding
+    assert pos.shape == (1, 5, 768) and torch.equal(pos[:, :1], trained["encoder.pos_embedding"][:, :1])
+    assert torch.equal(model.conv_proj.weight, trained["conv_proj.weight"])
+    assert any("position embedding resized from 7x7 to 2x2 patches for 64 px" in r.getMessage()
+               for r in caplog.records)
+    with torch.no_grad():
+        assert model.eval()(torch.randn(1, 3, 64, 64)).shape == (1, 10)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlenv import compat, modelsource, pretrained, runstate, smallcnn, usermodel
+from dlenv import compat, modelsource, pretrained, runstate, smallcnn, tvargs, usermodel
 from dlenv.errors import UserError, printable
 
 log = logging.getLogger(__name__)
@@ -130,11 +130,14 @@ def build_model(name: str, /, num_classes: int, weights: str | Path | None = Non
         if name in AUX_HEADS:
             kwargs.setdefault("aux_logits", False)
             kwargs.setdefault("init_weights", True)  # the explicit choice silences torchvision's FutureWarning
+        if "image_size" in kwargs:  # a ViT's; its builder would stop at an assert for a size it cannot take
+            tvargs.check_size(name, int(kwargs["image_size"]))
         # weights=None always: a weights enum would download; the builder's num_classes sizes every head
         # (fc, classifier, squeezenet's final conv, ...) consistently.
         model = tvm.get_model(name, weights=None, num_classes=num_classes, **kwargs)
         if pretrained_state is not None:
-            _load_state(model, runstate.strip_prefixes(pretrained_state), name, num_classes, "--pretrained")
+            state = tvargs.fit_position_embedding(runstate.strip_prefixes(pretrained_state), model, name)
+            _load_state(model, state, name, num_classes, "--pretrained")
     if weights is not None:
         load_weights(model, weights, name=name, num_classes=num_classes, policy=load_policy)
     return model
@@ -285,8 +288,9 @@ def model_from_checkpoint(ckpt: Any, model_name: str | None = None, source: str 
                                   num_classes, given=model_name, what=source)
     elif pretrained.is_timm(name) and runstate.is_dlenv_checkpoint(ckpt):
         model = build_model(name, num_classes, model_args=_timm_args(ckpt, name, img_size, source))
-    else:
-        model = build_model(name, num_classes)
+    else:  # a torchvision ViT is built at the size it was trained at (a bare state dict: 224)
+        size = img_size if isinstance(img_size, int) and not isinstance(img_size, bool) else None
+        model = build_model(name, num_classes, **tvargs.builder_args(name, {}, size))
     runstate.load_model_state(model, sd, source, name=name,
                               num_classes=num_classes if runstate.is_dlenv_checkpoint(ckpt) else None)
     return model, class_names, img_size

@@ -292,8 +292,8 @@ def declared_img_size(name: str) -> int | None:
 def factory_kwargs(name: str, model_args: Any, img_size: int | None) -> dict[str, Any]:
     """The keyword arguments the factory is called with: --model-args, plus img_size when the factory
     has an img_size parameter (for timm/<arch>: when the architecture's input size is fixed, as a ViT's).
-    {} for a torchvision name; UserError when --model-args is given to one."""
-    from dlenv import pretrained
+    For a torchvision name dlenv.tvargs' rule: image_size for a ViT, else {} (UserError for --model-args)."""
+    from dlenv import pretrained, tvargs
 
     args = parse_model_args(model_args)
     if pretrained.is_timm(name):
@@ -301,10 +301,7 @@ def factory_kwargs(name: str, model_args: Any, img_size: int | None) -> dict[str
             args["img_size"] = int(img_size)
         return args
     if not is_reference(name):
-        if args:
-            raise UserError(f"--model-args is for models of your own (--model FILE.py:factory) and timm's "
-                            f"(--model timm/ARCH); {name} takes none")
-        return {}
+        return tvargs.builder_args(name, args, img_size)
     if img_size is not None and _takes_img_size(load(parse_reference(name)).factory):
         args["img_size"] = int(img_size)
     return args
