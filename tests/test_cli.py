@@ -149,3 +149,50 @@ def test_dlenv_test_prints_a_progress_line_with_an_eta(tmp_path):
                        capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert re.search(r"^tests 1/2 \(50%\)  elapsed 0:00, ETA 0:00$", r.stdout, re.M), r.stdout
+
+
+# --------------------------------------------------------------------------------------------------
+# `dlenv train --help`: options in named groups (dlenv.helptext), then examples that really parse.
+
+
+def test_every_train_option_is_in_exactly_one_help_group():
+    from dlenv import helptext
+
+    groups = helptext.GROUPS["train"]
+    assert [title for title, _ in groups] == ["data", "model", "optimisation", "precision and memory", "run"]
+    listed = [name for _, names in groups for name in names]
+    declared = [f.name for f in config.options(config.TrainConfig)] + ["cfg"]
+    assert sorted(listed) == sorted(declared), (set(listed) ^ set(declared))  # none twice, none missing
+
+
+def test_train_help_shows_the_groups_in_order_and_ends_with_examples():
+    r = subprocess.run([sys.executable, "-m", "dlenv", "train", "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    heads = [ln[:-1] for ln in r.stdout.splitlines() if re.match(r"^[a-z][a-z ]*:$", ln)]
+    assert heads == ["options", "data", "model", "optimisation", "precision and memory", "run", "examples"]
+    section = {h: r.stdout.index(f"\n{h}:\n") for h in heads}
+    for flag, head in [("--data DATA", "data"), ("--pretrained", "model"), ("--lr LR", "optimisation"),
+                       ("--amp-dtype", "precision and memory"), ("--checkpoint-ratio", "precision and memory"),
+                       ("--resume", "run"), ("--cfg", "run")]:
+        at = r.stdout.index(f"  {flag}")
+        following = [h for h in heads if section[h] < at]
+        assert following[-1] == head, f"{flag} is under {following[-1]}, not {head}"
+    assert r.stdout.splitlines()[0] == "usage: dlenv train [options]"
+    assert len(r.stdout.split("\nexamples:\n")[1].splitlines()) == 10  # 5 commands, each with its line
+
+
+@pytest.mark.parametrize("verb", ["train", "val"])
+def test_the_help_examples_are_real_commands(verb):
+    import shlex
+
+    from dlenv import helptext
+
+    parser = cli.build_parser()
+    examples = helptext.EXAMPLES[verb]
+    assert 3 <= len(examples) <= 6
+    for line, _ in examples:
+        words = shlex.split(line)
+        assert words[:2] == ["dlenv", verb]
+        args = vars(parser.parse_args(words[1:]))  # an unknown flag would exit 2 here
+        args.pop("command"), args.pop("cfg", None)
+        config.build(config.COMMANDS[verb].config, **args)  # and every value is a valid one

@@ -23,7 +23,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from dlenv import __version__, config, invocation, weights
+from dlenv import __version__, config, helptext, invocation, weights
 from dlenv.errors import (
     BUG_REPORT,
     EXIT_BUG,
@@ -38,25 +38,36 @@ from dlenv.errors import (
 )
 
 
-def _add_options(parser: argparse.ArgumentParser, cls: type) -> None:
-    for f in config.options(cls):
-        md = f.metadata
-        default = f"(default: {f.default})" if f.default not in (None, False, ()) else ""
-        help_text = f"{md['help']} {default}".strip().replace("%", "%%")
-        if md["positional"]:
-            parser.add_argument(f.name, nargs="?", default=argparse.SUPPRESS, help=help_text)
-        elif md.get("bare"):  # `--compile` alone is `--compile on`; `--no-compile` is off
-            parser.add_argument(config.flag(f.name), dest=f.name, nargs="?", const=md["bare"],
-                                default=argparse.SUPPRESS, metavar=f.name.upper(), help=help_text)
-            parser.add_argument("--no-" + config.flag(f.name)[2:], dest=f.name, action="store_const",
-                                const="off", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-        elif f.default is True or f.default is False:
-            parser.add_argument(config.flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=help_text)
-        else:
-            parser.add_argument(config.flag(f.name), dest=f.name, default=argparse.SUPPRESS,
-                                metavar=f.name.upper(), choices=None, help=help_text)
-    parser.add_argument("--cfg", default=None, help="YAML file of options (flags given override it)")
+def _add_options(parser: argparse.ArgumentParser, cls: type, command: str) -> None:
+    """The command's flags from its options, in the groups dlenv.helptext names for it (one block else)."""
+    fields = {f.name: f for f in config.options(cls)}
+    groups = helptext.GROUPS.get(command)
+    for title, names in groups or ((None, (*fields, "cfg")),):
+        group = parser.add_argument_group(title) if title else parser
+        for name in names:
+            if name == "cfg":
+                group.add_argument("--cfg", default=None, help="YAML file of options (flags given override it)")
+            else:
+                _add_option(group, fields[name])
+
+
+def _add_option(parser: Any, f: Any) -> None:
+    md = f.metadata
+    default = f"(default: {f.default})" if f.default not in (None, False, ()) else ""
+    help_text = f"{md['help']} {default}".strip().replace("%", "%%")
+    if md["positional"]:
+        parser.add_argument(f.name, nargs="?", default=argparse.SUPPRESS, help=help_text)
+    elif md.get("bare"):  # `--compile` alone is `--compile on`; `--no-compile` is off
+        parser.add_argument(config.flag(f.name), dest=f.name, nargs="?", const=md["bare"],
+                            default=argparse.SUPPRESS, metavar=f.name.upper(), help=help_text)
+        parser.add_argument("--no-" + config.flag(f.name)[2:], dest=f.name, action="store_const",
+                            const="off", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    elif f.default is True or f.default is False:
+        parser.add_argument(config.flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
+                            default=argparse.SUPPRESS, help=help_text)
+    else:
+        parser.add_argument(config.flag(f.name), dest=f.name, default=argparse.SUPPRESS,
+                            metavar=f.name.upper(), choices=None, help=help_text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,8 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dlenv {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="VERB")
     for cmd in config.COMMANDS.values():
-        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
-        _add_options(p, cmd.config)
+        # the raw formatter keeps the examples' lines as written; option help is still wrapped
+        # a grouped command's usage would repeat its ~60 flags in 35 lines before the groups list them
+        usage = f"dlenv {cmd.name} [options]" if cmd.name in helptext.GROUPS else None
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help, epilog=helptext.epilog(cmd.name),
+                           usage=usage, formatter_class=argparse.RawDescriptionHelpFormatter)
+        _add_options(p, cmd.config, cmd.name)
     t = sub.add_parser("test", help=TEST_HELP, description=TEST_HELP + " Other arguments go to pytest.")
     t.add_argument("--gpu", action="store_true", help="only the GPU tests")
     t.add_argument("--full", action="store_true", help=FULL_HELP)
