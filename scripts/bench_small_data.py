@@ -87,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=15)
     p.add_argument("--runs", type=int, default=1, help="runs of each tool, alternating")
     p.add_argument("--dlenv-args", default="", help="extra `dlenv train` flags, space-separated")
+    p.add_argument("--timm-config", action="append", default=[], metavar="LABEL=FLAGS",
+                   help="a timm train.py row with these extra flags (repeatable); none: one row of its defaults. "
+                        "dlenv's recipe for timm: 'recipe=--opt adamw --lr 1e-3 --weight-decay 0.05 --sched cosine "
+                        "--warmup-epochs 1 --amp-dtype bfloat16 --channels-last'")
     a = p.parse_args(argv)
     if a.make_digits:
         make_digits(a.make_digits)
@@ -107,15 +111,16 @@ def main(argv: list[str] | None = None) -> int:
         last, best = dlenv_top1(a.out / "dlenv" / name) if r["rc"] == 0 else (float("nan"),) * 2
         rows.append({"tool": "dlenv", **r, "top1_last": last, "top1_best": best})
         print(rows[-1], flush=True)
-        if a.timm_train:
-            name = f"timm{run}"
+        for label, flags in (c.partition("=")[::2] for c in (a.timm_config or ["defaults="])) if a.timm_train else ():
+            name = f"timm-{label}{run}"
             out = a.out / name
             cmd = [sys.executable, str(a.timm_train), "--data-dir", str(a.data), "--train-split", "train",
                    "--val-split", "val", "--model", a.model, "--num-classes", "10", "-b", str(a.batch_size),
-                   "--amp", "--epochs", str(a.epochs), "--output", str(out)]
+                   "--amp", "--epochs", str(a.epochs), "--output", str(out), *flags.split()]
             r = timed(cmd, env, a.out / f"{name}.log", "Train: 0 [")
             last, best = timm_top1(out) if r["rc"] == 0 else (float("nan"),) * 2
-            rows.append({"tool": "timm train.py", **r, "top1_last": last, "top1_best": best})
+            rows.append({"tool": f"timm train.py ({label}{': ' + flags if flags else ''})", **r, "top1_last": last,
+                         "top1_best": best})
             print(rows[-1], flush=True)
     import torch
 
