@@ -449,7 +449,7 @@ def main(cfg: Any) -> int:
         sys.stdout.flush()
     saved = save_images(run_dir / "images", preds, source, cfg.vid_stride) if cfg.save_images else 0
     rate = len(preds) / seconds if seconds > 0 else float("inf")
-    what = "frames" if source.video is not None else "images"
+    what = ("frame" if source.video is not None else "image") + ("s" if len(preds) != 1 else "")
     say(f"{len(preds)} {what} in {seconds:.1f} s: {rate:.1f} img/s (decoding included{', x2 for tta' if tta else ''})")
     say(f"predictions in {run_dir / CSV_NAME}" + (f"; {saved} annotated {what} in {run_dir / 'images'}/" if saved
                                                    else ""))

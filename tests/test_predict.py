@@ -1,0 +1,297 @@
+"""dlenv.predict: `dlenv predict` end to end on a model trained once (small_cnn, 32 px, three classes):
+the checkpoint, its .safetensors and TorchScript exports agree; every kind of --source; the CSV, JSON
+lines, --tta flip and --save-images; each bad input as one line and a non-zero exit."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from imagedata import make_train_val, write_file
+
+from dlenv import config, predict, predict_options
+from dlenv.cli import main as cli_main
+
+CLASSES = ["cat", "dog", "fox"]
+SIZE = 32
+CPU = ["--workers", "0", "--device", "cpu"]
+#: |probability| by which the exports may differ from the checkpoint: the safetensors file holds the same
+#: tensors (exactly equal); the TorchScript trace reorders no float32 arithmetic worth more than this
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A small_cnn trained for two steps on 3 classes of 32 px images, with its two exports."""
+    root = tmp_path_factory.mktemp("predict")
+    make_train_val(root / "ds", per_class=4, val_per_class=2, size=(SIZE, SIZE), classes=CLASSES)
+    assert cli_main(["train", "--data", str(root / "ds"), "--model", "small_cnn",
+                     "--img-size", str(SIZE), "--batch-size", "4", "--epochs", "1", "--max-steps", "2",
+                     "--project", str(root / "runs"), *CPU]) == 0
+    best = root / "runs" / "exp" / "best_model.pth"
+    for fmt in ("safetensors", "torchscript"):
+        assert cli_main(["export", "--weights", str(best), "--format", fmt, "--workers", "0"]) == 0
+    return root
+
+
+def _best(trained: Path) -> Path:
+    return trained / "runs" / "exp" / "best_model.pth"
+
+
+def _predict(tmp_path: Path, weights: Path | str, source: Path | str, *extra: str, name: str = "exp") -> Path:
+    """Run `dlenv predict` into tmp_path/runs/predict/<name>; returns the CSV's path."""
+    code = cli_main(["predict", "--weights", str(weights), "--source", str(source), "--project",
+                     str(tmp_path / "runs" / "predict"), "--name", name, "--exist-ok", *CPU, *extra])
+    assert code == 0
+    return tmp_path / "runs" / "predict" / name / predict.CSV_NAME
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="", encoding="utf-8") as fh:
+        return list(csv.DictReader(fh))
+
+
+def _by_path(rows: list[dict[str, str]]) -> dict[str, dict[str, str]]:
+    return {os.path.normpath(r["path"]): r for r in rows}
+
+
+def _torchscript_flags() -> list[str]:
+    return ["--trust-pickle", "--classes", ",".join(CLASSES), "--img-size", str(SIZE)]
+
+
+def test_checkpoint_safetensors_and_torchscript_agree(trained, tmp_path):
+    val = trained / "ds" / "val"
+    run = trained / "runs" / "exp"
+    got = {
+        "pth": _rows(_predict(tmp_path, run / "best_model.pth", val, "--topk", "3", name="pth")),
+        "safetensors": _rows(_predict(tmp_path, run / "best_model.safetensors", val, "--topk", "3", name="st")),
+        "torchscript": _rows(_predict(tmp_path, run / "best_model.torchscript.pt", val, "--topk", "3",
+                                      *_torchscript_flags(), name="ts")),
+    }
+    ref = _by_path(got["pth"])
+    assert len(ref) == 2 * len(CLASSES)
+    for kind in ("safetensors", "torchscript"):
+        other = _by_path(got[kind])
+        assert other.keys() == ref.keys()
+        for path, row in ref.items():
+            assert other[path]["class_1"] == row["class_1"], (kind, path)
+            probs = {row[f"class_{i}"]: float(row[f"prob_{i}"]) for i in (1, 2, 3)}
+            theirs = {other[path][f"class_{i}"]: float(other[path][f"prob_{i}"]) for i in (1, 2, 3)}
+            assert theirs == pytest.approx(probs, abs=TOLERANCE), (kind, path)
+
+
+def test_folder_glob_and_stdin_give_the_same_predictions(trained, tmp_path, monkeypatch):
+    val = trained / "ds" / "val"
+    folder = _by_path(_rows(_predict(tmp_path, _best(trained), val, name="folder")))
+    assert len(folder) == 6 and all(p.endswith(".png") for p in folder)  # recursive: val/<class>/*.png
+    globbed = _by_path(_rows(_predict(tmp_path, _best(trained), f"{val}/*/*.png", name="glob")))
+    paths = sorted(folder)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(paths[:3]) + "\n\n"))
+    piped = _by_path(_rows(_predict(tmp_path, _best(trained), "-", name="stdin")))
+    assert globbed == folder
+    assert piped == {p: folder[p] for p in paths[:3]}
+
+
+def test_csv_columns_and_topk(trained, tmp_path, capsys):
+    rows_path = _predict(tmp_path, _best(trained), trained / "ds" / "val", "--topk", "2")
+    with open(rows_path, newline="") as fh:
+        header = next(csv.reader(fh))
+    assert header == ["path", "frame", "tta", "class_1", "prob_1", "class_2", "prob_2"]
+    for r in _rows(rows_path):
+        assert r["frame"] == "" and r["tta"] == "none"
+        assert r["class_1"] in CLASSES and r["class_2"] in CLASSES and r["class_1"] != r["class_2"]
+        assert 1.0 >= float(r["prob_1"]) >= float(r["prob_2"]) >= 0.0
+    # more than the model has: all three, said once
+    rows = _rows(_predict(tmp_path, _best(trained), trained / "ds" / "val", "--topk", "9", name="all"))
+    assert "--topk 9: the model has 3 classes" in capsys.readouterr().out
+    assert sum(float(rows[0][f"prob_{i}"]) for i in (1, 2, 3)) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_csv_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    out = tmp_path / predict.CSV_NAME
+    preds = [predict.Prediction(f"img{i}.png", None, [("cat", 0.9)]) for i in range(3)]
+    predict.write_csv(out, preds, 1, "none")
+    before = out.read_bytes()
+    real = predict.csv_row
+
+    def failing(p, tta):
+        if p.path == "img2.png":
+            raise OSError(28, "No space left on device")
+        return real(p, tta)
+
+    monkeypatch.setattr(predict, "csv_row", failing)
+    with pytest.raises(OSError):
+        predict.write_csv(out, [*preds, predict.Prediction("img3.png", None, [("dog", 0.5)])], 1, "none")
+    assert out.read_bytes() == before  # the old file, whole
+    assert sorted(os.listdir(tmp_path)) == [predict.CSV_NAME]  # no temporary file left behind
+
+
+def test_json_lines_parse_and_stdout_holds_nothing_else(trained, tmp_path, capsys):
+    _predict(tmp_path, _best(trained), trained / "ds" / "val", "--json", "--topk", "2")
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert len(lines) == 6
+    for line in lines:
+        obj = json.loads(line)
+        assert set(obj) == {"path", "frame", "tta", "top"} and obj["frame"] is None
+        assert [t["class"] for t in obj["top"]] != [] and len(obj["top"]) == 2
+    assert "img/s" in captured.err and "predicting" in captured.err
+
+
+def test_tta_flip_changes_nothing_for_a_symmetric_image_and_is_said(trained, tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(3)
+    half = rng.integers(0, 255, size=(SIZE, SIZE // 2, 3), dtype=np.uint8)
+    img = tmp_path / "sym.png"
+    Image.fromarray(np.concatenate([half, half[:, ::-1]], axis=1)).save(img)
+    plain = _rows(_predict(tmp_path, _best(trained), img, "--topk", "3", name="plain"))[0]
+    flip = _rows(_predict(tmp_path, _best(trained), img, "--topk", "3", "--tta", "flip", name="flip"))[0]
+    assert plain["tta"] == "none" and flip["tta"] == "flip"
+    assert flip["class_1"] == plain["class_1"]
+    for i in (1, 2, 3):
+        assert float(flip[f"prob_{i}"]) == pytest.approx(float(plain[f"prob_{i}"]), abs=1e-5)
+
+
+def _write_video(path: Path, frames: int) -> Path:
+    cv2 = pytest.importorskip("cv2")
+    import numpy as np
+
+    for codec in ("MJPG", "mp4v"):
+        w = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*codec), 5, (48, 40))
+        if w.isOpened():
+            for i in range(frames):
+                frame = np.zeros((40, 48, 3), np.uint8)
+                frame[..., i % 3] = 255  # frame i looks like class i % 3's images
+                w.write(frame)
+            w.release()
+            return path
+    pytest.skip("this OpenCV build can write neither MJPG nor mp4v video")
+
+
+def test_video_frames_every_nth(trained, tmp_path):
+    video = _write_video(tmp_path / "clip.avi", 7)
+    rows = _rows(_predict(tmp_path, _best(trained), video, "--vid-stride", "3", "--save-images"))
+    assert [int(r["frame"]) for r in rows] == [0, 3, 6]
+    assert {r["path"] for r in rows} == {str(video)}
+    saved = sorted(os.listdir(tmp_path / "runs" / "predict" / "exp" / "images"))
+    assert saved == ["clip_frame000000.jpg", "clip_frame000003.jpg", "clip_frame000006.jpg"]
+
+
+def test_save_images_draws_the_top_class_on_a_copy(trained, tmp_path):
+    from PIL import Image
+
+    src = trained / "ds" / "val" / "cat" / "cat_0.png"
+    _predict(tmp_path, _best(trained), src, "--save-images")
+    out = tmp_path / "runs" / "predict" / "exp" / "images" / "cat_0.png"
+    a, b = Image.open(src).convert("RGB"), Image.open(out).convert("RGB")
+    assert a.size == b.size and a.tobytes() != b.tobytes()
+    assert b.getpixel((0, 0)) == (0, 0, 0)  # the label's band
+
+
+def test_one_unreadable_image_is_skipped_and_said(trained, tmp_path, caplog):
+    folder = tmp_path / "mixed"
+    for p in sorted((trained / "ds" / "val" / "dog").iterdir()):
+        write_file(folder / p.name, p.read_bytes())
+    write_file(folder / "broken.png", b"not a png at all")
+    rows = _rows(_predict(tmp_path, _best(trained), folder))
+    assert len(rows) == 2 and not any("broken" in r["path"] for r in rows)
+    assert "broken.png" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad inputs: one line, a non-zero exit, no traceback, no predictions.csv.
+
+
+def _bad_case(name: str, trained: Path, tmp: Path, monkeypatch) -> tuple[list[str], str]:
+    """(arguments, a phrase of the error line) of bad input `name`."""
+    best, ts = _best(trained), trained / "runs" / "exp" / "best_model.torchscript.pt"
+    val = trained / "ds" / "val"
+    if name == "missing source":
+        return ["--weights", best, "--source", tmp / "nowhere"], "no such file or folder"
+    if name == "folder without images":
+        write_file(tmp / "docs" / "notes.txt", b"hello")
+        return ["--weights", best, "--source", tmp / "docs"], "no images in this folder"
+    if name == "every image corrupt":
+        for i in range(3):
+            write_file(tmp / "corrupt" / f"{i}.jpg", b"\xff\xd8 truncated")
+        return ["--weights", best, "--source", tmp / "corrupt"], "none of the 3 image(s)"
+    if name == "glob without matches":
+        return ["--weights", best, "--source", f"{tmp}/*.jpg"], "matches no images"
+    if name == "video that cannot be opened":
+        write_file(tmp / "clip.mp4", os.urandom(2048))
+        return ["--weights", best, "--source", tmp / "clip.mp4"], "OpenCV cannot read a frame"
+    if name == "empty stdin":
+        monkeypatch.setattr(sys, "stdin", io.StringIO("\n  \n"))
+        return ["--weights", best, "--source", "-"], "standard input held no paths"
+    if name == "weights of another kind":
+        write_file(tmp / "results.csv", b"epoch,loss\n1,0.5\n")
+        return ["--weights", tmp / "results.csv", "--source", val], "not a PyTorch checkpoint"
+    if name == "missing weights":
+        return ["--weights", tmp / "none.pth", "--source", val], "not found"
+    if name == "onnx file":
+        write_file(tmp / "model.onnx", b"\x08\x07")
+        return ["--weights", tmp / "model.onnx", "--source", val], "needs onnxruntime"
+    if name == "torchscript without consent":
+        return ["--weights", ts, "--source", val, "--classes", "a,b,c", "--img-size", "32"], "--trust-pickle"
+    if name == "torchscript without classes":
+        return ["--weights", ts, "--source", val, "--trust-pickle", "--img-size", "32"], "--classes"
+    if name == "torchscript of another class count":
+        return ["--weights", ts, "--source", val, *_torchscript_flags()[:1], "--classes", "a,b",
+                "--img-size", "32"], "names 2 classes but"
+    if name == "classes other than the checkpoint's":
+        return ["--weights", best, "--source", val, "--classes", "a,b"], "names 2 classes but"
+    raise AssertionError(name)
+
+
+BAD = ["missing source", "folder without images", "every image corrupt", "glob without matches",
+       "video that cannot be opened", "empty stdin", "weights of another kind", "missing weights", "onnx file",
+       "torchscript without consent", "torchscript without classes", "torchscript of another class count",
+       "classes other than the checkpoint's"]
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_is_one_line_and_nonzero(case, trained, tmp_path, monkeypatch, capsys):
+    args, phrase = _bad_case(case, trained, tmp_path, monkeypatch)
+    project = tmp_path / "runs" / "predict"
+    code = cli_main(["predict", *map(str, args), "--project", str(project), *CPU])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("dlenv predict: error:")]
+    assert len(errors) == 1 and phrase in errors[0], err
+    assert not project.exists()  # nothing written, not even the run folder
+
+
+# ---------------------------------------------------------------------------------------------------
+# The options.
+
+
+def test_predict_shares_the_other_commands_bounds_and_consent():
+    assert predict_options.IMG_SIZE_MAX == config.IMG_SIZE_MAX
+    assert predict_options.BATCH_MAX == config.BATCH_MAX
+    fields = {f.name: f for f in dataclasses.fields(config.PredictConfig)}
+    val = {f.name: f for f in dataclasses.fields(config.ValConfig)}
+    for name in ("trust_pickle", "device", "img_size", "batch_size", "model"):
+        assert fields[name].default == val[name].default
+        assert {k: v for k, v in fields[name].metadata.items() if k not in ("parse", "here")} == \
+               {k: v for k, v in val[name].metadata.items() if k not in ("parse", "here")}, name
+    assert config.COMMANDS["predict"].config is config.PredictConfig
+
+
+@pytest.mark.parametrize("value,expected", [("cat, dog,fox", ("cat", "dog", "fox")), (["a", "b"], ("a", "b"))])
+def test_classes_parse(value, expected):
+    assert predict_options.class_list(value) == expected
+
+
+@pytest.mark.parametrize("value", ["a,,b", "a,b,a", ""])
+def test_classes_refuse_empty_and_repeated_names(value):
+    with pytest.raises(ValueError):
+        predict_options.class_list(value)
