@@ -255,3 +255,49 @@ def test_defaults_elsewhere_are_the_photo_defaults(tmp_path, device, data):
         (tmp_path / data / "a").mkdir(parents=True)
     cfg, line = demo.train_defaults(_train_cfg(data=str(tmp_path / data) if data else None), device)
     assert line is None and {k: getattr(cfg, k) for k in demo.TRAIN_DEFAULTS} == demo.TRAIN_DEFAULTS
+
+
+@pytest.mark.parametrize("side,given,device,recipe", [
+    (32, {}, "cpu", True),                        # digits-like: small images take the recipe
+    (demo.CPU_RECIPE_MAX_SIDE, {}, "cpu", True),  # the bound itself
+    (demo.CPU_RECIPE_MAX_SIDE + 1, {}, "cpu", False),  # photos: ResNet-18, as before
+    (32, {}, "cuda", False),                      # a GPU trains the photo defaults
+    (32, {"model": "resnet18"}, "cpu", False),    # a model given drops the recipe
+    (32, {"pretrained": "DEFAULT"}, "cpu", False),  # weights of --model auto's ResNet-18
+    (32, {"weights": "w.pth"}, "cpu", False),
+])
+def test_cpu_recipe_reaches_user_data_of_small_images(tmp_path, side, given, device, recipe):
+    from imagedata import make_image_folder
+
+    data = make_image_folder(tmp_path / "digits", classes=tuple("0123"), per_class=3, size=(side + 8, side))
+    cfg, line = demo.train_defaults(_train_cfg(data=str(data), **given), device)
+    if not recipe:
+        assert line is None and cfg.model == given.get("model", "resnet18")
+        return
+    assert {k: getattr(cfg, k) for k in demo.CPU_RECIPE if k != "img_size"} == {
+        k: v for k, v in demo.CPU_RECIPE.items() if k != "img_size"}
+    assert cfg.img_size is None  # the data's own size (--img-size auto), not the demo's 32
+    assert line.startswith(f"no GPU: images this small ({side} px typical shorter side) take the CPU recipe, "
+                           "--model small_cnn --epochs 10") and "--img-size" not in line and "\n" not in line
+
+
+def test_cpu_recipe_on_user_data_keeps_options_given(tmp_path):
+    from imagedata import make_image_folder
+
+    data = make_image_folder(tmp_path / "digits", classes=tuple("0123"), per_class=3, size=(32, 32))
+    cfg, line = demo.train_defaults(_train_cfg(data=str(data), epochs=3, img_size=48), "cpu")
+    assert (cfg.model, cfg.epochs, cfg.img_size, cfg.lr) == ("small_cnn", 3, 48, demo.CPU_RECIPE["lr"])
+    assert "--epochs" not in line
+
+
+@pytest.mark.parametrize("make", ["missing", "no images", "unreadable"])
+def test_cpu_recipe_leaves_data_it_cannot_read_to_the_trainer(tmp_path, make):
+    root = tmp_path / "data"
+    if make != "missing":
+        (root / "a").mkdir(parents=True)
+        (root / "b").mkdir()
+    if make == "unreadable":  # images by name only: no header to read, so no size to call small
+        for c in "ab":
+            (root / c / "x.png").write_bytes(b"not a png")
+    cfg, line = demo.train_defaults(_train_cfg(data=str(root)), "cpu")
+    assert line is None and cfg.model == "resnet18"  # the trainer then says what is wrong, in one line

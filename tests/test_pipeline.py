@@ -140,13 +140,63 @@ def test_build_data_for_synthetic_data():
     ({}, ("standard", pipeline.PHOTO_TRAIN_SCALE, (3 / 4, 4 / 3), True)),  # photos: torchvision's crops
     (dict(augment="light"), ("light", (0.5, 1.0), (0.9, 1.1), True)),
     (dict(augment="none"), ("none", (1.0, 1.0), (1.0, 1.0), False)),  # the whole image, never mirrored
-    (dict(hflip=False), ("standard", pipeline.PHOTO_TRAIN_SCALE, (3 / 4, 4 / 3), False)),
+    (dict(hflip=False), ("standard", pipeline.PHOTO_TRAIN_SCALE, (3 / 4, 4 / 3), False)),  # an old config.yaml
+    (dict(hflip="off"), ("standard", pipeline.PHOTO_TRAIN_SCALE, (3 / 4, 4 / 3), False)),
+    (dict(augment="none", hflip="on"), ("none", (1.0, 1.0), (1.0, 1.0), False)),
     (dict(crop_scale=(0.35, 1.0)), ("standard", (0.35, 1.0), (3 / 4, 4 / 3), True)),
 ])
 def test_augment_options_resolve_once_into_the_plan(photos, opts, expected):
     plan = pipeline.decide(InputOptions(workers=0, **opts), photos, "cpu", 4, 16)
     assert (plan.augment, plan.train_scale, plan.train_ratio, plan.hflip) == expected
     assert plan.augment in plan.describe("cpu") and ("no flips" in plan.describe("cpu")) == (not expected[3])
+
+
+@pytest.mark.parametrize("choice,classes,preset,flips,says", [
+    ("auto", ["cat", "dog"], "standard", True, "auto: on"),
+    ("auto", list("0123456789"), "standard", False, "the classes look like characters (0, 1, 2, 3, 4, 5, ...)"),
+    ("auto", ["b", "d", "cat"], "light", False, "characters (b, d)"),  # most of the names: the report's rule
+    ("auto", ["a", "cat", "dog"], "standard", True, "auto: on"),  # one character name of three is no script
+    ("on", list("0123456789"), "standard", True, "--hflip on"),  # asked for: taken as given
+    (True, list("0123456789"), "standard", True, "--hflip on"),  # hflip: true in a config.yaml from before auto
+    ("off", ["cat", "dog"], "standard", False, "--hflip off"),
+    (False, ["cat", "dog"], "standard", False, "--hflip off"),
+    ("on", ["cat", "dog"], "none", False, "--augment none"),  # the whole image, as validation sees it
+])
+def test_decide_hflip_follows_the_dataset_reports_rule(choice, classes, preset, flips, says):
+    from dlenv.data.report import flip_hint
+
+    got, why = pipeline.decide_hflip(choice, classes, preset)
+    assert got is flips and says in why and "\n" not in why
+    if choice == "auto":  # the report warns exactly where auto turns the flips off
+        assert flip_hint(classes).startswith("warning") is (not flips)
+
+
+def test_hflip_auto_turns_flips_off_for_digits_in_the_plan_and_its_line(tmp_path):
+    digits = pipeline.locate(str(make_image_folder(tmp_path / "digits", classes=tuple("0123456789"), per_class=1)))
+    plan = pipeline.decide(InputOptions(workers=0), digits, "cpu", 4, 16)
+    assert not plan.hflip and plan.hflip_why.startswith("auto: off") and "no flips" in plan.describe("cpu")
+    flipped = pipeline.decide(InputOptions(workers=0, hflip="on"), digits, "cpu", 4, 16)
+    assert flipped.hflip and flipped.hflip_why == "--hflip on" and "no flips" not in flipped.describe("cpu")
+
+
+@pytest.mark.parametrize("argv,want", [
+    ([], "auto"), (["--hflip"], "on"), (["--no-hflip"], "off"), (["--hflip", "off"], "off"),
+    (["--hflip", "auto"], "auto"), (["--hflip", "on"], "on"), (["--hflip", "false"], "off"),
+])
+def test_hflip_spellings_on_the_command_line(argv, want):
+    from dlenv import config
+    from dlenv.cli import build_parser
+
+    ns = vars(build_parser().parse_args(["train", *argv]))
+    assert config.build(config.TrainConfig, **{k: v for k, v in ns.items() if k == "hflip"}).hflip == want
+
+
+def test_a_bad_hflip_is_one_line_naming_the_flag():
+    from dlenv import config
+
+    with pytest.raises(UserError, match="--hflip 'sometimes': expected auto, on or off") as e:
+        config.build(config.TrainConfig, hflip="sometimes")
+    assert "\n" not in str(e.value)
 
 
 def test_no_hflip_reaches_both_augmentation_paths():

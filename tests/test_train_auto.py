@@ -228,15 +228,75 @@ def test_cause_chain_follows_inner_exception_and_cause_and_stops_on_a_cycle():
     pytest.param({"checkpoint_ratio": 0.5}, 0.5, "--checkpoint-ratio 0.5", marks=pytest.mark.slow),
     pytest.param({"checkpoint_ratio": "0"}, 0.0, "--checkpoint-ratio 0", marks=pytest.mark.slow),
 ])
-def test_checkpoint_ratio_off_the_gpu(tmp_path, data, given, want_ratio, says):
+def test_checkpoint_ratio_off_the_gpu(tmp_path, data, given, want_ratio, says, capsys):
     import dlenv.models
 
     out = train_mod.train(tiny_config(tmp_path, data, epochs=1, max_steps=1, model="resnet18", checkpoint=True,
                               deterministic=False, **given))
     saved = _yaml(out["run_dir"])
     assert saved["checkpoint_ratio"] == want_ratio and says in saved["checkpoint_rule"]
+    start = [line for line in capsys.readouterr().out.splitlines() if line.startswith("training resnet18")]
+    # the header names checkpointing only where blocks are recomputed: none on a CPU's auto
+    assert len(start) == 1 and ("checkpointing" in start[0]) == (want_ratio > 0)
+    if want_ratio:
+        assert f" checkpointing {round(want_ratio * 8)} of 8 blocks |" in start[0]
     blocks = dlenv.models.find_blocks(dlenv.models.build_model("resnet18", 2))
     assert len(blocks) == 8  # resnet18's BasicBlocks: the ratio's denominator
+
+
+def _start_line(ratio: float | None, blocks: int) -> str:
+    """The start line of a plan whose --checkpoint recomputes `ratio` of `blocks` (None: no --checkpoint)."""
+    from types import SimpleNamespace
+
+    from dlenv.train.plan import OptimizerChoice, Split, TrainPlan
+
+    d = auto.Decision
+    plan = TrainPlan(d("fp32", ""), SimpleNamespace(name="resnet18"), d(False, ""), d(Split(32, 1), ""), 1,
+                     SimpleNamespace(img_size=32), 10, None if ratio is None else d(ratio, "why"), d(False, ""),
+                     OptimizerChoice("adamw", 1e-3, 0.05), 1, False, blocks=blocks)
+    return plan.start_line(SimpleNamespace(source="data/x", classes=["a", "b"]), CPU, False, "runs/exp")
+
+
+@pytest.mark.parametrize("ratio,blocks,says", [
+    (None, 0, None),                  # no --checkpoint
+    (0.0, 8, None),                   # a CPU's auto, or --checkpoint-ratio 0: nothing recomputed
+    (1.0, 0, None),                   # a model without repeated blocks trains without it
+    (3 / 8, 8, " checkpointing 3 of 8 blocks |"),
+    (0.5, 16, " checkpointing 8 of 16 blocks |"),
+    (1.0, 16, " checkpointing 16 of 16 blocks |"),
+    (0.01, 16, None),                 # round(0.16) = 0 blocks wrapped, as apply_checkpointing rounds
+])
+def test_the_start_line_says_checkpointing_only_for_blocks_recomputed(ratio, blocks, says):
+    line = _start_line(ratio, blocks)
+    assert ("checkpointing" in line) == (says is not None) and line.startswith("training resnet18 on data/x")
+    if says:
+        assert says in line
+
+
+def test_checkpoint_ratio_help_says_what_auto_does_on_each_device():
+    helps = {f.name: f.metadata["help"] for f in config.options(TrainConfig)}
+    text = helps["checkpoint_ratio"]
+    assert "on a GPU the fewest" in text and "on a CPU none" in text and "every block elsewhere" not in text
+
+
+def test_hflip_auto_on_digits_is_said_once_and_recorded(tmp_path, tiny, capsys):
+    from imagedata import make_train_val
+
+    digits = make_train_val(tmp_path / "digits", per_class=2, val_per_class=1, classes=tuple("0123"))
+    out = train_mod.train(tiny_config(tmp_path, digits, epochs=1, max_steps=1))
+    said = capsys.readouterr().out
+    assert said.count("--hflip auto: off, the classes look like characters (0, 1, 2, 3)") == 1
+    assert "no flips" in said
+    saved = _yaml(out["run_dir"])
+    assert saved["hflip"] == "off" and saved["hflip_rule"].startswith("auto: off")
+    # config.yaml reruns the run as it ran: flips off, now as given
+    assert config.build(TrainConfig, Path(out["run_dir"]) / "config.yaml").hflip == "off"
+
+
+def test_hflip_auto_on_photos_flips_and_says_nothing_more(tmp_path, data, tiny, capsys):
+    saved = _yaml(train_mod.train(tiny_config(tmp_path, data, epochs=1, max_steps=1))["run_dir"])
+    assert saved["hflip"] == "on" and saved["hflip_rule"].startswith("auto: on")
+    assert "--hflip" not in capsys.readouterr().out
 
 
 def test_no_checkpoint_leaves_no_checkpoint_rule(tmp_path, data, tiny):
@@ -317,4 +377,5 @@ def test_a_model_without_blocks_is_told_once(tmp_path, data, tiny, capsys):
     out = train_mod.train(tiny_config(tmp_path, data, epochs=1, checkpoint=True))
     said = capsys.readouterr().out
     assert said.count("no repeated blocks") == 1 and "--checkpoint-ratio" not in said
+    assert "checkpointing" not in next(line for line in said.splitlines() if line.startswith("training tiny"))
     assert _yaml(out["run_dir"])["checkpoint_rule"] == "auto: the model has no repeated blocks"

@@ -111,8 +111,10 @@ class TrainConfig:
                                "any aspect 3:4-4:3, for photos), light (crops of 50-100%, near-square), none "
                                "(the whole image), or auto (standard; light for the demo data)",
                        choices=("auto", "standard", "light", "none"))
-    hflip: bool = opt(True, "random horizontal flips in training; --no-hflip for digits, text, or anything "
-                            "whose mirror image is another class")
+    hflip: str = opt("auto", "random horizontal flips in training: on, off, or auto (off where most class names "
+                             "are single characters, as digits and letters, whose mirror image is another class "
+                             "or none, as the dataset report says; else on)", parse=on_off_auto,
+                     choices=("auto", "on", "off"), bare="on")
     crop_scale: tuple | str = opt("auto", "area range MIN,MAX of the random crops, as fractions of the image "
                                           "(e.g. 0.35,1), or auto: the --augment preset's",
                                   parse=scale_range_or_auto)
@@ -140,7 +142,8 @@ class TrainConfig:
                                   "(less memory, some more compute)")
     checkpoint_ratio: float | str = opt("auto", "fraction of the repeated blocks that --checkpoint recomputes, "
                                                 "or auto: on a GPU the fewest that let the batch fit (probed "
-                                                "there), every block elsewhere or with --batch-size auto",
+                                                "there; every block with --batch-size auto), on a CPU none "
+                                                "(recomputing costs time to save memory a CPU rarely lacks)",
                                         parse=ratio_or_auto)
     channels_last: bool = opt(True, "channels_last memory format for convolutional models on CUDA")
     compile: str = opt("auto", "torch.compile the model: on, off, or auto (on for a CUDA run of PyTorch 2.x "

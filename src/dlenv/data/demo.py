@@ -34,6 +34,10 @@ DEMO_IMG_SIZE = 64
 CPU_RECIPE = {"model": "small_cnn", "img_size": 32, "epochs": 10, "lr": 3e-3, "warmup_epochs": 0.5}
 #: what the options left to auto become everywhere else
 TRAIN_DEFAULTS = {"model": "resnet18", "epochs": 10, "warmup_epochs": 1.0}
+#: user data takes the CPU recipe too (its --img-size stays auto: the data's own) when its training images'
+#: typical shorter side is at most this: small images, where small_cnn learns in a fraction of ResNet-18's
+#: CPU time and to a higher top-1 in 10 epochs (docs/training.md, "The demo on a CPU", has the digits run)
+CPU_RECIPE_MAX_SIDE = 64
 CLASSES = ("arrow", "circle", "crescent", "cross", "frame", "hexagon", "ring", "square", "star",
            "triangle")
 #: Bump when the drawing changes, so an older dataset on disk is not mistaken for the current one.
@@ -255,19 +259,48 @@ def train_defaults(cfg: Any, device_type: str) -> tuple[Any, str | None]:
     """`cfg` (a TrainConfig) with the options left to auto (None, or "auto" for --model) filled in, and
     the line that says so when they became the CPU recipe (else None).
 
-    On the demo data (no --data, or a folder `demo-data` wrote) without a GPU and without --model, the
-    auto options take CPU_RECIPE's values; options given keep theirs. Anywhere else they take
+    Without a GPU and without --model, the auto options take CPU_RECIPE's values on the demo data (no
+    --data, or a folder `demo-data` wrote), and on user data of small images (`small_images`: --img-size
+    then stays auto, the data's own size); options given keep theirs. Anywhere else they take
     TRAIN_DEFAULTS'; --img-size and --lr stay auto (the data and the optimizer decide them)."""
     import dataclasses
 
-    demo = cfg.data is None or is_demo_folder(cfg.data)
-    use_recipe = demo and device_type == "cpu" and cfg.model == "auto"
-    values = CPU_RECIPE if use_recipe else TRAIN_DEFAULTS
+    values, why = _cpu_recipe(cfg, device_type)
     auto = {k: v for k, v in values.items() if getattr(cfg, k) in (None, "auto")}
-    if not use_recipe:
+    if why is None:
         return dataclasses.replace(cfg, **auto), None
     shown = " ".join(f"--{k.replace('_', '-')} {v:g}" if isinstance(v, float) else f"--{k.replace('_', '-')} {v}"
                      for k, v in auto.items())
     return dataclasses.replace(cfg, **auto), (
-        f"no GPU: the demo's CPU recipe, {shown} (a few minutes on 2 cores, see docs/training.md); "
-        "give --model to train another")
+        f"no GPU: {why}, {shown} (minutes on 2 cores, see docs/training.md); give --model to train another")
+
+
+def _cpu_recipe(cfg: Any, device_type: str) -> tuple[dict[str, Any], str | None]:
+    """(the values of the options left to auto, why they are the CPU recipe's; None where they are
+    TRAIN_DEFAULTS'). The recipe needs a CPU and --model auto; user data takes it (less --img-size) only
+    of small images, and never with --weights or --pretrained (weights for --model auto's ResNet-18)."""
+    if device_type != "cpu" or cfg.model != "auto":
+        return TRAIN_DEFAULTS, None
+    if cfg.data is None or is_demo_folder(cfg.data):
+        return CPU_RECIPE, "the demo's CPU recipe"
+    side = None if cfg.synthetic or cfg.weights or cfg.pretrained else small_images(cfg.data, cfg.val_split,
+                                                                                    cfg.seed)
+    if side is None:
+        return TRAIN_DEFAULTS, None
+    return ({k: v for k, v in CPU_RECIPE.items() if k != "img_size"},
+            f"images this small ({side} px typical shorter side) take the CPU recipe")
+
+
+def small_images(data: str, val_split: float = 0.2, seed: int = 0) -> int | None:
+    """The typical shorter side of `data`'s training images (dlenv.data.imagesize, as --img-size auto reads
+    it) when it is at most CPU_RECIPE_MAX_SIDE, else None; None too for a folder the trainer will refuse
+    (it says why then) or whose headers cannot be read."""
+    from dlenv.data.folder import find_layout
+    from dlenv.data.imagesize import typical_side
+
+    try:
+        layout = find_layout(data, val_split, seed)
+    except (UserError, OSError):
+        return None
+    found = typical_side([p for p, _ in layout.train])
+    return found[0] if found and found[0] <= CPU_RECIPE_MAX_SIDE else None

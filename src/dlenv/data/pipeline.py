@@ -42,8 +42,6 @@ AUGMENT_PRESETS = {"standard": (PHOTO_TRAIN_SCALE, (3 / 4, 4 / 3)), "light": ((0
 #: --img-size auto never goes above this (the photo default: larger inputs cost time for little gain
 #: when training from scratch), nor below 16 (the trainer's minimum)
 AUTO_IMG_SIZE_CAP, AUTO_IMG_SIZE_MIN = 224, 16
-#: image headers read to find the typical size
-_SIZE_SAMPLE = 200
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -74,18 +72,16 @@ class Located:
 def auto_img_size(located: Located) -> tuple[int, str]:
     """(--img-size auto's size, the reason): the median shorter side of up to 200 training images (headers
     only), capped at AUTO_IMG_SIZE_CAP for speed; 224 for synthetic data or when no header can be read."""
-    import statistics
+    from dlenv.data.imagesize import typical_side
 
     if located.layout is None or not located.layout.train:
         return 224, "the default for synthetic data"
-    samples = located.layout.train
-    step = max(1, len(samples) // _SIZE_SAMPLE)
-    sides = [min(wh) for wh in map(_header_size, (p for p, _ in samples[::step][:_SIZE_SAMPLE])) if wh]
-    if not sides:
+    found = typical_side([p for p, _ in located.layout.train])
+    if found is None:
         return 224, "the default for photos (no image header could be read)"
-    typical = int(statistics.median(sides))
+    typical, sampled = found
     size = max(AUTO_IMG_SIZE_MIN, min(AUTO_IMG_SIZE_CAP, typical))
-    why = f"the training images' typical shorter side is {typical} px ({len(sides)} sampled)"
+    why = f"the training images' typical shorter side is {typical} px ({sampled} sampled)"
     if typical > AUTO_IMG_SIZE_CAP:
         why += f", capped at {AUTO_IMG_SIZE_CAP} for speed"
     return size, why
@@ -113,23 +109,6 @@ def locate(data: str | None, synthetic: bool = False, val_split: float = 0.2, se
     return Located(layout, list(layout.classes), source)
 
 
-def _header_size(path: str) -> tuple[int, int] | None:
-    """(width, height) from an image file's header, or None when it cannot be read (reported elsewhere)."""
-    import warnings
-
-    from PIL import Image
-
-    from dlenv.safeio import IMAGE_FILE, open_regular
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with open_regular(path, "image", IMAGE_FILE) as f, Image.open(f) as im:
-                return im.size
-    except Exception:  # a broken file is the loaders' and the report's to name; a size is a summary
-        return None
-
-
 # ---------------------------------------------------------------------------------------------------
 # The decisions.
 
@@ -147,7 +126,7 @@ class InputOptions:
     workers: int | str = "auto"
     bad_images: str = "skip"
     augment: str = "auto"
-    hflip: bool = True
+    hflip: bool | str = "auto"      # 'auto', 'on', 'off' (True/False: a config.yaml from before 'auto')
     crop_scale: Any = "auto"
 
     @classmethod
@@ -184,6 +163,7 @@ class InputPlan:
     train_scale: tuple[float, float] = PHOTO_TRAIN_SCALE
     train_ratio: tuple[float, float] = (3 / 4, 4 / 3)
     hflip: bool = True
+    hflip_why: str = "--hflip on"  # why flips are on or off (`decide_hflip`)
     augment: str = "standard"
     norm: tuple[tuple, tuple] | None = None  # (mean, std) of pretrained weights; None: ImageNet's
     cache_why: str = ""         # why --cache auto decodes once (empty: it was asked for, or is off)
@@ -209,8 +189,8 @@ class InputPlan:
         return f"{self.augment}: {crops}, {'flips' if self.hflip else 'no flips'}, {self.interpolation}"
 
 
-def decide_augment(opts: InputOptions, demo: bool) -> tuple[str, tuple[float, float], tuple[float, float], bool]:
-    """(preset, crop area range, crop aspect range, flip) for --augment, --crop-scale and --hflip.
+def decide_augment(opts: InputOptions, demo: bool) -> tuple[str, tuple[float, float], tuple[float, float]]:
+    """(preset, crop area range, crop aspect range) for --augment and --crop-scale.
 
     auto is standard (what works for photos), light for the demo data (its shapes fill most of a small
     image, and a short run learns faster from gentler crops); --crop-scale overrides the preset's range."""
@@ -218,7 +198,28 @@ def decide_augment(opts: InputOptions, demo: bool) -> tuple[str, tuple[float, fl
     scale, ratio = AUGMENT_PRESETS[preset]
     if opts.crop_scale != "auto":
         scale = tuple(opts.crop_scale)
-    return preset, scale, ratio, bool(opts.hflip) and preset != "none"
+    return preset, scale, ratio
+
+
+def decide_hflip(choice: bool | str, classes: list[str], preset: str) -> tuple[bool, str]:
+    """(flip training images left-right?, why) for --hflip `choice` ('auto', 'on', 'off'; True/False from a
+    config.yaml written before auto) on data of these `classes` with --augment `preset`.
+
+    auto follows the dataset report's rule (dlenv.data.report.character_classes): no flips where most
+    class names are single characters, whose mirror image is another class or none; flips elsewhere.
+    --augment none never flips: it trains on the whole image as validation sees it."""
+    from dlenv.data.report import character_classes
+
+    if preset == "none":
+        return False, "off: --augment none trains on the whole image, as validation sees it"
+    if choice in ("on", "off", True, False):
+        on = choice in ("on", True)
+        return on, f"--hflip {'on' if on else 'off'}"
+    chars = character_classes(classes)
+    if chars:
+        return False, (f"auto: off, the classes look like characters ({chars}) and a mirror image can be "
+                       "another class or none (--hflip on to flip anyway)")
+    return True, "auto: on, the class names are no characters (--hflip off where a mirror image is another class)"
 
 
 def workers_per_process(workers: int, local_world_size: int) -> int:
@@ -259,10 +260,11 @@ def decide(opts: InputOptions, located: Located, device: Any, batch_size: int, i
                                      batch=batch_size, workers=workers)
     cpu_decoder = decoder if decoder not in decode.GPU_DECODERS else decode.pick_decoder(paths, size)
     cache_mode = "disk" if opts.cache_mode == "auto" and local_world_size > 1 else opts.cache_mode
-    preset, scale, ratio, hflip = decide_augment(opts, located.demo)
+    preset, scale, ratio = decide_augment(opts, located.demo)
+    hflip, hflip_why = decide_hflip(opts.hflip, located.classes, preset)
     return InputPlan(img_size, batch_size, on_device, decoder, cpu_decoder, workers, cache=cache,
                      cache_mode=cache_mode, cache_dir=opts.cache_dir, bad_images=opts.bad_images,
-                     train_scale=scale, train_ratio=ratio, hflip=hflip, augment=preset, norm=norm,
+                     train_scale=scale, train_ratio=ratio, hflip=hflip, hflip_why=hflip_why, augment=preset, norm=norm,
                      interpolation=interpolation, cache_why=cache_why)
 
 

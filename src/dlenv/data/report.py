@@ -238,15 +238,23 @@ def dataset_report(root: str | Path, val_split: float = 0.2, seed: int = 0, chec
 
 #: paths shown per group of identical files in the text report (--json lists all)
 LEAK_PATHS_SHOWN = 3
-def flip_hint(classes: list[str]) -> str:
-    """The report's line on horizontal flips, which training does by default (--augment): a warning where
-    most class names are single characters (digits, letters: a mirrored 'b' is a 'd', a mirrored '3' no
-    digit at all), else the flag named in passing."""
+def character_classes(classes: list[str]) -> str:
+    """The class names that are single characters, as a short list ('0, 1, 2, 3, 4, 5, ...'), where they
+    are most of the classes (digits, letters: a mirrored 'b' is a 'd', a mirrored '3' no digit at all);
+    '' elsewhere. The one rule for flips: this report's line and `train --hflip auto` both read it."""
     chars = sorted(c for c in classes if len(c.strip()) == 1 and c.strip().isalnum())
     if len(chars) >= 2 and len(chars) * 2 >= len(classes):
-        shown = ", ".join(chars[:6]) + (", ..." if len(chars) > 6 else "")
+        return ", ".join(chars[:6]) + (", ..." if len(chars) > 6 else "")
+    return ""
+
+
+def flip_hint(classes: list[str]) -> str:
+    """The report's line on horizontal flips: a warning where `character_classes` finds characters (training
+    with --hflip auto then flips none), else the flag named in passing."""
+    shown = character_classes(classes)
+    if shown:
         return (f"warning   the classes look like characters ({shown}): a mirror image can be another class or "
-                "none; train with --no-hflip")
+                "none; training flips none of them (--hflip auto, as --no-hflip)")
     return ("augment   training flips images left-right (--no-hflip where a mirror image is another class: "
             "digits, text)")
 

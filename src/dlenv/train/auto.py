@@ -13,7 +13,8 @@ torch.compile at all.
 --checkpoint-ratio auto recomputes the fewest of the repeated blocks that let the run's micro-batch
 fit on this GPU, found by real training steps (dlenv.autobatch.fewest_checkpoint_blocks). With
 --batch-size auto the batch is chosen to fill the card with every block checkpointed, so all are;
-on a CPU there is nothing to probe, and all are.
+on a CPU none are (dlenv.precision.cpu_checkpoint_ratio: recomputing costs time there, to save memory
+a CPU run rarely lacks), and the start line names no checkpointing.
 """
 
 from __future__ import annotations
@@ -110,8 +111,6 @@ def _checkpoint_ratio(cfg: Any, model: nn.Module, n: int, probe: Probe, micro_ba
         ratio = Decision(*cpu_checkpoint_ratio(n))
         apply_checkpointing(model, ratio.value)
         return ratio
-    if device.type != "cuda":
-        return Decision(1.0, f"auto: all {n} blocks ({device.type}: no GPU memory to fit)")
     if cfg.batch_size == "auto":
         return Decision(1.0, f"auto: all {n} blocks (--batch-size auto fills the GPU with every block checkpointed)")
     from dlenv.autobatch import fewest_checkpoint_blocks

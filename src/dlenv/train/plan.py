@@ -138,6 +138,7 @@ class TrainPlan:
     optimizer: OptimizerChoice
     epochs: int
     oom_retry: bool                 # --batch-size auto on one GPU: an OOM splits the batch instead of stopping
+    blocks: int = 0                 # the model's repeated blocks, of which --checkpoint recomputes a fraction
 
     @property
     def micro_batch(self) -> int:
@@ -159,6 +160,13 @@ class TrainPlan:
     def memory_format(self) -> torch.memory_format:
         return torch.channels_last if self.channels_last.value else torch.contiguous_format
 
+    @property
+    def recomputed_blocks(self) -> int:
+        """How many blocks --checkpoint recomputes: the first round(ratio x blocks), as
+        dlenv.models.apply_checkpointing wraps them; 0 without --checkpoint, on a CPU's auto, or for a
+        model without repeated blocks."""
+        return int(round(self.checkpoint_ratio.value * self.blocks)) if self.checkpoint_ratio else 0
+
     def options(self, cfg: TrainConfig) -> dict[str, Any]:
         """config.yaml's options: `cfg` with every auto resolved, so the file reruns this run."""
         return config.to_dict(dataclasses.replace(
@@ -166,7 +174,7 @@ class TrainPlan:
             optimizer=self.optimizer.name, lr=self.optimizer.lr, weight_decay=self.optimizer.weight_decay,
             img_size=self.input.img_size, workers=self.input.workers, resume=None,
             amp_dtype=self.precision.value if self.precision.value != "fp32" else cfg.amp_dtype,
-            compile="on" if self.compile.value else "off",
+            compile="on" if self.compile.value else "off", hflip="on" if self.input.hflip else "off",
             checkpoint_ratio=self.checkpoint_ratio.value if self.checkpoint_ratio else cfg.checkpoint_ratio))
 
     def notes(self, device: torch.device, data: pipeline.Data) -> dict[str, Any]:
@@ -178,7 +186,7 @@ class TrainPlan:
             "input": self.input.describe(device).removeprefix("input: "), "torch": torch.__version__,
             "precision_rule": self.precision.why, "img_size_rule": self.model.img_size.why,
             "batch_rule": self.batch.why, "channels_last_rule": self.channels_last.why,
-            "compile_rule": self.compile.why,
+            "compile_rule": self.compile.why, "hflip_rule": self.input.hflip_why,
             **({"checkpoint_rule": self.checkpoint_ratio.why} if self.checkpoint_ratio else {}),
             **({"pretrained": self.model.pretrained.notes()} if self.model.pretrained else {}),
             **({"model_source": self.model.provenance} if self.model.provenance else {})}
@@ -188,9 +196,15 @@ class TrainPlan:
         return (f"{'resuming' if resuming else 'training'} {self.model.name} on {data.source} "
                 f"({len(data.classes)} classes, {self.input.img_size} px) | {device} {self.precision.value}"
                 f"{' channels_last' if self.channels_last.value else ''}"
-                f"{' checkpointing' if self.checkpoint_ratio else ''} | batch {self.micro_batch} x "
+                f"{self._checkpointing()} | batch {self.micro_batch} x "
                 f"{self.accum_steps} accum x {self.world_size} GPU = {self.effective_batch}, {self.optimizer.name} "
                 f"lr {self.optimizer.lr:g} | {run_dir}")
+
+    def _checkpointing(self) -> str:
+        # only blocks really recomputed are named: --checkpoint with none (a CPU's auto, ratio 0, a model
+        # without blocks) trains as without it, and the header must not say otherwise
+        k = self.recomputed_blocks
+        return f" checkpointing {k} of {self.blocks} blocks" if k else ""
 
 
 @dataclass
@@ -207,6 +221,8 @@ def resolve(cfg: TrainConfig, resume: Any, dist: distributed.DistInfo, device: t
     """Every setup decision of the run `cfg` on `device`, in the order each needs the last; prints the
     ones a user should see (as the trainer always has). Raises UserError for options this machine or
     data cannot honour."""
+    from dlenv.models import find_blocks
+
     located = pipeline.locate(cfg.data, cfg.synthetic, cfg.val_split, cfg.seed)
     spec = ModelSpec.resolve(cfg, located, fresh=resume is None)
     precision = _precision(cfg, device, spec)
@@ -223,6 +239,8 @@ def resolve(cfg: TrainConfig, resume: Any, dist: distributed.DistInfo, device: t
                                memory_format=memory_format, max_steps=cfg.max_steps, say=say, epochs=cfg.epochs)
     if located.layout is not None:
         say(input_plan.describe(device))
+        if cfg.hflip == "auto" and not input_plan.hflip and input_plan.augment != "none":
+            say(f"--hflip {input_plan.hflip_why}")  # once: the flips the dataset report advises against
     # after the data: what it keeps on the GPU (--synthetic, --cache ram on the device) counts in the probe
     ratio = auto.checkpoint_ratio(cfg, model, probe, micro, say)
     full_epoch = len(data.train) if data.sampler is None else math.ceil(data.sampler.per_rank / micro)
@@ -234,7 +252,8 @@ def resolve(cfg: TrainConfig, resume: Any, dist: distributed.DistInfo, device: t
         say(f"--compile {compiled.why}")  # once: when it compiles, or cannot
     optimizer = _optimizer(cfg, micro * accum * dist.world_size, cfg.epochs * math.ceil(batches_per_epoch / accum))
     plan = TrainPlan(precision, spec, channels_last, batch, dist.world_size, input_plan, batches_per_epoch, ratio,
-                     compiled, optimizer, cfg.epochs, oom_retry=cfg.batch_size == "auto" and dist.world_size == 1)
+                     compiled, optimizer, cfg.epochs, oom_retry=cfg.batch_size == "auto" and dist.world_size == 1,
+                     blocks=len(find_blocks(model)) if cfg.checkpoint else 0)
     return Setup(plan, model, data)
 
 
