@@ -471,3 +471,38 @@ def test_a_report_on_other_data_gets_its_own_folder(tmp_path, capsys):
     (run / "val-digits").mkdir()
     (run / "val-digits" / "metrics.json").write_text(json.dumps({"data": "elsewhere/digits"}))
     assert report_folder(run, Path("data/digits")) == run / "val-digits-2"
+
+
+@pytest.mark.parametrize("data,folder", [
+    ("data/digits", "val-digits"),
+    ("data/digits/val", "val-digits"),      # a dataset's split is named by its dataset, not val-val
+    ("data/digits/Validation", "val-digits"),
+    ("data/pets/test", "val-pets"),
+    ("val", "val-val"),                      # a bare val folder has no dataset name above it
+    ("data/my val", "val-my val"),
+])
+def test_a_report_on_other_data_is_named_by_its_dataset(tmp_path, capsys, data, folder):
+    from dlenv.evaluate import report_folder
+
+    (tmp_path / "val").mkdir()
+    (tmp_path / "val" / "metrics.json").write_text(json.dumps({"data": "data/demo"}))
+    assert report_folder(tmp_path, Path(data)) == tmp_path / folder
+
+
+def test_val_reports_go_into_the_run_folder_whatever_folder_it_runs_in(tmp_path, val_data, monkeypatch, capsys):
+    """Started in another folder, `dlenv val` writes val/ and val-<data>/ beside the checkpoint, in its run
+    folder; a best_model.pth linked into the folder it runs in reports into the run folder it links to."""
+    run = tmp_path / "runs" / "exp"
+    _dlenv_ckpt(run / "best_model.pth", data=val_data)
+    here = tmp_path / "elsewhere"
+    here.mkdir()
+    (here / "best_model.pth").symlink_to(run / "best_model.pth")
+    monkeypatch.chdir(here)
+    common = ["--workers", "0", "--batch-size", "4", "--device", "cpu"]
+    for weights, data, folder in [(str(run / "best_model.pth"), val_data / "val", "val"),
+                                  ("best_model.pth", val_data, "val-dataset")]:  # the link; other data
+        assert cli_main(["val", "--weights", weights, "--data", str(data), *common]) == 0
+        assert json.loads((run / folder / "metrics.json").read_text())["data"] == str(data)
+    assert sorted(p.name for p in here.iterdir()) == ["best_model.pth"]  # nothing written where it ran
+    assert sorted(p.name for p in run.iterdir()) == ["best_model.pth", "val", "val-dataset"]
+    assert f"reports in {run / 'val-dataset'}/" in capsys.readouterr().out

@@ -60,3 +60,38 @@ def test_readme_trains_and_validates_the_example_model_of_ones_own(tmp_path):
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     assert cfg["model"] == "models/tiny_resnet.py:build" and cfg["amp"] and cfg["checkpoint"]
     assert "8 images, 2 classes" in r.stdout and (run / "val" / "metrics.json").is_file()
+
+
+def test_val_py_writes_its_reports_into_the_run_folder_not_the_folder_it_runs_in(tmp_path, monkeypatch, capsys):
+    """`python val.py` in the workspace, as its docstring and README show, twice (the run's data, then
+    other data): val/ and val-digits/ land in runs/exp/, and the workspace itself gains nothing. The
+    script runs in this process (runpy) to spare a second PyTorch start-up."""
+    import runpy
+
+    import torch
+    from imagedata import make_train_val
+
+    from dlenv.runstate import FORMAT, save_checkpoint
+    from tinymodels import Tiny
+
+    ws = tmp_path / "workspace"
+    shutil.copytree(ROOT / "workspace", ws, ignore=shutil.ignore_patterns("runs", "__pycache__"))
+    make_train_val(ws / "data" / "digits", per_class=2, val_per_class=2)
+    make_train_val(ws / "data" / "tiny", per_class=2, val_per_class=2)
+    torch.manual_seed(0)
+    run = ws / "runs" / "exp"
+    save_checkpoint({"format": FORMAT, "model": Tiny(2).state_dict(), "model_name": "tiny",
+                     "num_classes": 2, "class_names": ["cat", "dog"], "img_size": 16, "epoch": 1,
+                     "config": {"data": "data/tiny", "val_split": 0.2, "seed": 0}}, run / "best_model.pth")
+    monkeypatch.setattr("dlenv.models.build_model", lambda name, num_classes, **kw: Tiny(num_classes))
+    before = sorted(p.name for p in ws.iterdir())
+    monkeypatch.chdir(ws)
+    for data in (["--data", "data/tiny/val"], ["--data", "data/digits/val"]):
+        monkeypatch.setattr(sys, "argv", ["val.py", "--weights", "runs/exp/best_model.pth", *data,
+                                          "--workers", "0", "--device", "cpu"])
+        with pytest.raises(SystemExit) as done:
+            runpy.run_path(str(ws / "val.py"), run_name="__main__")
+        assert done.value.code == 0, capsys.readouterr()
+    assert sorted(p.name for p in ws.iterdir()) == before  # no val/ or val-digits/ where it ran
+    assert sorted(p.name for p in run.iterdir()) == ["best_model.pth", "val", "val-digits"]
+    assert yaml.safe_load((run / "val-digits" / "metrics.json").read_text())["data"] == "data/digits/val"

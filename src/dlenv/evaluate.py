@@ -3,7 +3,8 @@
 `main` rebuilds the model from a checkpoint alone (architecture, classes and image size are stored in
 it; `--model` only names the architecture of a bare state dict from another tool), runs it over a
 folder of class folders, prints loss, top-1, top-5 and a per-class precision/recall/F1 table, and
-writes the reports into `--out` (default `<weights dir>/val/`):
+writes the reports into `--out` (default: val/ in the checkpoint's run folder, `run_folder`; val-<data>/ for
+other data, `report_folder`):
 
     metrics.json           everything below, machine-readable
     per_class.csv          precision, recall, F1, support per class, then macro and weighted averages
@@ -21,6 +22,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -403,9 +405,17 @@ def check_saved_options(ckpt: Any, path: Path | str) -> None:
                         "or written by another dlenv version, use another checkpoint") from None
 
 
+def run_folder(weights: Path) -> Path:
+    """The folder a checkpoint's reports go to without --out: the one the file lies in, a link followed to
+    its target (a best_model.pth linked into the folder `val` is started from reports into its run
+    folder), never the folder `val` happens to be started from."""
+    return Path(os.path.realpath(weights)).parent if weights.is_symlink() else weights.parent
+
+
 def report_folder(run_dir: Path, data: Path) -> Path:
     """Where `val` writes without --out: <run_dir>/val, unless it holds the report on other data; then
-    val-<data folder's name> (val-<name>-2, ... when that is taken too), said in one line. A report on
+    val-<data folder's name> (its dataset's for a val/, test/ or train/ folder: data/digits/val gives
+    val-digits; val-<name>-2, ... when that is taken too), said in one line. A report on
     the same data replaces its own folder, as before."""
     def free(folder: Path) -> bool:
         if not folder.exists():
@@ -416,8 +426,10 @@ def report_folder(run_dir: Path, data: Path) -> Path:
             return not any(folder.iterdir()) if folder.is_dir() else False
 
     first = run_dir / "val"
-    candidates = [first, run_dir / f"val-{data.name or 'data'}"]
-    candidates += [run_dir / f"val-{data.name or 'data'}-{i}" for i in range(2, 1000)]
+    # data/digits/val is named by its dataset: val-digits, not val-val
+    split = data.name.lower() in ("val", "valid", "validation", "test", "train") and data.parent.name
+    label = (data.parent.name if split else data.name) or "data"
+    candidates = [first, run_dir / f"val-{label}"] + [run_dir / f"val-{label}-{i}" for i in range(2, 1000)]
     folder = next(f for f in candidates if free(f))
     if folder != first:
         print(f"reports go to {folder}/: {first}/ holds the report on other data (--out chooses the folder)")
@@ -448,7 +460,7 @@ def main(cfg: Any) -> int:
     root, samples, data_classes, what = resolve_data(cfg, ckpt if not bare else {})
     if not samples:
         raise UserError(f"no images to validate on in {root}; pass --data with class folders of images")
-    out = check_output(cfg.out or report_folder(weights.parent, root), "--out", folder=True)
+    out = check_output(cfg.out or report_folder(run_folder(weights), root), "--out", folder=True)
     remap = match_classes(data_classes, class_names, bare, root)
     if bare:
         class_names = list(data_classes)
