@@ -70,9 +70,9 @@ def test_val_py_writes_its_reports_into_the_run_folder_not_the_folder_it_runs_in
 
     import torch
     from imagedata import make_train_val
+    from tinymodels import Tiny
 
     from dlenv.runstate import FORMAT, save_checkpoint
-    from tinymodels import Tiny
 
     ws = tmp_path / "workspace"
     shutil.copytree(ROOT / "workspace", ws, ignore=shutil.ignore_patterns("runs", "__pycache__"))

@@ -44,9 +44,10 @@ def check_size(name: str, size: int) -> None:
 
 def builder_args(name: str, model_args: dict[str, Any], img_size: int | None) -> dict[str, Any]:
     """The builder's keyword arguments for torchvision name `name` trained at `img_size` (None: the builder's
-    own default): {"image_size": img_size} for a ViT at another size than BUILDER_SIZE, else {}. `model_args` (--model-args) may only repeat
-    that image_size. Raises UserError (one line) for other --model-args, an image_size that differs from
-    the size the images are resized to, or a size the ViT cannot take."""
+    own default): {"image_size": img_size} for a ViT at another size than BUILDER_SIZE, else {}.
+    `model_args` (--model-args) may only repeat that image_size. Raises UserError (one line) for other
+    --model-args, an image_size that differs from the size the images are resized to, or a size the ViT
+    cannot take."""
     patch = patch_size(name)
     if patch is None:
         if model_args:
