@@ -196,3 +196,24 @@ def test_the_help_examples_are_real_commands(verb):
         args = vars(parser.parse_args(words[1:]))  # an unknown flag would exit 2 here
         args.pop("command"), args.pop("cfg", None)
         config.build(config.COMMANDS[verb].config, **args)  # and every value is a valid one
+
+
+def test_dlenv_test_leaves_no_files_behind(monkeypatch):
+    """pytest's own basetemp keeps three sessions (4 GB in /tmp/pytest-of-root after `dlenv test`): the
+    run gets a folder of its own, removed when it ends, unless --basetemp is given."""
+    seen = []
+
+    def call(cmd):
+        base = Path(cmd[cmd.index("--basetemp") + 1])
+        base.mkdir(parents=True)
+        (base / "big").write_bytes(b"x" * 1024)
+        seen.append(base)
+        return 0
+
+    monkeypatch.setattr(cli.subprocess, "call", call)
+    assert cli.main(["test", "-k", "x"]) == 0
+    assert seen and not seen[0].exists() and not seen[0].parent.exists()
+    given = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd: given.append(cmd) or 0)
+    assert cli.main(["test", "--basetemp=/tmp/mine"]) == 0
+    assert given[0].count("--basetemp") == 0 and "--basetemp=/tmp/mine" in given[0]

@@ -99,8 +99,13 @@ def run_tests(gpu: bool = False, extra: list[str] | tuple[str, ...] = (), full: 
     """`dlenv test` / `invoke test`: pytest over the source checkout's tests, or the image's shipped copy.
 
     The quick tests unless `full`; a progress line with the ETA (dlenv.testprogress); failures and errors
-    summarized at the end (not the list of skips). Returns pytest's exit code.
+    summarized at the end (not the list of skips). The tests' files go to a temporary folder removed at
+    the end (pytest's own basetemp keeps the last three sessions: 4 GB in /tmp/pytest-of-<user>), unless
+    --basetemp is given. Returns pytest's exit code.
     """
+    import shutil
+    import tempfile
+
     tests = Path(__file__).resolve().parents[2] / "tests"
     if not tests.is_dir():  # installed copy: the image ships the tests beside the package
         tests = Path(os.environ.get("DLENV_TESTS", "/opt/dlenv/tests"))
@@ -111,7 +116,13 @@ def run_tests(gpu: bool = False, extra: list[str] | tuple[str, ...] = (), full: 
         cmd += ["-m", "gpu"]
     elif not full:
         cmd += ["-m", QUICK]
-    return subprocess.call(cmd + list(extra))
+    if any(str(a).startswith("--basetemp") for a in extra):
+        return subprocess.call(cmd + list(extra))
+    base = tempfile.mkdtemp(prefix="dlenv-test-")
+    try:
+        return subprocess.call(cmd + ["--basetemp", str(Path(base) / "t")] + list(extra))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 class _Stopped(Exception):
