@@ -110,19 +110,19 @@ def run_tests(gpu: bool = False, extra: list[str] | tuple[str, ...] = (), full: 
     if not tests.is_dir():  # installed copy: the image ships the tests beside the package
         tests = Path(os.environ.get("DLENV_TESTS", "/opt/dlenv/tests"))
     # no cache: the shipped tests sit in a read-only folder for a --user run
+    own = not any(str(a).startswith("--basetemp") for a in extra)
+    base = tempfile.mkdtemp(prefix="dlenv-test-") if own else None
     cmd = [sys.executable, "-m", "pytest", str(tests), "-q", "-p", "no:cacheprovider", "-p", "dlenv.testprogress",
-           "-rfE"]
+           "-rfE", *(["--basetemp", str(Path(base) / "t")] if base else [])]
     if gpu:
         cmd += ["-m", "gpu"]
     elif not full:
         cmd += ["-m", QUICK]
-    if any(str(a).startswith("--basetemp") for a in extra):
-        return subprocess.call(cmd + list(extra))
-    base = tempfile.mkdtemp(prefix="dlenv-test-")
     try:
-        return subprocess.call(cmd + ["--basetemp", str(Path(base) / "t")] + list(extra))
+        return subprocess.call(cmd + list(extra))
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        if base:
+            shutil.rmtree(base, ignore_errors=True)
 
 
 class _Stopped(Exception):
