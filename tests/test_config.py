@@ -367,3 +367,17 @@ def test_what_other_commands_take_from_a_run_are_options_of_both():
     train = {f.name for f in dataclasses.fields(config.TrainConfig)}
     for cls, names in config._FROM_RUN.items():
         assert set(names) <= train & {f.name for f in dataclasses.fields(cls)}, cls
+
+
+@pytest.mark.parametrize("name", ["val", "prune", "export"])
+def test_a_runs_config_yaml_in_its_run_folder_names_the_runs_best_model(run_yaml, capsys, name):
+    """`dlenv val --cfg runs/x/config.yaml` validates run x: its best_model.pth, not train's start file;
+    a --weights given still wins, and a config.yaml with no best_model.pth beside it names none."""
+    cls = config.COMMANDS[name].config
+    assert config.build(cls, run_yaml).weights is None
+    (run_yaml.parent / "best_model.pth").write_bytes(b"")
+    capsys.readouterr()
+    assert config.build(cls, run_yaml).weights == str(run_yaml.parent / "best_model.pth")
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) == 1 and f"--weights is the run's {run_yaml.parent / 'best_model.pth'}" in out
+    assert config.build(cls, run_yaml, weights="other.pth").weights == "other.pth"

@@ -105,7 +105,11 @@ def options_in(yaml_file: str | Path, valid: set[str], train: set[str], keep: tu
     taken = {key: v for key, v in data.items() if names[key] in set(keep) & valid}
     what = (f"takes {', '.join('--' + names[k].replace('_', '-') for k in taken)} from it and leaves" if taken
             else "leaves")
+    left = len(data) - len(taken)
+    best = Path(yaml_file).parent / "best_model.pth"
+    if "weights" in valid and best.is_file():  # the run's own folder: validate (prune, export) what it trained
+        taken["weights"] = str(best)
     why = " (the checkpoint says what it was trained on)" if "weights" in valid else ""
     say(f"config file {yaml_file} holds a training run's options: dlenv {command} {what} the other "
-        f"{len(data) - len(taken)} out{why}")
+        f"{left} out{why}" + (f"; --weights is the run's {best}" if "weights" in taken else ""))
     return taken
