@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import struct
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Tuple  # noqa: UP035 (TorchScript on 1.13 reads typing.Tuple)
 
@@ -133,8 +134,8 @@ def letter_case(benign) -> bytes:
 
 
 CONSTRUCTIONS = [
-    ("end record vs concatenated-zip correction", two_directories_by_concatenation, "see different members"),
-    ("zip64 locator", two_directories_by_zip64, "see different members"),
+    ("end record vs concatenated-zip correction", two_directories_by_concatenation, "directory in different places"),
+    ("zip64 locator", two_directories_by_zip64, "zip64 locator that points elsewhere"),
     ("data.pkl and DATA.PKL", letter_case, "differ only in letter case"),
 ]
 BENIGN = {"fc.weight": torch.ones(4), "fc.bias": torch.zeros(2)}
@@ -352,3 +353,239 @@ def test_a_refused_download_does_not_stay_in_the_cache(tmp_path, monkeypatch):
         pretrained.fetch(w, progress=False)
     folder = tmp_path / "th" / "hub" / "checkpoints"
     assert not folder.exists() or not list(folder.iterdir()), list(folder.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Attack constructions, each a variant of a class: refused in one line (nothing ran, torch's loader never
+# reached), or, where the variant is harmless, loaded as exactly the bytes it holds
+
+
+def _L(n: int) -> bytes:  # an int of any size (LONG1 / LONG4)
+    b = n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
+    return (b"\x8a" + bytes([len(b)]) if len(b) < 256 else b"\x8b" + struct.pack("<i", len(b))) + b
+
+
+def _S(s: str) -> bytes:
+    return b"X" + struct.pack("<I", len(s.encode())) + s.encode()
+
+
+def _T(*items: bytes) -> bytes:
+    return b"(" + b"".join(items) + b"t"
+
+
+def _G(mod: str, name: str) -> bytes:
+    return f"c{mod}\n{name}\n".encode()
+
+
+_HOOKS = _G("collections", "OrderedDict") + b")R"
+
+
+def _pid(stype="FloatStorage", key="0", numel=4, view: bytes | None = None) -> bytes:
+    return _T(_S("storage"), _G("torch", stype), _S(key), _S("cpu"), _L(numel), *([view] if view else [])) + b"Q"
+
+
+def _tensor(pid: bytes, offset=0, size=(4,), stride=(1,), grad=b"\x89") -> bytes:
+    return _G("torch._utils", "_rebuild_tensor_v2") + _T(pid, _L(offset), _T(*map(_L, size)), _T(*map(_L, stride)),
+                                                          grad, _HOOKS) + b"R"
+
+
+def _dict(*pairs) -> bytes:
+    return b"\x80\x02}(" + b"".join(_S(k) + v for k, v in pairs) + b"u."
+
+
+def _zip(members, **override) -> bytes:
+    """A zip of stored `members` ((name, data[, {field: value}])), with archive/version added; a member's
+    dict overrides its method, sizes, local name or offset as a forger would."""
+    if not any(str(m[0]).endswith("version") for m in members):
+        members = [*members, ("archive/version", b"3\n")]
+    local, central = io.BytesIO(), io.BytesIO()
+    for name, data, *rest in members:
+        o = rest[0] if rest else {}
+        raw = name if isinstance(name, bytes) else name.encode()
+        method = o.get("method", 0)
+        body = data
+        if method == 8:
+            c = zlib.compressobj(9, zlib.DEFLATED, -15)
+            body = c.compress(data) + c.flush()
+        crc, usize, csize = zlib.crc32(data), o.get("usize", len(data)), o.get("csize", len(body))
+        at = local.tell()
+        lname = o.get("lname", raw)
+        local.write(struct.pack("<4s5H3L2H", b"PK\x03\x04", 20, o.get("flags", 0), method, 0, 0x21, crc,
+                                o.get("lsize", csize), o.get("lsize", usize), len(lname), 0) + lname + body)
+        central.write(struct.pack("<4s6H3L5HLL", b"PK\x01\x02", 20, 20, o.get("flags", 0), method, 0, 0x21, crc,
+                                  csize, usize, len(raw), 0, 0, 0, 0, 0, o.get("off", at)) + raw)
+    n = len(members)
+    lo, ce = local.getvalue(), central.getvalue()
+    return lo + ce + struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, n, n, len(ce), len(lo), 0)
+
+
+def _one(t: bytes, record: bytes = b"\0" * 16, key: str = "0") -> bytes:
+    return _zip([("archive/data.pkl", _dict(("w", t))), (f"archive/data/{key}", record)])
+
+
+_W = _tensor(_pid())
+
+
+def _legacy(obj: bytes, keys, storages, sys_info: bytes | None = None) -> bytes:
+    import pickle
+
+    out = pickle.dumps(0x1950A86A20F9469CFC6C, 2) + pickle.dumps(1001, 2)
+    out += sys_info if sys_info is not None else pickle.dumps({"protocol_version": 1001, "little_endian": True}, 2)
+    out += obj + pickle.dumps(keys, 2)
+    return out + b"".join(struct.pack("<q", n) + data for n, data in storages)
+
+
+def _deflated_bomb() -> bytes:  # 64 MiB of zeros in ~64 KB: inflated in full before any size was checked
+    big = 64 << 20
+    return _zip([("archive/data.pkl", _dict(("w", _tensor(_pid("ByteStorage", numel=big), size=(big,))))),
+                 ("archive/data/0", bytes(big), {"method": 8})])
+
+
+def _concatenated() -> bytes:  # a zip after other data, its offsets as if it began the file
+    inner = _zip([("archive/data.pkl", _dict(("w", _W))), ("archive/data/0", b"\0" * 16)])
+    return b"PK\x03\x04" + b"\0" * 60 + inner
+
+
+def _locator_elsewhere() -> bytes:  # a zip64 locator that points at a record other than Python's
+    blob = _zip([("archive/data.pkl", _dict(("w", _W))), ("archive/data/0", b"\0" * 16)])
+    entries, size, offset = _cd_of(blob)
+    end = blob.rindex(b"PK\x05\x06")
+    z64 = struct.pack("<4sQ2H2L4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, entries, entries, size, offset)
+    decoy = z64
+    return (blob[:end] + decoy + z64 + struct.pack("<4sLQL", b"PK\x06\x07", 0, end, 1) + blob[end:])
+
+
+def _million() -> bytes:  # a zip64 end record that says 2**20 members (Python would list each)
+    blob = _zip([("archive/data.pkl", _dict(("w", _W))), ("archive/data/0", b"\0" * 16)])
+    _, size, offset = _cd_of(blob)
+    end = blob.rindex(b"PK\x05\x06")
+    z64 = struct.pack("<4sQ2H2L4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, 1 << 20, 1 << 20, size, offset)
+    tail = struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0)
+    return blob[:end] + z64 + struct.pack("<4sLQL", b"PK\x06\x07", 0, end, 1) + tail
+
+
+_PAYLOAD = "touch {marker}"
+ATTACKS = [  # (id, build(marker) -> bytes, refusal reason or None for a file that loads as it is)
+    # two readers: where the directory is, what a member holds
+    ("zip: data before the archive", lambda m: _concatenated(), "different places"),
+    ("zip: zip64 locator elsewhere", lambda m: _locator_elsewhere(), "zip64 locator"),
+    ("zip: deflated data.pkl", lambda m: _zip([("archive/data.pkl", _dict(("w", _W)), {"method": 8}),
+                                              ("archive/data/0", b"\0" * 16)]), "compressed member"),
+    ("zip: deflate bomb in a record", lambda m: _deflated_bomb(), "compressed member"),
+    ("zip: stored with two sizes", lambda m: _zip([("archive/data.pkl", _dict(("w", _W)), {"csize": 5}),
+                                                  ("archive/data/0", b"\0" * 16)]), "compressed member"),
+    ("zip: a record size past the file", lambda m: _zip([("archive/data.pkl", _dict(("w", _W))),
+                                                        ("archive/data/0", b"\0" * 16,
+                                                         {"usize": 1 << 20, "csize": 1 << 20})]),
+     "truncated or corrupt"),
+    ("zip: Kelvin sign and k", lambda m: _zip([("archive/data.pkl", _dict(("w", _tensor(_pid(key="k"))))),
+                                              ("archive/data/\u212a", b"\1" * 16), ("archive/data/k", b"\0" * 16)]),
+     "refusing"),
+    ("zip: long s", lambda m: _zip([("archive/data.pkl", _dict(("w", _W))), ("archive/data/0", b"\0" * 16),
+                                   ("archive/data.pk\u017f", b"")]), "refusing"),
+    ("zip: NUL in a name", lambda m: _zip([(b"archive/data.pkl\0x", _dict(("w", _W))), ("archive/data/0", b"\0" * 16)]),
+     "truncated or corrupt"),
+    ("zip: backslashes", lambda m: _zip([("archive\\data.pkl", _dict(("w", _W))), ("archive\\data\\0", b"\0" * 16),
+                                        ("archive\\version", b"3\n")]), "truncated or corrupt"),
+    ("zip: two archive folders", lambda m: _zip([("archive/data.pkl", _dict(("w", _W))),
+                                                 ("ARCHIVE/data/0", b"\0" * 16)]),
+     "truncated or corrupt"),
+    ("zip: local name differs (both read the directory)", lambda m: _zip([
+        ("archive/data.pkl", _dict(("w", _W)), {"lname": b"archive/evil.pkl"}), ("archive/data/0", b"\0" * 16)]), None),
+    ("zip: data descriptor", lambda m: _zip([("archive/data.pkl", _dict(("w", _W)), {"flags": 8, "lsize": 0}),
+                                            ("archive/data/0", b"\0" * 16)]), None),
+    ("zip: empty folder name", lambda m: _zip([("/data.pkl", _dict(("w", _W))), ("/data/0", b"\0" * 16),
+                                              ("/version", b"3\n")]), None),
+    ("zip: trailing data", lambda m: _zip([("archive/data.pkl", _dict(("w", _W))), ("archive/data/0", b"\0" * 16)])
+     + b"junk" * 8, None),
+    # the pickle: numbers, memo games, values that are not data
+    ("pickle: size product past int64", lambda m: _one(_tensor(_pid(), size=(1 << 40, 1 << 40), stride=(0, 0))),
+     "shows"),
+    ("pickle: 64 dims of 2, stride 0", lambda m: _one(_tensor(_pid(), size=(2,) * 64, stride=(0,) * 64)), "shows"),
+    ("pickle: 65 dims", lambda m: _one(_tensor(_pid(), size=(1,) * 65, stride=(0,) * 65)), "not counts"),
+    ("pickle: petabytes of stride 0", lambda m: _one(_tensor(_pid(), size=(1 << 30, 1 << 20), stride=(0, 0))), "shows"),
+    ("pickle: size 0 beside 2**70", lambda m: _one(_tensor(_pid(), size=(0, 1 << 70), stride=(1, 1))), "not counts"),
+    ("pickle: stride 2**63 on size 0", lambda m: _one(_tensor(_pid(), size=(0, 4), stride=(1 << 63, 1))), "not counts"),
+    ("pickle: offset 2**63", lambda m: _one(_tensor(_pid(), offset=1 << 63, size=(0,))), "past the end"),
+    ("pickle: negative stride", lambda m: _one(_tensor(_pid(), stride=(-1,))), "not counts"),
+    ("pickle: stride overflows", lambda m: _one(_tensor(_pid(), size=(2, 2), stride=(1 << 61, 0))), "past the end"),
+    ("pickle: numel a bool", lambda m: _one(_tensor(_pid(numel=0).replace(_L(0), b"\x88"))), "malformed"),
+    ("pickle: storage type as text", lambda m: _one(_tensor(_T(_S("storage"), _S("torch.FloatStorage"), _S("0"),
+                                                               _S("cpu"), _L(4)) + b"Q")), "plain ones"),
+    ("pickle: one record as two types", lambda m: _zip([("archive/data.pkl", _dict(
+        ("a", _W), ("b", _tensor(_pid("DoubleStorage", numel=2), size=(2,))))), ("archive/data/0", b"\0" * 16)]),
+     "two types"),
+    ("pickle: memo storage called", lambda m: _zip([("archive/data.pkl", _dict(("a", _pid() + b"q\x00h\x00)R"))),
+                                                   ("archive/data/0", b"\0" * 16)]), "it calls"),
+    ("pickle: a tensor as a storage", lambda m: _zip([("archive/data.pkl", _dict(
+        ("a", _W + b"q\x01"), ("b", _G("torch._utils", "_rebuild_tensor_v2") + _T(b"h\x01", _L(0), _T(_L(1)), _T(_L(1)),
+                                                                              b"\x89", _HOOKS) + b"R"))),
+        ("archive/data/0", b"\0" * 16)]), "other than a storage"),
+    ("pickle: a bare storage as a value", lambda m: _one(_pid()), "left as a value"),
+    ("pickle: a storage type as a value", lambda m: _one(_G("torch", "FloatStorage")), "left as a value"),
+    ("pickle: a callable as a value", lambda m: _one(_G("torch._utils", "_rebuild_tensor_v2")), "left as a value"),
+    ("pickle: 10,000 nested lists", lambda m: _zip([("archive/data.pkl",
+                                                    b"\x80\x02" + b"]" * 10000 + b"a" * 9999 + b"."),
+                                                   ("archive/data/0", b"")]), "nested more than"),
+    ("pickle: a list that holds itself", lambda m: _one(b"]q\x00h\x00a"), "holds itself"),
+    ("pickle: a state dict that holds itself", lambda m: _zip([("archive/data.pkl", b"\x80\x02}q\x00(" + _S("s")
+                                                                + b"h\x00u."), ("archive/data/0", b"")]),
+     "holds itself"),
+    ("pickle: _metadata a list", lambda m: _zip([("archive/data.pkl", b"\x80\x02" + _G("collections", "OrderedDict")
+                                                  + b")R(" + _S("w") + _W + b"u}(" + _S("_metadata") + b"]ub."),
+                                                 ("archive/data/0", b"\0" * 16)]), "_metadata"),
+    ("pickle: integer tensor asks for gradients", lambda m: _one(_tensor(_pid("LongStorage", numel=2), size=(2,),
+                                                                         grad=b"\x88")), "gradients"),
+    ("pickle: os.system by REDUCE", lambda m: _one(_G("os", "system") + _T(_S(_PAYLOAD.format(marker=m))) + b"R"),
+     "os.system"),
+    ("pickle: STACK_GLOBAL posix.system", lambda m: _one(_S("posix") + _S("system") + b"\x93"
+                                                         + _T(_S(_PAYLOAD.format(marker=m))) + b"R"), "posix.system"),
+    ("pickle: INST", lambda m: _one(b"(ios\nsystem\nS'" + _PAYLOAD.format(marker=m).encode() + b"'\no"), "opcode"),
+    ("pickle: expanded buffer (stride 0)", lambda m: _one(_tensor(_pid(), size=(10, 4), stride=(0, 1))), None),
+    ("pickle: a storage read under a memo twice", lambda m: _zip([("archive/data.pkl", _dict(
+        ("a", _tensor(_pid() + b"q\x00")), ("b", _tensor(b"h\x00", size=(2,))))), ("archive/data/0", b"\0" * 16)]),
+     None),
+    # resources
+    ("resources: 5M one-byte opcodes", lambda m: _zip([("archive/data.pkl", b"\x80\x02" + b"N0" * (5 << 19) + b"N."),
+                                                      ("archive/data/0", b"")]), "opcodes"),
+    ("resources: a million members said", lambda m: _million(), "members"),
+    ("resources: BINUNICODE8 of 2**60", lambda m: _zip([
+        ("archive/data.pkl", b"\x80\x04\x8d" + struct.pack("<Q", 1 << 60) + b"ab."), ("archive/data/0", b"")]),
+     "truncated"),
+    # the older format
+    ("legacy: storages that add up past the file", lambda m: _legacy(
+        b"\x80\x02}(" + b"".join(_S(f"k{i}") + _tensor(_pid("ByteStorage", str(i), 4096, b"N"), size=(1,))
+                                 for i in range(64)) + b"u.", [str(i) for i in range(64)], [(4096, bytes(4096))]),
+     "in all"),
+    ("legacy: a view past its storage", lambda m: _legacy(_dict(("a", _tensor(_pid(view=_T(_S("0"), _L(2), _L(3))),
+                                                                             size=(3,)))), ["0"], [(4, bytes(16))]),
+     "past the end"),
+    ("legacy: a count that lies", lambda m: _legacy(_dict(("w", _tensor(_pid(view=b"N")))), ["0"], [(5, bytes(16))]),
+     "truncated or corrupt"),
+    ("legacy: sys_info runs os.system", lambda m: _legacy(_dict(("w", _tensor(_pid(view=b"N")))), ["0"],
+                                                          [(4, bytes(16))], _G("os", "system")
+                                                          + _T(_S(_PAYLOAD.format(marker=m))) + b"R."), "GLOBAL"),
+    ("legacy: overlapping views", lambda m: _legacy(_dict(
+        ("a", _tensor(_pid(view=_T(_S("0"), _L(0), _L(3))), size=(3,))),
+        ("b", _tensor(_pid(view=_T(_S("0"), _L(1), _L(3))), size=(3,)))), ["0"], [(4, bytes(16))]), None),
+    ("legacy: keys in another order", lambda m: _legacy(_dict(
+        ("a", _tensor(_pid(key="a", numel=1, view=b"N"), size=(1,))),
+        ("b", _tensor(_pid(key="b", numel=2, view=b"N"), size=(2,)))), ["b", "a"], [(2, bytes(8)), (1, bytes(4))]),
+     None),
+]
+
+
+@pytest.mark.parametrize("make, reason", [a[1:] for a in ATTACKS], ids=[a[0] for a in ATTACKS])
+def test_attack_variants_are_refused_in_one_line_or_load_as_they_are(tmp_path, make, reason, no_torch_loader):
+    marker = tmp_path / "PAYLOAD-RAN"
+    path = tmp_path / "w.pth"
+    path.write_bytes(make(marker))
+    if reason is None:
+        got = weights.load(path, weights.LoadPolicy())
+        assert all(isinstance(v, torch.Tensor) for v in got.values()), got
+        return
+    with pytest.raises(UserError) as e:
+        weights.load(path, weights.LoadPolicy())
+    line = str(e.value)
+    assert "\n" not in line and reason in line and "nothing in it was run" in line, line
+    assert not marker.exists()

@@ -47,6 +47,15 @@ from typing import Any, BinaryIO
 #: bounds on what is read into memory to check it: a data.pkl (a state dict of 10,000 tensors is ~2 MB)
 PICKLE_LIMIT = 256 * 2**20
 MAX_DIMS = 64
+#: opcodes in one pickle: a state dict takes ~20 per tensor; the bound keeps a 256 MiB pickle of one-byte
+#: EMPTY_LIST opcodes from taking minutes and tens of GB (each builds an object of ~80 bytes)
+MAX_OPS = 2**22
+#: nesting of containers: a checkpoint is a few levels deep; code that walks what it loaded recurses
+MAX_DEPTH = 64
+#: elements one tensor may show: sizes whose product overflows int64 make torch raise, and a stride of 0
+#: lets a few bytes stand for petabytes that whoever reads the tensor tries to allocate
+MAX_ELEMENTS = 2**40
+MAX_REPEATED = 2**28  # elements a tensor may show beyond those its storage holds (an expanded buffer)
 
 #: storage type -> bytes per element (the plain types torch writes; quantized and others are refused)
 STORAGES = {f"torch.{n}Storage": s for n, s in (
@@ -96,6 +105,10 @@ class Storage:
         self.numel, self.value, self.base = numel, value, base
 
 
+class _Dtype(_Global):
+    """A dtype as a value (the inert builder's stand-in for torch.float16, ...)."""
+
+
 class _Tensor:
     """A tensor as a value (also a dict key: hashed by identity, as torch's are)."""
 
@@ -122,7 +135,7 @@ class Builder:
         return _Tensor()
 
     def dtype(self, name: str) -> Any:
-        return _Global(name)
+        return _Dtype(name)
 
     def is_tensor(self, value: Any) -> bool:
         return isinstance(value, _Tensor)
@@ -151,8 +164,8 @@ def is_count(v: Any, low: int = 0) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= low
 
 
-def _ints(v: Any) -> bool:
-    return isinstance(v, tuple) and len(v) <= MAX_DIMS and all(is_count(x) for x in v)
+def _ints(v: Any) -> bool:  # each below 2**62: torch computes in int64, (n - 1) * stride included
+    return isinstance(v, tuple) and len(v) <= MAX_DIMS and all(is_count(x) and x < 2**62 for x in v)
 
 
 def _empty_hooks(v: Any) -> bool:
@@ -164,7 +177,10 @@ def _tensor(build: Builder, storage: Any, offset: Any, size: Any, stride: Any, r
         raise Refused("a tensor rebuilt from something other than a storage")
     if not (is_count(offset) and _ints(size) and _ints(stride) and len(size) == len(stride)):
         raise Refused("a tensor whose offset, sizes or strides are not counts")
-    if math.prod(size) and offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) >= storage.numel:
+    shown = math.prod(size)
+    if shown > MAX_ELEMENTS or shown > storage.numel + MAX_REPEATED:
+        raise Forged(f"a tensor of sizes {size[:8]} that shows {shown:,} elements of a storage of {storage.numel:,}")
+    if shown and offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) >= storage.numel:
         raise Forged(f"a tensor of sizes {size[:8]} reaches past the end of its storage of {storage.numel} "
                      "elements")
     if offset > storage.numel:
@@ -248,7 +264,9 @@ def play(data: Any, persistent: Any, allow_globals: bool = True, build: Builder 
         return stack[-1]
 
     try:
-        for op, arg, _pos in pickletools.genops(data):
+        for count, (op, arg, _pos) in enumerate(pickletools.genops(data)):
+            if count >= MAX_OPS:
+                raise Refused(f"a pickle of more than {MAX_OPS:,} opcodes, more than a checkpoint needs")
             name = op.name
             if name in _DATA:
                 stack.append(arg)
@@ -260,7 +278,7 @@ def play(data: Any, persistent: Any, allow_globals: bool = True, build: Builder 
             elif name == "MARK":
                 marks.append(len(stack))
             elif name == "STOP":
-                return pop()
+                return _plain(pop())
             elif name == "POP":
                 pop()
             elif name == "POP_MARK":
@@ -346,7 +364,13 @@ def play(data: Any, persistent: Any, allow_globals: bool = True, build: Builder 
                         and all(isinstance(k, str) for k in state)):
                     raise Refused("BUILD (setting the state of an object) on something other than a state dict")
                 if "_metadata" in state:  # the one attribute a state dict carries (load_state_dict reads it)
-                    inst._metadata = state["_metadata"]
+                    meta = state["_metadata"]  # {module prefix: {"version": n}}: load_state_dict calls .get
+                    if not (type(meta) in (dict, collections.OrderedDict) and all(
+                            isinstance(k, str) and type(v) is dict and all(
+                                isinstance(a, str) and (b is None or isinstance(b, (int, str))) for a, b in v.items())
+                            for k, v in meta.items())):
+                        raise Refused("a state dict whose _metadata is not a table of module versions")
+                    inst._metadata = meta
             elif name == "BINPERSID" and allow_globals:
                 stack.append(persistent(pop()))
             elif name in ("GLOBAL", "STACK_GLOBAL", "REDUCE", "BUILD", "BINPERSID"):
@@ -361,6 +385,36 @@ def play(data: Any, persistent: Any, allow_globals: bool = True, build: Builder 
         # genops: an unknown opcode, a truncated argument; a pickle without STOP
         raise Damaged(f"a malformed or truncated pickle ({str(e)[:80] or type(e).__name__})") from None
     raise Damaged("a pickle without its end (STOP)")
+
+
+def _plain(value: Any) -> Any:
+    """`value` once no container in it holds itself or nests deeper than MAX_DEPTH (code that walks a
+    checkpoint recurses) and no stand-in for a global, storage type or bare storage is left in it as a
+    value (only a tensor's arguments may be one; a dtype may be a value)."""
+    depth: dict[int, int] = {}  # id -> how deep below it containers go (each container visited once)
+    path: set[int] = set()
+    todo: list[tuple[Any, bool]] = [(value, False)]
+    while todo:
+        v, done = todo.pop()
+        if isinstance(v, (Storage, StorageType)) or type(v) is _Global:
+            raise Refused("a storage or a global left as a value, not rebuilt into a tensor")
+        if not isinstance(v, (list, tuple, dict, set, frozenset)):
+            continue
+        items = [*v.keys(), *v.values()] if isinstance(v, dict) else list(v)
+        if done:
+            path.discard(id(v))
+            depth[id(v)] = 1 + max((depth.get(id(x), 0) for x in items), default=0)
+            if depth[id(v)] > MAX_DEPTH:
+                raise Refused(f"containers nested more than {MAX_DEPTH} deep")
+            continue
+        if id(v) in path:
+            raise Refused("a container that holds itself")
+        if id(v) in depth:
+            continue
+        path.add(id(v))
+        todo.append((v, True))
+        todo.extend((x, False) for x in items if id(x) not in depth)
+    return value
 
 
 def storage_pid(pid: Any, extra: int) -> tuple[StorageType, str, int, Any]:

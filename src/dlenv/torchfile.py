@@ -21,6 +21,7 @@ Tensors are built on the CPU, each storage once (tensors that shared memory when
 from __future__ import annotations
 
 import io
+import struct
 import tarfile
 import zipfile
 from collections.abc import Callable
@@ -31,6 +32,9 @@ from dlenv.pickleguard import Damaged, Forged, Refused, Storage, StorageType, is
 
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_PROTOCOL = 1001
+#: members of one zip: a checkpoint has one per storage (a model, its optimizer and EMA: tens of
+#: thousands); a million empty ones would take Python's reader seconds and ~1 GB to list
+_MAX_MEMBERS = 2**19
 
 #: storage type -> the dtype its elements are
 _DTYPE = {"Double": "float64", "Float": "float32", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64",
@@ -49,9 +53,23 @@ class _TorchArchive:
         import torch
 
         try:
-            python = [i.filename for i in zipfile.ZipFile(fh).infolist()]
-        except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError) as e:
+            said = _directory_said(fh)
+            zf = zipfile.ZipFile(fh)
+            infos = zf.infolist()
+        except Refused:  # a ValueError too: ours, said as it is
+            raise
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError, struct.error) as e:
             raise Damaged(f"a damaged zip ({_first(e)})") from None
+        if zf.start_dir != said:
+            # Python found the directory elsewhere than the end record says (it corrects for data before
+            # a "concatenated" zip; torch does not): each reader may be reading a directory of its own
+            raise Forged("Python's zip reader and torch's find its directory in different places")
+        for i in infos:
+            # torch.save stores every record as it is; a deflated one is inflated in full before any size
+            # is checked (a zip bomb: a few MB of file, gigabytes of memory)
+            if i.compress_type != zipfile.ZIP_STORED or i.compress_size != i.file_size:
+                raise Forged(f"a compressed member {i.filename[:40]} (torch.save stores them as they are)")
+        python = [i.filename for i in infos]
         fh.seek(0)
         try:
             self._reader = torch._C.PyTorchFileReader(fh)
@@ -62,24 +80,47 @@ class _TorchArchive:
         if not folder or [folder + n for n in self._names] != python:
             raise Forged(f"Python's zip reader and torch's see different members in it ({len(python)} against "
                          f"{len(self._names)}, or other names): two directories, one for each reader")
-        self._last: tuple[str, bytes] | None = None
+        folded = [n.casefold() for n in self._names]
+        if len(set(folded)) != len(folded):
+            # torch's record lookup ignores letter case: with two such names, which one it loads is not ours
+            raise Forged("a zip with two members whose names are equal or differ only in letter case")
+        # one directory (checked above), so Python's sizes are torch's: no record is read to learn its size
+        self._sizes = {n: i.file_size for n, i in zip(self._names, infos, strict=True)}
+        own = getattr(self._reader, "get_record_size", None)  # torch 2.x says it too: a second witness
+        if own and any(own(n) != size for n, size in self._sizes.items()):
+            raise Forged("Python's zip reader and torch's see members of different sizes")
 
     def names(self) -> list[str]:
         return list(self._names)
 
     def read(self, name: str) -> bytes:
-        if self._last and self._last[0] == name:  # size() just read it (torch 1.13 has no record sizes)
-            data, self._last = self._last[1], None
-            return data
         try:
-            return self._reader.get_record(name)
+            data = self._reader.get_record(name)
         except (RuntimeError, ValueError, OSError, MemoryError) as e:
             raise Damaged(f"a damaged zip member {name[:40]} ({_first(e)})") from None
+        if len(data) != self._sizes[name]:
+            raise Forged(f"a member {name[:40]} whose size torch's reader and Python's see differently")
+        return data
 
     def size(self, name: str) -> int:
-        data = self.read(name)
-        self._last = (name, data)
-        return len(data)
+        return self._sizes[name]
+
+
+def _directory_said(fh: BinaryIO) -> int:
+    """Where the end record says the central directory starts, after checking that a zip64 locator, if
+    there is one, points at the zip64 record Python reads (right before it; torch follows the locator)."""
+    end = zipfile._EndRecData(fh)  # Python's own reading of the end record (and of the zip64 one)
+    if end is None:
+        raise Damaged("a damaged zip (no end record)")
+    if end[zipfile._ECD_ENTRIES_TOTAL] > _MAX_MEMBERS:
+        raise Refused(f"a zip of {end[zipfile._ECD_ENTRIES_TOTAL]:,} members, more than a checkpoint has")
+    at = end[zipfile._ECD_LOCATION]
+    if at >= 20:
+        fh.seek(at - 20)
+        locator = fh.read(20)
+        if locator[:4] == b"PK\x06\x07" and struct.unpack("<4sLQL", locator)[2] != at - 20 - 56:
+            raise Forged("a zip64 locator that points elsewhere than the record Python's reader reads")
+    return end[zipfile._ECD_OFFSET]
 
 
 class _Tensors(pickleguard.Builder):
@@ -96,7 +137,10 @@ class _Tensors(pickleguard.Builder):
         if data is None or not nbytes:
             flat = torch.empty(nbytes, dtype=torch.uint8)
         else:  # one copy of the record, writable (the optimizer state loaded from it is updated in place)
-            flat = torch.frombuffer(bytearray(memoryview(data())[:nbytes]), dtype=torch.uint8)
+            record = data()
+            if len(record) < nbytes:  # checked against the directory's size; the bytes must agree
+                raise Damaged("a storage record shorter than its size")
+            flat = torch.frombuffer(bytearray(memoryview(record)[:nbytes]), dtype=torch.uint8)
         name = stype.name.rsplit(".", 1)[1].removesuffix("Storage")
         return Storage(numel, flat.view(getattr(torch, _DTYPE[name])))
 
@@ -128,10 +172,6 @@ class _Tensors(pickleguard.Builder):
 
 def _check_zip(archive: _TorchArchive, build: pickleguard.Builder) -> Any:
     names = archive.names()
-    folded = [n.casefold() for n in names]
-    if len(set(folded)) != len(folded):
-        # torch's record lookup ignores letter case: with two such names, which one it loads is not ours
-        raise Forged("a zip with two members whose names are equal or differ only in letter case")
     present = set(names)
     if "constants.pkl" in present or any(n.startswith("code/") for n in names):
         # torch 1.13's torch.load hands such a file to torch.jit.load, even under weights_only=True
@@ -217,14 +257,17 @@ def _check_legacy(fh: BinaryIO, build: pickleguard.Builder) -> Any:
         raise Refused("weights written on a big-endian machine (re-save them on this one)")
     storages: dict[str, tuple[StorageType, Storage]] = {}
     views: list[tuple[str, int, int]] = []
+    claimed = [0]  # bytes of all storages so far: each is allocated before its bytes are read
 
     def persistent(pid: Any) -> Storage:
         stype, key, numel, view = storage_pid(pid, 1)
         if key in storages and (storages[key][0].name, storages[key][1].numel) != (stype.name, numel):
             raise Forged("one storage key with two types or sizes")
         if key not in storages:
-            if numel * stype.itemsize > end:  # before anything is allocated for it
-                raise Forged(f"a storage of {numel:,} elements in a file of {end:,} bytes")
+            claimed[0] += numel * stype.itemsize
+            if claimed[0] > end:  # before anything is allocated for it (all of them fit the file)
+                raise Forged(f"storages of {claimed[0]:,} bytes in all (the last of {numel:,} elements) in a "
+                             f"file of {end:,} bytes")
             storages[key] = (stype, build.storage(stype, numel, None))
         root = storages[key][1]
         if view is None:
@@ -265,10 +308,13 @@ def read(fh: BinaryIO, build: pickleguard.Builder) -> Any:
     fh.seek(0)
     head = fh.read(4)
     fh.seek(0)
-    if head == b"PK\x03\x04":  # the same test torch.load makes to choose the zip reader
-        return _check_zip(_TorchArchive(fh), build)
-    if head[:1] == b"\x80":
-        return _check_legacy(fh, build)
+    try:
+        if head == b"PK\x03\x04":  # the same test torch.load makes to choose the zip reader
+            return _check_zip(_TorchArchive(fh), build)
+        if head[:1] == b"\x80":
+            return _check_legacy(fh, build)
+    except (RuntimeError, MemoryError) as e:  # torch refused to build a checked value (out of memory)
+        raise Damaged(f"a value torch cannot build ({_first(e)})") from None
     raise Refused("not a file torch.save writes (neither its zip nor its older pickle format)")
 
 
