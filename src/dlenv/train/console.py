@@ -88,7 +88,27 @@ def silence_console() -> None:
         os.close(null)
 
 
-class Stop:
+class _Handlers:
+    """A context manager that puts `self._handle` on the stop signals (SIGNAL_EXIT) in the main thread and
+    gives the previous handlers back at its end."""
+
+    _old: dict[int, Any]
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in SIGNAL_EXIT:
+                self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+class Stop(_Handlers):
     """SIGINT/SIGTERM/SIGHUP handlers that ask the loop to stop at the next optimizer step; a second
     signal stops at once (the same one within DUPLICATE_S counts once). `moment` names where the run
     is, for the line the signal gets ("this optimizer step", "this epoch's validation"). A context
@@ -126,15 +146,6 @@ class Stop:
             return self.signum is not None
         return check_peers and distributed.agree(self.signum is not None, "max") > 0
 
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for s in SIGNAL_EXIT:
-                self._old[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for s, h in self._old.items():
-            signal.signal(s, h)
 
 
 class StoppedEarly(BaseException):
@@ -146,7 +157,7 @@ class StoppedEarly(BaseException):
         self.signum = signum
 
 
-class StartUp:
+class StartUp(_Handlers):
     """The stop signals from the start of a run to its loop (loading data, building the model, the
     --batch-size auto probe): nothing is trained yet, so a signal ends the run at once by raising
     StoppedEarly; `stopped_early_line` says so. A context manager: the previous handlers come back at
@@ -160,15 +171,6 @@ class StartUp:
         if os.getpid() == self._pid:  # not in a DataLoader worker before its start-up (dlenv.data.loaders)
             raise StoppedEarly(signum)
 
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for s in SIGNAL_EXIT:
-                self._old[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for s, h in self._old.items():
-            signal.signal(s, h)
 
 
 def stopped_early_line(signum: int, resume: str | None) -> str:
