@@ -3,11 +3,12 @@
 (Activation checkpointing, the other meaning of "checkpoint", is dlenv.models.) Rebuilding a model from
 one of these files is `dlenv.models.model_from_checkpoint`.
 
-A dlenv checkpoint is a dict of tensors and plain types only: dlenv.weights' allowlist passes it
-before torch.load(weights_only=True) reads it, so it loads on any PyTorch, from any folder, with no
-consent asked. Loading takes a `weights.LoadPolicy` (what the command's --trust-pickle allows for
-other pickles). A path ending in .safetensors is read and written as safetensors (weights and the
-description below as string metadata). Every number a loaded file gives is bounded (`check_entries`):
+A dlenv checkpoint is a dict of tensors and plain types only: dlenv.weights' allowlist passes it and
+dlenv.torchfile builds its tensors from the bytes judged (torch.load never reads it), so it loads on any
+PyTorch, from any folder, with no consent asked. Loading takes a `weights.LoadPolicy` (what the
+command's --trust-pickle allows for other pickles). A path ending in .safetensors is read and written
+as safetensors (weights and the description below as string metadata). Every number a loaded file
+gives is bounded (`check_entries`):
 
     format        "dlenv/1"
     model         state dict of the bare model (torchvision key names: no "module." or wrapper prefixes)
@@ -212,7 +213,7 @@ def export_safetensors(ckpt: dict[str, Any], model: Any, out: Path) -> int:
     return 0
 
 
-def load_checkpoint(path: str | Path, policy: weights.LoadPolicy = weights.SAFE, map_location: Any = "cpu") -> Any:
+def load_checkpoint(path: str | Path, policy: weights.LoadPolicy = weights.SAFE) -> Any:
     """Load a checkpoint (a pickle through dlenv.weights' allowlist, or a .safetensors file); a dlenv
     checkpoint's entries are checked and bounded (`check_entries`). `policy`: what --trust-pickle allows.
 
@@ -230,8 +231,7 @@ def load_checkpoint(path: str | Path, policy: weights.LoadPolicy = weights.SAFE,
         raise UserError(f"{printable(str(path))} is {what[0]}, not a PyTorch checkpoint; "
                         + (what[1] or f"pass a .pth file written by torch.save (e.g. runs/exp/{BEST})"))
     try:
-        obj = _from_safetensors(path) if weights.is_safetensors(path) else _decode(weights.load(path, policy,
-                                                                                                 map_location))
+        obj = _from_safetensors(path) if weights.is_safetensors(path) else _decode(weights.load(path, policy))
     except UserError:  # weights' own lines: a refused foreign pickle, a broken safetensors file
         raise
     except pickle.UnpicklingError as e:

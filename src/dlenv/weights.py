@@ -92,7 +92,7 @@ def refusal(path: Path, reason: str) -> str:
             f"came from ({loader})")
 
 
-def load(path: str | Path, policy: LoadPolicy, map_location: Any = "cpu") -> Any:
+def load(path: str | Path, policy: LoadPolicy) -> Any:
     """The contents of a pickled weights file, on the CPU: judged and built by dlenv.torchfile from the
     bytes torch's reader gives, never by torch.load. A file the allowlist refuses is read by
     torch.load(weights_only=True) only under `policy.trust_pickle`; a forged or damaged one never.
@@ -103,8 +103,6 @@ def load(path: str | Path, policy: LoadPolicy, map_location: Any = "cpu") -> Any
     """
     from dlenv import compat
 
-    if map_location not in ("cpu", None):
-        raise ValueError(f"weights are loaded on the CPU, not map_location={map_location!r}: move them after")
     path = Path(path)
     shown = printable(str(path))
     with safeio.open_regular(path, "weights file") as fh:
