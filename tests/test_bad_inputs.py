@@ -65,6 +65,7 @@ def ws(tmp_path_factory):
     bad = root / "bad"
     bad.mkdir()
     shutil.copy(run / "results.csv", bad / "results.csv")
+    shutil.copy(run / "config.yaml", bad / "config.yaml")  # a run's options away from its checkpoints
     (bad / "notes.txt").write_text("lr was 0.1 on Monday\n")
     (bad / "opts.yaml").write_text("lr: 0.1\nepochs: 3\n")
     (bad / "empty.pth").write_bytes(b"")
@@ -232,7 +233,7 @@ OPTIONS = [
     (["train", "--cfg", "bad/run_typo.yaml"], "unknown option 'lrate' in config file bad/run_typo.yaml"),
     # a run's own config.yaml is read by val (its train-only options left out in one line): what stops
     # this row is the checkpoint val was not given
-    (["val", "--cfg", "runs/exp/config.yaml"], "--weights is required"),
+    (["val", "--cfg", "bad/config.yaml"], "--weights is required"),
     (["val", "--cfg", "bad/run_typo.yaml"], "unknown option 'lrate' in config file bad/run_typo.yaml"),
 ]
 

@@ -132,9 +132,10 @@ class _Stopped(Exception):
 
 
 @contextlib.contextmanager
-def _stoppable_import():
-    """SIGTERM or SIGHUP while PyTorch loads (seconds, before any command has handlers of its own) ends
-    in one line and 143 / 129, not a silent death; SIGINT already does (KeyboardInterrupt)."""
+def _stoppable():
+    """SIGTERM or SIGHUP while PyTorch loads (seconds, before any command has handlers of its own), or
+    during a command that has none (val, prune, export), ends in one line and 143 / 129, not a silent
+    death by the default action; SIGINT already does (KeyboardInterrupt). train puts its own on."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
@@ -155,18 +156,20 @@ def _stoppable_import():
 def run_command(name: str, given: dict[str, Any], yaml_file: str | None = None) -> int:
     """Build `name`'s config from `given` flags (and a YAML file) and run it; returns the exit code."""
     cmd = config.COMMANDS[name]
+    loading = True
     try:
         cfg = weights.command_line_consent(config.build(cmd.config, yaml_file, **given), given)
         module, func = cmd.target.split(":")
-        if name == "train" and "torch" not in sys.modules and os.environ.get("RANK", "0") == "0":
-            # PyTorch and CUDA take seconds to load (7-11 s on a GPU box): say so at once, not after
-            print("dlenv train: loading PyTorch ...", flush=True)
-        with _stoppable_import():
+        with _stoppable():
+            if name == "train" and "torch" not in sys.modules and os.environ.get("RANK", "0") == "0":
+                # PyTorch and CUDA take seconds to load (7-11 s on a GPU box): say so at once, not after
+                print("dlenv train: loading PyTorch ...", flush=True)
             target = getattr(importlib.import_module(module), func)
-        return int(target(cfg) or 0)  # loads take cfg's LoadPolicy
+            loading = False
+            return int(target(cfg) or 0)  # loads take cfg's LoadPolicy; train puts its own handlers on
     except _Stopped as e:
-        print(f"dlenv {name}: stopped by {signal.Signals(e.signum).name} while loading PyTorch; nothing was "
-              "started", file=sys.stderr)
+        when = "while loading PyTorch; nothing was started" if loading else "before it finished"
+        print(f"dlenv {name}: stopped by {signal.Signals(e.signum).name} {when}", file=sys.stderr)
         return EXIT_SIGHUP if e.signum == signal.SIGHUP else EXIT_SIGTERM
     except UserError as e:
         print(f"dlenv {name}: error: {printable(e)}", file=sys.stderr)  # one line, whatever a name holds
