@@ -120,3 +120,33 @@ def test_a_console_that_is_gone_is_silenced_not_a_crash(monkeypatch):
     monkeypatch.setattr(sys, "stdout", Full())
     with pytest.raises(OSError):  # a log on a full disk is still the disk's fault, said as such
         console.printer(True)("x")
+
+
+@pytest.mark.parametrize("at", ["before the first is counted", "after it is counted"])
+def test_a_signal_arriving_inside_the_first_ones_handler_is_one_request(at):
+    """Python runs a pending signal's handler at any bytecode, also inside the handler of the first: a
+    group SIGTERM sent twice printed 'saving last.pth' twice. Either order is one request, one line."""
+    import itertools
+    import signal
+
+    said = []
+    stop = console.Stop(said.append)
+    inner = itertools.count()
+
+    class Interrupted:  # the counter the handler draws from, with the second signal landing at `at`
+        fired = False
+
+        def __next__(self):
+            if at == "before the first is counted" and not Interrupted.fired:
+                Interrupted.fired = True
+                stop._order = inner
+                stop._handle(signal.SIGTERM, None)
+            n = next(inner)
+            if at == "after it is counted" and not Interrupted.fired:
+                Interrupted.fired = True
+                stop._handle(signal.SIGTERM, None)
+            return n
+
+    stop._order = Interrupted()
+    stop._handle(signal.SIGTERM, None)
+    assert stop.signum == signal.SIGTERM and len(said) == 1, said

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 import signal
 import sys
@@ -121,15 +122,18 @@ class Stop(_Handlers):
         self._pid = os.getpid()
         self._old: dict[int, Any] = {}
         self._at = 0.0
+        self._order = itertools.count()
 
     def _handle(self, signum, frame):
         if os.getpid() != self._pid:
             # a DataLoader worker that has not reached its own start-up yet (dlenv.data.loaders); the
             # trainer stops the workers itself once it has saved
             return
-        if self.signum is not None:
-            if signum == self.signum and time.monotonic() - self._at < DUPLICATE_S:
-                return
+        # next() is one C call: a second signal whose handler runs inside this one (Python may switch at
+        # any bytecode) gets 1 even before self.signum is set, and is not taken for the first
+        if next(self._order):
+            if self.signum is None or (signum == self.signum and time.monotonic() - self._at < DUPLICATE_S):
+                return  # the first is being handled this very moment, or a duplicate of it
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             signal.signal(signum, signal.SIG_DFL)
