@@ -25,7 +25,12 @@ from dlenv.errors import UserError
 from dlenv.predict_options import PredictConfig
 from dlenv.pretrained import parse_pretrained
 from dlenv.usermodel import model_args_text
-from dlenv.values import (
+from dlenv.values import (  # noqa: F401 (BATCH_MAX, IMG_SIZE_MAX: config's bounds, as tests read them)
+    BATCH_MAX,
+    BATCH_WHY,
+    DEVICE_HELP,
+    IMG_SIZE_MAX,
+    IMG_WHY,
     auto_float,
     auto_int,
     flag,  # noqa: F401 (config.flag: the spelling of an option on the command line)
@@ -41,6 +46,7 @@ from dlenv.values import (
     parse_str,
     ratio_or_auto,
     scale_range_or_auto,
+    trust_pickle,
     workers_here,
     workers_or_auto,
 )
@@ -53,26 +59,9 @@ _bool, _int, _float, _str = parse_bool, parse_int, parse_float, parse_str
 # ---------------------------------------------------------------------------------------------------
 # The commands' options.
 
-_DEVICE_HELP = "cuda, cuda:N, cpu or auto (the first GPU if there is one)"
 #: the largest --seed: torch, NumPy and the samplers take 64-bit seeds, and each rank adds its number
 SEED_MAX = 2**63 - 1
 _DECODERS = ("auto", "pil", "cv2", "tvio", "nvjpeg", "nvimgcodec")
-#: the largest --batch-size, --accum-steps and --effective-batch: 2^20 images is far past what any GPU
-#: holds at any size; a larger number is a slip of the keyboard (10^12 was accepted and printed)
-BATCH_MAX = 2**20
-_BATCH_WHY = "2^20 images, far more than any GPU holds; use auto for the largest that fits"
-#: the largest --img-size (and demo-data --size): the bound dlenv.runstate.MAX_IMG_SIZE puts on a
-#: checkpoint's img_size (a test holds the two equal; runstate imports torch, so it is not imported
-#: here). 1,000,000 px used to reach the model's forward and ask torch for 24 TB
-IMG_SIZE_MAX = 2048
-_IMG_WHY = "the largest image size dlenv trains, validates or reads from a checkpoint"
-def _trust_pickle() -> Any:
-    """--trust-pickle, declared once for every command that reads weights files (dlenv.weights)."""
-    return opt(False, "hand torch.load(weights_only=True) a .pth that holds more than tensors and plain data "
-                      "(dlenv's checkpoints and state dicts never need it; docs/weights.md); only for files "
-                      "you trust. Command line only")
-
-
 @dataclass(frozen=True)
 class TrainConfig:
     """Options of `train`."""
@@ -85,7 +74,7 @@ class TrainConfig:
     img_size: int | None = opt(None, "training image size in pixels, or auto (the default): the training "
                                      "images' typical size, capped for speed (the choice and its reason are "
                                      "printed); a pretrained model's own size wins", parse=auto_int, min=16,
-                               max=IMG_SIZE_MAX, why=_IMG_WHY)
+                               max=IMG_SIZE_MAX, why=IMG_WHY)
     workers: int | str = opt("auto", "DataLoader worker processes: a number (at most 4 per CPU, or 64), or "
                                      "auto (from CPU count and /dev/shm)", parse=workers_or_auto, here=workers_here)
     bad_images: str = opt("skip", "an image that fails to decode: skip it (reported once) or stop the run",
@@ -129,7 +118,7 @@ class TrainConfig:
                                        "k=v,... (e.g. width=64,drop=0.1)", parse=model_args_text)
     weights: str | None = opt(None, "local state dict or checkpoint to start from, .safetensors or .pth "
                                     "(nothing is downloaded)", parse=_str)
-    trust_pickle: bool = _trust_pickle()
+    trust_pickle: bool = trust_pickle()
     pretrained: str | None = opt(None, "start from the model's pretrained weights: alone the architecture's "
                                        "default, or a name (IMAGENET1K_V2; a timm tag such as a1_in1k); "
                                        "downloaded once into .cache/ (TORCH_HOME, HF_HOME; docs/training.md)",
@@ -155,7 +144,7 @@ class TrainConfig:
     amp_dtype: str = opt("auto", "AMP dtype: auto (bf16 where supported, else fp16), fp16 or bf16",
                          choices=("auto", "fp16", "bf16"))
     batch_size: int | str = opt(32, "micro-batch per GPU (at most 2^20), or auto: the largest that fits",
-                                parse=int_or_auto, max=BATCH_MAX, why=_BATCH_WHY)
+                                parse=int_or_auto, max=BATCH_MAX, why=BATCH_WHY)
     accum_steps: int = opt(1, "micro-batches per optimizer step (gradient accumulation)", min=1,
                            max=BATCH_MAX, why="2^20 micro-batches per step")
     effective_batch: int | None = opt(None, "images per optimizer step over all GPUs; sets --accum-steps",
@@ -184,7 +173,7 @@ class TrainConfig:
     max_steps: int | None = opt(None, "stop each epoch after this many micro-batches (quick tries, "
                                       "benchmarks)", parse=_int, min=1)
     # where and how
-    device: str = opt("auto", _DEVICE_HELP)
+    device: str = opt("auto", DEVICE_HELP)
     gpus: int = opt(1, "GPUs on this node; more than 1 launches through torchrun", min=1)
     nnodes: int = opt(1, "nodes taking part (torchrun --nnodes)", min=1)
     node_rank: int = opt(0, "this node's rank (torchrun --node-rank)", min=0)
@@ -210,17 +199,17 @@ class ValConfig:
                                  "checkpoint was trained on", parse=_str)
     model: str | None = opt(None, "architecture, for a bare state dict from another tool; or the checkpoint's "
                                   "FILE.py:factory again, to trust one outside the working folder", parse=_str)
-    trust_pickle: bool = _trust_pickle()
-    batch_size: int = opt(64, "batch size", min=1, max=BATCH_MAX, why=_BATCH_WHY)
+    trust_pickle: bool = trust_pickle()
+    batch_size: int = opt(64, "batch size", min=1, max=BATCH_MAX, why=BATCH_WHY)
     img_size: int | None = opt(None, "image size; default: the checkpoint's", parse=_int, min=16,
-                               max=IMG_SIZE_MAX, why=_IMG_WHY)
+                               max=IMG_SIZE_MAX, why=IMG_WHY)
     workers: int | str = opt("auto", "DataLoader worker processes: a number (0: load in the main "
                                      "process; at most 4 per CPU, or 64), or auto", parse=workers_or_auto,
                              here=workers_here)
     amp: bool = opt(False, "validate under AMP even if the checkpoint was trained in fp32")
     precision: str = opt("auto", "auto: the precision the checkpoint was trained in (its AMP dtype, or fp32); "
                                  "or fp32, fp16, bf16", choices=("auto", "fp32", "fp16", "bf16"))
-    device: str = opt("auto", _DEVICE_HELP)
+    device: str = opt("auto", DEVICE_HELP)
     out: str | None = opt(None, "output folder; default <weights dir>/val/", parse=_str)
 
 
@@ -269,7 +258,7 @@ class DemoDataConfig:
     dest: str = opt("data/demo", "where to write the demo dataset")
     train_per_class: int = opt(300, "training images per class", min=1)
     val_per_class: int = opt(60, "validation images per class", min=1)
-    size: int = opt(64, "image size in pixels", min=16, max=IMG_SIZE_MAX, why=_IMG_WHY)
+    size: int = opt(64, "image size in pixels", min=16, max=IMG_SIZE_MAX, why=IMG_WHY)
     seed: int = opt(0, "random seed (the same seed gives the same images)", min=0, max=SEED_MAX)
     overwrite: bool = opt(False, "replace an existing demo dataset")
 
@@ -289,8 +278,8 @@ class BenchMemoryConfig:
     """Options of `bench-memory`."""
 
     model: str = opt("resnet50", "torchvision model name")
-    batch_size: int = opt(64, "batch size", min=1, max=BATCH_MAX, why=_BATCH_WHY)
-    img_size: int = opt(224, "image size", min=16, max=IMG_SIZE_MAX, why=_IMG_WHY)
+    batch_size: int = opt(64, "batch size", min=1, max=BATCH_MAX, why=BATCH_WHY)
+    img_size: int = opt(224, "image size", min=16, max=IMG_SIZE_MAX, why=IMG_WHY)
     steps: int = opt(10, "training steps measured per configuration", min=2)
     warmup: int = opt(3, "untimed steps before the timed ones (cuDNN autotuning, allocator warm-up)", min=0)
     channels_last: bool = opt(True, "also measure channels_last variants of convolutional models")
@@ -300,7 +289,7 @@ class BenchMemoryConfig:
     gpu_memory_gib: float | None = opt(None, "measure as if the GPU had only this many GiB (caps PyTorch's "
                                              "allocator), to see what fits a smaller card", parse=_float, min=0.25)
     amp_dtype: str = opt("auto", "AMP dtype", choices=("auto", "fp16", "bf16"))
-    device: str = opt("auto", _DEVICE_HELP)
+    device: str = opt("auto", DEVICE_HELP)
     out: str = opt("runs/bench-memory", "output folder for the table, CSV and chart")
 
 
@@ -310,14 +299,14 @@ class BenchDataConfig:
 
     data: str | None = opt(None, "dataset folder; default: the demo dataset", parse=_str)
     model: str = opt("resnet50", "model whose synthetic-data speed is the target")
-    batch_size: int = opt(128, "batch size", min=1, max=BATCH_MAX, why=_BATCH_WHY)
+    batch_size: int = opt(128, "batch size", min=1, max=BATCH_MAX, why=BATCH_WHY)
     img_size: int | None = opt(None, "image size, or auto (the default): what training uses, the data's typical "
-                                     "size capped at 224", parse=auto_int, min=16, max=IMG_SIZE_MAX, why=_IMG_WHY)
+                                     "size capped at 224", parse=auto_int, min=16, max=IMG_SIZE_MAX, why=IMG_WHY)
     amp: bool = opt(True, "measure the model under AMP")
     workers: tuple = opt((0, 2, 4, 8, 16), "worker counts to try, comma-separated", parse=int_list, min=0,
                          here=workers_here)
     batches: int = opt(30, "batches timed per measurement", min=2)
-    device: str = opt("auto", _DEVICE_HELP)
+    device: str = opt("auto", DEVICE_HELP)
     decoder: str = opt("auto", "JPEG decoder, as for train", choices=_DECODERS)
     gpu_augment: str = opt("auto", "measure the GPU-augmentation path (auto: on a GPU), or the classic "
                                    "one (off)", choices=("auto", "on", "off"))
@@ -331,7 +320,7 @@ class PruneConfig:
     """Options of `prune`."""
 
     weights: str | None = opt(None, "checkpoint to prune", parse=_str)
-    trust_pickle: bool = _trust_pickle()
+    trust_pickle: bool = trust_pickle()
     model: str | None = opt(None, "the checkpoint's FILE.py:factory again, to trust one outside the working "
                                   "folder", parse=_str)
     amount: float = opt(0.3, "fraction of weights (or channels) to remove, in (0, 1)")
@@ -341,10 +330,10 @@ class PruneConfig:
     finetune_epochs: int = opt(0, "epochs of fine-tuning after pruning (on the checkpoint's training "
                                   "data; pruned weights stay zero)", min=0)
     finetune_lr: float = opt(0.01, "SGD learning rate of the fine-tuning", min=0.0)
-    batch_size: int = opt(64, "batch size", min=1, max=BATCH_MAX, why=_BATCH_WHY)
+    batch_size: int = opt(64, "batch size", min=1, max=BATCH_MAX, why=BATCH_WHY)
     workers: int | str = opt("auto", "DataLoader worker processes, or auto",
                              parse=workers_or_auto, here=workers_here)
-    device: str = opt("auto", _DEVICE_HELP)
+    device: str = opt("auto", DEVICE_HELP)
     out: str | None = opt(None, "output checkpoint; default <stem>_pruned.pth beside the input", parse=_str)
 
 
@@ -353,7 +342,7 @@ class ExportConfig:
     """Options of `export`."""
 
     weights: str | None = opt(None, "checkpoint to export", parse=_str)
-    trust_pickle: bool = _trust_pickle()
+    trust_pickle: bool = trust_pickle()
     model: str | None = opt(None, "the checkpoint's FILE.py:factory again, to trust one outside the working "
                                   "folder", parse=_str)
     format: str = opt("onnx", "onnx, torchscript, or safetensors (the weights alone, loadable without "
@@ -364,7 +353,7 @@ class ExportConfig:
     data: str | None = opt(None, "images for the output check and static calibration; default: the "
                                  "checkpoint's", parse=_str)
     calib_batches: int = opt(8, "calibration batches for --quantize static", min=1)
-    batch_size: int = opt(32, "batch size for checks and calibration", min=1, max=BATCH_MAX, why=_BATCH_WHY)
+    batch_size: int = opt(32, "batch size for checks and calibration", min=1, max=BATCH_MAX, why=BATCH_WHY)
     workers: int | str = opt("auto", "DataLoader worker processes, or auto",
                              parse=workers_or_auto, here=workers_here)
     opset: int = opt(17, "ONNX opset", min=7)

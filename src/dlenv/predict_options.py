@@ -1,10 +1,9 @@
 """The options of `dlenv predict`, declared once (dlenv.config registers the command; the CLI and the
 invoke task are generated from this class as from every other).
 
-It lives beside config.py because that module is at its size limit. The bounds it shares with the other
-commands (image size, batch size, the device's help, --trust-pickle) are the same numbers and words as
-dlenv.config's: tests/test_predict.py holds them equal, since config.py imports this module and this
-one cannot import it back. No torch here: `dlenv --help` and `invoke --list` import it.
+It lives beside config.py because that module is at its size limit. The bounds and words it shares with
+the other commands (image size, batch size, the device's help, --trust-pickle) come from dlenv.values,
+as config.py's do. No torch here: `dlenv --help` and `invoke --list` import it.
 """
 
 from __future__ import annotations
@@ -12,17 +11,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dlenv.values import folder_name, opt, parse_int, parse_str, workers_here, workers_or_auto
+from dlenv.values import (
+    BATCH_MAX,
+    BATCH_WHY,
+    DEVICE_HELP,
+    IMG_SIZE_MAX,
+    IMG_WHY,
+    folder_name,
+    opt,
+    parse_int,
+    parse_str,
+    trust_pickle,
+    workers_here,
+    workers_or_auto,
+)
 
-# the same bounds as dlenv.config's (IMG_SIZE_MAX, BATCH_MAX, _DEVICE_HELP, _trust_pickle)
-IMG_SIZE_MAX = 2048
-_IMG_WHY = "the largest image size dlenv trains, validates or reads from a checkpoint"
-BATCH_MAX = 2**20
-_BATCH_WHY = "2^20 images, far more than any GPU holds; use auto for the largest that fits"
-_DEVICE_HELP = "cuda, cuda:N, cpu or auto (the first GPU if there is one)"
-_TRUST_HELP = ("hand torch.load(weights_only=True) a .pth that holds more than tensors and plain data "
-               "(dlenv's checkpoints and state dicts never need it; docs/weights.md); only for files "
-               "you trust. Command line only")
 #: the most class names --classes takes (dlenv.runstate.MAX_CLASSES bounds a checkpoint's the same way)
 CLASSES_MAX = 100_000
 
@@ -54,19 +57,19 @@ class PredictConfig:
                                    "for image paths on standard input, one a line", parse=parse_str)
     model: str | None = opt(None, "architecture, for a bare state dict from another tool; or the checkpoint's "
                                   "FILE.py:factory again, to trust one outside the working folder", parse=parse_str)
-    trust_pickle: bool = opt(False, _TRUST_HELP)
+    trust_pickle: bool = trust_pickle()
     classes: tuple | None = opt(None, "class names in the model's output order, comma-separated, for a file "
                                       "that has none (a TorchScript export, a bare state dict)", parse=class_list)
     img_size: int | None = opt(None, "image size; default: the checkpoint's", parse=parse_int, min=16,
-                               max=IMG_SIZE_MAX, why=_IMG_WHY)
+                               max=IMG_SIZE_MAX, why=IMG_WHY)
     topk: int = opt(5, "classes and probabilities listed per image (at most the model's class count)", min=1)
-    batch_size: int = opt(64, "batch size", min=1, max=BATCH_MAX, why=_BATCH_WHY)
+    batch_size: int = opt(64, "batch size", min=1, max=BATCH_MAX, why=BATCH_WHY)
     workers: int | str = opt("auto", "DataLoader worker processes: a number (0: load in the main process; at "
                                      "most 4 per CPU, or 64), or auto", parse=workers_or_auto, here=workers_here)
     amp: bool = opt(False, "predict under AMP even if the checkpoint was trained in fp32")
     precision: str = opt("auto", "auto: the precision the checkpoint was trained in (its AMP dtype, or fp32); "
                                  "or fp32, fp16, bf16", choices=("auto", "fp32", "fp16", "bf16"))
-    device: str = opt("auto", _DEVICE_HELP)
+    device: str = opt("auto", DEVICE_HELP)
     tta: str = opt("none", "test-time augmentation: flip averages each image's probabilities with its mirror "
                            "image's (not for digits or text); said in predictions.csv", choices=("none", "flip"))
     vid_stride: int = opt(1, "for a video: predict every Nth frame", min=1)

@@ -221,3 +221,25 @@ def workers_here() -> tuple[int, str]:
     return most, (f"the most worker processes dlenv starts here ({WORKERS_PER_CPU} x the {cpus} CPU"
                   f"{'s' if cpus != 1 else ''} this process may use, at least {WORKERS_FLOOR}); use auto "
                   "or a smaller number")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bounds and words the commands' options share (dlenv.config, dlenv.predict_options)
+
+DEVICE_HELP = "cuda, cuda:N, cpu or auto (the first GPU if there is one)"
+#: the largest --batch-size, --accum-steps and --effective-batch: 2^20 images is far past what any GPU
+#: holds at any size; a larger number is a slip of the keyboard (10^12 was accepted and printed)
+BATCH_MAX = 2**20
+BATCH_WHY = "2^20 images, far more than any GPU holds; use auto for the largest that fits"
+#: the largest --img-size (and demo-data --size): the bound dlenv.runstate.MAX_IMG_SIZE puts on a
+#: checkpoint's img_size (a test holds the two equal; runstate imports torch, so it is not imported
+#: here). 1,000,000 px used to reach the model's forward and ask torch for 24 TB
+IMG_SIZE_MAX = 2048
+IMG_WHY = "the largest image size dlenv trains, validates or reads from a checkpoint"
+
+
+def trust_pickle() -> Any:
+    """--trust-pickle, declared once for every command that reads weights files (dlenv.weights)."""
+    return opt(False, "hand torch.load(weights_only=True) a .pth that holds more than tensors and plain data, "
+                      "or a TorchScript file (dlenv's checkpoints and state dicts never need it; docs/weights.md); "
+                      "only for files you trust. Command line only")
