@@ -24,6 +24,7 @@ from dlenv.cfgfile import options_in
 from dlenv.errors import UserError
 from dlenv.predict_options import PredictConfig
 from dlenv.pretrained import parse_pretrained
+from dlenv.server_options import LabConfig, TensorboardConfig
 from dlenv.usermodel import model_args_text
 from dlenv.values import (  # noqa: F401 (BATCH_MAX, IMG_SIZE_MAX: config's bounds, as tests read them)
     BATCH_MAX,
@@ -395,6 +396,10 @@ COMMANDS: dict[str, Command] = {c.name: c for c in [
             "Export a checkpoint to ONNX or TorchScript (optionally int8) and check its outputs."),
     Command("predict", PredictConfig, "dlenv.predict:main",
             "Predict images, a folder, a glob, a video or stdin paths with a trained model: top-k to a CSV."),
+    Command("lab", LabConfig, "dlenv.servers:lab",
+            "Start JupyterLab on port 8888 (this Python as its kernel); prints the URL with its token."),
+    Command("tensorboard", TensorboardConfig, "dlenv.servers:tensorboard",
+            "Serve the runs' TensorBoard event files (train --tensorboard) on port 6006."),
 ]}
 
 

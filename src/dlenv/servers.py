@@ -1,0 +1,269 @@
+"""`dlenv lab` and `dlenv tensorboard`: JupyterLab and TensorBoard on this Python, each in one command.
+
+Each command builds a `Launch` (the server's command line, its environment, the lines printed first)
+from its options and this machine, in pure functions the tests call, then prints those lines and
+*becomes* the server (os.execve): under the image's tini the server itself receives `docker stop`'s
+SIGTERM and exits on it, with no dlenv process in between to forward or swallow signals.
+
+The lab in brief: JupyterLab on 0.0.0.0:8888 in the image (127.0.0.1 elsewhere), opening the working
+folder (/root/workspace), with this Python as its kernel (the image's `dl` env); no browser; a token made
+here and printed once, in the URL to open (JUPYTER_TOKEN to choose it, DLENV_LAB_PASSWORD for a password
+instead). Jupyter's own folders go to a private folder under /tmp when HOME cannot be written (`docker run
+--user` without the image's entrypoint, --read-only), and nothing asks the internet for news or updates.
+TensorBoard serves runs/ (each run's event files, written by `train --tensorboard`) on 6006.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import ipaddress
+import os
+import secrets
+import socket
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dlenv.errors import EXIT_FAULT, UserError, printable
+
+#: what the image installs (environment*.yml); named in the line that says the lab is missing
+LAB_REQUIREMENT = "jupyterlab>=4.2,<4.5"
+TOKEN_ENV = "JUPYTER_TOKEN"              # Jupyter's own: a token of the user's choosing
+PASSWORD_ENV = "DLENV_LAB_PASSWORD"      # a password instead of a token (hashed here, never on a command line)
+#: Jupyter's folders (and IPython's and Matplotlib's, which a kernel writes) when HOME is not writable
+JUPYTER_DIRS = {"JUPYTER_CONFIG_DIR": "config", "JUPYTER_DATA_DIR": "data", "JUPYTER_RUNTIME_DIR": "runtime",
+                "IPYTHONDIR": "ipython", "MPLCONFIGDIR": "matplotlib"}
+EVENTS = "events.out.tfevents.*"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A server to become: its command line, its whole environment, the lines to print before it starts,
+    and the folders to create (private, 0700) first."""
+
+    argv: list[str]
+    env: dict[str, str]
+    lines: list[str]
+    folders: tuple[str, ...] = ()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Where a server listens and how a person reaches it
+
+
+def in_image(environ: Mapping[str, str]) -> bool:
+    return environ.get("DLENV_IMAGE") == "1"
+
+
+def listen_host(host: str, environ: Mapping[str, str]) -> str:
+    """The address to bind: --host as given, or for auto every address in the image (a container's own
+    loopback is unreachable through `docker run -p`) and only the loopback elsewhere."""
+    if host != "auto":
+        return host
+    return "0.0.0.0" if in_image(environ) else "127.0.0.1"
+
+
+def open_url(host: str, port: int, path: str = "/") -> str:
+    """The URL a person opens: a server on every address is opened on the loopback (what `-p` and an
+    SSH tunnel deliver to)."""
+    ip = ipaddress.ip_address(host)
+    if ip.is_unspecified:
+        ip = ipaddress.ip_address("127.0.0.1" if ip.version == 4 else "::1")
+    name = f"[{ip}]" if ip.version == 6 else str(ip)
+    return f"http://{name}:{port}{path}"
+
+
+def reach_hint(host: str, port: int, environ: Mapping[str, str]) -> str:
+    """How to get to the port from the machine with the browser."""
+    tunnel = f"ssh -N -L {port}:127.0.0.1:{port} you@the-box"
+    if in_image(environ):
+        return f"publish the port with docker run -p {port}:{port}; on a rented box, first run {tunnel} on your machine"
+    if ipaddress.ip_address(host).is_loopback:
+        return f"this machine only; from another one: {tunnel}"
+    return f"on every address of this machine at port {port}"
+
+
+def check_port(host: str, port: int, flag_hint: str) -> None:
+    """Refuse, in one line, a port another program holds or an address this machine does not have (the
+    servers' own messages for these are a page of log)."""
+    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: a closed one's TIME_WAIT is no holder
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise UserError(f"port {port} on {host} is in use (another server, or one still running); stop it or "
+                                f"pass {flag_hint} (and publish that port)") from None
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise UserError(f"--host {host} is not an address of this machine; leave --host out (auto) or "
+                                "pass 0.0.0.0 or 127.0.0.1") from None
+            if e.errno == errno.EACCES:
+                raise UserError(f"port {port} needs privileges here; pass a port above 1023") from None
+            raise
+
+
+# ---------------------------------------------------------------------------------------------------
+# JupyterLab
+
+
+def writable(path: str | os.PathLike[str] | None) -> bool:
+    """Whether a folder can be written, or made in the nearest folder above it that exists (a read-only
+    file system counts as not writable, for root too)."""
+    if not path:
+        return False
+    p = Path(path)
+    while not p.exists():
+        if p.parent == p:
+            return False
+        p = p.parent
+    return p.is_dir() and os.access(p, os.W_OK | os.X_OK)
+
+
+def jupyter_dirs(environ: Mapping[str, str], tmp: str, uid: int) -> dict[str, str]:
+    """The folders to point Jupyter, IPython and Matplotlib at: none while HOME is writable (their own
+    places under it, where settings persist), else a private folder under `tmp` for each the user has
+    not set (Jupyter would fail to write its runtime files, kernels their history and caches)."""
+    if writable(environ.get("HOME")):
+        return {}
+    base = Path(tmp) / f"jupyter-{uid}"
+    return {var: str(base / sub) for var, sub in JUPYTER_DIRS.items() if not environ.get(var)}
+
+
+def auth(environ: Mapping[str, str], make_token: Callable[[], str],
+         hash_password: Callable[[str], str]) -> tuple[list[str], dict[str, str], str, str]:
+    """How the lab is entered: (Jupyter arguments, environment to set, the URL's query, what it says).
+
+    A token made here (the default) or JUPYTER_TOKEN's; DLENV_LAB_PASSWORD: a password (hashed for
+    Jupyter), and then no token. Raises UserError for an empty one: Jupyter would let anyone in.
+    """
+    for var in (TOKEN_ENV, PASSWORD_ENV):
+        if var in environ and not environ[var].strip():
+            raise UserError(f"{var} is set but empty, which would open the lab to anyone who reaches the port; "
+                            f"set it to a secret or unset it (a token is then made and printed)")
+    if PASSWORD_ENV in environ:
+        hashed = hash_password(environ[PASSWORD_ENV])
+        return ([f"--PasswordIdentityProvider.hashed_password={hashed}", "--IdentityProvider.token="],
+                {}, "", f"the password in {PASSWORD_ENV}")
+    if TOKEN_ENV in environ:
+        return [], {}, f"?token=${TOKEN_ENV}", f"the token in {TOKEN_ENV}"
+    token = make_token()
+    # through the environment, not the command line, where `ps` and `docker top` would show it
+    return [], {TOKEN_ENV: token}, f"?token={token}", "a token made for this server"
+
+
+def lab_launch(cfg: Any, environ: Mapping[str, str], *, python: str, prefix: str, euid: int, uid: int,
+               tmp: str, make_token: Callable[[], str] = lambda: secrets.token_hex(24),
+               hash_password: Callable[[str], str] = lambda pw: pw) -> Launch:
+    """The JupyterLab server `dlenv lab` becomes (see the module's docstring for what and why)."""
+    host = listen_host(cfg.host, environ)
+    root = os.path.abspath(cfg.root)
+    auth_args, auth_env, query, how = auth(environ, make_token, hash_password)
+    dirs = jupyter_dirs(environ, tmp, uid)
+    env = {k: v for k, v in environ.items() if k != "MPLBACKEND"}  # the image's Agg would hide notebook figures
+    env.update(dirs)
+    env.update(auth_env)
+    argv = [python, "-m", "jupyterlab", "--no-browser",
+            f"--ServerApp.ip={host}", f"--ServerApp.port={cfg.port}",
+            "--ServerApp.port_retries=0",          # the published port or nothing: not 8889 behind -p 8888:8888
+            f"--ServerApp.root_dir={root}",
+            # no network from the server: no news feed, no update checks, no PyPI extension listings
+            "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            "--LabApp.extension_manager=readonly",
+            *(["--allow-root"] if euid == 0 else []),  # root in a container is the usual user there
+            *auth_args]
+    lines = [f"dlenv lab: JupyterLab on {host}:{cfg.port}, opening {root}; kernel: Python {sys.version.split()[0]} "
+             f"of {prefix}",
+             f"dlenv lab: open {open_url(host, cfg.port, '/lab')}{query} ({how}; {reach_hint(host, cfg.port, environ)})"]
+    if dirs:
+        lines.append(f"dlenv lab: HOME ({environ.get('HOME') or 'unset'}) is not writable: Jupyter's files go to "
+                     f"{Path(next(iter(dirs.values()))).parent} (gone with the container)")
+    return Launch(argv, env, lines, tuple(dirs.values()))
+
+
+def lab(cfg: Any) -> int:
+    """`dlenv lab`: becomes JupyterLab (returns only by raising UserError)."""
+    if not installed("jupyterlab"):
+        raise UserError(f"JupyterLab is not installed in this Python ({sys.executable}); the dlenv image has it, "
+                        f"elsewhere: python -m pip install '{LAB_REQUIREMENT}'", EXIT_FAULT)
+    if not Path(cfg.root).is_dir():
+        raise UserError(f"--root {printable(cfg.root)}: no such folder; pass the folder the lab should open")
+
+    def hash_password(pw: str) -> str:
+        from jupyter_server.auth import passwd  # argon2, Jupyter's own format
+
+        return passwd(pw)
+
+    launch = lab_launch(cfg, os.environ, python=sys.executable, prefix=sys.prefix, euid=os.geteuid(),
+                        uid=os.getuid(), tmp=tempfile.gettempdir(), hash_password=hash_password)
+    check_port(listen_host(cfg.host, os.environ), cfg.port, f"--port {cfg.port + 1}")
+    return become(launch)
+
+
+# ---------------------------------------------------------------------------------------------------
+# TensorBoard
+
+
+def runs_summary(log_dir: Path) -> str:
+    """What TensorBoard will find in `log_dir`: its runs with event files, and runs without any."""
+    if not log_dir.exists():
+        return "no runs yet; they appear as `dlenv train --tensorboard` writes them"
+    with_events = sorted({str(p.parent.relative_to(log_dir)) for p in log_dir.rglob(EVENTS)})
+    without = sorted(p.parent.name for p in log_dir.glob("*/results.csv")
+                     if not any(p.parent.rglob(EVENTS)))
+    said = (f"{len(with_events)} run(s) with event files: {_some(with_events)}" if with_events
+            else "no event files yet: train with --tensorboard")
+    if without:
+        said += f"; {_some(without)} trained without --tensorboard (their curves: dlenv plot)"
+    return said
+
+
+def _some(names: list[str], most: int = 6) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def tensorboard_launch(cfg: Any, environ: Mapping[str, str], *, python: str) -> Launch:
+    """The TensorBoard server `dlenv tensorboard` becomes."""
+    host = listen_host(cfg.host, environ)
+    log_dir = Path(cfg.log_dir)
+    argv = [python, "-m", "tensorboard.main", "--logdir", str(log_dir), "--host", host, "--port", str(cfg.port)]
+    lines = [f"dlenv tensorboard: serving {printable(str(log_dir))}/ ({runs_summary(log_dir)})",
+             f"dlenv tensorboard: open {open_url(host, cfg.port)} ({reach_hint(host, cfg.port, environ)})"]
+    return Launch(argv, dict(environ), lines)
+
+
+def tensorboard(cfg: Any) -> int:
+    """`dlenv tensorboard`: becomes TensorBoard on cfg.log_dir (returns only by raising UserError)."""
+    if not installed("tensorboard"):
+        raise UserError(f"TensorBoard is not installed in this Python ({sys.executable}); the dlenv image has it, "
+                        "elsewhere: python -m pip install -r requirements.txt", EXIT_FAULT)
+    if Path(cfg.log_dir).exists() and not Path(cfg.log_dir).is_dir():
+        raise UserError(f"--log-dir {printable(cfg.log_dir)} is a file; pass the folder of runs (runs/)")
+    launch = tensorboard_launch(cfg, os.environ, python=sys.executable)
+    check_port(listen_host(cfg.host, os.environ), cfg.port, f"--port {cfg.port + 1}")
+    return become(launch)
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def become(launch: Launch) -> int:
+    """Print the launch's lines, make its folders, and replace this process with the server."""
+    for folder in launch.folders:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        if os.stat(folder).st_uid != os.getuid():  # someone else's, in a shared /tmp: not for our tokens
+            raise UserError(f"{folder} belongs to another user; set {', '.join(JUPYTER_DIRS)} to folders of yours")
+    for line in launch.lines:
+        print(line)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(launch.argv[0], launch.argv, launch.env)
+    return 0  # not reached: execve returns only by raising
