@@ -442,7 +442,7 @@ def main(cfg: Any) -> int:
     Raises UserError for a missing/unsafe/corrupt checkpoint, a bare state dict without --model, data
     that is missing or has other classes than the checkpoint, or a bad --device.
     """
-    from dlenv.data.loaders import build_eval_loader, resolve_workers
+    from dlenv.data.loaders import build_eval_loader
     from dlenv.models import model_from_checkpoint
     from dlenv.runstate import is_dlenv_checkpoint, load_checkpoint
     from dlenv.weights import LoadPolicy
@@ -469,7 +469,7 @@ def main(cfg: Any) -> int:
     if size is None:
         size = 224
         print("image size: 224 (the state dict does not say; set --img-size to change it)")
-    loader = build_eval_loader(samples, size, cfg.batch_size, resolve_workers(cfg.workers, cfg.batch_size, size),
+    loader = build_eval_loader(samples, size, cfg.batch_size, cfg.workers,  # sized there (resolve_workers)
                                # --pretrained weights' own mean, std and resampling
                                norm=pretrained.norm_of(ckpt), interpolation=pretrained.interpolation_of(ckpt))
     mode, why = val_precision(cfg.precision, cfg.amp, {} if bare else dict(ckpt.get("config") or {}), device)
