@@ -125,7 +125,7 @@ def _timed(cmd: str, cwd: Path, env: dict, log: Path) -> subprocess.CompletedPro
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("DLENV_README_E2E") != "1",
                     reason="a fresh venv and the PyTorch download (4.1 GB from PyPI) plus the demo and the quick "
-                           "tests: 13:33 on 2 cores (2026-12-01); run with DLENV_README_E2E=1")
+                           "tests: 8:25 on 2 cores (2026-12-02); run with DLENV_README_E2E=1")
 def test_readme_cpu_commands_exactly_as_printed(tmp_path):
     """Both CPU commands, character for character, in a fresh copy of the checkout: the set-up (network:
     PyPI, pip's own cache reused), verify-env, the demo's CPU recipe to >= 90% top-1, then `dlenv test`.
@@ -149,6 +149,8 @@ def test_readme_cpu_commands_exactly_as_printed(tmp_path):
     second = _timed(_block("cpu-tests"), repo, env, tmp_path / "command2.log")
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert re.search(r"tests \d+/\d+ .*ETA", second.stdout)
+    # nothing after the summary: no 'unclosed socket' (or other) ResourceWarning from a test's leftovers
+    assert "ResourceWarning" not in second.stdout + second.stderr, second.stderr[-3000:]
 
 
 def test_setup_without_a_python_310_says_how_to_get_one(tmp_path):
