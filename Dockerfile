@@ -155,6 +155,7 @@ ENV PIP_CONSTRAINT=/opt/dlenv/lock/constraints.txt
 # `conda activate dl` in every interactive bash (any user: /etc/bash.bashrc, not only /root/.bashrc); a
 # pip-built env has no conda, and its bin goes first on PATH instead. /root readable by all: with
 # `docker run --user UID:GID` the user must still reach /root/workspace. ($PATH is for bash to expand later.)
+# The notebook kernel `dlenv lab` offers is the dl env's Python by its full path, named so in the launcher.
 # hadolint ignore=SC2016
 RUN if [ "${ENV_KIND}" = conda ]; then \
         line='. /opt/conda/etc/profile.d/conda.sh && conda activate dl'; \
@@ -162,7 +163,8 @@ RUN if [ "${ENV_KIND}" = conda ]; then \
         line='export PATH=/opt/conda/envs/dl/bin:$PATH'; \
     fi \
     && printf '\n# dlenv: the dl env in interactive shells\n%s\n' "${line}" >> /etc/bash.bashrc \
-    && chmod 755 /root
+    && chmod 755 /root \
+    && python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (dl)" >/dev/null
 
 COPY --chmod=755 scripts/entrypoint.sh /usr/local/bin/dlenv-entrypoint
 # invoke reads /etc/invoke.yaml before it looks for tasks: its search root, /opt/dlenv, makes
@@ -180,6 +182,9 @@ WORKDIR /root/workspace
 RUN pip install --no-cache-dir --no-deps --no-build-isolation -e /opt/dlenv \
     && dlenv --version \
     && invoke --list | grep verify-env
+
+# `dlenv lab` (JupyterLab) and `dlenv tensorboard`: publish them with docker run -p 8888:8888 -p 6006:6006.
+EXPOSE 8888 6006
 
 # tini as PID 1 reaps zombies and passes `docker stop`'s SIGTERM (and a proxied Ctrl-C) on to the command
 # alone. Not -g, the whole process group: the DataLoader workers would die first and the trainer would

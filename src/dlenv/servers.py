@@ -31,7 +31,7 @@ from typing import Any
 from dlenv.errors import EXIT_FAULT, UserError, printable
 
 #: what the image installs (environment*.yml); named in the line that says the lab is missing
-LAB_REQUIREMENT = "jupyterlab>=4.2,<4.5"
+LAB_REQUIREMENT = "jupyterlab>=4.6,<4.7"
 TOKEN_ENV = "JUPYTER_TOKEN"              # Jupyter's own: a token of the user's choosing
 PASSWORD_ENV = "DLENV_LAB_PASSWORD"      # a password instead of a token (hashed here, never on a command line)
 #: Jupyter's folders (and IPython's and Matplotlib's, which a kernel writes) when HOME is not writable
@@ -92,7 +92,8 @@ def check_port(host: str, port: int, flag_hint: str) -> None:
     servers' own messages for these are a page of log)."""
     family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: a closed one's TIME_WAIT is no holder
+        # as the servers bind: a closed server's connections in TIME_WAIT do not hold the port
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:
@@ -176,9 +177,10 @@ def lab_launch(cfg: Any, environ: Mapping[str, str], *, python: str, prefix: str
             "--LabApp.extension_manager=readonly",
             *(["--allow-root"] if euid == 0 else []),  # root in a container is the usual user there
             *auth_args]
+    url = open_url(host, cfg.port, "/lab") + query
     lines = [f"dlenv lab: JupyterLab on {host}:{cfg.port}, opening {root}; kernel: Python {sys.version.split()[0]} "
              f"of {prefix}",
-             f"dlenv lab: open {open_url(host, cfg.port, '/lab')}{query} ({how}; {reach_hint(host, cfg.port, environ)})"]
+             f"dlenv lab: open {url} ({how}; {reach_hint(host, cfg.port, environ)})"]
     if dirs:
         lines.append(f"dlenv lab: HOME ({environ.get('HOME') or 'unset'}) is not writable: Jupyter's files go to "
                      f"{Path(next(iter(dirs.values()))).parent} (gone with the container)")
