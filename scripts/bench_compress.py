@@ -89,6 +89,7 @@ def main(argv=None) -> int:
     from dlenv import compat
     from dlenv.compress import common, prune, quantize
     from dlenv.data.loaders import build_loaders
+    from dlenv.data.plan import InputPlan
 
     threads = args.threads or torch.get_num_threads()
     weights = Path(args.weights) if args.weights else train_demo(args)
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
         layers = prune.apply_pruning(m, amount, structured)
         if finetune:
             layout = common.train_layout(src)
-            train_loader, _ = build_loaders(layout, size, args.batch_size, args.workers)
+            train_loader, _ = build_loaders(layout, InputPlan.classic(size, args.batch_size, args.workers))
             prune.finetune(m, train_loader, device, finetune, lr=0.01)
             m.cpu()
         prune.make_permanent(layers)

@@ -40,8 +40,9 @@ import torch  # noqa: E402
 from dlenv import compat, config  # noqa: E402
 from dlenv.bench.data import measure_loader  # noqa: E402
 from dlenv.data import hwdecode, pipeline  # noqa: E402
-from dlenv.data.decode import pick_decoder, stored_size  # noqa: E402
+from dlenv.data.decode import stored_size  # noqa: E402
 from dlenv.data.loaders import resolve_workers, usable_cpus  # noqa: E402
+from dlenv.data.plan import InputOptions, pick_decoder  # noqa: E402
 
 #: name -> train options (synthetic data has no loader to measure alone)
 VARIANTS = {
@@ -74,7 +75,7 @@ def loader_rate(opts: dict, located: pipeline.Located, batch: int, img: int, bat
     """(images/s of the training loader alone, decoder used), decided and built as the trainer does."""
     layout = located.layout
     train_only = type(layout)(layout.root, layout.classes, layout.train, [])
-    plan = pipeline.decide(pipeline.InputOptions(cache_dir=cache_dir, **opts), located, dev, batch, img)
+    plan = InputOptions(cache_dir=cache_dir, **opts).decide(located, dev, batch, img)
     fmt = torch.channels_last if dev.type == "cuda" else torch.contiguous_format
     loader = pipeline.make_loaders(train_only, plan, dev, dtype=torch.bfloat16, memory_format=fmt,
                                    say=lambda m: None)[0]
@@ -214,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         if opts.get("synthetic"):
             loader, decoder = None, "-"
         elif "compile" in opts:  # the loader is the uncompiled variant's: only the training differs
-            loader, decoder = None, pipeline.decide(pipeline.InputOptions(cache_dir=cache_dir), located, dev,
-                                                    a.batch_size, a.img_size).decoder
+            loader, decoder = None, InputOptions(cache_dir=cache_dir).decide(located, dev, a.batch_size,
+                                                                             a.img_size).decoder
         else:
             loader, decoder = loader_rate(opts, located, a.batch_size, a.img_size, a.loader_batches, cache_dir, dev)
         if a.loader_only:

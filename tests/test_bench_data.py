@@ -110,10 +110,11 @@ def test_main_names_the_model_on_a_fake_slow_model(image_folder, monkeypatch, ca
 def test_main_sweeps_workers_with_a_cpu_decoder_when_auto_picks_nvjpeg(image_folder, monkeypatch, capsys):
     """nvJPEG ignores the worker count: it is measured once, and the sweep and the classic path use the
     best CPU decoder (the classic path cannot use nvJPEG at all)."""
-    from dlenv.data import decode, pipeline
+    from dlenv.data import pipeline, plan
 
     built = []
-    monkeypatch.setattr(decode, "resolve_decoder", lambda *a, **k: "nvjpeg")
+    monkeypatch.setattr(plan, "resolve_decoder", lambda *a, **k: "nvjpeg")
+    monkeypatch.setattr(plan, "gpu_unavailable", lambda decoder, device: None)  # as on a GPU
     monkeypatch.setattr(pipeline, "make_loaders", lambda layout, plan, *a, **k: (
         built.append(("fast" if plan.on_device else "classic", plan.workers, plan.decoder)) or [["batch"]], None))
     monkeypatch.setattr(bench, "measure_loader", lambda loader, *a, **k: 100.0)
@@ -121,7 +122,7 @@ def test_main_sweeps_workers_with_a_cpu_decoder_when_auto_picks_nvjpeg(image_fol
     cfg = config.build(config.BenchDataConfig, data=str(image_folder), model="resnet18", batch_size=4,
                        img_size=16, workers="1,2", batches=2, device="cpu", amp=False, gpu_augment="on")
     assert bench.main(cfg) == 0
-    cpu = decode.AUTO_DECODER  # the fixture's PNGs: pick_decoder keeps the default
+    cpu = plan.AUTO_DECODER  # the fixture's PNGs: pick_decoder keeps the default
     assert ("fast", 1, cpu) in built and ("fast", 2, cpu) in built and ("classic", 2, cpu) in built
     assert [b for b in built if b[2] == "nvjpeg"] == [("fast", 2, "nvjpeg")]
     assert "gpu-augment, nvjpeg" in capsys.readouterr().out
@@ -130,11 +131,11 @@ def test_main_sweeps_workers_with_a_cpu_decoder_when_auto_picks_nvjpeg(image_fol
 def test_main_measures_nvjpeg_where_it_could_run_though_auto_took_a_cpu_decoder(image_folder, monkeypatch,
                                                                                capsys):
     """With many workers auto keeps a CPU decoder, but users still see what nvJPEG would give."""
-    from dlenv.data import decode, pipeline
+    from dlenv.data import pipeline, plan
 
     built = []
-    monkeypatch.setattr(decode, "resolve_decoder", lambda *a, **k: "pil")
-    monkeypatch.setattr(decode, "prefer_nvjpeg", lambda paths, device, batch, workers=None: workers is None)
+    monkeypatch.setattr(plan, "resolve_decoder", lambda *a, **k: "pil")
+    monkeypatch.setattr(plan, "prefer_nvjpeg", lambda paths, device, batch, workers=None: workers is None)
     monkeypatch.setattr(pipeline, "make_loaders",
                         lambda layout, plan, *a, **k: (built.append(plan.decoder) or [["batch"]], None))
     monkeypatch.setattr(bench, "measure_loader", lambda loader, *a, **k: 100.0)

@@ -11,9 +11,9 @@ import pytest
 from imagedata import photo
 
 from dlenv.data import cache as cache_mod
-from dlenv.data.cache import build_cache, choose_mode, nbytes
+from dlenv.data.badimages import BadImageError
+from dlenv.data.cache import build_cache, on_disk
 from dlenv.data.decode import decode_stored
-from dlenv.data.loaders import BadImageError
 from dlenv.errors import UserError
 
 SIZE = 20
@@ -42,11 +42,14 @@ def test_cache_equals_direct_decode(samples, tmp_path, mode):
 
 
 def test_disk_cache_is_reused_without_decoding(samples, tmp_path, monkeypatch):
+    assert not on_disk(samples, SIZE, tmp_path / "c")
     first = build_cache(samples, SIZE, "pil", "disk", tmp_path / "c", say=_quiet)
     assert not first.reused
+    # what --cache-mode auto reads when planning (dlenv.data.plan): this data's disk cache is there
+    assert on_disk(samples, SIZE, tmp_path / "c") and not on_disk(samples[:4], SIZE, tmp_path / "c")
     monkeypatch.setattr(cache_mod, "decode_stored", lambda *a: pytest.fail("decoded again"))
     said = []
-    again = build_cache(samples, SIZE, "pil", "auto", tmp_path / "c", say=said.append)  # auto finds it
+    again = build_cache(samples, SIZE, "pil", "disk", tmp_path / "c", say=said.append)
     assert again.reused and again.where == first.where and "reusing" in said[0]
     assert np.array_equal(np.asarray(again.images), np.asarray(first.images))
     assert sorted(p.suffix for p in (tmp_path / "c").iterdir()) == [".json", ".npy", ".u8"]
@@ -99,12 +102,11 @@ def test_too_big_for_memory_or_disk_says_what_to_do(samples, tmp_path, monkeypat
     monkeypatch.setattr(cache_mod, "available_memory", lambda: 1000)
     with pytest.raises(UserError, match="--cache-mode disk"):
         build_cache(samples, SIZE, mode="ram", cache_dir=tmp_path / "c", say=_quiet)
-    assert choose_mode("auto", 5, SIZE, tmp_path / "c", "k") == "disk"
     monkeypatch.setattr(cache_mod.shutil, "disk_usage", lambda p: Usage(10, 10, 0))
     with pytest.raises(UserError, match="--cache-mode ram"):
         build_cache(samples, SIZE, mode="disk", cache_dir=tmp_path / "c", say=_quiet)
-    monkeypatch.setattr(cache_mod, "available_memory", lambda: 10 * nbytes(5, SIZE))
-    assert choose_mode("auto", 5, SIZE, tmp_path / "c", "k") == "ram"
+    with pytest.raises(UserError, match="--cache-mode 'auto' is not one of: ram, disk"):  # the plan decides it
+        build_cache(samples, SIZE, mode="auto", cache_dir=tmp_path / "c", say=_quiet)
 
 
 def test_unwritable_cache_dir_is_a_user_error(samples, tmp_path):
@@ -199,7 +201,8 @@ def _tampered(samples, tmp_path, which, content, capsys=None):
     path.unlink()
     path.write_bytes(new)
     said = []
-    again = build_cache(samples, SIZE, "pil", "auto", tmp_path / "c", say=said.append)
+    assert on_disk(samples, SIZE, tmp_path / "c")  # a damaged one counts: --cache-mode auto rebuilds it there
+    again = build_cache(samples, SIZE, "pil", "disk", tmp_path / "c", say=said.append)
     return again, said
 
 

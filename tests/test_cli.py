@@ -76,11 +76,37 @@ def test_invoke_task_passes_only_given_flags(monkeypatch):
 
     monkeypatch.setattr(tasks, "run_command", fake_run)
     t = tasks.ns["train"]
-    defaults = {f.name: (f.default if isinstance(f.default, bool) else None)
-                for f in config.options(config.TrainConfig)}
-    t(MockContext(), **{**defaults, "amp": True, "batch_size": "64", "cfg": None})
+    t(MockContext(), amp=True, batch_size="64", cfg=None)  # the rest left out, as invoke leaves them
     assert seen["name"] == "train"
     assert seen["given"] == {"amp": True, "batch_size": "64"}
+
+
+@pytest.mark.parametrize("argv,given,cfg_value", [
+    (["--channels-last"], {"channels_last": True}, True),       # typed, though the default: beats the file
+    (["--no-channels-last"], {"channels_last": False}, False),
+    ([], {}, False),                                             # nothing typed: the file's value stands
+    (["--amp"], {"amp": True}, False),
+    (["--hflip"], {"hflip": "on"}, False),                       # an optional value given alone
+    (["--hflip", "off"], {"hflip": "off"}, False),
+    (["--batch-size", "8", "--ema"], {"batch_size": "8", "ema": True}, False),
+])
+def test_invoke_flags_typed_override_the_cfg_file_even_at_their_default(tmp_path, monkeypatch, argv, given,
+                                                                          cfg_value):
+    """`invoke train --cfg x.yaml --channels-last` over `channels_last: false`: the flag typed wins, whatever
+    its default (issue 35); parsed as invoke parses a command line."""
+    from invoke import MockContext, Parser
+
+    from dlenv import tasks
+
+    yaml_file = tmp_path / "x.yaml"
+    yaml_file.write_text("channels_last: false\nhflip: auto\n", encoding="utf-8")
+    seen = {}
+    monkeypatch.setattr(tasks, "run_command", lambda name, g, y=None: seen.update(given=g, yaml=y) or 0)
+    parsed = Parser(contexts=tasks.ns.to_contexts()).parse_argv(["train", "--cfg", str(yaml_file), *argv])
+    tasks.ns["train"](MockContext(), **parsed[0].as_kwargs)
+    assert seen == {"given": given, "yaml": str(yaml_file)}
+    built = config.build(config.TrainConfig, yaml_file, **seen["given"])
+    assert built.channels_last is cfg_value and built.hflip == given.get("hflip", "auto")
 
 
 def test_invoke_task_failure_exits_nonzero(monkeypatch):

@@ -1,5 +1,5 @@
 """dlenv.data.decode: any image to 8-bit RGB, the three CPU decoders agree, reduced decoding, the stored
-form, auto choice."""
+form (which decoder a run uses: tests/test_plan.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,9 @@ from dlenv.data.decode import (
     decode_rgb,
     decode_stored,
     load_rgb,
-    pick_decoder,
-    resolve_decoder,
     stored_size,
     to_square,
 )
-from dlenv.errors import UserError
 
 
 @pytest.mark.parametrize("decoder", ["cv2", "tvio"])
@@ -115,80 +112,16 @@ def test_broken_file_raises_for_every_decoder(tmp_path):
             decode_stored(tmp_path / "x.jpg", 16, name)
 
 
+def test_the_stored_square_has_a_margin_over_the_training_size():
+    assert stored_size(224) == 258 and stored_size(16) == 18
+
+
 def test_to_square_keeps_the_whole_frame():
     arr = np.zeros((30, 90, 3), np.uint8)
     arr[:, 60:] = 255  # the right third white
     sq = to_square(arr, 30)
     assert sq.shape == (30, 30, 3)
     assert sq[:, :18].max() < 10 and sq[:, 22:].min() > 245
-
-
-def test_resolve_and_pick(tmp_path):
-    assert stored_size(224) == 258
-    assert resolve_decoder("cv2") == "cv2" and resolve_decoder("nvjpeg") == "nvjpeg"
-    assert resolve_decoder("auto") == decode.AUTO_DECODER
-    with pytest.raises(UserError, match="--decoder 'jpeg'"):
-        resolve_decoder("jpeg")
-    files = [str(photo(tmp_path / f"{i}.jpg", seed=i)) for i in range(4)]
-    assert pick_decoder(files, 32) in decode.CPU_DECODERS
-    assert resolve_decoder("auto", files, 32) in decode.CPU_DECODERS
-    Image.new("RGB", (8, 8)).save(tmp_path / "p.png")
-    assert pick_decoder([str(tmp_path / "p.png")] * 4, 32) == decode.AUTO_DECODER
-
-
-def test_auto_decodes_on_the_gpu_only_for_jpegs_on_cuda(tmp_path, monkeypatch):
-    from dlenv import compat
-
-    files = [str(photo(tmp_path / f"{i}.jpg", seed=i)) for i in range(4)]
-    assert not decode.prefer_nvjpeg(files, "cpu")
-    assert resolve_decoder("auto", files, 32, gpu="cpu") in decode.CPU_DECODERS
-    # a CUDA device whose torchvision batch-decodes: JPEGs go to nvJPEG, a folder of PNGs does not
-    import types
-
-    import torch
-
-    gib = 2**30
-    card = types.SimpleNamespace(total_memory=80 * gib)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: card)
-    monkeypatch.setattr(compat, "cuda_jpeg_batch_decode", lambda: True)
-    monkeypatch.setattr(compat, "cuda_jpeg_unavailable", lambda device="cuda": None)
-    assert resolve_decoder("auto", files, 32, gpu="cuda") == "nvjpeg"
-    assert resolve_decoder("auto", files, 32) in decode.CPU_DECODERS  # augmentation on the CPU: no GPU
-    # nvJPEG takes the model's GPU time: with enough workers the CPU decoders train faster
-    few, enough = decode.NVJPEG_BELOW_WORKERS - 1, decode.NVJPEG_BELOW_WORKERS
-    assert resolve_decoder("auto", files, 32, gpu="cuda", workers=few) == "nvjpeg"
-    assert resolve_decoder("auto", files, 32, gpu="cuda", workers=enough) in decode.CPU_DECODERS
-    assert resolve_decoder("auto", files, 32, gpu="cuda", workers=0) == "nvjpeg"
-    Image.new("RGB", (8, 8)).save(tmp_path / "p.png")
-    assert not decode.prefer_nvjpeg(files[:2] + [str(tmp_path / "p.png")] * 2, "cuda")
-    # a decoded batch must stay small beside training: 120x90 photos x 256 x 18 B = 50 MB
-    assert decode.mean_pixels(files) == 120 * 90
-    card.total_memory = 2 * gib  # 5% of it is 100 MB: fits
-    assert decode.prefer_nvjpeg(files, "cuda", batch=256)
-    card.total_memory = gib // 2  # 25 MB: the CPU decoders (reduced-size decoding) instead
-    assert not decode.prefer_nvjpeg(files, "cuda", batch=256)
-    assert resolve_decoder("auto", files, 32, gpu="cuda", batch=256) in decode.CPU_DECODERS
-    monkeypatch.setattr(compat, "cuda_jpeg_batch_decode", lambda: False)  # torchvision < 0.19 (1.13 image)
-    assert resolve_decoder("auto", files, 32, gpu="cuda") in decode.CPU_DECODERS
-
-
-@pytest.mark.gpu
-def test_auto_on_cuda_prefers_the_jpeg_engines_then_nvjpeg_then_the_cpu(tmp_path):
-    """The order resolve_decoder documents: nvImageCodec on the JPEG engines where they and the library are
-    there; else torchvision's batch decode on CUDA where it works; else a CPU decoder."""
-    import torch
-
-    from dlenv import compat
-    from dlenv.data import decode
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    files = [str(photo(tmp_path / f"{i}.jpg", seed=i)) for i in range(4)]
-    got = resolve_decoder("auto", files, 32, gpu="cuda", workers=2)
-    engines = decode.prefer_engines(files, "cuda", 256, 2)
-    nvjpeg = compat.cuda_jpeg_batch_decode() and compat.cuda_jpeg_unavailable("cuda") is None
-    want = "nvimgcodec" if engines else "nvjpeg" if nvjpeg else None
-    assert got == want if want else got in decode.CPU_DECODERS, (got, engines, nvjpeg)
 
 
 def _rotated_jpeg(path, orientation, w=50, h=30):
@@ -237,7 +170,7 @@ def test_nvjpeg_source_turns_rotated_photos_upright_on_the_cpu(tmp_path):
     import torch
     from PIL import ImageOps
 
-    from dlenv.data.gpudecode import NvjpegSource
+    from dlenv.data.sources import NvjpegSource
 
     paths = [str(_rotated_jpeg(tmp_path / f"{o}.jpg", o)) for o in (1, 6, 3, 8)]
     src = NvjpegSource([(p, 0) for p in paths], None, 4, 40, "error")
@@ -257,7 +190,7 @@ def test_nvjpeg_on_cuda_turns_rotated_photos_upright(tmp_path):
     from PIL import ImageOps
 
     from dlenv import compat
-    from dlenv.data.gpudecode import NvjpegSource
+    from dlenv.data.sources import NvjpegSource
 
     if compat.cuda_jpeg_unavailable("cuda"):
         pytest.skip(compat.cuda_jpeg_unavailable("cuda"))

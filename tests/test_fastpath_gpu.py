@@ -12,13 +12,14 @@ from imagedata import make_photo_layout
 
 from dlenv import compat, config
 from dlenv.data import hwdecode
+from dlenv.data.badimages import BadImageError
 from dlenv.data.decode import decode_stored
 from dlenv.data.folder import find_layout
 from dlenv.data.gpu_aug import GpuAugment
-from dlenv.data.gpudecode import NvimgcodecSource, NvjpegSource
-from dlenv.data.loaders import BadImageError
-from dlenv.data.pipeline import InputPlan, make_loaders
+from dlenv.data.pipeline import make_loaders
+from dlenv.data.plan import InputOptions, InputPlan, engine_backends
 from dlenv.data.sampler import ResumableSampler
+from dlenv.data.sources import NvimgcodecSource, NvjpegSource
 
 pytestmark = pytest.mark.gpu
 IMG = 32
@@ -42,8 +43,7 @@ def test_gpu_augment_matches_cpu():
     assert torch.allclose(half.float().cpu(), cpu, atol=0.05)
 
 
-@pytest.mark.parametrize("kw", [dict(cache=True, cache_mode="ram"), dict(cache=True, cache_mode="disk"),
-                                dict(decoder="pil", workers=2)])
+@pytest.mark.parametrize("kw", [dict(cache_mode="ram"), dict(cache_mode="disk"), dict(decoder="pil", workers=2)])
 def test_device_loader_on_cuda_matches_cpu(layout, tmp_path, kw):
     kw = dict(kw)
     plan = InputPlan(IMG, 8, on_device=True, decoder=kw.pop("decoder", "pil"), cpu_decoder="pil",
@@ -68,8 +68,8 @@ def test_device_loader_on_cuda_matches_cpu(layout, tmp_path, kw):
 
 
 def test_leaving_early_on_cuda_releases_the_thread(layout, tmp_path):
-    plan = InputPlan(IMG, 8, on_device=True, decoder="pil", cpu_decoder="pil", workers=0, cache=True,
-                     cache_mode="ram", cache_dir=str(tmp_path / "c"))
+    plan = InputPlan(IMG, 8, on_device=True, decoder="pil", cpu_decoder="pil", workers=0, cache_mode="ram",
+                     cache_dir=str(tmp_path / "c"))
     train, _ = make_loaders(layout, plan, "cuda", say=lambda m: None)
     before = threading.active_count()
     for _ in range(3):
@@ -124,7 +124,7 @@ engines = pytest.mark.skipif(hwdecode.unavailable("cuda") is not None,
 def test_nvimgcodec_decodes_like_pillow(layout):
     """Same pixels, sizes and labels as Pillow's stored form, within JPEG decoder tolerance."""
     samples = layout.train[:6]
-    src = NvimgcodecSource(samples, None, 6, 40, "skip", "cuda")
+    src = NvimgcodecSource(samples, None, 6, 40, "skip", "cuda", engine_backends("cuda"))
     images, sizes, labels = src.upload(next(iter(src)), torch.device("cuda"))
     assert images.shape == (6, 40, 40, 3) and images.dtype == torch.uint8 and images.device.type == "cuda"
     for k, (path, label) in enumerate(samples):
@@ -143,7 +143,7 @@ def test_nvimgcodec_turns_exif_rotated_photos_upright(tmp_path):
     exif[0x0112] = 6
     path = tmp_path / "side.jpg"
     Image.fromarray(arr).save(path, quality=95, exif=exif.tobytes())
-    src = NvimgcodecSource([(str(path), 0)], None, 1, 40, "skip", "cuda")
+    src = NvimgcodecSource([(str(path), 0)], None, 1, 40, "skip", "cuda", engine_backends("cuda"))
     images, sizes, _ = src.upload(next(iter(src)), torch.device("cuda"))
     ref, wh = decode_stored(str(path), 40, "pil")
     assert tuple(sizes[0].tolist()) == wh == (30, 60)
@@ -159,11 +159,11 @@ def test_nvimgcodec_bad_file_skip_and_error_and_pngs(layout, tmp_path):
     png = tmp_path / "p.png"
     Image.new("RGB", (50, 30), (200, 10, 10)).save(png)
     samples = samples + [(str(png), 1)]
-    src = NvimgcodecSource(samples, None, 5, 40, "skip", "cuda")
+    src = NvimgcodecSource(samples, None, 5, 40, "skip", "cuda", engine_backends("cuda"))
     images, sizes, _ = src.upload(next(iter(src)), torch.device("cuda"))
     assert torch.equal(images[1], images[2]) and list(src.bad_paths) == [samples[1][0]]
     assert tuple(sizes[4].tolist()) == (50, 30) and images[4, 20, 20].tolist() == [200, 10, 10]
-    src = NvimgcodecSource(samples, None, 5, 40, "error", "cuda")
+    src = NvimgcodecSource(samples, None, 5, 40, "error", "cuda", engine_backends("cuda"))
     with pytest.raises(BadImageError, match=samples[1][0]):
         src.upload(next(iter(src)), torch.device("cuda"))
 
@@ -174,8 +174,9 @@ def test_nvimgcodec_loader_trains_and_auto_picks_it_with_few_workers(layout, tmp
     from dlenv.train import train
 
     located = pipeline.locate(str(layout.root))
-    plan = pipeline.decide(pipeline.InputOptions(cache="off", workers=2), located, "cuda", 8, IMG)
+    plan = InputOptions(cache="off", workers=2).decide(located, "cuda", 8, IMG)
     assert plan.decoder == ("nvimgcodec" if hwdecode.has_engines("cuda") else plan.decoder)
+    assert plan.gpu_backends == (engine_backends("cuda") if plan.decoder == "nvimgcodec" else ())
     cfg = config.build(config.TrainConfig, data=str(layout.root), model="resnet18", img_size=IMG,
                        batch_size=8, epochs=1, decoder="nvimgcodec", amp=True, project=str(tmp_path / "runs"))
     assert train(cfg)["status"] == "done"

@@ -16,9 +16,10 @@ import torch
 from imagedata import photo
 from PIL import Image
 
-from dlenv.data import decode, hwdecode
+from dlenv.data import hwdecode
+from dlenv.data.badimages import BadImageError
 from dlenv.data.decode import decode_stored
-from dlenv.data.loaders import BadImageError
+from dlenv.data.plan import ENGINE_BACKENDS
 
 
 @pytest.fixture
@@ -102,27 +103,21 @@ def fake(monkeypatch):
 
 
 def _source(samples, bad_images="skip"):
-    from dlenv.data.gpudecode import NvimgcodecSource
+    from dlenv.data.sources import NvimgcodecSource
 
-    return NvimgcodecSource(samples, None, len(samples), 40, bad_images, "cpu")
+    return NvimgcodecSource(samples, None, len(samples), 40, bad_images, "cpu", ENGINE_BACKENDS)
 
 
 def test_source_batches_match_pillows_stored_form(tmp_path, fake):
     samples = [(str(photo(tmp_path / f"{i}.jpg", w=60 + 10 * i, h=48, seed=i)), i % 2) for i in range(4)]
     src = _source(samples)
-    assert fake.made == [("HW_GPU_ONLY", "CPU_ONLY")]  # with engines: never the CUDA decoder on the SMs
+    assert fake.made == [("HW_GPU_ONLY", "CPU_ONLY")]  # the plan's backends (engines: never the SMs' decoder)
     images, sizes, labels = src.upload(next(iter(src)), torch.device("cpu"))
     assert images.shape == (4, 40, 40, 3) and images.dtype == torch.uint8
     for k, (path, label) in enumerate(samples):
         ref, wh = decode_stored(path, 40, "pil")
         assert tuple(sizes[k].tolist()) == wh and labels[k].item() == label
         assert np.abs(images[k].numpy().astype(int) - ref).mean() < 2
-
-
-def test_without_engines_every_backend_is_allowed(tmp_path, fake, monkeypatch):
-    monkeypatch.setattr(hwdecode, "has_engines", lambda device: False)
-    _source([(str(photo(tmp_path / "a.jpg")), 0)])
-    assert fake.made == [()]
 
 
 @pytest.mark.parametrize("bad", [b"\xff\xd8\xff broken", b"", b"not an image at all"])
@@ -138,36 +133,6 @@ def test_source_bad_files_skip_or_stop_and_pngs_go_to_pillow(tmp_path, fake, bad
     with pytest.raises(BadImageError, match="1.jpg"):
         src = _source(samples, "error")
         src.upload(next(iter(src)), torch.device("cpu"))
-
-
-def test_auto_takes_the_engines_with_few_cores_only(tmp_path, monkeypatch):
-    import types
-
-    from dlenv import compat
-
-    files = [str(photo(tmp_path / f"{i}.jpg", seed=i)) for i in range(4)]
-    card = types.SimpleNamespace(total_memory=80 * 2**30)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: card)
-    monkeypatch.setattr(compat, "cuda_jpeg_batch_decode", lambda: True)
-    monkeypatch.setattr(compat, "cuda_jpeg_unavailable", lambda device="cuda": None)
-    engines = {"on": True}
-    monkeypatch.setattr(hwdecode, "has_engines", lambda device: engines["on"])
-    few, enough = decode.NVJPEG_BELOW_WORKERS - 1, decode.NVJPEG_BELOW_WORKERS
-    cases = [  # (engines, workers, decoder auto picks)
-        (True, few, "nvimgcodec"), (True, 0, "nvimgcodec"), (True, enough, None),
-        (False, few, "nvjpeg"), (False, enough, None),
-    ]
-    for on, workers, want in cases:
-        engines["on"] = on
-        got = decode.resolve_decoder("auto", files, 32, gpu="cuda", workers=workers)
-        assert got == want if want else got in decode.CPU_DECODERS, (on, workers, got)
-    engines["on"] = True
-    assert decode.resolve_decoder("auto", files, 32, workers=few) in decode.CPU_DECODERS  # no GPU path
-    Image.new("RGB", (8, 8)).save(tmp_path / "p.png")
-    assert not decode.prefer_engines([str(tmp_path / "p.png")] * 4, "cuda", workers=few)  # PNGs
-    assert decode.resolve_decoder("nvimgcodec") == "nvimgcodec"
-    with pytest.raises(Exception, match="nvimgcodec"):
-        decode.resolve_decoder("nvimgcodecs")
 
 
 class _Library:

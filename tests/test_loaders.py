@@ -15,15 +15,16 @@ from PIL import Image
 
 from dlenv import cpus
 from dlenv.data import loaders
+from dlenv.data.badimages import BadImageError
 from dlenv.data.folder import find_layout
 from dlenv.data.loaders import (
-    BadImageError,
     ImageDataset,
     build_eval_loader,
     build_loaders,
     build_transforms,
     resolve_workers,
 )
+from dlenv.data.plan import InputPlan
 from dlenv.errors import UserError
 
 # --------------------------------------------------------------------------------------------- transforms
@@ -186,14 +187,19 @@ def _labels(loader):
     return torch.cat([y for _, y in loader]).tolist()
 
 
+def _plan(batch_size, workers, seed=0):
+    """The CPU path's plan at 16 px (its workers a number: the plan sized them)."""
+    return InputPlan(16, batch_size, False, "pil", "pil", workers, seed=seed)
+
+
 def test_build_loaders_seeded_shuffle_and_ordered_val(layout):
-    train, val = build_loaders(layout, 16, batch_size=4, workers=0, seed=1)
+    train, val = build_loaders(layout, _plan(4, 0, seed=1))
     assert train.pin_memory is torch.cuda.is_available()
     first = _labels(train)
     assert sorted(first) == sorted(y for _, y in layout.train)
     assert first != [y for _, y in layout.train]  # shuffled
-    again, _ = build_loaders(layout, 16, batch_size=4, workers=0, seed=1)
-    other, _ = build_loaders(layout, 16, batch_size=4, workers=0, seed=2)
+    again, _ = build_loaders(layout, _plan(4, 0, seed=1))
+    other, _ = build_loaders(layout, _plan(4, 0, seed=2))
     assert _labels(again) == first and _labels(other) != first
     assert _labels(val) == [y for _, y in layout.val]
     x, _ = next(iter(val))
@@ -202,7 +208,7 @@ def test_build_loaders_seeded_shuffle_and_ordered_val(layout):
 
 def test_build_loaders_uses_given_sampler_and_workers(layout):
     order = list(range(len(layout.train)))[::-1]
-    train, val = build_loaders(layout, 16, batch_size=5, workers=2, train_sampler=order, drop_last=True)
+    train, val = build_loaders(layout, _plan(5, 2), train_sampler=order, drop_last=True)
     assert train.persistent_workers and train.prefetch_factor == loaders.PREFETCH_FACTOR
     assert _labels(train) == [layout.train[i][1] for i in order][:15]
     assert len(train) == 3
@@ -210,7 +216,7 @@ def test_build_loaders_uses_given_sampler_and_workers(layout):
 
 def test_build_loaders_without_val(tmp_path):
     make_image_folder(tmp_path, per_class=3, size=(16, 16))
-    train, val = build_loaders(find_layout(tmp_path, val_split=0.0), 16, 2, 0)
+    train, val = build_loaders(find_layout(tmp_path, val_split=0.0), _plan(2, 0))
     assert val is None and len(train.dataset) == 6
 
 
@@ -222,7 +228,7 @@ def test_eval_loader_keeps_sample_order(layout):
 def test_close_stops_persistent_workers_and_a_later_pass_starts_new_ones(layout):
     # the trainer closes its loaders at the end of a run (train.fit), however it ends
     before = set(multiprocessing.active_children())
-    train, _ = build_loaders(layout, 16, batch_size=4, workers=2, seed=1)
+    train, _ = build_loaders(layout, _plan(4, 2, seed=1))
     first = _labels(train)
     assert len(set(multiprocessing.active_children()) - before) == 2  # persistent: alive between passes
     train.close()

@@ -1,8 +1,8 @@
 """No batch of one image reaches a model in train mode (BatchNorm cannot normalise one sample).
 
 A share that would end in a one-sample batch (80 images, batch 79) is one index shorter in
-dlenv.data.sampler; an OOM split never makes a one-sample piece either. The epoch arithmetic, the
-resume position and the DDP shares follow.
+dlenv.data.sampler; an OOM re-plan never halves a micro-batch into ones either (TrainPlan.halves,
+tests/test_train_plan.py). The epoch arithmetic, the resume position and the DDP shares follow.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from imagedata import make_train_val, train_config
 from torch import nn
 
-from dlenv import runstate, step
+from dlenv import runstate
 from dlenv import train as train_mod
 from dlenv.data.sampler import ResumableSampler
 
@@ -122,11 +122,3 @@ def test_rank_shares_never_end_in_a_batch_of_one(n, world, batch, per_rank):
     if per_rank * world <= n:  # no padding: the ranks' indices are distinct
         seen = [i for s in ranks for i in s]
         assert len(set(seen)) == len(seen)
-
-
-@pytest.mark.parametrize("n,chunks,sizes", [
-    (5, 4, [3, 2]), (4, 4, [2, 2]), (79, 2, [40, 39]), (7, 2, [4, 3]), (3, 2, [3]), (1, 4, [1]), (8, 1, [8]),
-])
-def test_oom_pieces_never_end_in_one_sample(n, chunks, sizes):
-    pieces = step.pieces(torch.zeros(n, 1), torch.zeros(n), chunks)
-    assert [len(x) for x, _ in pieces] == sizes

@@ -15,7 +15,7 @@ import torch
 import torchvision
 from weightserver import hub_file, isolated_cache, serve, torchvision_file
 
-from dlenv import finetune, models, pretrained
+from dlenv import finetune, models, pretrained, values
 from dlenv.errors import UserError
 
 
@@ -37,11 +37,11 @@ def resnet18_server(cwd, monkeypatch):
 
 
 def test_parse_pretrained():
-    assert pretrained.parse_pretrained(None) is None and pretrained.parse_pretrained("off") is None
-    assert pretrained.parse_pretrained(True) == "DEFAULT" and pretrained.parse_pretrained("default") == "DEFAULT"
-    assert pretrained.parse_pretrained("IMAGENET1K_V2") == "IMAGENET1K_V2"
+    assert values.parse_pretrained(None) is None and values.parse_pretrained("off") is None
+    assert values.parse_pretrained(True) == "DEFAULT" and values.parse_pretrained("default") == "DEFAULT"
+    assert values.parse_pretrained("IMAGENET1K_V2") == "IMAGENET1K_V2"
     with pytest.raises(ValueError):
-        pretrained.parse_pretrained("../x y")
+        values.parse_pretrained("../x y")
 
 
 def test_torchvision_weights_resolve_to_their_file_and_preprocessing(cwd):

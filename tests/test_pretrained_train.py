@@ -196,14 +196,15 @@ def test_the_weights_normalization_reaches_the_input_pipeline(server, data, cwd,
     they say, train and val."""
     import dataclasses
 
-    from dlenv.data import loaders, pipeline
+    from dlenv.data import loaders
+    from dlenv.data.plan import InputOptions
 
     _serve_torchvision(server[0], "mobilenet_v3_small", monkeypatch)
-    real_resolve, real_decide, plans = pretrained.resolve, pipeline.decide, []
+    real_resolve, real_decide, plans = pretrained.resolve, InputOptions.decide, []
     half = (0.5, 0.5, 0.5)
     monkeypatch.setattr(pretrained, "resolve", lambda *a: dataclasses.replace(real_resolve(*a), mean=half, std=half,
                                                                               interpolation="bicubic"))
-    monkeypatch.setattr(pipeline, "decide", lambda *a, **k: plans.append(real_decide(*a, **k)) or plans[-1])
+    monkeypatch.setattr(InputOptions, "decide", lambda *a, **k: plans.append(real_decide(*a, **k)) or plans[-1])
     summary = train_mod.train(_cfg(cwd, data, epochs=1, max_steps=1))
     assert plans[-1].norm == (half, half) and plans[-1].interpolation == "bicubic"
     from dlenv.train.state import read_config_notes
@@ -236,10 +237,11 @@ def test_the_plans_interpolation_reaches_every_resize(data, on_device, mode):
     from torchvision.transforms import InterpolationMode
 
     from dlenv.data import pipeline
+    from dlenv.data.plan import InputOptions
 
     located = pipeline.locate(str(data))
-    opts = pipeline.InputOptions(workers=0, gpu_augment="on" if on_device else "off", cache="off")
-    plan = pipeline.decide(opts, located, "cpu", 2, 16, interpolation=mode)
+    opts = InputOptions(workers=0, gpu_augment="on" if on_device else "off", cache="off")
+    plan = opts.decide(located, "cpu", 2, 16, interpolation=mode)
     assert plan.interpolation == mode and plan.augmentation().endswith(mode)
     train, val = pipeline.make_loaders(located.layout, plan, "cpu")
     if on_device:

@@ -6,6 +6,7 @@ through conftest's `tiny` fixture, so each run takes a fraction of a second; one
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -145,6 +146,39 @@ def test_accumulation_equals_one_big_batch_including_the_short_last_window(tmp_p
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
     changed = _final(Path(acc["run_dir"]))
     assert not torch.equal(changed["model"]["fc.weight"], Tiny(2, norm=False).fc.weight)
+
+
+def test_oom_under_batch_size_auto_replans_exactly_from_the_last_step(tmp_path, data, tiny, monkeypatch):
+    """CUDA out of memory (simulated) in a window's second micro-batch of 8: the run goes back to the last
+    optimizer step and on at 4 x 4, and its weights equal a run planned at 4 x 4 from the start."""
+    from dlenv.train import plan
+
+    opts = dict(model="tiny-nonorm", epochs=2, label_smoothing=0.0, warmup_epochs=0.0, augment="none", hflip="off")
+    small = train_mod.train(tiny_config(tmp_path / "a", data, batch_size=4, accum_steps=4, **opts))
+    decide = plan.decide  # the retry rule of --batch-size auto, on a CPU (auto itself measures a GPU)
+    monkeypatch.setattr(plan, "decide", lambda *a: dataclasses.replace(decide(*a), oom_retry=True))
+    real, calls = loop.forward_backward, []
+
+    def fb(parts, images, *a, **k):
+        calls.append(images.shape[0])
+        if len(calls) == 2:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(parts, images, *a, **k)
+
+    monkeypatch.setattr(loop, "forward_backward", fb)
+    big = train_mod.train(tiny_config(tmp_path / "b", data, batch_size=8, accum_steps=2, **opts))
+    assert calls == [8, 8] + [4] * 8  # the window's first batch trained again, in halves
+    wa, wb = _final(Path(small["run_dir"])), _final(Path(big["run_dir"]))
+    assert small["step"] == big["step"] == 2
+    for k in wa["model"]:
+        torch.testing.assert_close(wa["model"][k], wb["model"][k], rtol=1e-5, atol=1e-6)
+    rows = results.read_results(Path(big["run_dir"]) / "results.csv")
+    assert list(rows["batch_size"]) == [4, 4] and list(rows["accum_steps"]) == [4, 4]
+    assert list(rows["oom_retries"]) == [1, 1]
+    # config.yaml and last.pth record the new split: a --resume or --cfg continues with it
+    again = config.build(TrainConfig, Path(big["run_dir"]) / "config.yaml")
+    assert (again.batch_size, again.accum_steps) == (4, 4)
+    assert (wb["config"]["batch_size"], wb["config"]["accum_steps"]) == (4, 4)
 
 
 def test_effective_batch_sets_accumulation_or_refuses(tmp_path, data, tiny):

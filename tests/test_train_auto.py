@@ -248,13 +248,15 @@ def _start_line(ratio: float | None, blocks: int) -> str:
     """The start line of a plan whose --checkpoint recomputes `ratio` of `blocks` (None: no --checkpoint)."""
     from types import SimpleNamespace
 
-    from dlenv.train.plan import OptimizerChoice, Split, TrainPlan
+    from dlenv.train.plan import OptimizerChoice, Split, StepChoice, TrainPlan
 
     d = auto.Decision
-    plan = TrainPlan(d("fp32", ""), SimpleNamespace(name="resnet18"), d(False, ""), d(Split(32, 1), ""), 1,
+    plan = TrainPlan(config.build(TrainConfig, epochs=1), SimpleNamespace(source="data/x", classes=["a", "b"]),
+                     d("fp32", ""), SimpleNamespace(name="resnet18"), d(False, ""), d(Split(32, 1), ""), 1,
                      SimpleNamespace(img_size=32), 10, None if ratio is None else d(ratio, "why"), d(False, ""),
-                     OptimizerChoice("adamw", 1e-3, 0.05), 1, False, blocks=blocks)
-    return plan.start_line(SimpleNamespace(source="data/x", classes=["a", "b"]), CPU, False, "runs/exp")
+                     OptimizerChoice("adamw", 1e-3, 0.05, 0.9, False, 0, 10), StepChoice(0.1, None, None, False),
+                     False, blocks=blocks)
+    return plan.start_line(CPU, False, "runs/exp")
 
 
 @pytest.mark.parametrize("ratio,blocks,says", [
@@ -329,19 +331,30 @@ def _broken(*a, **k):
     (_search(8, 8, fits_all=False), 1.0, "auto: all 8 blocks, and batch 64 may still not fit"),
     (_oom, 1.0, "may still not fit"),
 ])
-def test_checkpoint_ratio_auto_applies_the_probes_answer(probe, ratio, says, monkeypatch):
+def test_checkpoint_ratio_auto_takes_the_probes_answer(probe, ratio, says, monkeypatch):
     import dlenv.autobatch
-    from dlenv.models import build_model, find_blocks, is_checkpointed
 
     monkeypatch.setattr(dlenv.autobatch, "fewest_checkpoint_blocks", probe)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Fake GPU")
-    model = build_model("resnet18", 4)
     said: list = []
     c = config.build(TrainConfig, checkpoint=True, batch_size=64, model="resnet18")
-    got, why = auto.checkpoint_ratio(c, model, _probe(), 64, said.append)
+    got, why = auto.checkpoint_ratio(c, 8, _probe(), 64, said.append)
     assert got == ratio and says in why and said == [f"--checkpoint-ratio {why}"]
-    wrapped = [is_checkpointed(b) for b in find_blocks(model)]
-    assert wrapped == [i < round(ratio * 8) for i in range(8)]  # the first k blocks, exactly
+
+
+@pytest.mark.parametrize("ratio", [0.0, 3 / 8, 0.5, 1.0])
+def test_the_model_is_built_checkpointed_at_the_planned_ratio(ratio):
+    """dlenv.train.parts wraps the first round(ratio x blocks) blocks, exactly as the plan counts them."""
+    from types import SimpleNamespace
+
+    from dlenv.models import build_model, find_blocks, is_checkpointed
+    from dlenv.train import parts
+
+    plan = SimpleNamespace(model=SimpleNamespace(build=lambda: build_model("resnet18", 4), check=lambda m: None),
+                           memory_format=torch.contiguous_format, checkpoint_ratio=auto.Decision(ratio, ""),
+                           recomputed_blocks=round(ratio * 8))
+    model = parts.build_model(plan, CPU)
+    assert [is_checkpointed(b) for b in find_blocks(model)] == [i < round(ratio * 8) for i in range(8)]
 
 
 @pytest.mark.parametrize("given,ratio,says", [
@@ -350,27 +363,25 @@ def test_checkpoint_ratio_auto_applies_the_probes_answer(probe, ratio, says, mon
 ])
 def test_checkpoint_ratio_auto_does_not_probe_when_nothing_to_decide(given, ratio, says, monkeypatch):
     import dlenv.autobatch
-    from dlenv.models import build_model
 
     monkeypatch.setattr(dlenv.autobatch, "fewest_checkpoint_blocks", _broken)  # never called
     c = config.build(TrainConfig, checkpoint=True, model="resnet18", **given)
-    got, why = auto.checkpoint_ratio(c, build_model("resnet18", 4), _probe(), 64, print)
+    got, why = auto.checkpoint_ratio(c, 8, _probe(), 64, print)
     assert got == ratio and says in why
 
 
 def test_checkpoint_ratio_auto_lets_a_real_error_through(monkeypatch):
     import dlenv.autobatch
-    from dlenv.models import build_model
 
     monkeypatch.setattr(dlenv.autobatch, "fewest_checkpoint_blocks", _broken)
     c = config.build(TrainConfig, checkpoint=True, batch_size=64, model="resnet18")
     with pytest.raises(RuntimeError, match="own bug"):
-        auto.checkpoint_ratio(c, build_model("resnet18", 4), _probe(), 64, print)
+        auto.checkpoint_ratio(c, 8, _probe(), 64, print)
 
 
 def test_no_checkpoint_no_ratio():
     c = config.build(TrainConfig, batch_size=64)
-    assert auto.checkpoint_ratio(c, torch.nn.Linear(2, 2), _probe("fp32", False), 64, print) is None
+    assert auto.checkpoint_ratio(c, 0, _probe("fp32", False), 64, print) is None
 
 
 def test_a_model_without_blocks_is_told_once(tmp_path, data, tiny, capsys):

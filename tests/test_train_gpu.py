@@ -74,17 +74,18 @@ def test_oom_during_training_is_retried_with_auto(tmp_path, monkeypatch):
     real = loop.forward_backward
     calls = {"n": 0}
 
-    def fb(parts, images, targets, weight, chunks, **k):
+    def fb(parts, images, targets, weight, **k):
         # the training loop's calls only: the --batch-size auto probe steps through dlenv.step directly
         calls["n"] += 1
         if calls["n"] == 2:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
-        return real(parts, images, targets, weight, chunks, **k)
+        return real(parts, images, targets, weight, **k)
 
     monkeypatch.setattr(loop, "forward_backward", fb)
     out = run(tmp_path, batch_size="auto", max_steps=4)
     r = rows(out).iloc[-1]
-    assert r["oom_retries"] == 1 and r["accum_steps"] == 2 and out["step"] == 4  # the batch was redone
+    # re-planned at half the micro-batch from the last step: the same steps, the batch redone in halves
+    assert r["oom_retries"] == 1 and r["accum_steps"] == 2 and out["step"] == 4
 
 
 def test_monitor_and_diagnose_on_the_gpu():

@@ -261,7 +261,7 @@ def test_data_report_on_special_files(special_ds):
 
 
 def _decoders():
-    from dlenv.data import decode, gpudecode, report
+    from dlenv.data import decode, plan, report, sources
 
     return [
         ("load_rgb", decode.load_rgb),
@@ -270,8 +270,8 @@ def _decoders():
         ("decode_stored-pil", lambda p: decode.decode_stored(p, 32, "pil")),
         ("decode_stored-cv2", lambda p: decode.decode_stored(p, 32, "cv2")),
         ("decode_stored-tvio", lambda p: decode.decode_stored(p, 32, "tvio")),
-        ("nvjpeg-reader", gpudecode._read),
-        ("mean_pixels", lambda p: _raise_if(decode.mean_pixels([p]) != 0.0)),
+        ("nvjpeg-reader", sources._read),
+        ("mean_pixels", lambda p: _raise_if(plan.mean_pixels([p]) != 0.0)),
         ("report-quick", lambda p: _raise_if(report._quick_check(p)[1] is None)),
         ("report-decode", lambda p: _raise_if(report.decode_problem(p) is None)),
     ]
@@ -319,7 +319,8 @@ def test_every_decoder_refuses_a_special_file_without_blocking(tmp_path, kind, d
 @pytest.mark.parametrize("bad_images", ["skip", "error"])
 def test_a_fifo_swapped_in_after_the_scan_is_a_bad_image(tmp_path, workers, bad_images):
     """The classic loader with the FIFO among its samples (as after a race with the scan)."""
-    from dlenv.data.loaders import BadImageError, ImageDataset, build_transforms, make_loader
+    from dlenv.data.badimages import BadImageError
+    from dlenv.data.loaders import ImageDataset, build_transforms, make_loader
 
     make_image_folder(tmp_path / "ds", per_class=4)
     samples = [(str(p), 0) for p in sorted((tmp_path / "ds" / "cat").iterdir())]

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from usermodels import isolated_imports, one_line, write, write_project
 
-from dlenv import config, modelsource, usermodel
+from dlenv import config, modelsource, usermodel, values
 from dlenv.config import TrainConfig
 from dlenv.errors import UserError
 from dlenv.models import apply_checkpointing, build_model, find_blocks
@@ -81,10 +81,10 @@ def test_torchvision_names_are_not_references(name):
     (None, {}),
 ])
 def test_model_args_parse_to_python_values(given, expected):
-    got = usermodel.parse_model_args(given)
+    got = values.parse_model_args(given)
     assert got == expected and [type(v) for v in got.values()] == [type(v) for v in expected.values()]
     # the canonical text (config.yaml, checkpoints) parses back to the same values
-    assert usermodel.parse_model_args(usermodel.model_args_text(given)) == expected
+    assert values.parse_model_args(values.model_args_text(given)) == expected
 
 
 @pytest.mark.parametrize("given,match", [

@@ -24,7 +24,7 @@ from imagedata import make_train_val
 from test_checkpointing import _assert_same, _compare_plain_and_checkpointed, _train_step
 from usermodels import MODELS, RESNET, isolated_imports, write_project
 
-from dlenv import cli, compat, config, models, runstate, usermodel
+from dlenv import cli, compat, config, models, runstate, usermodel, values
 from dlenv import train as train_mod
 from dlenv.compress import export_main, prune_main
 from dlenv.config import ExportConfig, PruneConfig, TrainConfig, ValConfig
@@ -83,7 +83,7 @@ def test_each_model_trains_an_epoch_with_amp_and_checkpointing(project, monkeypa
     text = (run / "config.yaml").read_text()
     cfg = yaml.safe_load(text)
     assert cfg["model"] == ref and cfg["img_size"] == 16 and cfg["amp"] and cfg["checkpoint"]
-    assert cfg["model_args"] == (usermodel.model_args_text(model_args) if model_args else None)
+    assert cfg["model_args"] == (values.model_args_text(model_args) if model_args else None)
     assert f"# model_source: {{'ref': '{ref}', 'sha256': '" in text
     assert config.build(TrainConfig, run / "config.yaml").model == ref  # reusable with --cfg
     import hashlib

@@ -112,6 +112,22 @@ def load_weights_only(path: Any, map_location: Any = "cpu") -> Any:
     return torch.load(path, map_location=map_location, weights_only=True)
 
 
+#: a torch.device is a context manager that builds tensors there (PyTorch 2.0+)
+_DEVICE_CONTEXT = hasattr(torch.device("cpu"), "__enter__")
+
+
+def build_on_meta(build: Any) -> torch.nn.Module:
+    """`build()` on the meta device (shapes only: no memory, no random initialisation) where PyTorch can;
+    on 1.13, or for a model that refuses meta tensors, on the CPU. For reading a model's structure."""
+    if _DEVICE_CONTEXT:
+        try:
+            with torch.device("meta"):
+                return build()
+        except Exception:  # noqa: BLE001 (a factory that computes with its tensors: build it for real)
+            pass
+    return build()
+
+
 def compile_model(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
     """torch.compile(model) where it exists; raises RuntimeError on PyTorch 1.x."""
     if not HAS_COMPILE:

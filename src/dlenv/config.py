@@ -23,9 +23,7 @@ from typing import Any
 from dlenv.cfgfile import options_in
 from dlenv.errors import UserError
 from dlenv.predict_options import PredictConfig
-from dlenv.pretrained import parse_pretrained
 from dlenv.server_options import LabConfig, TensorboardConfig
-from dlenv.usermodel import model_args_text
 from dlenv.values import (  # noqa: F401 (BATCH_MAX, IMG_SIZE_MAX: config's bounds, as tests read them)
     BATCH_MAX,
     BATCH_WHY,
@@ -38,12 +36,14 @@ from dlenv.values import (  # noqa: F401 (BATCH_MAX, IMG_SIZE_MAX: config's boun
     folder_name,
     int_list,
     int_or_auto,
+    model_args_text,
     on_off_auto,
     opt,
     parse_bool,
     parse_float,
     parse_int,
     parse_option,
+    parse_pretrained,
     parse_str,
     ratio_or_auto,
     scale_range_or_auto,

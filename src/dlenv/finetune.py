@@ -29,6 +29,7 @@ from torch import nn
 
 from dlenv import pretrained
 from dlenv.errors import UserError
+from dlenv.weights import SAFE, LoadPolicy
 
 #: attribute of a model prepared for fine-tuning (read by `set_epoch` and `lr_scales`)
 _ATTR = "_dlenv_finetune"
@@ -52,7 +53,7 @@ class Plan:
     backbone_lr: float
     freeze_epochs: int
     fetch: bool                 # a fresh run starts from the weights; a resumed one loads its own state
-    trust_pickle: bool = False
+    load_policy: LoadPolicy = SAFE  # what --trust-pickle allows for the fetched file
 
     @classmethod
     def of(cls, cfg: Any, fresh: bool) -> Plan | None:
@@ -71,14 +72,14 @@ class Plan:
             raise UserError(f"--pretrained is for torchvision and timm models; --model {cfg.model} is your own: "
                             "load its weights with --weights FILE")
         return cls(pretrained.resolve(cfg.model, cfg.pretrained), float(cfg.backbone_lr), int(cfg.freeze_epochs),
-                   fresh, getattr(cfg, "trust_pickle", False) is True)
+                   fresh, LoadPolicy.of(cfg))
 
     def state(self) -> dict[str, Any] | None:
         """The weights' state dict for a fresh run (from the cache, downloaded there first if needed), else
         None."""
         if not self.fetch:
             return None
-        return pretrained.load_state(self.weights, pretrained.fetch(self.weights), self.trust_pickle)
+        return pretrained.load_state(self.weights, pretrained.fetch(self.weights), self.load_policy)
 
     def prepare(self, model: nn.Module, num_classes: int) -> Recipe:
         return prepare(model, self.weights, num_classes, self.backbone_lr, self.freeze_epochs)

@@ -79,12 +79,12 @@ def decide_precision(amp: bool, amp_dtype: str, device: Any,
 
     As `resolve_precision`, except that --amp on a CPU never makes the run slower: with --amp-dtype auto,
     `step_seconds(mode)` times this model's training step in fp32 and bf16, and bf16 is kept only where
-    it was faster. (Many CPUs emulate bfloat16, and autocast's casts then cost more than they save:
-    3x slower for ResNet-18 on a 2-core VM, docs/benchmarks.md.) --amp-dtype bf16 forces bf16.
+    it was faster. (Many CPUs emulate bfloat16, and autocast's casts then cost more than they save;
+    docs/training.md has the measurements.) --amp-dtype bf16 forces bf16.
 
     `cache` (`cpu_amp_cache()`): a file that keeps the verdict per CPU model, torch version, thread
-    count and `what` (the model and size step_seconds times), so the 2-6 s of timing happen once per
-    machine, not at every start. A cache that cannot be read, holds nonsense or cannot be written only
+    count and `what` (the model and size step_seconds times), so the timing happens once per machine,
+    not at every start. A cache that cannot be read, holds nonsense or cannot be written only
     means measuring again.
     """
     mode = resolve_precision(amp, amp_dtype, device)

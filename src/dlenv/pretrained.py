@@ -26,7 +26,7 @@ state dict the pickle allowlist passes (no consent needed, from any host or mirr
 prefix is a check against corruption, not against a forger); timm's are safetensors where the hub has
 them, which run no code.
 
-No torch or timm import at module level: dlenv.config imports `parse_pretrained` for --help.
+No torch or timm import at module level. The --pretrained value is parsed in dlenv.values.
 """
 
 from __future__ import annotations
@@ -40,10 +40,14 @@ import urllib.error
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dlenv import hubcache
 from dlenv.errors import UserError
+from dlenv.values import parse_pretrained
+
+if TYPE_CHECKING:  # weights imports torch: the annotation only
+    from dlenv import weights
 
 log = logging.getLogger(__name__)
 
@@ -55,27 +59,9 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 #: the resampling modes the input pipeline applies (torchvision's transforms and grid_sample both have them)
 INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
-_OFF = ("off", "none", "false", "no", "0")
-_DEFAULT = ("default", "true", "on", "yes", "1")
 _HASH = re.compile(r"-([a-f0-9]{8,64})\.")
 #: create_model arguments by which timm would fetch or read weights itself
 _TIMM_WEIGHTS_ARGS = ("pretrained", "pretrained_cfg", "pretrained_cfg_overlay", "checkpoint_path", "cache_dir")
-
-
-def parse_pretrained(value: Any) -> str | None:
-    """--pretrained's value: None (off), 'DEFAULT', or a weights name as typed. Raises ValueError."""
-    if value is None or value is False:
-        return None
-    if value is True:
-        return "DEFAULT"
-    s = str(value).strip()
-    if s.lower() in _OFF:
-        return None
-    if s.lower() in _DEFAULT:
-        return "DEFAULT"
-    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", s):
-        raise ValueError("a weights name is letters, digits, '_', '.' and '-' (e.g. IMAGENET1K_V2)")
-    return s
 
 
 def is_timm(name: Any) -> bool:
@@ -447,9 +433,10 @@ def _fetch_hub(w: Weights, progress: bool) -> Path:
 # Loading: through dlenv.weights' safe path
 
 
-def load_state(w: Weights, path: Path, trust_pickle: bool = False) -> dict[str, Any]:
+def load_state(w: Weights, path: Path, policy: weights.LoadPolicy | None = None) -> dict[str, Any]:
     """The state dict in the fetched file, read through dlenv.weights' checks like any --weights file
-    (`trust_pickle`: --trust-pickle as typed). Raises UserError for a refused or unreadable file."""
+    (`policy`: what --trust-pickle allows; None: the allowlist only). Raises UserError for a refused or
+    unreadable file."""
     from dlenv import weights
     from dlenv.errors import first_line
 
@@ -457,7 +444,7 @@ def load_state(w: Weights, path: Path, trust_pickle: bool = False) -> dict[str, 
         if weights.is_safetensors(path):
             obj = weights.read_safetensors(path)[0]
         else:
-            obj = weights.load(path, weights.LoadPolicy(trust_pickle=trust_pickle))
+            obj = weights.load(path, policy or weights.SAFE)
     except UserError:
         raise
     except Exception as e:  # the loader failed on these bytes although their checksum matched

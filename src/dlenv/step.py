@@ -49,36 +49,20 @@ class Parts:
                    None)
 
 
-def pieces(images: torch.Tensor, targets: torch.Tensor, chunks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The batch in `chunks` near-equal pieces of at least two samples each: BatchNorm in train mode
-    raises on a single sample (5 images in 4 chunks are 3 + 2, not 2 + 2 + 1)."""
-    k = max(1, min(chunks, images.shape[0] // 2))
-    return list(zip(images.tensor_split(k), targets.tensor_split(k), strict=True))
-
-
-def forward_backward(parts: Parts, images: torch.Tensor, targets: torch.Tensor, weight: float, chunks: int,
-                     sync: bool, monitor: MemoryMonitor | None = None) -> torch.Tensor:
-    """Forward and backward of one loader batch (in `chunks` pieces), gradients scaled by `weight`.
-
-    Returns the batch's loss (detached). `sync=False` skips the DDP gradient all-reduce (accumulation).
-    """
-    n = images.shape[0]
-    total = torch.zeros((), device=images.device)
-    split = pieces(images, targets, chunks)
-    for i, (x, y) in enumerate(split):
-        last = sync and i == len(split) - 1
-        with distributed.no_sync_context(parts.model, last):
-            with parts.precision.autocast():
-                loss = parts.criterion(parts.model(x), y)
-            if monitor is not None:
-                monitor.record_memory("forward")
-            share = x.shape[0] / n
-            scale = weight * share
-            parts.precision.backward(loss if scale == 1.0 else loss * scale)
+def forward_backward(parts: Parts, images: torch.Tensor, targets: torch.Tensor, weight: float, sync: bool,
+                     monitor: MemoryMonitor | None = None) -> torch.Tensor:
+    """Forward and backward of one micro-batch, its gradients scaled by `weight` (its share of the
+    accumulation window). Returns its loss (detached). `sync=False` skips the DDP gradient all-reduce
+    (accumulation)."""
+    with distributed.no_sync_context(parts.model, sync):
+        with parts.precision.autocast():
+            loss = parts.criterion(parts.model(images), targets)
         if monitor is not None:
-            monitor.record_memory("backward")
-        total = total + loss.detach().float() * share
-    return total
+            monitor.record_memory("forward")
+        parts.precision.backward(loss if weight == 1.0 else loss * weight)
+    if monitor is not None:
+        monitor.record_memory("backward")
+    return loss.detach().float()
 
 
 def optimizer_step(parts: Parts) -> bool:
@@ -97,5 +81,5 @@ def train_step(parts: Parts, images: torch.Tensor, targets: torch.Tensor,
                monitor: MemoryMonitor | None = None) -> tuple[torch.Tensor, bool]:
     """One optimizer step on one batch, the trainer's own (`forward_backward` then `optimizer_step`):
     (the batch's loss, detached; whether the optimizer stepped: False when fp16 skipped it)."""
-    loss = forward_backward(parts, images, targets, 1.0, 1, sync=True, monitor=monitor)
+    loss = forward_backward(parts, images, targets, 1.0, sync=True, monitor=monitor)
     return loss, optimizer_step(parts)

@@ -10,12 +10,51 @@ project's own tasks run with `invoke -r . TASK`. Every task is one call into
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
-from invoke import Collection, Task, task
+from invoke import Argument, Collection, Task, task
 from invoke.exceptions import Exit
 
 from dlenv import config, invocation
 from dlenv.cli import FULL_HELP, run_command, run_tests
+
+
+class NotGiven:
+    """A switch the user did not type: its place in a task's signature (invoke reads the switch's kind and
+    default from `default`) and its value when the command line leaves it out, so the task tells
+    `--channels-last` typed (True, which must beat `channels_last: false` in a --cfg file) from nothing."""
+
+    def __init__(self, default: bool):
+        self.default = default
+
+    def __repr__(self) -> str:
+        return f"NotGiven({self.default})"
+
+
+class _Switch(Argument):
+    """An invoke switch whose value is NotGiven until the command line sets it (True, or False by --no-X)."""
+
+    @property
+    def value(self) -> Any:
+        return self._value if self._value is not None else NotGiven(self.default)
+
+    @value.setter
+    def value(self, arg: Any) -> None:
+        self.set_value(arg, cast=True)
+
+
+class _OptionsTask(Task):
+    """A task whose switches say whether they were typed (invoke's own give their default either way)."""
+
+    def arg_opts(self, name: str, default: Any, taken_names: set[str]) -> dict[str, Any]:
+        return super().arg_opts(name, default.default if isinstance(default, NotGiven) else default, taken_names)
+
+    def get_arguments(self, *args: Any, **kwargs: Any) -> list[Argument]:
+        arguments = super().get_arguments(*args, **kwargs)
+        for a in arguments:
+            if a.kind is bool:
+                a.__class__ = _Switch  # the same fields; only `value` tells typed from not
+        return arguments
 
 
 def _make_task(cmd: config.Command) -> Task:
@@ -24,11 +63,9 @@ def _make_task(cmd: config.Command) -> Task:
 
     def body(c, **kwargs):
         yaml_file = kwargs.pop("cfg", None)
-        # invoke passes every parameter; keep only what the user gave (None / default bools are
-        # "not given"), so a YAML file's values are not overridden by defaults.
-        defaults = {f.name: f.default for f in fields}
-        given = {k: v for k, v in kwargs.items()
-                 if v is not None and not (isinstance(v, bool) and v == defaults.get(k))}
+        # keep only what the user typed (None: a value option left out; NotGiven: a switch left out), so
+        # a YAML file's values are overridden by flags, never by defaults
+        given = {k: v for k, v in kwargs.items() if v is not None and not isinstance(v, NotGiven)}
         # an optional-value flag given alone (`invoke train --compile`) arrives as True
         given.update({k: bare[k] for k, v in given.items() if k in bare and v is True})
         invocation.remember(cmd.name, "invoke")  # "Resume with: invoke train --resume ..."
@@ -40,10 +77,10 @@ def _make_task(cmd: config.Command) -> Task:
     helps, positional = {}, []
     for f in fields:
         is_bool = f.default is True or f.default is False
-        # Non-bool options default to None here so invoke treats them as strings and we can tell
-        # "given" from "default"; the real default is in the help text.
+        # Value options default to None here so invoke treats them as strings and we can tell "given" from
+        # "default" (the real default is in the help text); switches default to NotGiven for the same reason.
         params.append(inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                        default=f.default if is_bool else None))
+                                        default=NotGiven(f.default) if is_bool else None))
         shown = "" if is_bool or f.default is None else f" (default: {f.default})"
         helps[f.name] = f.metadata["help"] + shown
         if f.metadata["positional"]:
@@ -53,8 +90,8 @@ def _make_task(cmd: config.Command) -> Task:
     body.__signature__ = inspect.Signature(params)
     body.__name__ = cmd.name.replace("-", "_")
     body.__doc__ = cmd.help
-    return Task(body, name=cmd.name, help=helps, positional=positional, optional=list(bare),
-                auto_shortflags=False)
+    return _OptionsTask(body, name=cmd.name, help=helps, positional=positional, optional=list(bare),
+                        auto_shortflags=False)
 
 
 @task(help={"gpu": "only the GPU tests", "full": FULL_HELP, "args": "extra pytest arguments, quoted"},

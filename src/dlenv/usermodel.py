@@ -7,7 +7,7 @@ config.yaml and the run-state files, so val, prune and export rebuild it the sam
 
 Importing a file runs its code: a reference typed on the command line (--model) is the user's choice;
 when one read from a weights file is imported is dlenv.modelsource's rule.
-No torch import at module level (dlenv.config imports this).
+No torch import at module level. --model-args is parsed in dlenv.values.
 """
 
 from __future__ import annotations
@@ -26,13 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from dlenv.errors import UserError, first_line
+from dlenv.values import parse_model_args  # the --model-args value, as dlenv.config parses it
 
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"[A-Za-z_]\w*\Z")
 _MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\Z")
-# Given by dlenv itself: the data's class count, and --img-size to a factory that takes img_size.
-RESERVED = {"num_classes": "it comes from the data", "img_size": "pass --img-size instead"}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -81,74 +80,6 @@ def same_reference(a: Reference, b: Reference) -> bool:
     if a.is_file != b.is_file or a.factory != b.factory:
         return False
     return a.path() == b.path() if a.is_file else a.target == b.target
-
-
-def _value(raw: str) -> Any:
-    """'32' -> 32, '0.1' -> 0.1, 'true' -> True, 'none' -> None, "'32'" -> '32', 'gelu' -> 'gelu'."""
-    if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
-        return raw[1:-1]
-    low = raw.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    for number in (int, float):
-        try:
-            return number(raw)
-        except ValueError:
-            pass
-    return raw
-
-
-def parse_model_args(value: Any) -> dict[str, Any]:
-    """'width=32,drop=0.1,act=gelu' (or a mapping, from a YAML file) -> {'width': 32, 'drop': 0.1, ...}.
-
-    Values become int, float, bool (true/false), None (none) or str; quotes keep a string ('"32"').
-    Raises ValueError naming the bad item.
-    """
-    if value is None or value == "":
-        return {}
-    if isinstance(value, dict):
-        items = list(value.items())
-        for k, v in items:
-            if not isinstance(v, (int, float, str, bool, type(None))):
-                raise ValueError(f"{k}: {v!r} is not a number, string, true/false or none")
-    else:
-        items = []
-        for part in str(value).split(","):
-            if not part.strip():
-                continue
-            key, eq, raw = part.partition("=")
-            if not eq or not raw.strip():
-                raise ValueError(f"{part.strip()!r} is not key=value (e.g. width=32,drop=0.1)")
-            items.append((key.strip(), _value(raw.strip())))
-    out: dict[str, Any] = {}
-    for k, v in items:
-        if not isinstance(k, str) or not _NAME.match(k):
-            raise ValueError(f"{k!r} is not a keyword argument name")
-        if k in RESERVED:
-            raise ValueError(f"{k} is not a model argument: {RESERVED[k]}")
-        if k in out:
-            raise ValueError(f"{k} is given twice")
-        out[k] = v
-    return out
-
-
-def _text(v: Any) -> str:
-    if isinstance(v, bool) or v is None:
-        return {True: "true", False: "false", None: "none"}[v]
-    if isinstance(v, str):
-        if "," in v:
-            raise ValueError(f"{v!r}: a value cannot hold a comma")
-        return v if _value(v) == v and v.strip() == v else f"'{v}'"
-    return repr(v)
-
-
-def model_args_text(value: Any) -> str:
-    """The canonical 'k=v,...' form of --model-args (what config.yaml and checkpoints hold).
-
-    Raises ValueError for a malformed value (dlenv.config turns it into a one-line UserError)."""
-    return ",".join(f"{k}={_text(v)}" for k, v in parse_model_args(value).items())
 
 
 # ---------------------------------------------------------------------------------------------------

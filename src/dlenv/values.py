@@ -1,11 +1,14 @@
 """Option values from what users type (or a YAML file holds): each parser returns the typed value or
 raises ValueError with a short reason, which `dlenv.config` turns into one line naming the flag.
+--model-args and --pretrained are parsed here too, so that config sits below the modules that give
+them meaning (dlenv.usermodel, dlenv.pretrained).
 No torch here: `dlenv --help` and `invoke --list` import it.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import unicodedata
 from collections.abc import Callable
 from dataclasses import field
@@ -243,3 +246,99 @@ def trust_pickle() -> Any:
     return opt(False, "hand torch.load(weights_only=True) a .pth that holds more than tensors and plain data, "
                       "or a TorchScript file (dlenv's checkpoints and state dicts never need it; docs/weights.md); "
                       "only for files you trust. Command line only")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The values of --model-args and --pretrained (their meaning: dlenv.usermodel, dlenv.pretrained)
+
+_ARG_NAME = re.compile(r"[A-Za-z_]\w*\Z")
+#: given by dlenv itself: the data's class count, and --img-size to a factory that takes img_size
+RESERVED_MODEL_ARGS = {"num_classes": "it comes from the data", "img_size": "pass --img-size instead"}
+
+
+def _arg_value(raw: str) -> Any:
+    """'32' -> 32, '0.1' -> 0.1, 'true' -> True, 'none' -> None, "'32'" -> '32', 'gelu' -> 'gelu'."""
+    if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
+        return raw[1:-1]
+    low = raw.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for number in (int, float):
+        try:
+            return number(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def parse_model_args(value: Any) -> dict[str, Any]:
+    """'width=32,drop=0.1,act=gelu' (or a mapping, from a YAML file) -> {'width': 32, 'drop': 0.1, ...}.
+
+    Values become int, float, bool (true/false), None (none) or str; quotes keep a string ('"32"').
+    Raises ValueError naming the bad item.
+    """
+    if value is None or value == "":
+        return {}
+    if isinstance(value, dict):
+        items = list(value.items())
+        for k, v in items:
+            if not isinstance(v, (int, float, str, bool, type(None))):
+                raise ValueError(f"{k}: {v!r} is not a number, string, true/false or none")
+    else:
+        items = []
+        for part in str(value).split(","):
+            if not part.strip():
+                continue
+            key, eq, raw = part.partition("=")
+            if not eq or not raw.strip():
+                raise ValueError(f"{part.strip()!r} is not key=value (e.g. width=32,drop=0.1)")
+            items.append((key.strip(), _arg_value(raw.strip())))
+    out: dict[str, Any] = {}
+    for k, v in items:
+        if not isinstance(k, str) or not _ARG_NAME.match(k):
+            raise ValueError(f"{k!r} is not a keyword argument name")
+        if k in RESERVED_MODEL_ARGS:
+            raise ValueError(f"{k} is not a model argument: {RESERVED_MODEL_ARGS[k]}")
+        if k in out:
+            raise ValueError(f"{k} is given twice")
+        out[k] = v
+    return out
+
+
+def _arg_text(v: Any) -> str:
+    if isinstance(v, bool) or v is None:
+        return {True: "true", False: "false", None: "none"}[v]
+    if isinstance(v, str):
+        if "," in v:
+            raise ValueError(f"{v!r}: a value cannot hold a comma")
+        return v if _arg_value(v) == v and v.strip() == v else f"'{v}'"
+    return repr(v)
+
+
+def model_args_text(value: Any) -> str:
+    """The canonical 'k=v,...' form of --model-args (what config.yaml and checkpoints hold).
+
+    Raises ValueError for a malformed value (dlenv.config turns it into a one-line UserError)."""
+    return ",".join(f"{k}={_arg_text(v)}" for k, v in parse_model_args(value).items())
+
+
+_PRETRAINED_OFF = ("off", "none", "false", "no", "0")
+_PRETRAINED_DEFAULT = ("default", "true", "on", "yes", "1")
+
+
+def parse_pretrained(value: Any) -> str | None:
+    """--pretrained's value: None (off), 'DEFAULT', or a weights name as typed. Raises ValueError."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "DEFAULT"
+    s = str(value).strip()
+    if s.lower() in _PRETRAINED_OFF:
+        return None
+    if s.lower() in _PRETRAINED_DEFAULT:
+        return "DEFAULT"
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", s):
+        raise ValueError("a weights name is letters, digits, '_', '.' and '-' (e.g. IMAGENET1K_V2)")
+    return s

@@ -155,7 +155,9 @@ def main(cfg: Any) -> int:
     import torch
 
     from dlenv.cpus import usable_cpus
-    from dlenv.data import decode, pipeline
+    from dlenv.data import pipeline
+    from dlenv.data.decode import stored_size
+    from dlenv.data.plan import InputOptions, decide_cache_mode, engine_backends, prefer_engines, prefer_nvjpeg
     from dlenv.devices import resolve_device
     from dlenv.precision import DTYPES, resolve_precision
 
@@ -166,16 +168,15 @@ def main(cfg: Any) -> int:
     mode = resolve_precision(cfg.amp, "auto", device)
     fmt = torch.channels_last if device.type == "cuda" else torch.contiguous_format
     # what training would pick, with the workers it would get; the cache is measured on its own below
-    opts = pipeline.InputOptions.of(cfg)
-    plan = pipeline.decide(dataclasses.replace(opts, cache=False, workers="auto"), located, device, cfg.batch_size,
-                           cfg.img_size)
+    opts = InputOptions.of(cfg)
+    plan = dataclasses.replace(opts, cache=False, workers="auto").decide(located, device, cfg.batch_size, cfg.img_size)
     layout = located.layout
     # nvJPEG is measured wherever it could run (auto takes it with few workers only), once: it decodes
     # on the GPU whatever the worker count
-    nvjpeg = plan.decoder == "nvjpeg" or (plan.on_device and cfg.decoder == "auto" and decode.prefer_nvjpeg(
+    nvjpeg = plan.decoder == "nvjpeg" or (plan.on_device and cfg.decoder == "auto" and prefer_nvjpeg(
         [p for p, _ in layout.train], device, cfg.batch_size))
     # and so are the GPU's JPEG engines, where nvImageCodec finds them
-    engines = plan.decoder == "nvimgcodec" or (plan.on_device and cfg.decoder == "auto" and decode.prefer_engines(
+    engines = plan.decoder == "nvimgcodec" or (plan.on_device and cfg.decoder == "auto" and prefer_engines(
         [p for p, _ in layout.train], device, cfg.batch_size))
     train_only = type(layout)(layout.root, layout.classes, layout.train, [])
     cpus = usable_cpus()
@@ -201,9 +202,11 @@ def main(cfg: Any) -> int:
     if nvjpeg:
         rates["gpu-augment, nvjpeg"] = rate(w, on_device=True, decoder="nvjpeg")
     if engines:
-        rates["gpu-augment, nvimgcodec"] = rate(w, on_device=True, decoder="nvimgcodec")
-    if cfg.cache:
-        rates["cache"] = rate(w, on_device=True, cache=True)
+        rates["gpu-augment, nvimgcodec"] = rate(w, on_device=True, decoder="nvimgcodec",
+                                                gpu_backends=engine_backends(device))
+    if cfg.cache:  # kept where training would keep it (--cache-mode)
+        kept = decide_cache_mode(opts, 1, (layout.train,), stored_size(cfg.img_size))
+        rates["cache"] = rate(w, on_device=True, cache_mode=kept)
     model_rate = measure_model(cfg.model, len(located.classes), cfg.batch_size, cfg.img_size, device, mode,
                                cfg.batches)
     rows = [("what", "img/s", "x model")]

@@ -168,10 +168,11 @@ def main(cfg: Any) -> int:
     train_loader = None
     if cfg.finetune_epochs:
         from dlenv.data.loaders import build_loaders
+        from dlenv.data.plan import InputPlan
 
         layout = common.train_layout(src)
         seed = int((src.ckpt.get("config") or {}).get("seed", 0))
-        train_loader, _ = build_loaders(layout, src.img_size, cfg.batch_size, cfg.workers, seed=seed)
+        train_loader, _ = build_loaders(layout, InputPlan.classic(src.img_size, cfg.batch_size, cfg.workers, seed=seed))
 
     model = src.model
     kind = "channel (L2, conv layers)" if cfg.structured else "global L1 unstructured (conv + linear)"

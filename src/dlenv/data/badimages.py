@@ -1,9 +1,14 @@
-"""The unreadable images a run skips (`--bad-images skip`): said once each for the first few, then counted.
+"""The unreadable images of a dataset: the one rule every source of batches follows for them, the error that
+stops a run on one, and how the skipped ones are said (once each for the first few, then counted).
 
-A class folder of 30,000 empty files used to print 30,000 warning lines. Now the first SKIPPED_SHOWN
-are named with their reasons as they are met, the rest are counted, and a pass that skipped more ends
-with one line for all of them (`skipped_line`). Every source of batches (DataLoader workers, the
-decoded-image cache, the GPU decoders) records its skipped files through `note_skipped`.
+The rule (`first_readable`): a sample whose file cannot be decoded is replaced, image and label, by the next
+readable sample in dataset order, wrapping round, so a run is the same every time whichever source decodes
+(DataLoader workers, the decoded-image cache, the GPU decoders). `--bad-images error` stops at the first one
+instead, with `BadImageError`: one line naming the file.
+
+A class folder of 30,000 empty files used to print 30,000 warning lines. Now the first SKIPPED_SHOWN are
+named with their reasons as they are met, the rest are counted, and a pass that skipped more ends with one
+line for all of them (`skipped_line`). Every source records its skipped files through `note_skipped`.
 
 No torch here.
 """
@@ -11,13 +16,54 @@ No torch here.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from dlenv.errors import printable
+from dlenv.errors import UserError, printable
 
 log = logging.getLogger("dlenv.data")
 
 #: unreadable files named in the one line that says they are skipped
 SKIPPED_SHOWN = 3
+#: what BadImageError adds when a skipped file has no readable sample to stand in for it
+NONE_READABLE = "and no other image in the dataset decodes either"
+
+
+class BadImageError(UserError):
+    """An image failed to decode with bad_images='error' (or none decodes). str() is one line naming the file."""
+
+    def __init__(self, path: str, reason: str, hint: str = "fix or delete it, or train with --bad-images skip"):
+        self.path, self.reason, self.hint = path, reason, hint
+        super().__init__(f"image {path} could not be decoded ({reason}); {hint}")
+
+
+def bad_image_reason(e: BaseException) -> str:
+    """Why an image could not be read: its whole message on one line (the type's name if empty), for the
+    one log line and the BadImageError each bad file gets, on every path alike."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def first_readable(index: int, samples: Sequence[tuple[str, int]], load: Callable[[int], Any],
+                   known_bad: dict[int, str], bad_images: str) -> tuple[int, Any, list[int]]:
+    """(j, load(j), the bad indices met before it) for the first sample j of `index`, index + 1, ... (dataset
+    order, wrapping round) that `load` reads: the one rule for an unreadable image.
+
+    `known_bad` ({index: reason}) is read and extended, so a file is tried once. Raises BadImageError for the
+    first bad file met with bad_images 'error', and when no sample of the dataset is readable.
+    """
+    met: list[int] = []
+    n = len(samples)
+    for step in range(n):
+        i = (index + step) % n
+        if i not in known_bad:
+            try:
+                return i, load(i), met
+            except Exception as e:  # any decoder error: the file is what's wrong, not the code
+                known_bad[i] = bad_image_reason(e)
+        met.append(i)
+        if bad_images == "error":
+            raise BadImageError(samples[i][0], known_bad[i])
+    raise BadImageError(samples[met[0]][0], known_bad[met[0]], NONE_READABLE)
 
 
 def skipped_line(bad: dict[str, str]) -> str:

@@ -3,7 +3,7 @@
 Decoding JPEGs is what usually starves a fast GPU. With a cache every image is decoded once, to the
 stored form of `decode` (the whole frame as a size x size uint8 square, plus its width and height),
 and each batch afterwards is a copy out of one big array; cropping and flipping happen on the GPU
-(`gpu_aug`). 20,000 images at 224 px take 4 GB; ImageNet's 1.28 million take 255 GB (so: disk).
+(`gpu_aug`). A cache takes `nbytes`: 4 GB for 20,000 images at 224 px, 255 GB for ImageNet's 1.28 million.
 
 - ram: a NumPy array in this process, decoded at every start.
 - disk: a memory-mapped file under --cache-dir, written to a temporary name and renamed into place
@@ -12,8 +12,8 @@ and each batch afterwards is a copy out of one big array; cropping and flipping 
   files are data from disk too: their sizes, the .npy header's shape and dtype and the numbers in it
   are checked against the dataset before anything is mapped or loaded, and a mismatch is decoded
   again, in one line.
-- auto: an existing disk cache for the same data (rebuilt there if its files do not match), else ram
-  when it takes under half the available memory, else disk.
+Which of the two is the input plan's decision (dlenv.data.plan.decide_cache_mode); `on_disk` tells it
+whether a disk cache of the same data is already there.
 
 Decoding runs in threads: Pillow, OpenCV and torchvision release the GIL while decoding and resizing.
 """
@@ -37,9 +37,8 @@ from tokenize import TokenError
 import numpy as np
 
 from dlenv.atomic import write_atomic, write_bytes, write_file
-from dlenv.data.badimages import skipped_line
+from dlenv.data.badimages import bad_image_reason, first_readable, skipped_line
 from dlenv.data.decode import decode_stored
-from dlenv.data.loaders import BadImageError, bad_image_reason
 from dlenv.errors import UserError
 from dlenv.safeio import SMALL_FILE, open_regular, read_regular
 
@@ -52,8 +51,8 @@ _CHUNK = 32  # images per task handed to a decoding thread
 
 @dataclass
 class DecodedCache:
-    """A decoded dataset. `source[i]` is the row holding sample i's pixels: i itself, or for a file
-    that failed to decode (bad_images='skip') the next readable one, so a run stays deterministic."""
+    """A decoded dataset. `source[i]` is the row that stands for sample i, pixels and label: i itself, or
+    for a file that failed to decode (bad_images='skip') the one `badimages.first_readable` names."""
 
     images: np.ndarray          # (N, S, S, 3) uint8; an np.memmap for disk caches
     sizes: np.ndarray           # (N, 2) int32: decoded width, height
@@ -190,16 +189,13 @@ def _bad_rows(meta: dict, n: int) -> dict[int, str]:
     return {int(k): str(v) for k, v in listed.items() if str(k).isdigit() and int(k) < n}
 
 
-def choose_mode(mode: str, n: int, size: int, cache_dir: Path, key: str) -> str:
-    """'ram' or 'disk' for --cache-mode (see the module docstring for 'auto')."""
-    if mode in ("ram", "disk"):
-        return mode
-    if mode != "auto":
-        raise UserError(f"--cache-mode {mode!r} is not one of: auto, ram, disk")
-    meta, _, stale = _complete(cache_dir, key, n, size)
-    if meta is not None or stale is not None:  # a damaged one is rebuilt where it was, not left beside ram
-        return "disk"
-    return "ram" if nbytes(n, size) < available_memory() // 2 else "disk"
+def on_disk(samples: Sequence[tuple[str, int]], size: int, cache_dir: str | os.PathLike) -> bool:
+    """Whether `cache_dir` holds a disk cache of `samples` at `size` marked complete, matching or not (a
+    damaged one is rebuilt where it was, not left beside a ram cache). Reads only the small meta file."""
+    cache_dir = Path(cache_dir)
+    n = len(samples)
+    meta, _, stale = _complete(cache_dir, cache_key(samples, size), n, size)
+    return meta is not None or stale is not None
 
 
 def _fill(images: np.ndarray, sizes: np.ndarray, samples: Sequence[tuple[str, int]], size: int,
@@ -227,40 +223,33 @@ def _fill(images: np.ndarray, sizes: np.ndarray, samples: Sequence[tuple[str, in
 
 
 def _substitutes(bad: dict[int, str], samples: Sequence[tuple[str, int]], bad_images: str) -> np.ndarray:
-    """`source` rows: each bad index points at the next readable one. Raises BadImageError as asked."""
-    n = len(samples)
-    source = np.arange(n, dtype=np.int64)
-    if not bad:
-        return source
-    first = min(bad)
-    if bad_images == "error":
-        raise BadImageError(samples[first][0], bad[first])
-    if len(bad) == n:
-        raise BadImageError(samples[first][0], bad[first], "and no other image in the dataset decodes either")
+    """`source` rows: each bad index points at the sample `badimages.first_readable` names. Raises
+    BadImageError as asked."""
+    source = np.arange(len(samples), dtype=np.int64)
+    known = dict(bad)
     for i in sorted(bad):
-        j = (i + 1) % n
-        while j in bad:
-            j = (j + 1) % n
-        source[i] = j
+        source[i] = first_readable(i, samples, lambda j: j, known, bad_images)[0]
     return source
 
 
-def build_cache(samples: Sequence[tuple[str, int]], size: int, decoder: str = "pil", mode: str = "auto",
+def build_cache(samples: Sequence[tuple[str, int]], size: int, decoder: str = "pil", mode: str = "ram",
                 cache_dir: str | os.PathLike = ".dlenv-cache", workers: int = 1, bad_images: str = "skip",
                 say: Callable[[str], None] = print) -> DecodedCache:
-    """Decode `samples` once to size x size uint8 squares (or reuse a matching disk cache).
+    """Decode `samples` once to size x size uint8 squares in `mode` 'ram' or 'disk' (the input plan's; a
+    matching disk cache is reused).
 
-    Files that fail to decode are logged in one line and replaced by the next readable sample
-    (bad_images='skip'), or stop with BadImageError (bad_images='error'). Raises UserError when the
+    Files that fail to decode are logged in one line and replaced by the sample `badimages.first_readable`
+    names (bad_images='skip'), or stop with BadImageError (bad_images='error'). Raises UserError when the
     cache does not fit in memory (ram) or on disk (disk); nothing half-written is ever reused.
     """
     n = len(samples)
     if n == 0:
         raise UserError("--cache: the dataset has no images")
+    if mode not in ("ram", "disk"):
+        raise UserError(f"--cache-mode {mode!r} is not one of: ram, disk")
     cache_dir = Path(cache_dir)
     labels = np.asarray([int(y) for _, y in samples], dtype=np.int64)
     key = cache_key(samples, size)
-    mode = choose_mode(mode, n, size, cache_dir, key)
     need = nbytes(n, size)
     gib = need / 2**30
     t0 = time.perf_counter()

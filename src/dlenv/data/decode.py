@@ -1,12 +1,13 @@
-"""JPEG decoding backends, and the fixed-size "stored form" the fast input path works on.
+"""The CPU's JPEG decoders, and the fixed-size "stored form" the fast input path works on.
 
 Three CPU decoders give the same RGB image (within JPEG rounding): Pillow (`pil`, with JPEG draft
 mode: the decoder itself downscales by 2, 4 or 8 when the target is that much smaller), OpenCV
 (`cv2`, with IMREAD_REDUCED_* for the same reason) and torchvision.io (`tvio`, libjpeg-turbo through
-torch). JPEG decoding on the GPU works on whole batches and lives in `fastpath`: `nvimgcodec` on the
-GPU's hardware JPEG engines (`hwdecode`), `nvjpeg` on its SMs (torchvision.io). Files
-that are not JPEGs, and JPEGs a backend fails on, go through Pillow's `load_rgb`, which handles every
-colour mode and raises the real error for a broken file.
+torch). JPEG decoding on the GPU works on whole batches and lives in `sources`: `nvimgcodec` on the
+GPU's hardware JPEG engines (`hwdecode`), `nvjpeg` on its SMs (torchvision.io). Which decoder a run
+uses is the input plan's decision (`plan.resolve_decoder`). Files that are not JPEGs, and JPEGs a
+backend fails on, go through Pillow's `load_rgb`, which handles every colour mode and raises the real
+error for a broken file.
 
 The stored form: the whole frame resized ("squashed") to size x size uint8 RGB, height x width x 3,
 plus the decoded width and height. Every image of a dataset has the same shape, so batches are plain
@@ -20,19 +21,15 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
-import time
 import warnings
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from dlenv.errors import UserError
 from dlenv.safeio import IMAGE_FILE, open_regular
 
-#: CPU decoders, and the one 'auto' picks: measured fastest per core in scripts/bench_pipeline.py.
+#: the CPU decoders `decode_rgb` and `decode_stored` know
 CPU_DECODERS = ("pil", "cv2", "tvio")
-AUTO_DECODER = "pil"
 #: the stored square is this much larger than the training size, so crops are resampled, not stretched
 STORE_MARGIN = 1.15
 _JPEG_EXT = (".jpg", ".jpeg", ".jpe", ".jfif")
@@ -96,137 +93,6 @@ def upright(image: Any, orientation: int) -> Any:
     if orientation == 8:
         return torch.rot90(image, 1, (h, w))
     return image
-
-
-def resolve_decoder(name: str, paths: Sequence[str] = (), size: int = 258, gpu: Any = None,
-                    batch: int = 256, workers: int | None = None) -> str:
-    """'auto' -> 'nvimgcodec' where `prefer_engines(paths, gpu, batch, workers)`, else 'nvjpeg' where
-    `prefer_nvjpeg(paths, gpu, batch, workers)` (gpu: the CUDA device whose batches are augmented there;
-    workers: the DataLoader workers the CPU decoders would get), else the fastest CPU decoder on a few
-    of `paths` (`pick_decoder`; AUTO_DECODER without paths); a named one is checked to be importable.
-
-    'nvjpeg' and 'nvimgcodec' are returned as they are (`pipeline` checks the GPU). Raises UserError
-    for an unknown name or a missing library.
-    """
-    if name == "auto":
-        if gpu is not None and prefer_engines(paths, gpu, batch, workers):
-            return "nvimgcodec"
-        if gpu is not None and prefer_nvjpeg(paths, gpu, batch, workers):
-            return "nvjpeg"
-        return pick_decoder(paths, size) if paths else AUTO_DECODER
-    if name in GPU_DECODERS:
-        return name
-    if name not in CPU_DECODERS:
-        raise UserError(f"--decoder {name!r} is not one of: auto, {', '.join(CPU_DECODERS + GPU_DECODERS)}")
-    if name == "cv2":
-        try:
-            import cv2  # noqa: F401
-        except ImportError:
-            raise UserError("--decoder cv2: OpenCV is not installed (pip install opencv-python-headless); "
-                            "use --decoder pil") from None
-    return name
-
-
-#: decoders that decode whole batches on the GPU (dlenv.data.fastpath)
-GPU_DECODERS = ("nvjpeg", "nvimgcodec")
-#: bytes of GPU memory per decoded pixel while a GPU-decoded batch is squashed: the RGB image, its
-#: stacked copy and the float copy the antialiased resize works on (gpudecode._squash)
-NVJPEG_BYTES_PER_PIXEL = 18
-#: the share of the GPU's memory a decoded batch may take for 'auto' to decode on the GPU
-NVJPEG_MEMORY_SHARE = 0.05
-#: DataLoader workers from which the CPU decoders (with augmentation on the GPU) out-train nvJPEG
-NVJPEG_BELOW_WORKERS = 8
-
-
-def _gpu_decodable(paths: Sequence[str], device: Any, batch: int) -> bool:
-    """The files are JPEGs (a sample of 20), the device is CUDA, and a batch of them decoded at full
-    size takes under NVJPEG_MEMORY_SHARE of its memory (phone photos of 12 MP are ~0.6 GB each in
-    flight: the CPU decoders' reduced-size decoding then costs the GPU nothing)."""
-    import torch
-
-    sample = list(paths)[:: max(1, len(paths) // 20)][:20]
-    if torch.device(device).type != "cuda" or not sample or not all(is_jpeg(p) for p in sample):
-        return False
-    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
-    return batch * mean_pixels(sample) * NVJPEG_BYTES_PER_PIXEL < NVJPEG_MEMORY_SHARE * total
-
-
-def prefer_engines(paths: Sequence[str], device: Any, batch: int = 256, workers: int | None = None) -> bool:
-    """Whether 'auto' decodes on the GPU's hardware JPEG engines (nvImageCodec): the CPU decoders would
-    get fewer than NVJPEG_BELOW_WORKERS workers (`workers`; None: not considered), the files suit GPU
-    decoding (`_gpu_decodable`), nvImageCodec is installed, and its hardware backend decodes on this GPU.
-
-    The engines use neither CPU cores nor the SMs that train, but the thread that hands their batches
-    to the model shares the GIL with the training loop; measured on an H200 with ResNet-50 (docs/
-    input-pipeline.md), they out-train the CPU decoders at 4 cores (0.81x synthetic against 0.54-0.58x)
-    and lose to them from 8 (0.81x against 0.94-0.97x). Without engines (most GPUs outside the
-    A100/H100/H200 class) nvImageCodec would decode on the SMs like nvJPEG: the nvJPEG rule decides."""
-    from dlenv.data import hwdecode
-
-    if workers is not None and workers >= NVJPEG_BELOW_WORKERS:
-        return False
-    if not _gpu_decodable(paths, device, batch):
-        return False
-    return hwdecode.has_engines(device)  # last: it starts the library and decodes a test JPEG
-
-
-def prefer_nvjpeg(paths: Sequence[str], device: Any, batch: int = 256, workers: int | None = None) -> bool:
-    """Whether 'auto' decodes on the GPU's SMs with torchvision's nvJPEG: the CPU decoders would get
-    fewer than NVJPEG_BELOW_WORKERS workers (`workers`; None: not considered), the files suit GPU
-    decoding (`_gpu_decodable`), and torchvision decodes batches on this CUDA device (0.19+; one image
-    per call is slower than the CPU decoders).
-
-    nvJPEG decodes on the SMs the model trains on, so it only wins where CPU cores are scarce; the
-    thresholds come from scripts/bench_pipeline.py (the numbers: docs/benchmarks.md).
-    """
-    from dlenv import compat
-
-    if workers is not None and workers >= NVJPEG_BELOW_WORKERS:
-        return False
-    if not _gpu_decodable(paths, device, batch) or not compat.cuda_jpeg_batch_decode():
-        return False
-    return compat.cuda_jpeg_unavailable(device) is None  # last: it decodes a tiny JPEG on the GPU
-
-
-def mean_pixels(paths: Sequence[str]) -> float:
-    """Mean width x height of these images, from their headers (no decoding); unreadable ones skipped."""
-    from PIL import Image
-
-    sizes = []
-    for p in paths:
-        try:
-            with open_regular(p, "image", IMAGE_FILE) as f, Image.open(f) as im:
-                sizes.append(im.size[0] * im.size[1])
-        except Exception:  # a broken file is the loaders' business, not this estimate's
-            continue
-    return sum(sizes) / len(sizes) if sizes else 0.0
-
-
-def pick_decoder(paths: Sequence[str], size: int, files: int = 6, margin: float = 0.1) -> str:
-    """The CPU decoder that makes the stored form of a few of these JPEGs fastest, in this env.
-
-    Each available decoder decodes the same `files` files after one untimed warm-up (library loading).
-    AUTO_DECODER stays unless another is faster by more than `margin`: decoders tie on small images,
-    and the choice should not flicker with timing noise. Not JPEGs, or unreadable files: AUTO_DECODER.
-    """
-    sample = [str(p) for p in list(paths)[:: max(1, len(paths) // files)][:files] if is_jpeg(p)]
-    if len(sample) < 2:
-        return AUTO_DECODER
-    times: dict[str, float] = {}
-    for name in CPU_DECODERS:
-        try:
-            resolve_decoder(name)
-            decode_stored(sample[0], size, name)
-            t = time.perf_counter()
-            for path in sample:
-                decode_stored(path, size, name)
-            times[name] = time.perf_counter() - t
-        except Exception:  # a missing library or an odd file: that decoder is simply not a candidate
-            continue
-    if AUTO_DECODER not in times:
-        return min(times, key=times.get) if times else AUTO_DECODER
-    best = min(times, key=times.get)
-    return best if times[best] < (1 - margin) * times[AUTO_DECODER] else AUTO_DECODER
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ decoded there costs neither CPU cores nor the SMs the model trains on, which is 
 cores per GPU lacks (docs/input-pipeline.md has the numbers). nvImageCodec (PyPI:
 `nvidia-nvimgcodec-cu11`, `-cu12`, `-cu13`, matching torch's CUDA) drives the engines; on a GPU without
 them it falls back to nvJPEG's CUDA decoder on the SMs and then to the CPU, so 'auto' picks it only
-where `has_engines` finds the hardware backend decoding (`decode.resolve_decoder`).
+where `has_engines` finds the hardware backend decoding (`plan.resolve_decoder`), and the plan allows only
+the engines and the CPU there (`plan.engine_backends`).
 
 Three things here are not obvious:
 - The library prints errors about its optional JPEG 2000 and TIFF plug-ins at import when their

@@ -1,11 +1,12 @@
 """Images to batches on the CPU path: torchvision transforms in DataLoader workers, the dataset and its
-DataLoaders (`fastpath` is the device path).
+DataLoaders, and how many workers there are (`resolve_workers`, the one sizing rule). The device path
+(`fastpath`, `sources`) uses the dataset and the loaders too.
 
 Every image comes out as 3-channel 8-bit RGB whatever it was on disk (`decode.load_rgb`). A file that fails
 to decode is handled by `ImageDataset` and the loaders built here without ever showing a DataLoader
 worker traceback: the worker hands a small marker back with the batch, and the main process either
-logs the path once and carries on with a substitute sample (`bad_images="skip"`) or raises
-`BadImageError`, one line naming the file (`bad_images="error"`).
+logs the path once and carries on with the substitute `badimages.first_readable` names
+(`bad_images="skip"`) or raises `BadImageError`, one line naming the file (`bad_images="error"`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from dlenv.cpus import auto_workers, usable_cpus, workers_that_fit
-from dlenv.data.badimages import SKIPPED_SHOWN, note_skipped, skipped_line
+from dlenv.data.badimages import SKIPPED_SHOWN, BadImageError, first_readable, note_skipped, skipped_line
 from dlenv.data.decode import decode_rgb, load_rgb, stored_size
 from dlenv.data.sampler import lone_last
 from dlenv.errors import UserError
@@ -35,15 +36,6 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 #: batches each worker prepares ahead; also used to size the /dev/shm check.
 PREFETCH_FACTOR = 4
-
-
-class BadImageError(UserError):
-    """An image failed to decode with bad_images='error'. str() is one line naming the file."""
-
-    def __init__(self, path: str, reason: str,
-                 hint: str = "fix or delete it, or train with --bad-images skip"):
-        self.path, self.reason = path, reason
-        super().__init__(f"image {path} could not be decoded ({reason}); {hint}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -97,18 +89,12 @@ class _Flagged:
         return _Flagged(type(self.batch)(pinned), self.bad)
 
 
-def bad_image_reason(e: BaseException) -> str:
-    """Why an image could not be read: its whole message on one line (the type's name if empty), for the
-    one log line and the BadImageError each bad file gets, on the CPU path and the device path alike."""
-    return " ".join(str(e).split()) or type(e).__name__
-
-
 class ImageDataset(Dataset):
     """(path, label) samples -> (transform(load(path)), label); `load` is `load_rgb` unless given.
 
     bad_images="skip": a file that fails to decode is logged once per process with its path and the
-    next readable sample (in sample order, wrapping) is returned instead, so a run is deterministic.
-    bad_images="error": BadImageError names the file. Inside loaders from this module, both are
+    sample `badimages.first_readable` names is returned instead. bad_images="error": BadImageError names
+    the file. Inside loaders from this module, both are
     reported from the main process instead (once per path across all workers; no worker traceback).
     """
 
@@ -134,27 +120,13 @@ class ImageDataset(Dataset):
         return (self.transform(img) if self.transform is not None else img), label
 
     def __getitem__(self, index: int) -> Any:
-        bad: list[tuple[str, str]] = []
-        n = len(self.samples)
-        for step in range(n):
-            i = (index + step) % n
-            if i in self._known_bad:
-                bad.append((self.samples[i][0], self._known_bad[i]))
-                continue
-            try:
-                item = self._load(i)
-            except Exception as e:  # any decoder error; the file is what's wrong, not the code
-                self._known_bad[i] = bad_image_reason(e)
-                bad.append((self.samples[i][0], self._known_bad[i]))
-                if self.bad_images == "error":
-                    break
-                continue
-            if not bad:
-                return item
-            return self._substituted(item, bad)
-        if self.bad_images == "error":
-            return self._fail(*bad[0])
-        return self._fail(bad[0][0], bad[0][1], "and no other image in the dataset decodes either")
+        try:
+            _, item, met = first_readable(index, self.samples, self._load, self._known_bad, self.bad_images)
+        except BadImageError as e:
+            return self._fail(e.path, e.reason, e.hint)
+        if not met:
+            return item
+        return self._substituted(item, [(self.samples[i][0], self._known_bad[i]) for i in met])
 
     def _substituted(self, item: tuple, bad: list[tuple[str, str]]) -> Any:
         if not self.report_in_main:
@@ -402,48 +374,44 @@ def make_loader(dataset: ImageDataset, batch_size: int, workers: int, pin_memory
     return SafeLoader(dataset, num_workers=workers, pin_memory=pin_memory, **extra, **kwargs)
 
 
-def build_loaders(layout: Any, img_size: int, batch_size: int, workers: int | str, seed: int = 0,
-                  bad_images: str = "skip", train_sampler: Any = None, pin_memory: bool | None = None,
-                  drop_last: bool = False, train_scale: tuple[float, float] = (0.08, 1.0),
-                  train_ratio: tuple[float, float] = (3 / 4, 4 / 3), hflip: bool = True,
-                  decoder: str = "pil", norm: tuple[tuple, tuple] | None = None,
-                  interpolation: str = "bilinear") -> tuple[SafeLoader, SafeLoader | None]:
-    """(train_loader, val_loader) for a folder.Layout; val_loader is None when the layout has no val.
+def build_loaders(layout: Any, plan: Any, train_sampler: Any = None, pin_memory: bool | None = None,
+                  drop_last: bool = False) -> tuple[SafeLoader, SafeLoader | None]:
+    """(train_loader, val_loader) for a folder.Layout on the CPU path as `plan` (a dlenv.data.plan.InputPlan)
+    says: its size, batch, workers (a number), crops, flips, CPU decoder, normalization and resampling
+    (`build_transforms`); val_loader is None when the layout has no val.
 
-    Train shuffles with a generator seeded by `seed` unless `train_sampler` is given (then the
+    Train shuffles with a generator seeded by the plan's seed unless `train_sampler` is given (then the
     sampler decides the order); val keeps sample order. Memory is pinned when CUDA is available
     (pin_memory=None); workers persist across epochs. Each loader's `bad_paths` collects skipped files.
-    `decoder`: 'pil', 'cv2' or 'tvio' (dlenv.data.decode) for JPEGs; `norm` and `interpolation`: see
-    `build_transforms`.
     """
-    n = resolve_workers(workers, batch_size, img_size)
+    size, batch = plan.img_size, plan.batch_size
     gen = torch.Generator()
-    gen.manual_seed(seed)  # also seeds each worker's RNG, so augmentations repeat run to run
-    train_ds = ImageDataset(layout.train, build_transforms(img_size, True, train_scale, train_ratio, hflip, norm,
-                                                           interpolation), bad_images, _decode_fn(decoder, None))
+    gen.manual_seed(plan.seed)  # also seeds each worker's RNG, so augmentations repeat run to run
+    augment = build_transforms(size, True, plan.train_scale, plan.train_ratio, plan.hflip, plan.norm,
+                               plan.interpolation)
+    train_ds = ImageDataset(layout.train, augment, plan.bad_images, _decode_fn(plan.cpu_decoder, None))
     # no sampler: the loader leaves out a last batch of one (BatchNorm cannot train on it), as
     # ResumableSampler(batch_size=) does
-    drop_last = drop_last or (train_sampler is None and lone_last(len(train_ds), batch_size))
-    train = make_loader(train_ds, batch_size, n, pin_memory, True, shuffle=train_sampler is None,
+    drop_last = drop_last or (train_sampler is None and lone_last(len(train_ds), batch))
+    train = make_loader(train_ds, batch, plan.workers, pin_memory, True, shuffle=train_sampler is None,
                         sampler=train_sampler, generator=gen, drop_last=drop_last)
     if not layout.val:
         return train, None
-    val_ds = ImageDataset(layout.val, build_transforms(img_size, False, norm=norm, interpolation=interpolation),
-                          bad_images,
-                          _decode_fn(decoder, _eval_resize(img_size)))
-    val = make_loader(val_ds, batch_size, n, pin_memory, True, shuffle=False)
-    return train, val
+    val_ds = ImageDataset(layout.val, build_transforms(size, False, norm=plan.norm, interpolation=plan.interpolation),
+                          plan.bad_images, _decode_fn(plan.cpu_decoder, _eval_resize(size)))
+    return train, make_loader(val_ds, batch, plan.workers, pin_memory, True, shuffle=False)
 
 
 def build_eval_loader(samples: Sequence[tuple[str, int]], img_size: int, batch_size: int,
-                      workers: int | str, bad_images: str = "skip", decoder: str = "pil",
-                      norm: tuple[tuple, tuple] | None = None, interpolation: str = "bilinear") -> SafeLoader:
+                      workers: int | str, bad_images: str = "skip", norm: tuple[tuple, tuple] | None = None,
+                      interpolation: str = "bilinear") -> SafeLoader:
     """A loader over eval transforms in sample order, for one pass (the i-th prediction is the i-th
-    sample's). A skipped bad file's slot holds its substitute; `loader.bad_paths` lists those files
+    sample's), decoded by Pillow, with `workers` sized here (`resolve_workers`: val, predict and prune give
+    the option as is). A skipped bad file's slot holds its substitute; `loader.bad_paths` lists those files
     after the pass, so their predictions can be dropped."""
     n = resolve_workers(workers, batch_size, img_size)
     ds = ImageDataset(samples, build_transforms(img_size, False, norm=norm, interpolation=interpolation), bad_images,
-                      _decode_fn(decoder, _eval_resize(img_size)))
+                      _decode_fn("pil", _eval_resize(img_size)))
     return make_loader(ds, batch_size, n, None, False, shuffle=False)
 
 

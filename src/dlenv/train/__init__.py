@@ -4,7 +4,8 @@ This face only hands names on, and only when they are asked for: `from dlenv.tra
 (or dlenv.train.auto, .console) runs nothing else of the trainer.
 
     run.py      `train(cfg)` = plan -> parts -> fit; `main` (with --gpus N, torchrun)
-    plan.py     every setup decision once, with its reason: TrainPlan, ModelSpec
+    plan.py     every setup decision once, with its reason: TrainPlan, ModelSpec (builds nothing)
+    parts.py    the model, the data and the step's parts, built from the plan
     fit.py      the epochs: validate, results.csv, last.pth / best_model.pth, memory.md
     loop.py     the epoch: forward, backward and the optimizer step; validation
     auto.py     what the auto options become on this machine (--compile, --checkpoint-ratio, --batch-size)

@@ -1,10 +1,12 @@
 """What the trainer's `auto` options become on this machine: --compile, --checkpoint-ratio, --batch-size.
 
 Each decision returns the value it chose and one sentence that says why; the trainer records both in
-config.yaml, so a run says what it did and the next one can be told to do otherwise.
+config.yaml, so a run says what it did and the next one can be told to do otherwise. They measure
+(real training steps of the probe's model, on the GPU) but change nothing of the run: the model the
+run trains is built after them, from the plan (dlenv.train.parts).
 
 --compile auto compiles a CUDA run of PyTorch 2.x that plans at least COMPILE_MIN_BATCHES
-micro-batches per GPU. Compiling costs tens of seconds once, and then every step runs faster
+micro-batches per GPU. Compiling costs a while once, and then every step runs faster
 (docs/benchmarks.md has the measurement the threshold comes from). Below that many steps it would
 barely pay back, and a short run is usually a try, where starting at once matters
 more; on a CPU the generated code gains little and the compile takes longest; PyTorch 1.13 has no
@@ -44,7 +46,9 @@ class Decision(NamedTuple):
 @dataclass(frozen=True)
 class Probe:
     """What the auto probes train on this machine: the run's model built afresh (`build`, without
-    --weights), its classes and image size, the precision, the device and the memory format."""
+    --weights), its classes and image size, the precision, the device and the memory format; `resident`,
+    the bytes the run's input keeps on the device beside the model (--synthetic's batch), held while
+    probing so that they count."""
 
     name: str
     build: Callable[[], nn.Module]
@@ -53,6 +57,7 @@ class Probe:
     precision: str
     device: torch.device
     channels_last: bool
+    resident: int = 0
 
 
 def decide_compile(choice: str, device: torch.device, planned_batches: int) -> Decision:
@@ -81,25 +86,19 @@ def start_ratio(cfg: Any) -> float:
     return 1.0 if cfg.checkpoint_ratio == "auto" else float(cfg.checkpoint_ratio)
 
 
-def checkpoint_ratio(cfg: Any, model: nn.Module, probe: Probe, micro_batch: int,
+def checkpoint_ratio(cfg: Any, blocks: int, probe: Probe, micro_batch: int,
                      say: Callable[[str], None]) -> Decision | None:
-    """The fraction of blocks --checkpoint recomputes, and why; None without --checkpoint. `model` is
-    already checkpointed at the fraction chosen before the batch was known (all blocks for auto);
-    auto re-applies its answer to it and says it."""
-    from dlenv.models import find_blocks
-
+    """The fraction of the model's `blocks` repeated blocks --checkpoint recomputes, and why; None without
+    --checkpoint. Auto says its answer (`say`) for a model with blocks (one without was said already)."""
     if not cfg.checkpoint:
         return None
-    n = len(find_blocks(model))
-    ratio = _checkpoint_ratio(cfg, model, n, probe, micro_batch)
-    if cfg.checkpoint_ratio == "auto" and n:  # a model without blocks was already said so (plan.build_model)
+    ratio = _checkpoint_ratio(cfg, blocks, probe, micro_batch)
+    if cfg.checkpoint_ratio == "auto" and blocks:
         say(f"--checkpoint-ratio {ratio.why}")
     return ratio
 
 
-def _checkpoint_ratio(cfg: Any, model: nn.Module, n: int, probe: Probe, micro_batch: int) -> Decision:
-    from dlenv.models import apply_checkpointing
-
+def _checkpoint_ratio(cfg: Any, n: int, probe: Probe, micro_batch: int) -> Decision:
     if cfg.checkpoint_ratio != "auto":
         return Decision(float(cfg.checkpoint_ratio), f"--checkpoint-ratio {cfg.checkpoint_ratio:g}")
     if n == 0:
@@ -108,13 +107,13 @@ def _checkpoint_ratio(cfg: Any, model: nn.Module, n: int, probe: Probe, micro_ba
     if device.type == "cpu":
         from dlenv.precision import cpu_checkpoint_ratio
 
-        ratio = Decision(*cpu_checkpoint_ratio(n))
-        apply_checkpointing(model, ratio.value)
-        return ratio
+        return Decision(*cpu_checkpoint_ratio(n))
     if cfg.batch_size == "auto":
         return Decision(1.0, f"auto: all {n} blocks (--batch-size auto fills the GPU with every block checkpointed)")
     from dlenv.autobatch import fewest_checkpoint_blocks
 
+    # what the input keeps on the GPU during training (--synthetic's batch) is held while probing
+    held = torch.empty(probe.resident, dtype=torch.uint8, device=device) if probe.resident else None
     try:
         found = fewest_checkpoint_blocks(probe.build, probe.precision, probe.img_size, probe.num_classes, device,
                                          micro_batch, channels_last=probe.channels_last)
@@ -123,8 +122,9 @@ def _checkpoint_ratio(cfg: Any, model: nn.Module, n: int, probe: Probe, micro_ba
         if not compat.is_oom(e):
             raise
         found, blocks = None, n
+    finally:
+        del held
     k = int(distributed.agree(blocks, "max"))  # every rank recomputes the same blocks
-    apply_checkpointing(model, k / n)
     gpu = torch.cuda.get_device_name(device)
     if k == 0:
         why = f"auto: 0 of {n} blocks, batch {micro_batch} fits on {gpu} without recompute"
@@ -137,7 +137,8 @@ def _checkpoint_ratio(cfg: Any, model: nn.Module, n: int, probe: Probe, micro_ba
 
 
 def auto_batch(probe: Probe, checkpoint: float | bool, upper: int, say: Callable[[str], None]) -> int:
-    """The largest micro-batch whose real training steps fit on this GPU (dlenv.autobatch)."""
+    """The largest micro-batch whose real training steps fit on this GPU (dlenv.autobatch), made even (when
+    over 2) so that a CUDA out-of-memory error later in the run can halve it exactly (dlenv.train.fit)."""
     if probe.device.type != "cuda":
         raise UserError("--batch-size auto measures GPU memory and needs a CUDA device; "
                         "give a number, e.g. --batch-size 32")
@@ -149,6 +150,7 @@ def auto_batch(probe: Probe, checkpoint: float | bool, upper: int, say: Callable
         n = find_max_batch(trial, start=8, upper=upper, what=probe.name)
     finally:
         trial.close()
+    n -= n % 2 if n > 2 else 0
     say(f"--batch-size auto: {n} fits ({probe.precision}, checkpointing "
         f"{'on' if checkpoint else 'off'}, {probe.img_size} px)")
     return n

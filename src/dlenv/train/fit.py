@@ -5,12 +5,17 @@ Each epoch: the training part (dlenv.train.loop.train_one_epoch) from where the 
 validation, one results.csv row, last.pth (best_model.pth when the metric improved) and memory.md,
 all written by rank 0 only. The fixed objects of a run (plan, parts, data, run folder, memory
 monitor) sit in one `_Epochs`, so each epoch's functions take only what changes.
+
+CUDA out of memory under --batch-size auto (the loop's Replan, the state back at the last optimizer
+step) re-plans the run at half the micro-batch and twice the accumulation (`TrainPlan.halved`): the
+loaders are built again at the new batch and the epoch goes on from that step, as a resume would. The
+same images make each optimizer step, and config.yaml and every later save record the new split, so
+a --resume continues with it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,8 +30,8 @@ from dlenv.errors import EXIT_NONFINITE, EXIT_OOM, UserError
 from dlenv.step import Parts
 from dlenv.train import console, loop
 from dlenv.train import state as saved
-from dlenv.train.loop import NonFiniteLoss, TrainState
-from dlenv.train.plan import TrainPlan
+from dlenv.train.loop import NonFiniteLoss, Replan, TrainState
+from dlenv.train.plan import TrainPlan, per_rank
 
 
 @dataclass
@@ -50,19 +55,21 @@ class Run:
 
 
 def fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Data, run: Run,
-        say: Callable[[str], None], on_step: Callable[[TrainState], None] | None = None) -> dict[str, Any]:
+        say: Callable[[str], None], rebuild: Callable[[TrainPlan], pipeline.Data],
+        on_step: Callable[[TrainState], None] | None = None) -> dict[str, Any]:
     """Epochs until the plan's are done or a signal stops the run; returns the summary (see `train`).
 
     A stop saves last.pth at the step boundary the loop stopped at. Non-finite losses and CUDA out of
-    memory become one UserError each (exit 4 and 3) naming the last good checkpoint; a failed peer
-    becomes dlenv.distributed.PeerFailure.
+    memory become one UserError each (exit 4 and 3) naming the last good checkpoint (an OOM under
+    --batch-size auto re-plans instead, the data built again by `rebuild`, see the module doc); a
+    failed peer becomes dlenv.distributed.PeerFailure.
     """
     summary: dict[str, Any] = {"run_dir": str(run.dir) if run.dir else None, "status": "done", "exit_code": 0,
                                "precision": parts.precision.mode, "batch_size": state.micro_batch,
                                "accum_steps": state.accum_steps, "last": str(run.last) if run.last else None,
                                "best": str(run.best) if run.best else None, "img_per_s": None,
                                "peak_alloc_gib": None, "compile_s": 0.0}
-    epochs = _Epochs(decided, parts, data, run, memory.MemoryMonitor(parts.device), say)
+    epochs = _Epochs(decided, parts, data, run, memory.MemoryMonitor(parts.device), say, rebuild)
     epochs.eta, t_run = console.run_eta(decided.epochs, decided.batches_per_epoch, state.epoch, state.batch_in_epoch,
                                         data.val), time.perf_counter()
     # the handlers stay until the workers are shut down: a signal in that last moment is only noted
@@ -71,11 +78,15 @@ def fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Data
             while state.epoch < decided.epochs:
                 t_epoch = time.perf_counter()
                 stop.moment = "this optimizer step"
-                stats = epochs.train(state, stop, on_step)
+                try:
+                    stats = epochs.train(state, stop, on_step)
+                except Replan as e:
+                    epochs.replan(state, e)
+                    continue
                 if stats.interrupted:
                     if run.is_main:
                         stop.moment = "this save"
-                        saved.save_last(parts, state, data.sampler, run.meta, run.last)
+                        saved.save_last(parts, state, epochs.data.sampler, run.meta, run.last)
                     return _stopped(summary, stop.signum, run.last, say)
                 row = epochs.end(state, stats, t_epoch, stop)
                 summary["compile_s"] = summary["compile_s"] + stats.compile_s
@@ -95,11 +106,11 @@ def fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Data
         finally:
             if run.tb is not None:
                 run.tb.close()
-            _close_loaders(data)
+            _close_loaders(epochs.data)
     best = run.best if run.best is not None and run.best.is_file() else None
     summary.update(epochs=state.epoch, step=state.step, best_metric=state.best_metric,
                    best=str(best) if best else None)
-    say(console.done_line(state.epoch, time.perf_counter() - t_run, "top-1" if data.val is not None else "-loss",
+    say(console.done_line(state.epoch, time.perf_counter() - t_run, "top-1" if epochs.data.val is not None else "-loss",
                           state.best_metric, best, run.dir))
     return summary
 
@@ -129,6 +140,7 @@ class _Epochs:
     run: Run
     monitor: memory.MemoryMonitor
     say: Callable[[str], None]
+    rebuild: Callable[[TrainPlan], pipeline.Data]  # the data for another plan of this run (`replan`)
     eta: Any = None                 # progress.RunEta: the time left in the whole run
 
     def train(self, state: TrainState, stop: console.Stop,
@@ -144,9 +156,10 @@ class _Epochs:
             torch.cuda.reset_peak_memory_stats(parts.device)
         progress = console.Progress(total, state.batch_in_epoch, f"epoch {state.epoch + 1}/{self.plan.epochs}",
                                     self.run.is_main, run_eta=self.eta, world=self.plan.world_size)
-        rescue = loop.Rescue(parts, state, progress, self.say, retry_oom=self.plan.oom_retry)
+        rescue = loop.Rescue(parts, state, progress, self.say, retry_oom=self.plan.halves)
         try:
-            return loop.train_one_epoch(parts, batches, state, total, stop, progress, self.monitor, rescue, on_step)
+            return loop.train_one_epoch(parts, state, loop.Epoch(batches, total, stop, progress, self.monitor, on_step),
+                                        rescue)
         finally:
             progress.close()
 
@@ -177,8 +190,8 @@ class _Epochs:
                "img_per_s": stats.images * world / max(stats.seconds, 1e-9),
                "data_wait": stats.data_wait / max(stats.seconds, 1e-9),
                "epoch_s": time.perf_counter() - t_epoch, "mem_alloc_gib": peak_alloc,
-               "mem_reserved_gib": peak_reserved, "batch_size": math.ceil(state.micro_batch / state.chunks),
-               "accum_steps": state.accum_steps * state.chunks, "oom_retries": state.oom_retries}
+               "mem_reserved_gib": peak_reserved, "batch_size": state.micro_batch,
+               "accum_steps": state.accum_steps, "oom_retries": state.oom_retries}
         stop.moment = "this epoch's save"
         if run.is_main:
             results.append_row(run.dir / "results.csv", row)
@@ -201,6 +214,28 @@ class _Epochs:
                 run.advised = True
         return row
 
+    def replan(self, state: TrainState, oom: Replan) -> None:
+        """Go on from the last optimizer step (where `state` is) at half the micro-batch and twice the
+        accumulation: the plan, the loaders, the counters, config.yaml and what later saves record."""
+        before = self.plan
+        self.plan = before.halved(per_rank(before.data, before.micro_batch // 2))  # one GPU: rank 0 of 1
+        _close_loaders(self.data)
+        self.data = self.rebuild(self.plan)
+        state.micro_batch, state.accum_steps = self.plan.micro_batch, self.plan.accum_steps
+        state.batch_in_epoch *= 2  # the same images in batches of half the size
+        state.oom_retries += 1
+        self.eta = console.run_eta(self.plan.epochs, self.plan.batches_per_epoch, state.epoch, state.batch_in_epoch,
+                                   self.data.val)
+        options = self.plan.options()
+        options["name"] = self.run.meta["config"].get("name", options["name"])  # the folder it got
+        self.run.meta["config"] = options
+        if self.run.is_main:
+            saved.write_config_yaml(self.run.dir / "config.yaml", self.run.meta["config"],
+                                    self.plan.notes(self.parts.device))
+        again = f"; {oom.dropped} micro-batch(es) of the window are trained again" if oom.dropped else ""
+        self.say(f"CUDA out of memory ({oom.reason}): continuing from the last optimizer step with micro-batch "
+                 f"{self.plan.micro_batch} x {self.plan.accum_steps} accumulation (same images per step){again}")
+
     def write_memory_report(self) -> None:
         """memory.md in the run folder (GPU runs): memory per phase of the step, and the allocator's state."""
         if self.run.is_main and self.monitor.enabled:
@@ -217,6 +252,6 @@ class _Epochs:
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
         card = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else 0.0
         self.write_memory_report()
-        return memory.oom_message(math.ceil(state.micro_batch / state.chunks), state.accum_steps * state.chunks,
-                                  peak, card, amp=self.parts.precision.mode != "fp32",
+        return memory.oom_message(state.micro_batch, state.accum_steps, peak, card,
+                                  amp=self.parts.precision.mode != "fp32",
                                   checkpoint=self.plan.checkpoint_ratio is not None)

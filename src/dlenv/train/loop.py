@@ -9,17 +9,17 @@ The loop reads the GPU's numbers (loss, finiteness) only every CHECK_EVERY micro
 stays ahead of the GPU as in a plain loop.
 
 The machinery around the step lives in named helpers: `_Tally` (the running numbers and their
-checks), `_Window` (the accumulation window), `Rescue` (the rare paths: the OOM retry of
---batch-size auto, and the fall back to eager mode when torch.compile fails), `_CompileWatch` (the
-time of a step that compiled, taken out of img/s; only looked at for a batch shape not seen yet) and
-the stop signal, which is only looked at after an optimizer step: a stop saves the state of a step
-boundary as it is, so nothing has to be rolled back and a resume continues bit for bit.
+checks), `_Window` (the accumulation window), `Rescue` (the rare paths: CUDA out of memory under
+--batch-size auto, handed up as `Replan` from the last optimizer step, and the fall back to eager
+mode when torch.compile fails), `_CompileWatch` (the time of a step that compiled, taken out of
+img/s; only looked at for a batch shape not seen yet) and the stop signal, which is only looked at
+after an optimizer step: a stop saves the state of a step boundary as it is, so nothing has to be
+rolled back and a resume continues bit for bit.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -42,11 +42,8 @@ CHECK_EVERY = 10
 
 @dataclass
 class TrainState:
-    """Counters of a run. `micro_batch` x `accum_steps` images per optimizer step per GPU.
-
-    A loader batch of `micro_batch` images is split into `chunks` pieces (1 unless an OOM was
-    retried), so the micro-batch that meets the GPU is micro_batch / chunks.
-    """
+    """Counters of a run. `micro_batch` x `accum_steps` images per optimizer step per GPU (an OOM retry
+    re-plans both: half the micro-batch, twice the accumulation)."""
 
     micro_batch: int
     accum_steps: int
@@ -56,17 +53,25 @@ class TrainState:
     position: int = 0           # samples of the current epoch trained on (the sampler position)
     best_metric: float | None = None
     best_epoch: int | None = None   # the epoch whose end set best_metric (best_model.pth's weights)
-    chunks: int = 1
-    oom_retries: int = 0
+    oom_retries: int = 0        # re-plans at half the micro-batch after CUDA out of memory
     skipped_run: int = 0        # consecutive skipped (fp16 overflow) optimizer steps
 
     def saved(self) -> dict[str, int]:
-        return {"micro_batch": self.micro_batch, "accum_steps": self.accum_steps, "chunks": self.chunks,
-                "oom_retries": self.oom_retries}
+        return {"micro_batch": self.micro_batch, "accum_steps": self.accum_steps, "oom_retries": self.oom_retries}
 
 
 class NonFiniteLoss(Exception):
     """A run of non-finite losses or skipped steps; the trainer turns it into exit 4."""
+
+
+class Replan(Exception):
+    """CUDA out of memory under --batch-size auto: the state is back at the last optimizer step, for the
+    trainer to go on from there at half the micro-batch (dlenv.train.fit). `dropped`: the micro-batches of
+    the window that are trained again."""
+
+    def __init__(self, reason: str, dropped: int):
+        super().__init__(reason)
+        self.reason, self.dropped = reason, dropped
 
 
 @dataclass
@@ -83,17 +88,30 @@ class EpochStats:
 # The epoch.
 
 
-def train_one_epoch(parts: Parts, batches: Iterator, state: TrainState, total: int, stop: Any, progress: Any,
-                    monitor: MemoryMonitor, rescue: Rescue,
-                    on_step: Callable[[TrainState], None] | None = None) -> EpochStats:
-    """Train on `batches` until `total` loader batches of this epoch are done, or a stop signal.
+@dataclass
+class Epoch:
+    """What one epoch's training goes over and reports to: its batches (until `total` of the epoch's are
+    done), the stop signal, the progress line, the memory monitor, and a hook after each optimizer step."""
+
+    batches: Iterator
+    total: int
+    stop: Any
+    progress: Any
+    monitor: MemoryMonitor
+    on_step: Callable[[TrainState], None] | None = None
+
+
+def train_one_epoch(parts: Parts, state: TrainState, epoch: Epoch, rescue: Rescue) -> EpochStats:
+    """Train on `epoch.batches` until `epoch.total` loader batches of this epoch are done, or a stop signal.
 
     Updates `state` in place. A stop (`stop.requested()`) is honoured after an optimizer step only,
     so the state it leaves is a step boundary's. Raises NonFiniteLoss for a run of non-finite losses
-    or skipped steps; CUDA out-of-memory and compile errors propagate unless `rescue` takes them.
+    or skipped steps, and Replan for an out-of-memory error `rescue` takes (the state then back at the
+    last optimizer step); other out-of-memory and compile errors propagate unless `rescue` takes them.
     """
+    batches, total, stop, monitor = epoch.batches, epoch.total, epoch.stop, epoch.monitor
     parts.model.train()
-    tally = _Tally(parts.device, monitor, progress)
+    tally = _Tally(parts.device, monitor, epoch.progress)
     window = _Window()
     watch = _CompileWatch(parts, tally)
     interrupted = False
@@ -107,19 +125,19 @@ def train_one_epoch(parts: Parts, batches: Iterator, state: TrainState, total: i
         n = images.shape[0]
         window.open(state, total)
         record = monitor if state.batch_in_epoch % CHECK_EVERY == 0 else None
-        # forward and backward of loss / window size (in state.chunks pieces); a rescued failure redoes it
-        # (the lambda runs within this iteration, so its batch is this one's)
-        with watch(images.shape, state.chunks):
+        # forward and backward of loss / window size; a failed compile is redone eagerly (the lambda runs
+        # within this iteration, so its batch is this one's)
+        with watch(images.shape):
             loss = rescue.run(lambda: forward_backward(parts, images, targets, 1.0 / window.size,  # noqa: B023
-                                                       state.chunks, sync=window.closing, monitor=record),  # noqa: B023
-                              n, window, total)
+                                                       sync=window.closing, monitor=record),  # noqa: B023
+                              window, total)
         tally.add(loss, n)
         state.batch_in_epoch += 1
         state.position += n
         # the optimizer step, at the end of the accumulation window
-        stepped = window.close_one()
+        stepped = window.close_one(n)
         if stepped:
-            _step(parts, state, record, on_step)
+            _step(parts, state, record, epoch.on_step)
         if tally.due(state.batch_in_epoch, total):
             tally.check(state, total)  # reads the loss from the GPU; raises NonFiniteLoss
         if stepped and stop.requested(check_peers=tally.take_vote()):
@@ -143,7 +161,7 @@ class _Window:
     """Where the loop is in the current accumulation window (the last one of an epoch may be short)."""
 
     def __init__(self):
-        self.size, self.done = 1, 0
+        self.size, self.done, self.images = 1, 0, 0
 
     def open(self, state: TrainState, total: int) -> None:
         """At a window's first micro-batch: its size. Its loss is averaged over the batches it has."""
@@ -157,14 +175,24 @@ class _Window:
 
     def restart(self, state: TrainState, total: int) -> None:
         """Start the window again at the current batch (its earlier micro-batches' gradients are gone)."""
-        self.done, self.size = 0, min(state.accum_steps, total - state.batch_in_epoch)
+        self.done, self.images, self.size = 0, 0, min(state.accum_steps, total - state.batch_in_epoch)
 
-    def close_one(self) -> bool:
-        """Count a micro-batch done; True when that ended the window (time for the optimizer step)."""
+    def rewind(self, state: TrainState) -> int:
+        """Put `state` back at the window's start, the last optimizer step; returns the micro-batches undone."""
+        done = self.done
+        state.batch_in_epoch -= done
+        state.position -= self.images
+        self.done, self.images = 0, 0
+        return done
+
+    def close_one(self, images: int) -> bool:
+        """Count a micro-batch of `images` done; True when that ended the window (time for the optimizer
+        step)."""
         self.done += 1
+        self.images += images
         if self.done < self.size:
             return False
-        self.done = 0
+        self.done, self.images = 0, 0
         return True
 
 
@@ -245,18 +273,19 @@ class _Tally:
 
 class _CompileWatch:
     """Takes the time of a micro-batch in which torch.compile compiled a graph out of the speed. A graph
-    is compiled at the first call and again for a new input shape (the short last batch, a batch split
-    after an OOM), so only a shape this epoch has not seen yet is watched; the rest pass untouched."""
+    is compiled at the first call and again for a new input shape (the short last batch, the smaller
+    micro-batch after an OOM), so only a shape this epoch has not seen yet is watched; the rest pass
+    untouched."""
 
     _nothing = contextlib.nullcontext()
 
     def __init__(self, parts: Parts, tally: _Tally):
         self.parts, self.tally, self.seen = parts, tally, set()
 
-    def __call__(self, shape: torch.Size, chunks: int) -> Any:
-        if self.parts.eager is None or (shape, chunks) in self.seen:
+    def __call__(self, shape: torch.Size) -> Any:
+        if self.parts.eager is None or shape in self.seen:
             return self._nothing
-        self.seen.add((shape, chunks))
+        self.seen.add(shape)
         return self._timed(shape[0])
 
     @contextlib.contextmanager
@@ -270,45 +299,39 @@ class _CompileWatch:
 class Rescue:
     """What a batch's failed forward and backward can be rescued from; anything else propagates.
 
-    With `retry_oom` (--batch-size auto on one GPU), a CUDA out-of-memory error splits every batch into
-    twice as many micro-batches. When torch.compile fails (it compiles at the first call, and again for
-    a new shape), the run says why in one line and goes on with the eager model. Either way the window
-    starts again at this batch: the gradients of its earlier micro-batches are dropped (a failed
-    backward leaves them partial). Only the main process says so (`say`).
+    With `retry_oom` (--batch-size auto on one GPU, a micro-batch that halves), a CUDA out-of-memory error
+    puts the state back at the last optimizer step and raises Replan: the trainer goes on from there at
+    half the micro-batch with twice the accumulation, the same images per step. When torch.compile fails
+    (it compiles at the first call, and again for a new shape), the run says why in one line and goes on
+    with the eager model, the window starting again at this batch: the gradients of its earlier
+    micro-batches are dropped (a failed backward leaves them partial). Only the main process says so (`say`).
     """
 
     def __init__(self, parts: Parts, state: TrainState, progress: Any, say: Callable[[str], None],
                  retry_oom: bool = False):
         self.parts, self.state, self.progress, self.say, self.retry_oom = parts, state, progress, say, retry_oom
 
-    def run(self, forward_backward: Callable[[], torch.Tensor], batch: int, window: _Window,
-            total: int) -> torch.Tensor:
-        """`forward_backward()` of a batch of `batch` images, redone after each rescued failure."""
+    def run(self, forward_backward: Callable[[], torch.Tensor], window: _Window, total: int) -> torch.Tensor:
+        """`forward_backward()` of a batch, redone eagerly after a failed compile."""
         parts, state = self.parts, self.state
         while True:
             try:
                 return forward_backward()
             except Exception as e:
-                oom = self.retry_oom and compat.is_oom(e) and state.chunks * 2 <= batch
+                oom = self.retry_oom and compat.is_oom(e)
                 failed_compile = parts.eager is not None and not compat.is_oom(e) and compat.is_compile_error(e)
                 if not (oom or failed_compile):
                     raise
                 reason = first_line(compat.cause_chain(e)[-1])  # the root: compile wraps a backend's error
             # here, outside the except block, the failed step's tensors are already freed
             parts.optimizer.zero_grad(set_to_none=True)
-            dropped = f"; {window.done} micro-batch(es) of this window are skipped" if window.done else ""
             self.progress.update(state.batch_in_epoch, float("nan"), 0.0, 0.0)
-            if failed_compile:
-                parts.model, parts.eager = parts.eager, None
-                self.say(f"--compile: torch.compile failed ({reason}); training eagerly from here{dropped}")
-            else:
-                torch.cuda.empty_cache()  # give the fragments of the failed step back before the smaller retry
-                state.chunks *= 2
-                state.oom_retries += 1
-                micro = math.ceil(state.micro_batch / state.chunks)
-                accum = state.accum_steps * state.chunks
-                self.say(f"CUDA out of memory: continuing with micro-batch {micro} x {accum} "
-                         f"accumulation (same images per step){dropped}")
+            if oom:
+                torch.cuda.empty_cache()  # give the fragments of the failed step back before the smaller plan
+                raise Replan(reason, window.rewind(state))
+            dropped = f"; {window.done} micro-batch(es) of this window are skipped" if window.done else ""
+            parts.model, parts.eager = parts.eager, None
+            self.say(f"--compile: torch.compile failed ({reason}); training eagerly from here{dropped}")
             window.restart(state, total)
 
 

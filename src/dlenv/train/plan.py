@@ -1,20 +1,24 @@
-"""The trainer's setup as a plan: every decision made once, each with the sentence that says why.
+"""The trainer's plan: every setup decision of a run made once, each with the sentence that says why.
 
-    setup = plan.resolve(cfg, resume, dist, device, say)   # TrainPlan, and the model and data it measured
-    parts = run.build_parts(setup.plan, setup.model, ...)  # optimizer, schedule, DDP, EMA, compile
-    fit(...)                                               # the epochs
+    decided = plan.decide(cfg, resume, dist, device)   # a frozen TrainPlan: plain values and reasons
+    model, data, parts = dlenv.train.parts ...         # built from the plan, nothing decided there
+    fit(decided, parts, ...)                           # the epochs
 
-As data/pipeline.py does for the input, `resolve` turns the options into plain values, in the order
-each needs the last: the precision; the model (`ModelSpec`: name, the factory's arguments, the image
-size, where it came from); the memory format; the batch split (micro-batch x accumulation, measured
-for --batch-size auto); the input plan and the loaders; the checkpoint ratio (measured with the data
-on the GPU); whether to compile (it needs the run's length); the optimizer. Three of these can only
-be decided by building or measuring something (the memory format asks the built model whether it is
-convolutional; --checkpoint-ratio auto probes with the data's memory in use), so `resolve` hands
-back the model and the data it built along with the plan. Everything after reads the plan:
-config.yaml records it (`options`, `notes`), the start line prints it, the parts are built from it.
+As data/plan.py does for the input, `decide` turns the options into plain values, in the order
+each needs the last: what the options left to auto become (the demo's CPU recipe); the data's place
+and classes; the model (`ModelSpec`: name, the factory's arguments, the image size, where it came
+from); the precision; the memory format; the batch split (micro-batch x accumulation, measured for
+--batch-size auto); the input plan; the checkpoint ratio; whether to compile (it needs the run's
+length); the optimizer, the schedule and the step's options. It builds nothing the run uses and
+prints nothing: the lines a user should see are the plan's `said`, printed by the trainer.
 
-A new decision is a field of `TrainPlan` holding an `auto.Decision` (value, why), made in `resolve`
+What it reads and measures, and only when an option asks: the data folder's listing (and image
+headers for --img-size auto and the CPU recipe); the model's structure for --checkpoint and for
+channels_last on a GPU (a copy built without weights, on PyTorch's meta device where it has one);
+real training steps for --batch-size auto and --checkpoint-ratio auto on a GPU and for --amp on a
+CPU (kept per machine, dlenv.precision). The run's random streams are left as the seed set them.
+
+A new decision is a field of `TrainPlan` holding an `auto.Decision` (value, why), made in `decide`
 and written to config.yaml by `notes` as `<name>_rule`.
 """
 
@@ -29,11 +33,13 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from dlenv import autobatch, compat, config, distributed, finetune, usermodel, weights
+from dlenv import autobatch, compat, config, distributed, finetune, usermodel
 from dlenv.config import TrainConfig
 from dlenv.data import pipeline
+from dlenv.data.demo import train_defaults
 from dlenv.train import auto
 from dlenv.train.auto import Decision
+from dlenv.weights import SAFE, LoadPolicy
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,7 @@ class ModelSpec:
     provenance: dict[str, Any] | None
     weights: str | None = None
     pretrained: finetune.Plan | None = None  # --pretrained: the weights and the fine-tuning recipe
-    load_policy: Any = None         # what --trust-pickle allows for --weights (dlenv.weights.LoadPolicy)
+    load_policy: LoadPolicy = SAFE  # what --trust-pickle allows for --weights
 
     @classmethod
     def resolve(cls, cfg: TrainConfig, located: pipeline.Located, fresh: bool) -> ModelSpec:
@@ -59,7 +65,7 @@ class ModelSpec:
         size = _img_size(cfg.img_size, cfg.model, located, tune)
         args = usermodel.factory_kwargs(cfg.model, cfg.model_args, size.value)
         return cls(cfg.model, len(located.classes), args, size, usermodel.provenance(cfg.model, args),
-                   cfg.weights if fresh else None, tune, weights.LoadPolicy.of(cfg))
+                   cfg.weights if fresh else None, tune, LoadPolicy.of(cfg))
 
     def build(self, with_weights: bool = True) -> nn.Module:
         """A new model on the CPU (with --weights or --pretrained unless `with_weights` is False: the
@@ -78,6 +84,14 @@ class ModelSpec:
         """What the auto probes train: this model built afresh (without --weights), as the run builds it."""
         return auto.Probe(self.name, lambda: self.build(with_weights=False), self.num_classes, self.img_size.value,
                           precision, device, channels_last)
+
+    def structure(self) -> tuple[bool, int]:
+        """(whether the model is convolutional, its repeated blocks): read from a copy built without
+        weights, on the meta device where PyTorch has one (no memory, no initialisation)."""
+        from dlenv.models import find_blocks, is_convolutional
+
+        model = compat.build_on_meta(lambda: self.build(with_weights=False))
+        return is_convolutional(model), len(find_blocks(model))
 
     @property
     def norm(self) -> tuple[tuple, tuple] | None:
@@ -115,17 +129,35 @@ class Split(NamedTuple):
 
 @dataclass(frozen=True)
 class OptimizerChoice:
-    """What the optimizer options resolved to."""
+    """What the optimizer and schedule options resolved to: the optimizer, its rate and decay, and the
+    warmup-cosine schedule in optimizer steps."""
 
     name: str
     lr: float
     weight_decay: float
+    momentum: float
+    nesterov: bool
+    warmup_steps: int
+    total_steps: int
+
+
+@dataclass(frozen=True)
+class StepChoice:
+    """What every step does besides the optimizer: the loss's label smoothing, gradient clipping, the EMA
+    of the weights, BatchNorm synchronised over GPUs."""
+
+    label_smoothing: float
+    clip_grad: float | None
+    ema_decay: float | None         # None: no EMA
+    sync_bn: bool
 
 
 @dataclass(frozen=True)
 class TrainPlan:
-    """Every decision of a run's setup, resolved once (`resolve`); plain values and their reasons."""
+    """Every decision of a run's setup, resolved once (`decide`); plain values and their reasons."""
 
+    config: TrainConfig             # the options as the run takes them: auto ones filled in (the CPU recipe's)
+    data: pipeline.Located          # the dataset: its layout and classes (listed, no image decoded)
     precision: Decision             # "fp32", "fp16" or "bf16"
     model: ModelSpec
     channels_last: Decision         # bool: the model's and the batches' memory format on the device
@@ -136,9 +168,14 @@ class TrainPlan:
     checkpoint_ratio: Decision | None  # the fraction of blocks recomputed; None without --checkpoint
     compile: Decision               # bool
     optimizer: OptimizerChoice
-    epochs: int
-    oom_retry: bool                 # --batch-size auto on one GPU: an OOM splits the batch instead of stopping
+    step: StepChoice
+    oom_retry: bool                 # --batch-size auto on one GPU: an OOM re-plans at half the micro-batch
     blocks: int = 0                 # the model's repeated blocks, of which --checkpoint recomputes a fraction
+    said: tuple[str, ...] = ()      # what the user is told of the decisions, in order
+
+    @property
+    def epochs(self) -> int:
+        return self.config.epochs
 
     @property
     def micro_batch(self) -> int:
@@ -157,6 +194,13 @@ class TrainPlan:
         return math.ceil(self.batches_per_epoch / self.accum_steps)
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the batches on the device path: the precision's compute dtype."""
+        from dlenv.precision import DTYPES
+
+        return DTYPES[self.precision.value]
+
+    @property
     def memory_format(self) -> torch.memory_format:
         return torch.channels_last if self.channels_last.value else torch.contiguous_format
 
@@ -167,8 +211,26 @@ class TrainPlan:
         model without repeated blocks."""
         return int(round(self.checkpoint_ratio.value * self.blocks)) if self.checkpoint_ratio else 0
 
-    def options(self, cfg: TrainConfig) -> dict[str, Any]:
-        """config.yaml's options: `cfg` with every auto resolved, so the file reruns this run."""
+    @property
+    def halves(self) -> bool:
+        """Whether a CUDA out-of-memory error re-plans the run (`halved`): --batch-size auto on one GPU, and
+        a micro-batch that halves exactly into pieces of two or more (BatchNorm needs two samples)."""
+        return self.oom_retry and self.micro_batch % 2 == 0 and self.micro_batch >= 4
+
+    def halved(self, samples: int | None) -> TrainPlan:
+        """This plan at half the micro-batch and twice the accumulation: the same images per optimizer step
+        and the same steps per epoch (`samples`: this rank's samples of an epoch at the new batch, None for
+        synthetic data), the input at the new batch."""
+        micro, accum = self.micro_batch // 2, self.accum_steps * 2
+        cap = self.batches_per_epoch * 2
+        why = f"{micro} x {accum}: CUDA ran out of memory at micro-batch {self.micro_batch} ({self.batch.why})"
+        return dataclasses.replace(self, batch=Decision(Split(micro, accum), why),
+                                   input=dataclasses.replace(self.input, batch_size=micro),
+                                   batches_per_epoch=min(math.ceil(samples / micro), cap) if samples else cap)
+
+    def options(self) -> dict[str, Any]:
+        """config.yaml's options: the run's options with every auto resolved, so the file reruns this run."""
+        cfg = self.config
         return config.to_dict(dataclasses.replace(
             cfg, batch_size=self.micro_batch, accum_steps=self.accum_steps, effective_batch=None,
             optimizer=self.optimizer.name, lr=self.optimizer.lr, weight_decay=self.optimizer.weight_decay,
@@ -177,12 +239,12 @@ class TrainPlan:
             compile="on" if self.compile.value else "off", hflip="on" if self.input.hflip else "off",
             checkpoint_ratio=self.checkpoint_ratio.value if self.checkpoint_ratio else cfg.checkpoint_ratio))
 
-    def notes(self, device: torch.device, data: pipeline.Data) -> dict[str, Any]:
+    def notes(self, device: torch.device) -> dict[str, Any]:
         """config.yaml's comments: what the options resolved to on this machine, and why."""
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         return {
             "precision": self.precision.value, "device": f"{device} ({gpu})", "world_size": self.world_size,
-            "effective_batch": self.effective_batch, "data": data.source, "classes": len(data.classes),
+            "effective_batch": self.effective_batch, "data": self.data.source, "classes": len(self.data.classes),
             "input": self.input.describe(device).removeprefix("input: "), "torch": torch.__version__,
             "precision_rule": self.precision.why, "img_size_rule": self.model.img_size.why,
             "batch_rule": self.batch.why, "channels_last_rule": self.channels_last.why,
@@ -191,10 +253,10 @@ class TrainPlan:
             **({"pretrained": self.model.pretrained.notes()} if self.model.pretrained else {}),
             **({"model_source": self.model.provenance} if self.model.provenance else {})}
 
-    def start_line(self, data: pipeline.Data, device: torch.device, resuming: bool, run_dir: Any) -> str:
+    def start_line(self, device: torch.device, resuming: bool, run_dir: Any) -> str:
         """The line a run starts with: what trains on what, where, how, and the run folder."""
-        return (f"{'resuming' if resuming else 'training'} {self.model.name} on {data.source} "
-                f"({len(data.classes)} classes, {self.input.img_size} px) | {device} {self.precision.value}"
+        return (f"{'resuming' if resuming else 'training'} {self.model.name} on {self.data.source} "
+                f"({len(self.data.classes)} classes, {self.input.img_size} px) | {device} {self.precision.value}"
                 f"{' channels_last' if self.channels_last.value else ''}"
                 f"{self._checkpointing()} | batch {self.micro_batch} x "
                 f"{self.accum_steps} accum x {self.world_size} GPU = {self.effective_batch}, {self.optimizer.name} "
@@ -207,54 +269,87 @@ class TrainPlan:
         return f" checkpointing {k} of {self.blocks} blocks" if k else ""
 
 
-@dataclass
-class Setup:
-    """What `resolve` gives back: the plan, and the model and data that deciding it built."""
+def decide(cfg: TrainConfig, resume: Any, dist: distributed.DistInfo, device: torch.device) -> TrainPlan:
+    """Every setup decision of the run `cfg` on `device`, in the order each needs the last (see the module
+    doc for what it reads and measures); `resume` a dlenv.train.state.Resume or None. Raises UserError for
+    options this machine or data cannot honour."""
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):  # probes draw from copies: the run's streams stay seeded
+        return _decide(cfg, resume, dist, device)
 
-    plan: TrainPlan
-    model: nn.Module                # on the device, checkpointed as planned
-    data: pipeline.Data
 
-
-def resolve(cfg: TrainConfig, resume: Any, dist: distributed.DistInfo, device: torch.device,
-            say: Callable[[str], None]) -> Setup:
-    """Every setup decision of the run `cfg` on `device`, in the order each needs the last; prints the
-    ones a user should see (as the trainer always has). Raises UserError for options this machine or
-    data cannot honour."""
-    from dlenv.models import find_blocks
-
+def _decide(cfg: TrainConfig, resume: Any, dist: distributed.DistInfo, device: torch.device) -> TrainPlan:
+    said: list[str] = []
+    cfg, recipe = train_defaults(cfg, device.type)  # the options left to auto; the demo's CPU recipe
+    if recipe:
+        said.append(recipe)
     located = pipeline.locate(cfg.data, cfg.synthetic, cfg.val_split, cfg.seed)
     spec = ModelSpec.resolve(cfg, located, fresh=resume is None)
     precision = _precision(cfg, device, spec)
     if precision.value == "fp32" and cfg.amp:
-        say(precision.why)
-    model, channels_last = build_model(spec, cfg, device, say)
+        said.append(precision.why)
+    convolutional, blocks = spec.structure() if cfg.checkpoint or _cuda_channels_last(cfg, device) else (False, 0)
+    channels_last = _channels_last(cfg, device, convolutional)
+    if cfg.checkpoint and blocks == 0:
+        said.append(f"--checkpoint: {cfg.model} has no repeated blocks to checkpoint; training without it")
     probe = spec.probe(precision.value, device, channels_last.value)
-    batch = _batch_split(cfg, dist, located, probe, resume, say)
+    batch = _batch_split(cfg, dist, located, probe, resume, said.append)
     micro, accum = batch.value
     input_plan = pipeline.decide(pipeline.InputOptions.of(cfg), located, device, micro, spec.img_size.value,
                                  dist.local_world_size, norm=spec.norm, interpolation=spec.interpolation)
-    memory_format = torch.channels_last if channels_last.value else torch.contiguous_format
-    data = pipeline.build_data(located, input_plan, device, dist, seed=cfg.seed, dtype=_dtype(precision.value),
-                               memory_format=memory_format, max_steps=cfg.max_steps, say=say, epochs=cfg.epochs)
     if located.layout is not None:
-        say(input_plan.describe(device))
+        said.append(input_plan.describe(device))
         if cfg.hflip == "auto" and not input_plan.hflip and input_plan.augment != "none":
-            say(f"--hflip {input_plan.hflip_why}")  # once: the flips the dataset report advises against
-    # after the data: what it keeps on the GPU (--synthetic, --cache ram on the device) counts in the probe
-    ratio = auto.checkpoint_ratio(cfg, model, probe, micro, say)
-    full_epoch = len(data.train) if data.sampler is None else math.ceil(data.sampler.per_rank / micro)
+            said.append(f"--hflip {input_plan.hflip_why}")  # once: the flips the dataset report advises against
+    # --synthetic keeps its batch on the device: it counts in the probe
+    resident = micro * 3 * spec.img_size.value ** 2 * 4 if cfg.synthetic else 0  # float32 images
+    ratio = auto.checkpoint_ratio(cfg, blocks, dataclasses.replace(probe, resident=resident), micro, said.append)
+    full_epoch = _batches(located, dist, micro, cfg.max_steps)
     batches_per_epoch = min(full_epoch, cfg.max_steps or full_epoch)
     # a resumed run has its saved on/off; auto counts the whole run's micro-batches per GPU
     compiled = auto.decide_compile(cfg.compile, device, cfg.epochs * batches_per_epoch)
     if (cfg.compile == "auto" and (compiled.value or not compat.HAS_COMPILE)) or (
             cfg.compile == "on" and not compiled.value):
-        say(f"--compile {compiled.why}")  # once: when it compiles, or cannot
-    optimizer = _optimizer(cfg, micro * accum * dist.world_size, cfg.epochs * math.ceil(batches_per_epoch / accum))
-    plan = TrainPlan(precision, spec, channels_last, batch, dist.world_size, input_plan, batches_per_epoch, ratio,
-                     compiled, optimizer, cfg.epochs, oom_retry=cfg.batch_size == "auto" and dist.world_size == 1,
-                     blocks=len(find_blocks(model)) if cfg.checkpoint else 0)
-    return Setup(plan, model, data)
+        said.append(f"--compile {compiled.why}")  # once: when it compiles, or cannot
+    optimizer = _optimizer(cfg, micro * accum * dist.world_size, math.ceil(batches_per_epoch / accum))
+    if cfg.img_size is None:
+        said.append(f"--img-size auto: {spec.img_size.value} px, {spec.img_size.why}")
+    step = StepChoice(cfg.label_smoothing, cfg.clip_grad, cfg.ema_decay if cfg.ema else None, cfg.sync_bn)
+    return TrainPlan(cfg, located, precision, spec, channels_last, batch, dist.world_size, input_plan,
+                     batches_per_epoch, ratio, compiled, optimizer, step,
+                     oom_retry=cfg.batch_size == "auto" and dist.world_size == 1, blocks=blocks, said=tuple(said))
+
+
+def per_rank(located: pipeline.Located, micro: int, rank: int = 0, world_size: int = 1) -> int | None:
+    """The training samples of an epoch on `rank` of `world_size` at micro-batch `micro` (the sampler's
+    count: never a last batch of one); None for synthetic data."""
+    from dlenv.data.sampler import ResumableSampler
+
+    if located.layout is None:
+        return None
+    return ResumableSampler(len(located.layout.train), rank=rank, world_size=world_size, batch_size=micro).per_rank
+
+
+def _batches(located: pipeline.Located, dist: Any, micro: int, max_steps: int | None) -> int:
+    """Loader batches in a whole epoch on this rank: the sampler's share in micro-batches; --synthetic's
+    loader gives --max-steps of them (pipeline.SYNTHETIC_BATCHES without)."""
+    n = per_rank(located, micro, dist.rank, dist.world_size)
+    return math.ceil(n / micro) if n is not None else (max_steps or pipeline.SYNTHETIC_BATCHES)
+
+
+def _cuda_channels_last(cfg: TrainConfig, device: torch.device) -> bool:
+    return cfg.channels_last and device.type == "cuda"
+
+
+def _channels_last(cfg: TrainConfig, device: torch.device, convolutional: bool) -> Decision:
+    """Whether the model and batches are channels_last on `device`: for convolutions on a GPU."""
+    if not cfg.channels_last:
+        return Decision(False, "--channels-last off")
+    if device.type != "cuda":
+        return Decision(False, f"off on {device.type} (it pays for convolutions on a GPU)")
+    if not convolutional:
+        return Decision(False, "off: the model is not convolutional")
+    return Decision(True, "on: a convolutional model on a GPU")
 
 
 def _precision(cfg: TrainConfig, device: torch.device, spec: ModelSpec) -> Decision:
@@ -266,33 +361,6 @@ def _precision(cfg: TrainConfig, device: torch.device, spec: ModelSpec) -> Decis
     # the CPU's verdict is measured once per machine, model and size, and kept (seconds per start)
     return Decision(*decide_precision(cfg.amp, cfg.amp_dtype, device, step_seconds, cache=cpu_amp_cache(),
                                       what=f"{spec.name} at {spec.img_size.value} px"))
-
-
-def _dtype(mode: str) -> torch.dtype:
-    from dlenv.precision import DTYPES
-
-    return DTYPES[mode]
-
-
-def build_model(spec: ModelSpec, cfg: TrainConfig, device: torch.device,
-                say: Callable[[str], None]) -> tuple[nn.Module, Decision]:
-    """(the model on `device`, checkpointed at the starting ratio if asked; whether it is channels_last)."""
-    from dlenv.models import apply_checkpointing, is_convolutional
-
-    model = spec.build()
-    if not cfg.channels_last:
-        channels_last = Decision(False, "--channels-last off")
-    elif device.type != "cuda":
-        channels_last = Decision(False, f"off on {device.type} (it pays for convolutions on a GPU)")
-    elif not is_convolutional(model):
-        channels_last = Decision(False, "off: the model is not convolutional")
-    else:
-        channels_last = Decision(True, "on: a convolutional model on a GPU")
-    model = model.to(device, memory_format=torch.channels_last if channels_last.value else torch.contiguous_format)
-    spec.check(model)  # logits [N, classes]? (own models)
-    if cfg.checkpoint and apply_checkpointing(model, auto.start_ratio(cfg)) == 0:
-        say(f"--checkpoint: {cfg.model} has no repeated blocks to checkpoint; training without it")
-    return model, channels_last
 
 
 def _batch_split(cfg: TrainConfig, dist: distributed.DistInfo, located: pipeline.Located, probe: auto.Probe,
@@ -317,9 +385,11 @@ def _batch_split(cfg: TrainConfig, dist: distributed.DistInfo, located: pipeline
     return Decision(Split(micro, accum), why)
 
 
-def _optimizer(cfg: TrainConfig, effective_batch: int, total_steps: int) -> OptimizerChoice:
+def _optimizer(cfg: TrainConfig, effective_batch: int, steps_per_epoch: int) -> OptimizerChoice:
     from dlenv.optim import default_lr, default_weight_decay, resolve_optimizer
 
-    name = resolve_optimizer(cfg.optimizer, total_steps)
+    total = cfg.epochs * steps_per_epoch
+    name = resolve_optimizer(cfg.optimizer, total)
     return OptimizerChoice(name, cfg.lr if cfg.lr is not None else default_lr(name, effective_batch),
-                           cfg.weight_decay if cfg.weight_decay is not None else default_weight_decay(name))
+                           cfg.weight_decay if cfg.weight_decay is not None else default_weight_decay(name),
+                           cfg.momentum, cfg.nesterov, round(cfg.warmup_epochs * steps_per_epoch), total)

@@ -1,9 +1,9 @@
 """`train(cfg)`: plan, parts, fit.
 
     cfg, resume = state.open_resume(cfg)            # a resumed run continues with its saved options
-    setup = plan.resolve(cfg, resume, ...)          # every decision once, with the model and data it built
-    parts = build_parts(cfg, setup.plan, ...)       # optimizer, schedule, DDP, EMA, compile, one Precision
-    run = open_run(cfg, setup.plan, ...)            # the run folder, config.yaml first
+    decided = plan.decide(cfg, resume, ...)         # every decision once (frozen; builds nothing)
+    model, data, parts = ...                        # built from the plan (dlenv.train.parts)
+    run = open_run(decided, ...)                    # the run folder, config.yaml first
     fit(...)                                        # the epochs (dlenv.train.fit)
 
 Each epoch validates, appends a row to results.csv, saves last.pth (and best_model.pth on
@@ -11,7 +11,8 @@ improvement) atomically, and on a GPU writes memory.md (memory per phase of the 
 allocator's state, dlenv.memory). Nothing is lost: SIGINT/SIGTERM/SIGHUP end the current optimizer step,
 save last.pth (with sampler position and RNG states) and exit 130/143/129; `--resume` continues there,
 bit for bit on a CPU with --deterministic and --workers 0. CUDA out of memory stops with advice
-(exit 3; with --batch-size auto the batch is split and retried instead); a run of non-finite losses
+(exit 3; with --batch-size auto the run goes on from the last optimizer step at half the micro-batch
+instead); a run of non-finite losses
 or skipped fp16 steps stops with exit 4. Neither overwrites the last good checkpoint.
 
 With --gpus N, `main` launches N processes through torchrun (dlenv.launch): each trains its share
@@ -26,15 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-from dlenv import compat, distributed, finetune, launch, results, runs, runstate
+from dlenv import distributed, launch, results, runs, runstate
 from dlenv.config import TrainConfig
-from dlenv.data.demo import train_defaults
+from dlenv.data.demo import ensure_demo_data
 from dlenv.devices import resolve_device
-from dlenv.precision import Precision
-from dlenv.step import Parts
-from dlenv.train import console, plan
+from dlenv.train import console, parts, plan
 from dlenv.train import state as saved
 from dlenv.train.fit import Run, fit
 from dlenv.train.loop import TrainState
@@ -79,22 +77,22 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
             "stream per worker, so this resume is not exact (leave the flag out to continue with the run's)")
     device = resolve_device(cfg.device, dist.local_rank)
     _seed_everything(cfg.seed + dist.rank, cfg.deterministic, device)
-    cfg, recipe = train_defaults(cfg, device.type)  # options left to auto; the demo's CPU recipe
-    if recipe:
-        say(recipe)
+    if cfg.data is None and not cfg.synthetic:
+        ensure_demo_data()  # written on first use, before the plan (which only lists what is there)
 
-    setup = plan.resolve(cfg, resume, dist, device, say)
-    decided = setup.plan
-    if cfg.img_size is None:
-        say(f"--img-size auto: {decided.model.img_size.value} px, {decided.model.img_size.why}")
-    parts = build_parts(cfg, decided, setup.model, device)
+    decided = plan.decide(cfg, resume, dist, device)
+    for line in decided.said:
+        say(line)
+    model = parts.build_model(decided, device)
+    data = parts.build_data(decided, device, dist, say)
+    built = parts.build_parts(decided, model, device)
     state = TrainState(micro_batch=decided.micro_batch, accum_steps=decided.accum_steps)
-    rng = saved.restore(resume, parts, state, setup.data.sampler) if resume is not None else None
-    run = open_run(cfg, decided, resume, dist, device, setup.data, state)
-    say(decided.start_line(setup.data, device, bool(state.epoch or state.batch_in_epoch), run.dir))
-    if rng is not None:  # last: building the model and the auto-batch probe drew from these streams
+    rng = saved.restore(resume, built, state, data.sampler) if resume is not None else None
+    run = open_run(decided, resume, dist, device, state)
+    say(decided.start_line(device, bool(state.epoch or state.batch_in_epoch), run.dir))
+    if rng is not None:  # last: building the model drew from these streams
         runstate.set_rng_state(rng)
-    return fit(decided, parts, state, setup.data, run, say, on_step)
+    return fit(decided, built, state, data, run, say, lambda p: parts.build_data(p, device, dist, say), on_step)
 
 
 class _GlobalSettings:
@@ -130,30 +128,11 @@ def _seed_everything(seed: int, deterministic: bool, device: torch.device) -> No
         torch.backends.cudnn.benchmark = device.type == "cuda"
 
 
-def build_parts(cfg: TrainConfig, decided: plan.TrainPlan, model: nn.Module, device: torch.device) -> Parts:
-    """Optimizer, warmup-cosine schedule, DDP, EMA, compile and one Precision around `model`, as planned."""
-    from dlenv.optim import ModelEma, build_optimizer, warmup_cosine
-
-    chosen, steps = decided.optimizer, decided.steps_per_epoch
-    optimizer = build_optimizer(model, chosen.name, chosen.lr, chosen.weight_decay, cfg.momentum, cfg.nesterov,
-                                lr_scales=finetune.lr_scales(model))  # --pretrained: the backbone's lower rate
-    scheduler = warmup_cosine(optimizer, round(cfg.warmup_epochs * steps), cfg.epochs * steps)
-    # DDP first (it broadcasts rank 0's weights), then compile the wrapped model, as PyTorch advises
-    run_model = distributed.wrap_ddp(model, device, sync_bn=cfg.sync_bn, find_unused=finetune.ddp_find_unused(model))
-    ema = ModelEma(model, cfg.ema_decay) if cfg.ema else None
-    eager = run_model  # kept: a compile that fails falls back to it (dlenv.train.loop.Rescue)
-    if decided.compile.value:
-        run_model = compat.compile_model(run_model)
-    return Parts(run_model, model, optimizer, scheduler, Precision(decided.precision.value, device),
-                 nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing), ema, device, decided.memory_format,
-                 cfg.clip_grad, eager=eager if decided.compile.value else None)
-
-
-def open_run(cfg: TrainConfig, decided: plan.TrainPlan, resume: saved.Resume | None, dist: distributed.DistInfo,
-             device: torch.device, data: Any, state: TrainState) -> Run:
+def open_run(decided: plan.TrainPlan, resume: saved.Resume | None, dist: distributed.DistInfo,
+             device: torch.device, state: TrainState) -> Run:
     """The run folder with config.yaml in it first (rank 0), results.csv cut back to a resumed epoch, and
     the metadata every checkpoint carries."""
-    options = decided.options(cfg)
+    cfg, options = decided.config, decided.options()
     run_dir, lock = (resume.run_dir if resume is not None else None), None
     if dist.is_main:
         if run_dir is None:
@@ -161,10 +140,10 @@ def open_run(cfg: TrainConfig, decided: plan.TrainPlan, resume: saved.Resume | N
         options["name"] = run_dir.name  # the folder it got (exp2), not the name asked for (exp)
         lock = runs.lock_run_dir(run_dir)  # held for the run's life: a second run here is refused
         saved.settle_best(run_dir, resume, state.best_metric, print)
-        saved.write_config_yaml(run_dir / "config.yaml", options, decided.notes(device, data))
+        saved.write_config_yaml(run_dir / "config.yaml", options, decided.notes(device))
         if state.epoch or state.batch_in_epoch:
             results.truncate_after(run_dir / "results.csv", state.epoch)
-    meta = {"model_name": cfg.model, "num_classes": len(data.classes), "class_names": data.classes,
+    meta = {"model_name": cfg.model, "num_classes": len(decided.data.classes), "class_names": decided.data.classes,
             "img_size": decided.input.img_size, "config": options, "world_size": dist.world_size,
             "model_source": decided.model.provenance}
     tb = _tensorboard(run_dir) if cfg.tensorboard and dist.is_main else None

@@ -191,7 +191,7 @@ def resume_config(ckpt: dict[str, Any], given: TrainConfig, path: Path) -> tuple
     if not runstate.is_dlenv_checkpoint(ckpt) or "config" not in ckpt or "optimizer" not in ckpt:
         raise UserError(f"--resume {path}: not a dlenv training checkpoint (no optimizer state); "
                         "pass a last.pth from runs/<name>/, or start from its weights with --weights")
-    saved = config.from_dict(TrainConfig, ckpt["config"])
+    saved = _unsplit(config.from_dict(TrainConfig, ckpt["config"]), ckpt)
     # a value given that differs from both the default and the saved run was asked for, and is ignored
     ignored = [config.flag(f.name) for f in config.options(TrainConfig)
                if f.name not in (*RESUME_FROM_COMMAND, "resume")
@@ -205,6 +205,23 @@ def resume_config(ckpt: dict[str, Any], given: TrainConfig, path: Path) -> tuple
         elif kept[name] != getattr(saved, name):
             inexact.append(f"{config.flag(name)} {kept[name]} (the run's {getattr(saved, name)})")
     return dataclasses.replace(saved, resume=str(path), **kept), ignored, inexact
+
+
+def _chunks(ckpt: dict[str, Any]) -> int:
+    """The pieces an OOM retry of an older dlenv split each saved batch into, where they were equal (1:
+    none; this dlenv re-plans instead, dlenv.train.fit)."""
+    ts, cfg = ckpt.get("train_state"), ckpt.get("config")
+    k = int(ts.get("chunks", 1)) if isinstance(ts, dict) else 1
+    batch = cfg.get("batch_size") if isinstance(cfg, dict) else None
+    return k if k > 1 and isinstance(batch, int) and batch % k == 0 else 1
+
+
+def _unsplit(saved: TrainConfig, ckpt: dict[str, Any]) -> TrainConfig:
+    """A run an older dlenv split after CUDA out of memory continues at the micro-batch it ran at."""
+    k = _chunks(ckpt)
+    if k == 1:
+        return saved
+    return dataclasses.replace(saved, batch_size=saved.batch_size // k, accum_steps=saved.accum_steps * k)
 
 
 def restore(resume: Resume, parts: Parts, state: TrainState, sampler: Any) -> dict[str, Any]:
@@ -232,10 +249,11 @@ def restore(resume: Resume, parts: Parts, state: TrainState, sampler: Any) -> di
     if state.best_metric is not None and state.best_epoch == state.epoch and not int(ckpt["batch_in_epoch"]):
         # saved at the end of the best epoch: what settle_best needs to write best_model.pth again
         resume.best = slim(ckpt, ckpt["ema"]["module"] if ckpt.get("ema") else ckpt["model"])
-    state.chunks, state.oom_retries = int(ts.get("chunks", 1)), int(ts.get("oom_retries", 0))
+    state.oom_retries = int(ts.get("oom_retries", 0))
     if sampler is not None and ckpt.get("sampler"):
         sampler.load_state_dict(ckpt["sampler"])
         state.position = sampler.start
-        state.batch_in_epoch = int(ckpt["batch_in_epoch"]) if state.position else 0
+        # an older split run counted its batches before the split (`_unsplit`)
+        state.batch_in_epoch = int(ckpt["batch_in_epoch"]) * _chunks(ckpt) if state.position else 0
     resume.ckpt = None  # free its tensors
     return ckpt["rng"]
