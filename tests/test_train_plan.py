@@ -40,7 +40,7 @@ def watched(monkeypatch):
     import dlenv.models
 
     calls: list = []
-    _forbid(monkeypatch, dlenv.data.pipeline, "build_data", calls)
+    _forbid(monkeypatch, dlenv.data.pipeline, "build", calls)
     _forbid(monkeypatch, dlenv.data.pipeline, "make_loaders", calls)
     _forbid(monkeypatch, dlenv.data.loaders, "build_loaders", calls)
     _forbid(monkeypatch, dlenv.data.decode, "decode_stored", calls)

@@ -37,10 +37,8 @@ def build_data(decided: TrainPlan, device: torch.device, dist: distributed.DistI
                say: Callable[[str], None]) -> pipeline.Data:
     """This process's training and validation batches, as the plan's input says (the trainer's one call
     into the input pipeline)."""
-    cfg = decided.config
-    return pipeline.build_data(decided.data, decided.input, device, dist, seed=cfg.seed, dtype=decided.dtype,
-                               memory_format=decided.memory_format, max_steps=decided.batches_per_epoch, say=say,
-                               epochs=decided.epochs)
+    return pipeline.build(decided.data, decided.input, device, dist, dtype=decided.dtype,
+                          memory_format=decided.memory_format, max_steps=decided.batches_per_epoch, say=say)
 
 
 def build_parts(decided: TrainPlan, model: nn.Module, device: torch.device) -> Parts:

@@ -37,6 +37,7 @@ from dlenv import autobatch, compat, config, distributed, finetune, usermodel
 from dlenv.config import TrainConfig
 from dlenv.data import pipeline
 from dlenv.data.demo import train_defaults
+from dlenv.data.plan import InputOptions, InputPlan
 from dlenv.train import auto
 from dlenv.train.auto import Decision
 from dlenv.weights import SAFE, LoadPolicy
@@ -163,7 +164,7 @@ class TrainPlan:
     channels_last: Decision         # bool: the model's and the batches' memory format on the device
     batch: Decision                 # Split: micro-batch per GPU, accumulation steps
     world_size: int
-    input: pipeline.InputPlan
+    input: InputPlan
     batches_per_epoch: int          # loader batches per epoch per GPU (--max-steps caps it)
     checkpoint_ratio: Decision | None  # the fraction of blocks recomputed; None without --checkpoint
     compile: Decision               # bool
@@ -295,8 +296,8 @@ def _decide(cfg: TrainConfig, resume: Any, dist: distributed.DistInfo, device: t
     probe = spec.probe(precision.value, device, channels_last.value)
     batch = _batch_split(cfg, dist, located, probe, resume, said.append)
     micro, accum = batch.value
-    input_plan = pipeline.decide(pipeline.InputOptions.of(cfg), located, device, micro, spec.img_size.value,
-                                 dist.local_world_size, norm=spec.norm, interpolation=spec.interpolation)
+    input_plan = InputOptions.of(cfg).decide(located, device, micro, spec.img_size.value, dist.local_world_size,
+                                             norm=spec.norm, interpolation=spec.interpolation)
     if located.layout is not None:
         said.append(input_plan.describe(device))
         if cfg.hflip == "auto" and not input_plan.hflip and input_plan.augment != "none":
