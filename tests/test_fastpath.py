@@ -85,3 +85,31 @@ def test_batch_seed_depends_on_seed_epoch_and_position():
     b = DeviceLoader(None, None, "cpu", 4, seed=1)
     seeds = {a.batch_seed(0, 0), a.batch_seed(0, 4), a.batch_seed(1, 0), b.batch_seed(0, 0)}
     assert len(seeds) == 4
+
+
+def test_worker_passes_carry_on_the_stream_and_restart_where_asked(layout, tmp_path, monkeypatch):
+    from dlenv.data import loaders
+
+    starts = []
+    real = loaders.SafeLoader.__iter__
+    monkeypatch.setattr(loaders.SafeLoader, "__iter__", lambda self: starts.append(1) or real(self))
+    sampler, train, _ = _build(layout, tmp_path, workers=2)
+    _, cached, _ = _build(layout, tmp_path, cache_mode="ram")  # the reference batches
+    refs = {}
+    for epoch, start in ((0, 0), (1, 0), (2, 0), (1, 4), (2, 0)):
+        sampler.set_epoch(epoch, start)
+        cached.sampler.set_epoch(epoch, start)
+        refs[epoch, start] = _epoch(cached)
+        x, y = _epoch(train)
+        assert torch.equal(x, refs[epoch, start][0]) and torch.equal(y, refs[epoch, start][1]), (epoch, start)
+    # epochs 0, 1, 2 in a row: one stream; the resume at (1, 4) starts a second, which (2, 0) continues
+    assert len(starts) == 2
+    # a pass cut short: the next one cannot continue the stream (the source's own pass, not the device
+    # loader's: its producer thread may take an epoch this short to the end before the break)
+    sampler.set_epoch(3)
+    for _ in train.source:
+        break
+    sampler.set_epoch(4)
+    cached.sampler.set_epoch(4)
+    assert torch.equal(_epoch(train)[0], _epoch(cached)[0]) and len(starts) == 3
+    assert (sampler.epoch, sampler.start) == (4, 0) and len(train) == 3

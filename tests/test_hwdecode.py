@@ -1,6 +1,6 @@
-"""dlenv.data.hwdecode and the nvImageCodec source on a CPU: what happens without the library, its start-up
-noise kept off the console, the test image, and the source's batches and bad files with a stand-in for the
-library (the real library on a GPU: tests/test_fastpath_gpu.py)."""
+"""dlenv.data.hwdecode on a CPU: what happens without the library, its start-up noise kept off the console,
+the test image, versions of the library (the nvImageCodec source with a stand-in for it:
+tests/test_sources.py; the real library on a GPU: tests/test_fastpath_gpu.py)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,13 @@ import io
 import logging
 import os
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from imagedata import photo
 from PIL import Image
 
 from dlenv.data import hwdecode
-from dlenv.data.badimages import BadImageError
-from dlenv.data.decode import decode_stored
-from dlenv.data.plan import ENGINE_BACKENDS
 
 
 @pytest.fixture
@@ -74,65 +69,6 @@ def test_probe_image_is_a_baseline_420_jpeg():
     im = Image.open(io.BytesIO(hwdecode.probe_jpeg().tobytes()))
     assert im.format == "JPEG" and im.size == (256, 256) and not im.info.get("progressive")
     assert JpegImagePlugin.get_sampling(im) == 2  # 4:2:0, what every JPEG engine decodes
-
-
-class FakeDecoder:
-    """nvImageCodec's read() as the source uses it: (H, W, 3) uint8 per path, None where it cannot decode."""
-
-    made: list[tuple] = []
-
-    def __init__(self, device, threads=2, backends=()):
-        FakeDecoder.made.append(tuple(backends))
-
-    def read(self, paths):
-        out = []
-        for p in paths:
-            try:
-                out.append(torch.from_numpy(np.array(Image.open(p).convert("RGB"))))
-            except Exception:
-                out.append(None)
-        return out
-
-
-@pytest.fixture
-def fake(monkeypatch):
-    FakeDecoder.made = []
-    monkeypatch.setattr(hwdecode, "HwJpegDecoder", FakeDecoder)
-    monkeypatch.setattr(hwdecode, "has_engines", lambda device: True)
-    return FakeDecoder
-
-
-def _source(samples, bad_images="skip"):
-    from dlenv.data.sources import NvimgcodecSource
-
-    return NvimgcodecSource(samples, None, len(samples), 40, bad_images, "cpu", ENGINE_BACKENDS)
-
-
-def test_source_batches_match_pillows_stored_form(tmp_path, fake):
-    samples = [(str(photo(tmp_path / f"{i}.jpg", w=60 + 10 * i, h=48, seed=i)), i % 2) for i in range(4)]
-    src = _source(samples)
-    assert fake.made == [("HW_GPU_ONLY", "CPU_ONLY")]  # the plan's backends (engines: never the SMs' decoder)
-    images, sizes, labels = src.upload(next(iter(src)), torch.device("cpu"))
-    assert images.shape == (4, 40, 40, 3) and images.dtype == torch.uint8
-    for k, (path, label) in enumerate(samples):
-        ref, wh = decode_stored(path, 40, "pil")
-        assert tuple(sizes[k].tolist()) == wh and labels[k].item() == label
-        assert np.abs(images[k].numpy().astype(int) - ref).mean() < 2
-
-
-@pytest.mark.parametrize("bad", [b"\xff\xd8\xff broken", b"", b"not an image at all"])
-def test_source_bad_files_skip_or_stop_and_pngs_go_to_pillow(tmp_path, fake, bad):
-    samples = [(str(photo(tmp_path / f"{i}.jpg", seed=i)), 0) for i in range(3)]
-    Path(samples[1][0]).write_bytes(bad)
-    Image.new("RGB", (50, 30), (200, 10, 10)).save(tmp_path / "p.png")
-    samples.append((str(tmp_path / "p.png"), 1))
-    src = _source(samples)
-    images, sizes, _ = src.upload(next(iter(src)), torch.device("cpu"))
-    assert torch.equal(images[1], images[2]) and list(src.bad_paths) == [samples[1][0]]
-    assert tuple(sizes[3].tolist()) == (50, 30) and images[3, 20, 20].tolist() == [200, 10, 10]
-    with pytest.raises(BadImageError, match="1.jpg"):
-        src = _source(samples, "error")
-        src.upload(next(iter(src)), torch.device("cpu"))
 
 
 class _Library:

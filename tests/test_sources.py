@@ -1,6 +1,7 @@
 """dlenv.data.sources: the table the plan's name picks from, the one bad-image rule on every source (the GPU
 decoders with torchvision's CPU decode and a stand-in for nvImageCodec; the real ones on a GPU:
-tests/test_fastpath_gpu.py), and the DataLoader workers' stream across epochs."""
+tests/test_fastpath_gpu.py), and the DataLoader workers' stream across epochs (through the device loader:
+tests/test_fastpath.py)."""
 
 from __future__ import annotations
 
@@ -9,38 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from imagedata import make_photo_layout, photo
+from imagedata import photo
 from PIL import Image
 
 from dlenv.data import hwdecode, sources
 from dlenv.data.badimages import BadImageError
 from dlenv.data.decode import decode_stored
-from dlenv.data.folder import find_layout
-from dlenv.data.pipeline import make_loaders
-from dlenv.data.plan import GPU_DECODERS, InputPlan
+from dlenv.data.plan import ENGINE_BACKENDS, GPU_DECODERS, InputPlan
 from dlenv.data.sampler import ResumableSampler
 from dlenv.data.sources import EpochStream, WorkerSource
 
 IMG = 16
 SIZE = 40  # the stored square of the sources' own tests
-
-
-@pytest.fixture
-def layout(tmp_path):
-    return find_layout(make_photo_layout(tmp_path / "ds", 10, 4, 2, lambda i: (30 + 2 * i, 24)))
-
-
-def _build(layout, tmp_path, **kw):
-    sampler = ResumableSampler(len(layout.train), seed=3)
-    plan = InputPlan(IMG, 4, on_device=True, decoder="pil", cpu_decoder="pil", workers=kw.pop("workers", 0),
-                     cache_dir=str(tmp_path / "cache"), seed=5, **kw)
-    train, val = make_loaders(layout, plan, "cpu", train_sampler=sampler, say=lambda m: None)
-    return sampler, train, val
-
-
-def _epoch(loader):
-    xs, ys = zip(*list(loader), strict=True)
-    return torch.cat(xs), torch.cat(ys)
 
 
 def test_every_source_the_plan_can_name_is_in_the_table():
@@ -68,9 +49,16 @@ class _Engines:
 
 
 @pytest.fixture
-def photos(tmp_path, monkeypatch):
-    """Five JPEGs of three sizes and labels 0-4; the second is broken. nvImageCodec: the stand-in."""
+def engines(monkeypatch):
+    """nvImageCodec: the stand-in."""
+    _Engines.made = []
     monkeypatch.setattr(hwdecode, "HwJpegDecoder", _Engines)
+    return _Engines
+
+
+@pytest.fixture
+def photos(tmp_path, engines):
+    """Five JPEGs of three sizes and labels 0-4; the second is broken. nvImageCodec: the stand-in."""
     samples = [(str(photo(tmp_path / f"{i}.jpg", w=48 + 8 * (i % 3), h=40, seed=i)), i) for i in range(5)]
     Path(samples[1][0]).write_bytes(b"\xff\xd8\xff broken")
     return samples
@@ -122,12 +110,42 @@ def test_every_source_stops_on_a_bad_image_or_none_readable_in_one_line(name, ph
 
 
 def test_the_nvimgcodec_source_takes_the_plans_backends(photos, tmp_path):
-    _Engines.made = []
     plan = InputPlan(SIZE, 5, True, "nvimgcodec", "pil", 0, gpu_backends=("HW_GPU_ONLY", "CPU_ONLY"))
     sources.SOURCES[plan.source](photos, None, plan, torch.device("cpu"), print)
     sources.SOURCES[plan.source](photos, None, InputPlan(SIZE, 5, True, "nvimgcodec", "pil", 0),
                                  torch.device("cpu"), print)
     assert _Engines.made == [("HW_GPU_ONLY", "CPU_ONLY"), ()]
+
+
+def _engines_source(samples, bad_images="skip"):
+    return sources.NvimgcodecSource(samples, None, len(samples), 40, bad_images, "cpu", ENGINE_BACKENDS)
+
+
+def test_the_nvimgcodec_source_matches_pillows_stored_form(tmp_path, engines):
+    samples = [(str(photo(tmp_path / f"{i}.jpg", w=60 + 10 * i, h=48, seed=i)), i % 2) for i in range(4)]
+    src = _engines_source(samples)
+    assert engines.made == [("HW_GPU_ONLY", "CPU_ONLY")]  # the plan's backends (engines: never the SMs' decoder)
+    images, sizes, labels = src.upload(next(iter(src)), torch.device("cpu"))
+    assert images.shape == (4, 40, 40, 3) and images.dtype == torch.uint8
+    for k, (path, label) in enumerate(samples):
+        ref, wh = decode_stored(path, 40, "pil")
+        assert tuple(sizes[k].tolist()) == wh and labels[k].item() == label
+        assert np.abs(images[k].numpy().astype(int) - ref).mean() < 2
+
+
+@pytest.mark.parametrize("bad", [b"\xff\xd8\xff broken", b"", b"not an image at all"])
+def test_the_nvimgcodec_source_skips_or_stops_on_bad_files_and_pngs_go_to_pillow(tmp_path, engines, bad):
+    samples = [(str(photo(tmp_path / f"{i}.jpg", seed=i)), 0) for i in range(3)]
+    Path(samples[1][0]).write_bytes(bad)
+    Image.new("RGB", (50, 30), (200, 10, 10)).save(tmp_path / "p.png")
+    samples.append((str(tmp_path / "p.png"), 1))
+    src = _engines_source(samples)
+    images, sizes, _ = src.upload(next(iter(src)), torch.device("cpu"))
+    assert torch.equal(images[1], images[2]) and list(src.bad_paths) == [samples[1][0]]
+    assert tuple(sizes[3].tolist()) == (50, 30) and images[3, 20, 20].tolist() == [200, 10, 10]
+    with pytest.raises(BadImageError, match="1.jpg"):
+        src = _engines_source(samples, "error")
+        src.upload(next(iter(src)), torch.device("cpu"))
 
 
 def test_epoch_stream_follows_the_samplers_order_epoch_after_epoch():
@@ -146,34 +164,6 @@ def test_epoch_stream_follows_the_samplers_order_epoch_after_epoch():
     assert got == want and sum(len(b) for b in got) == 4 + 10 + 10
     assert (sampler.epoch, sampler.start) == (5, 0)  # the caller's sampler is left alone
     assert list(EpochStream(ResumableSampler(0), 4)) == []  # no samples: the stream ends
-
-
-def test_worker_passes_carry_on_the_stream_and_restart_where_asked(layout, tmp_path, monkeypatch):
-    from dlenv.data import loaders
-
-    starts = []
-    real = loaders.SafeLoader.__iter__
-    monkeypatch.setattr(loaders.SafeLoader, "__iter__", lambda self: starts.append(1) or real(self))
-    sampler, train, _ = _build(layout, tmp_path, workers=2)
-    _, cached, _ = _build(layout, tmp_path, cache_mode="ram")  # the reference batches
-    refs = {}
-    for epoch, start in ((0, 0), (1, 0), (2, 0), (1, 4), (2, 0)):
-        sampler.set_epoch(epoch, start)
-        cached.sampler.set_epoch(epoch, start)
-        refs[epoch, start] = _epoch(cached)
-        x, y = _epoch(train)
-        assert torch.equal(x, refs[epoch, start][0]) and torch.equal(y, refs[epoch, start][1]), (epoch, start)
-    # epochs 0, 1, 2 in a row: one stream; the resume at (1, 4) starts a second, which (2, 0) continues
-    assert len(starts) == 2
-    # a pass cut short: the next one cannot continue the stream (the source's own pass, not the device
-    # loader's: its producer thread may take an epoch this short to the end before the break)
-    sampler.set_epoch(3)
-    for _ in train.source:
-        break
-    sampler.set_epoch(4)
-    cached.sampler.set_epoch(4)
-    assert torch.equal(_epoch(train)[0], _epoch(cached)[0]) and len(starts) == 3
-    assert (sampler.epoch, sampler.start) == (4, 0) and len(train) == 3
 
 
 class _Logged(torch.utils.data.Dataset):
