@@ -115,8 +115,8 @@ def find_max_batch(try_step: Callable[[int], Any], start: int = 1, upper: int | 
 
     The margin leaves room for what one probe does not meet: fragmentation over a long run, a
     validation pass. 0.92 with a 1% search tolerance lands within 10% of the true largest batch (the
-    target of scripts/bench_autobatch.py); an OOM that still happens is retried by the trainer with
-    each batch split in two. Raises UserError when a batch of 1 does not fit.
+    target of scripts/bench_autobatch.py); an OOM that still happens makes the trainer re-plan at half
+    the micro-batch (dlenv.train.fit). Raises UserError when a batch of 1 does not fit.
     """
     if not 0 < safety <= 1:
         raise ValueError(f"safety must be in (0, 1], got {safety}")

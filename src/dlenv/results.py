@@ -36,7 +36,7 @@ COLUMNS: dict[str, str] = {
     "mem_reserved_gib": "peak memory reserved by the caching allocator, GiB (0 on CPU)",
     "batch_size": "micro-batch per GPU at the end of the epoch",
     "accum_steps": "micro-batches per optimizer step at the end of the epoch",
-    "oom_retries": "steps retried with a halved micro-batch after CUDA out of memory",
+    "oom_retries": "re-plans at half the micro-batch after CUDA out of memory (--batch-size auto)",
 }
 
 
