@@ -249,6 +249,20 @@ def test_single_process_helpers_are_no_ops():
         pass
 
 
+_GLOO_CLOSED = "[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer [10.0.0.2]:41234"
+
+
+@pytest.mark.parametrize("text, rank, world, peer", [
+    (_GLOO_CLOSED, 0, 2, "rank 1 of 2"),            # a run of two: the other rank
+    (_GLOO_CLOSED, 1, 2, "rank 0 of 2"),
+    (_GLOO_CLOSED, 3, 8, "a process on 10.0.0.2"),  # more: the node gloo names
+    ("Connection reset by peer [::1]:5000", 0, 4, "a process on ::1"),
+    ("Timed out waiting 600000ms for recv operation", 0, 4, ""),  # nothing to tell
+], ids=["two-rank0", "two-rank1", "gloo-address", "ipv6", "unknown"])
+def test_the_lost_peer_is_named_where_it_can_be(text, rank, world, peer):
+    assert distributed.lost_peer(RuntimeError(text), rank, world) == peer
+
+
 def test_init_from_env_without_torchrun_environment_is_a_user_error(monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)

@@ -52,6 +52,19 @@ def test_failure_line_blames_the_cause_not_the_ranks_that_lost_it():
     assert "rank 0" in line and "stopped because another process of the run failed" in line
 
 
+@pytest.mark.parametrize("message, shown", [
+    ("Received 15 death signal, shutting down workers", False),
+    ("Sending process 4242 closing signal SIGTERM", False),
+    ("Unable to shutdown process 4242 via 15, forcefully exitting via 9", True),  # a real problem: shown
+], ids=["received", "forwarded", "killed-after-grace"])
+def test_torchruns_routine_stop_warnings_are_dropped_and_others_kept(message, shown):
+    import logging
+
+    record = logging.LogRecord("torch.distributed.elastic.agent.server.api", logging.WARNING, __file__, 1,
+                               message, None, None)
+    assert launch._RoutineStopFilter().filter(record) is shown
+
+
 # ---------------------------------------------------------------------------------------------------
 # The launch command.
 

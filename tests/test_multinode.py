@@ -1,5 +1,5 @@
 """Several machines: two `dlenv train --nnodes 2` launches on 127.0.0.1 form one gloo run and end with the
-same weights; the SLURM script and the Kubernetes manifest of docs/distributed.md start it the same way.
+same weights; the Kubernetes manifest of docs/distributed.md starts it the same way.
 
 Each launch is what one node runs (its own working directory standing for its own disk): `dlenv train`
 starts torchrun with --nnodes 2 --node-rank R --master-addr --master-port, and torchrun starts one CPU
@@ -11,7 +11,6 @@ run leaves its process group.
 from __future__ import annotations
 
 import os
-import shlex
 import subprocess
 import sys
 import textwrap
@@ -103,44 +102,7 @@ def test_two_nodes_one_process_each_train_together_to_identical_weights(tmp_path
 
 
 # ---------------------------------------------------------------------------------------------------
-# The SLURM script and the Kubernetes manifest
-
-
-def _dlenv_args(command: str) -> list[str]:
-    words = shlex.split(command)
-    return words[words.index("train"):] if "train" in words else []
-
-
-def test_the_slurm_script_starts_one_container_per_node_with_its_node_rank(tmp_path):
-    script = ROOT / "scripts" / "slurm_train.sbatch"
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    # stand-ins for SLURM: srun runs its command once per node, with that node's SLURM_NODEID
-    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'gpu-a\\ngpu-b\\n'\n")
-    (bin_dir / "srun").write_text(textwrap.dedent("""\
-        #!/bin/bash
-        while [[ "$1" == --* ]]; do echo "srun-option $1" >> "$LOG"; shift; done
-        for id in 0 1; do SLURM_NODEID=$id SLURM_PROCID=$id "$@" >> "$LOG"; done
-    """))
-    (bin_dir / "docker").write_text('#!/bin/bash\necho "docker $*"\n')
-    for f in bin_dir.iterdir():
-        f.chmod(0o755)
-    log = tmp_path / "log"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "LOG": str(log), "SLURM_NNODES": "2",
-           "SLURM_JOB_NODELIST": "gpu-[a-b]", "SLURM_GPUS_ON_NODE": "8", "SLURM_JOB_ID": "7"}
-    r = subprocess.run(["bash", str(script), "--amp"], env=env, capture_output=True, text=True, timeout=60,
-                       cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    lines = [ln for ln in log.read_text().splitlines() if ln.startswith("docker ")]
-    assert len(lines) == 2, log.read_text()
-    for rank, line in enumerate(lines):
-        assert "--network host" in line and "--gpus all" in line and "--ipc=host" in line
-        args = _dlenv_args(line)
-        assert args[:1] == ["train"] and "--amp" in args
-        flags = dict(zip(args[1::2], args[2::2], strict=False))
-        assert flags["--nnodes"] == "2" and flags["--node-rank"] == str(rank)
-        assert flags["--master-addr"] == "gpu-a" and flags["--gpus"] == "8"
-    assert "srun-option --ntasks-per-node=1" in log.read_text()
+# The Kubernetes manifest (the Slurm script: tests/test_slurm_script.py, and on a cluster tests/test_slurm.py)
 
 
 def test_the_kubernetes_manifest_runs_one_indexed_pod_per_node():

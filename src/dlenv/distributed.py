@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -181,11 +182,22 @@ def is_peer_error(e: BaseException) -> bool:
         "NCCL communicator was aborted", "ProcessGroupNCCL", "ProcessGroupGloo", "[enforce fail at"))
 
 
+def lost_peer(e: BaseException, rank: int, world: int) -> str:
+    """Which process of the run `e` lost, as far as can be told: in a run of two the other rank; otherwise
+    the address gloo names in its message ('[10.0.0.2]:41234'), which is the peer's node; '' when unknown."""
+    if world == 2:
+        return f"rank {1 - rank} of 2"
+    m = re.search(r"\[([0-9A-Za-z.:_-]+)\]:\d+", str(e))
+    return f"a process on {m[1]}" if m else ""
+
+
 def peer_failure(e: BaseException, what: str) -> PeerFailure:
-    """The PeerFailure that explains `e` (raised by `what`) to the user."""
+    """The PeerFailure that explains `e` (raised by `what`) to the user, naming the lost peer where known."""
     waited = f" or did not answer within {_timeout_s:g} s" if _timeout_s else ""
+    peer = lost_peer(e, rank(), world_size())
     return PeerFailure(f"rank {rank()}: {what} failed: another process of this run stopped{waited} "
-                       f"({first_line(e, 300, named=False)}); its own error is printed above (or in its node's log)")
+                       f"({f'the lost peer: {peer}; ' if peer else ''}{first_line(e, 300, named=False)}); "
+                       "its own error is printed above (or in its node's log)")
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ Inside each worker, `dlenv.distributed` joins the process group.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -158,12 +159,31 @@ def _failure_line(err: Any) -> str:
     return f"{who} {how}{hint}; the other processes were stopped. Its own error is printed above"
 
 
+#: torchrun's warnings on every stop by a signal: that it got one and passes it on to its workers (twice
+#: where a scheduler signals torchrun itself as well as the launcher that forwards it). The ranks' own line
+#: says the same; torchrun's other warnings (a worker it had to kill after the grace time) still show.
+_ROUTINE_STOP = ("death signal, shutting down workers", "closing signal")
+
+
+class _RoutineStopFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(m in record.getMessage() for m in _ROUTINE_STOP)
+
+
+def _quiet_routine_stops() -> None:
+    """Drop _ROUTINE_STOP's warnings from torchrun's loggers (imported by now: torch.distributed.run)."""
+    names = [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]
+    for name in names:
+        logging.getLogger(name).addFilter(_RoutineStopFilter())
+
+
 def _torchrun(argv: list[str]) -> int:
     """torch.distributed.run's main, ending in an exit status and one line instead of a traceback."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
+    _quiet_routine_stops()
     try:
         torchrun_main(argv)
     except SignalException as e:  # the workers got the signal and are done (or were killed)
