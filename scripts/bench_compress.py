@@ -4,8 +4,9 @@
     python3 scripts/bench_compress.py --weights runs/exp/best_model.pth
 
 Each row is one variant of the same checkpoint, measured the same way on its validation data:
-float32; global L1 pruning at 30% and 50% (as saved: no fine-tune), 50% then one fine-tune epoch,
-30% of conv channels (L2); dynamic and static int8 (FX). Sizes are of the TorchScript file of each
+float32; global L1 pruning at 30% and 50% (as saved: no fine-tune), 50% then one fine-tune epoch;
+channels removed down to 50% of the parameters (Torch-Pruning), without and with one fine-tune epoch;
+dynamic and static int8 (FX). Sizes are of the TorchScript file of each
 variant (one container format for float and int8), raw and zip-deflated. CPU latency is one image,
 median, at the thread count printed; GPU latency (float variants, when there is a GPU) is a batch of
 64, to show that zeros in dense tensors do not speed up dense kernels. Writes the table as Markdown
@@ -87,14 +88,14 @@ def main(argv=None) -> int:
     import torch
 
     from dlenv import compat
-    from dlenv.compress import common, prune, quantize
+    from dlenv.compress import channels, common, prune, quantize
     from dlenv.data.loaders import build_loaders
     from dlenv.data.plan import InputPlan
 
     threads = args.threads or torch.get_num_threads()
     weights = Path(args.weights) if args.weights else train_demo(args)
     torch.set_num_threads(threads)  # as asked, or as before training (which may change it)
-    src = common.load_source(str(weights), "benchmark")
+    src = common.open_checkpoint(str(weights), "benchmark")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     root, loader = common.eval_loader(args.data, src, args.batch_size, args.workers)
     example = common.first_batch(loader)[:1]
@@ -105,10 +106,16 @@ def main(argv=None) -> int:
 
     def pruned(amount: float, structured: bool = False, finetune: int = 0):
         m = fresh()
-        layers = prune.apply_pruning(m, amount, structured)
+        if structured:  # channels removed (Torch-Pruning), as `dlenv prune --structured`
+            m, _ = channels.remove_channels(m, amount, example, len(src.class_names))
+            layers = []
+        else:
+            layers = prune.apply_pruning(m, amount)
         if finetune:
             layout = common.train_layout(src)
-            train_loader, _ = build_loaders(layout, InputPlan.classic(size, args.batch_size, args.workers))
+            plan = InputPlan.classic(size, args.batch_size, args.workers, norm=src.norm,
+                                     interpolation=src.interpolation)
+            train_loader, _ = build_loaders(layout, plan)
             prune.finetune(m, train_loader, device, finetune, lr=0.01)
             m.cpu()
         prune.make_permanent(layers)
@@ -117,7 +124,8 @@ def main(argv=None) -> int:
     variants = [("float32", fresh, False), ("pruned 30% (L1, global)", lambda: pruned(0.3), False),
                 ("pruned 50% (L1, global)", lambda: pruned(0.5), False),
                 ("pruned 50% + 1 epoch fine-tune", lambda: pruned(0.5, finetune=1), False),
-                ("pruned 30% of conv channels (L2)", lambda: pruned(0.3, structured=True), False)]
+                ("channels removed, 50% of parameters", lambda: pruned(0.5, structured=True), False),
+                ("channels removed, 50% + 1 epoch fine-tune", lambda: pruned(0.5, True, finetune=1), False)]
     if not compat.quantization_unavailable():
         calib = list(quantize.calibration_batches(loader, 8))
         variants += [("int8 dynamic (Linear)", lambda: quantize.quantize_dynamic(src.model), True),
@@ -132,10 +140,12 @@ def main(argv=None) -> int:
         raw, zipped = common.saved_sizes(compat.jit_trace(model, example))
         top1 = common.top1(model, loader, "cpu" if is_int8 else device, src.class_names)
         model = model.cpu() if not is_int8 else model
-        cpu_ms = common.cpu_latencies([model], size)[0].median
+        lat = common.cpu_latencies([model], size)[0]
         gpu_ms = None if is_int8 else gpu_latency_ms(model, size)
-        rows.append({"variant": name, "sparsity_pct": None if g is None else round(100 * g, 1),
-                     "size_mib": raw / 2**20, "zipped_mib": zipped / 2**20, "cpu_ms_1img": cpu_ms,
+        rows.append({"variant": name, "params": None if is_int8 else common.count_params(model),
+                     "sparsity_pct": None if g is None else round(100 * g, 1),
+                     "size_mib": raw / 2**20, "zipped_mib": zipped / 2**20, "cpu_ms_1img": lat.median,
+                     "cpu_p10": lat.p10, "cpu_p90": lat.p90,
                      "gpu_ms_b64": gpu_ms, "top1": top1})
 
     out = Path(args.out)
@@ -148,14 +158,16 @@ def main(argv=None) -> int:
     lines = [f"{src.ckpt.get('model_name')} from {weights}, validated on {root} ({size}px). "
              f"PyTorch {torch.__version__}, CPU: {platform.processor() or platform.machine()} at "
              f"{torch.get_num_threads()} threads, GPU: {gpu}, int8 engine {compat.quant_backend()}.", "",
-             "| variant | sparsity | TorchScript size | zipped | CPU latency, 1 image | GPU latency, batch 64 "
-             "| top-1 |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| variant | parameters | sparsity | TorchScript size | zipped | CPU latency, 1 image (p10-p90) "
+             "| GPU latency, batch 64 | top-1 |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         sp = "-" if r["sparsity_pct"] is None else f"{r['sparsity_pct']:.1f}%"
         gpu_ms = "-" if r["gpu_ms_b64"] is None else f"{r['gpu_ms_b64']:.2f} ms"
-        lines.append(f"| {r['variant']} | {sp} | {r['size_mib']:.2f} MiB | {r['zipped_mib']:.2f} MiB | "
-                     f"{r['cpu_ms_1img']:.2f} ms | {gpu_ms} | {r['top1']:.2f}% |")
+        params = "-" if r["params"] is None else f"{r['params'] / 1e6:.2f} M"
+        cpu = f"{r['cpu_ms_1img']:.2f} ms ({r['cpu_p10']:.2f}-{r['cpu_p90']:.2f})"
+        lines.append(f"| {r['variant']} | {params} | {sp} | {r['size_mib']:.2f} MiB | {r['zipped_mib']:.2f} MiB | "
+                     f"{cpu} | {gpu_ms} | {r['top1']:.2f}% |")
     text = "\n".join(lines)
     (out / "compress.md").write_text(text + "\n")
     print("\n" + text)

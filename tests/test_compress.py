@@ -93,8 +93,8 @@ def export_cfg(**kw):
     return config.build(config.ExportConfig, **{"workers": 0, "batch_size": 8, **kw})
 
 
-def prunable_zeros(model: nn.Module, conv_only: bool = False) -> tuple[int, int]:
-    layers = prune.prunable_layers(model, conv_only)
+def prunable_zeros(model: nn.Module) -> tuple[int, int]:
+    layers = prune.prunable_layers(model)
     return (sum(int((m.weight == 0).sum()) for _, m in layers), sum(m.weight.numel() for _, m in layers))
 
 
@@ -153,21 +153,33 @@ def test_global_unstructured_sparsity_is_exact_and_permanent(amount):
     assert torch.equal(sd["head.0.bias"], before["head.0.bias"])  # biases are not pruned
 
 
-def test_structured_zeroes_whole_output_channels_of_each_conv_only():
+@pytest.mark.parametrize("amount", [0.3, 0.5])
+def test_structured_pruning_removes_channels_to_the_share_of_parameters_asked(amount):
+    from dlenv import shrink
+    from dlenv.compress import channels
+
     torch.manual_seed(0)
-    model = TinyNet()
-    layers = prune.apply_pruning(model, 0.3, structured=True)
-    prune.make_permanent(layers)
-    convs = prune.prunable_layers(model, conv_only=True)
-    assert [n for n, _ in layers] == [n for n, _ in convs]
-    for _, m in convs:
-        rows = m.weight.reshape(m.weight.shape[0], -1)
-        dead = (rows == 0).all(dim=1)
-        assert int(dead.sum()) == round(0.3 * m.weight.shape[0])
-        assert int((rows[~dead] == 0).sum()) == 0  # zeros come only as whole channels
-    assert all(int((m.weight == 0).sum()) == 0 for m in (model.head[0], model.head[2]))  # classifier intact
-    _, rows = prune.sparsity(model, conv_only=True)
-    assert [r["channels_zeroed"] for r in rows] == [round(0.3 * 16), round(0.3 * 32)]
+    model = _calibrated(TinyNet())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(4, 3, IMG, IMG)
+    pruned, ratio = channels.remove_channels(model, amount, x[:1], num_classes=3)
+    total = common.count_params(model)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the input is left as it was
+    assert common.count_params(pruned) == pytest.approx((1 - amount) * total, rel=0.08)
+    assert 0 < ratio < amount  # channels go on both sides of a conv: fewer than the parameter share
+    assert pruned.features[0].out_channels < 16 and pruned.features[3].out_channels < 32
+    assert pruned.head[2].out_features == 3  # the classifier keeps its classes
+    assert pruned.features[1].num_features == pruned.features[0].out_channels  # its BatchNorm followed it
+    with torch.no_grad():
+        assert pruned(x).shape == (4, 3)
+    # the widths rebuild the same model from the plain architecture
+    widths = shrink.widths_of(pruned, model)
+    assert set(widths) >= {"features.0", "features.1", "features.3", "head.0"}
+    rebuilt = shrink.apply_widths(TinyNet(), widths, "x.pth")
+    rebuilt.load_state_dict(pruned.state_dict())
+    with torch.no_grad():
+        assert torch.allclose(rebuilt.eval()(x), pruned(x), atol=1e-6)
+    assert shrink.unsupported(pruned, model) == []
 
 
 def test_prune_main_writes_a_checkpoint_like_any_other(ckpt, data_dir, capsys):
@@ -189,7 +201,8 @@ def test_prune_main_writes_a_checkpoint_like_any_other(ckpt, data_dir, capsys):
     assert state["best_metric"] == state["pruning"]["top1_after"]
     text = capsys.readouterr().out
     assert f"global sparsity: {100 * zeros / total:.2f}%" in text
-    for needle in ("top-1 (%)", "weights zipped", "CPU latency", "features.0.0", "classifier.3", str(out)):
+    for needle in ("top-1 (%)", "weights zipped", "CPU latency", "features.0.0", "classifier.3", str(out),
+                   "saves nothing until the weights are stored sparse"):
         assert needle in text
     # unstructured zeros show in the zipped size, not in the raw size
     dense_raw, dense_zip = common.saved_sizes(src["model"])
@@ -215,16 +228,41 @@ def test_prune_finetune_keeps_the_pruned_weights_at_zero(ckpt, capsys):
     assert not torch.equal(tuned.classifier[3].weight, plain.classifier[3].weight)
 
 
-@pytest.mark.slow
-def test_prune_structured_main_reports_channels(ckpt, capsys):
-    assert prune.main(prune_cfg(weights=str(ckpt), amount=0.25, structured=True)) == 0
+def test_prune_structured_main_removes_half_the_parameters_and_val_loads_it(ckpt, data_dir, capsys):
+    assert prune.main(prune_cfg(weights=str(ckpt), amount=0.5, structured=True, data=str(data_dir / "val"))) == 0
     text = capsys.readouterr().out
-    assert "channels zeroed" in text and "removed from the architecture" in text
-    state = load_checkpoint(ckpt.with_name("best_model_pruned.pth"))
-    model, _, _ = model_from_checkpoint(state)
-    for _, m in prune.prunable_layers(model, conv_only=True):
-        dead = (m.weight.reshape(m.weight.shape[0], -1) == 0).all(dim=1)
-        assert int(dead.sum()) == round(0.25 * m.weight.shape[0])
+    out = ckpt.with_name("best_model_pruned.pth")
+    state, src = load_checkpoint(out), load_checkpoint(ckpt)
+    assert state["widths"] and state["pruning"]["structured"] is True
+    model, names, size = model_from_checkpoint(state)  # rebuilt from the name and the widths
+    dense, _, _ = model_from_checkpoint(src)
+    assert common.count_params(model) == pytest.approx(0.5 * common.count_params(dense), rel=0.05)
+    assert state["pruning"]["params_after"] == common.count_params(model)
+    assert out.stat().st_size < 0.7 * ckpt.stat().st_size  # really smaller, not zeros
+    for needle in ("parameters", "CPU latency", "weights (.pth)", "layers resized", str(out)):
+        assert needle in text
+    assert "saves nothing until" not in text
+    assert cli_main(["val", "--weights", str(out), "--data", str(data_dir / "val"), "--workers", "0",
+                     "--device", "cpu"]) == 0
+    assert "6 images, 2 classes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("widths,phrase", [
+    ({"features.9.9": [3, 8, 1]}, "does not have"),
+    ({"features.0.0": [3, 8]}, "3 whole numbers are expected"),
+    ({"features.0.0": [3, 999, 1]}, "must lie between 1"),
+    ({"features.1.block.0.0": [16, 12, 8]}, "do not divide"),  # a depthwise conv
+    ({"features.0.0": [3, "8", 1]}, "whole numbers"),
+    ({"features.0.0.weight": [3, 8, 1]}, "does not have"),
+    ({"features.0.2": [4]}, "does not resize"),
+    (["features.0.0"], "is not a mapping"),
+])
+def test_pruned_widths_that_do_not_fit_are_one_line(widths, phrase, tmp_path, ckpt):
+    path = tmp_path / "edited.pth"
+    save_checkpoint({**load_checkpoint(ckpt), "widths": widths}, path)
+    with pytest.raises(UserError, match=phrase) as e:
+        model_from_checkpoint(load_checkpoint(path), source=str(path))
+    assert "\n" not in str(e.value)
 
 
 def test_prune_refuses_to_overwrite_its_input(ckpt):

@@ -333,18 +333,16 @@ def test_workspace_val_script_is_dlenv_val():
     assert "Validate a checkpoint" in r.stdout and "--weights" in r.stdout and "--model" in r.stdout
 
 
-AMP_BF16 = {"amp": True, "amp_dtype": "bf16"}
-
-
 @pytest.mark.parametrize("asked,amp,trained,probe,mode,why", [
-    ("auto", False, AMP_BF16, True, "bf16", "trained with --amp (bf16)"),
-    ("auto", False, {"amp": True, "amp_dtype": "fp16"}, True, "bf16", "CPU autocast has no fp16"),
-    ("auto", False, AMP_BF16, False, "fp32", "no bf16 autocast"),     # a CPU build without it: fp32, said
-    ("auto", False, {"amp": False, "amp_dtype": "auto"}, True, "fp32", "fp32 as trained"),
-    ("auto", False, {}, True, "fp32", "does not say"),                # a bare state dict
-    ("auto", True, {"amp": False}, True, "bf16", "--amp"),            # asked for AMP though trained fp32
-    ("fp32", False, AMP_BF16, True, "fp32", "--precision fp32"),       # told otherwise
-    ("bf16", False, {}, True, "bf16", "--precision bf16"),
+    ("auto", False, "bf16", True, "bf16", "trained with --amp (bf16)"),
+    ("auto", False, "fp16", True, "bf16", "CPU autocast has no fp16"),
+    ("auto", False, "amp", True, "bf16", "trained with --amp (auto)"),
+    ("auto", False, "bf16", False, "fp32", "no bf16 autocast"),     # a CPU build without it: fp32, said
+    ("auto", False, "fp32", True, "fp32", "fp32 as trained"),
+    ("auto", False, None, True, "fp32", "does not say"),              # a bare state dict, an export
+    ("auto", True, "fp32", True, "bf16", "--amp"),                    # asked for AMP though trained fp32
+    ("fp32", False, "bf16", True, "fp32", "--precision fp32"),         # told otherwise
+    ("bf16", False, None, True, "bf16", "--precision bf16"),
 ])
 def test_val_precision_follows_the_checkpoint_on_cpu(monkeypatch, asked, amp, trained, probe, mode, why):
     monkeypatch.setattr(evaluate, "_cpu_bf16_autocast_works", lambda: probe)
@@ -354,11 +352,11 @@ def test_val_precision_follows_the_checkpoint_on_cpu(monkeypatch, asked, amp, tr
 
 def test_val_precision_fp16_on_cpu_is_one_line_error():
     with pytest.raises(UserError, match="fp16 on the CPU"):
-        evaluate.val_precision("fp16", False, {}, torch.device("cpu"))
+        evaluate.val_precision("fp16", False, None, torch.device("cpu"))
 
 
 def test_val_of_an_amp_checkpoint_runs_in_its_dtype_and_shows_progress(tmp_path, val_data, capsys):
-    weights = _dlenv_ckpt(tmp_path / "best_model.pth", **AMP_BF16)
+    weights = _dlenv_ckpt(tmp_path / "best_model.pth", amp=True, amp_dtype="bf16")
     out = tmp_path / "report"
     assert cli_main(["val", "--weights", str(weights), "--data", str(val_data / "val"), "--workers", "0",
                      "--batch-size", "2", "--out", str(out)]) == 0

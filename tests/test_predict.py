@@ -1,5 +1,5 @@
 """dlenv.predict: `dlenv predict` end to end on a model trained once (small_cnn, 32 px, three classes):
-the checkpoint, its .safetensors and TorchScript exports agree; every kind of --source; the CSV, JSON
+the checkpoint, its .safetensors and TorchScript and ONNX exports agree; every kind of --source; the CSV, JSON
 lines, --tta flip and --save-images; each bad input as one line and a non-zero exit."""
 
 from __future__ import annotations
@@ -22,20 +22,20 @@ CLASSES = ["cat", "dog", "fox"]
 SIZE = 32
 CPU = ["--workers", "0", "--device", "cpu"]
 #: |probability| by which the exports may differ from the checkpoint: the safetensors file holds the same
-#: tensors (exactly equal); the TorchScript trace reorders no float32 arithmetic worth more than this
+#: tensors (exactly equal); the TorchScript trace and onnxruntime reorder no float32 arithmetic worth more
 TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A small_cnn trained for two steps on 3 classes of 32 px images, with its two exports."""
+    """A small_cnn trained for two steps on 3 classes of 32 px images, with its three exports."""
     root = tmp_path_factory.mktemp("predict")
     make_train_val(root / "ds", per_class=4, val_per_class=2, size=(SIZE, SIZE), classes=CLASSES)
     assert cli_main(["train", "--data", str(root / "ds"), "--model", "small_cnn",
                      "--img-size", str(SIZE), "--batch-size", "4", "--epochs", "1", "--max-steps", "2",
                      "--project", str(root / "runs"), *CPU]) == 0
     best = root / "runs" / "exp" / "best_model.pth"
-    for fmt in ("safetensors", "torchscript"):
+    for fmt in ("safetensors", "torchscript", "onnx"):
         assert cli_main(["export", "--weights", str(best), "--format", fmt, "--workers", "0"]) == 0
     return root
 
@@ -73,10 +73,11 @@ def test_checkpoint_safetensors_and_torchscript_agree(trained, tmp_path):
         "safetensors": _rows(_predict(tmp_path, run / "best_model.safetensors", val, "--topk", "3", name="st")),
         "torchscript": _rows(_predict(tmp_path, run / "best_model.torchscript.pt", val, "--topk", "3",
                                       *_torchscript_flags(), name="ts")),
+        "onnx": _rows(_predict(tmp_path, run / "best_model.onnx", val, "--topk", "3", name="onnx")),
     }
     ref = _by_path(got["pth"])
     assert len(ref) == 2 * len(CLASSES)
-    for kind in ("safetensors", "torchscript"):
+    for kind in ("safetensors", "torchscript", "onnx"):
         other = _by_path(got[kind])
         assert other.keys() == ref.keys()
         for path, row in ref.items():
@@ -185,6 +186,22 @@ def test_video_frames_every_nth(trained, tmp_path):
     assert saved == ["clip_frame000000.jpg", "clip_frame000003.jpg", "clip_frame000006.jpg"]
 
 
+def test_save_images_on_a_folder_writes_a_contact_sheet(trained, tmp_path, capsys):
+    from PIL import Image, ImageStat
+
+    rows = _rows(_predict(tmp_path, _best(trained), trained / "ds" / "val", "--save-images"))
+    run = tmp_path / "runs" / "predict" / "exp"
+    sheet = Image.open(run / "contact_sheet.jpg")
+    assert sheet.size == (len(rows) * predict.CELL, predict.CELL + predict.CAPTION)  # 6 images: one row
+    assert len(os.listdir(run / "images")) == len(rows) and "contact sheet contact_sheet.jpg" in capsys.readouterr().out
+    # each cell holds its image, scaled up to the cell: the images of class i have channel i at 255 throughout
+    for i, row in enumerate(rows):
+        channel = CLASSES.index(Path(row["path"]).parent.name)
+        box = (i * predict.CELL + 40, 40, i * predict.CELL + 120, 120)
+        mean = ImageStat.Stat(sheet.convert("RGB").crop(box)).mean
+        assert mean[channel] > 220 and min(mean) < 180, row["path"]
+
+
 def test_save_images_draws_the_top_class_on_a_copy(trained, tmp_path):
     from PIL import Image
 
@@ -213,6 +230,7 @@ def test_one_unreadable_image_is_skipped_and_said(trained, tmp_path, caplog):
 def _bad_case(name: str, trained: Path, tmp: Path, monkeypatch) -> tuple[list[str], str]:
     """(arguments, a phrase of the error line) of bad input `name`."""
     best, ts = _best(trained), trained / "runs" / "exp" / "best_model.torchscript.pt"
+    onnx = trained / "runs" / "exp" / "best_model.onnx"
     val = trained / "ds" / "val"
     if name == "missing source":
         return ["--weights", best, "--source", tmp / "nowhere"], "no such file or folder"
@@ -236,9 +254,13 @@ def _bad_case(name: str, trained: Path, tmp: Path, monkeypatch) -> tuple[list[st
         return ["--weights", tmp / "results.csv", "--source", val], "not a PyTorch checkpoint"
     if name == "missing weights":
         return ["--weights", tmp / "none.pth", "--source", val], "not found"
-    if name == "onnx file":
+    if name == "onnx file that is none":
         write_file(tmp / "model.onnx", b"\x08\x07")
-        return ["--weights", tmp / "model.onnx", "--source", val], "needs onnxruntime"
+        return ["--weights", tmp / "model.onnx", "--source", val], "is not an ONNX model onnxruntime can load"
+    if name == "onnx file of another input size":
+        return ["--weights", onnx, "--source", val, "--img-size", "48"], "takes 32x32 images"
+    if name == "onnx file of another class count than asked":
+        return ["--weights", onnx, "--source", val, "--classes", "a,b"], "names 2 classes but"
     if name == "torchscript without consent":
         return ["--weights", ts, "--source", val, "--classes", "a,b,c", "--img-size", "32"], "--trust-pickle"
     if name == "torchscript without classes":
@@ -246,15 +268,18 @@ def _bad_case(name: str, trained: Path, tmp: Path, monkeypatch) -> tuple[list[st
     if name == "torchscript of another class count":
         return ["--weights", ts, "--source", val, *_torchscript_flags()[:1], "--classes", "a,b",
                 "--img-size", "32"], "names 2 classes but"
-    if name == "classes other than the checkpoint's":
+    if name == "checkpoint of another class count than asked":
         return ["--weights", best, "--source", val, "--classes", "a,b"], "names 2 classes but"
+    if name == "classes other than the checkpoint's":
+        return ["--weights", best, "--source", val, "--classes", "a,b,c"], "differs from the class names"
     raise AssertionError(name)
 
 
 BAD = ["missing source", "folder without images", "every image corrupt", "glob without matches",
-       "video that cannot be opened", "empty stdin", "weights of another kind", "missing weights", "onnx file",
+       "video that cannot be opened", "empty stdin", "weights of another kind", "missing weights",
+       "onnx file that is none", "onnx file of another input size", "onnx file of another class count than asked",
        "torchscript without consent", "torchscript without classes", "torchscript of another class count",
-       "classes other than the checkpoint's"]
+       "checkpoint of another class count than asked", "classes other than the checkpoint's"]
 
 
 @pytest.mark.parametrize("case", BAD)

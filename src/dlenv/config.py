@@ -324,12 +324,12 @@ class PruneConfig:
     trust_pickle: bool = trust_pickle()
     model: str | None = opt(None, "the checkpoint's FILE.py:factory again, to trust one outside the working "
                                   "folder", parse=_str)
-    amount: float = opt(0.3, "fraction of weights (or channels) to remove, in (0, 1)")
-    structured: bool = opt(False, "remove whole conv channels (L2) instead of single weights")
+    amount: float = opt(0.3, "share of the weights to remove, in (0, 1)")
+    structured: bool = opt(False, "remove whole channels (smaller and faster) instead of zeroing single weights")
     data: str | None = opt(None, "validation data for top-1 before and after; default: the checkpoint's",
                            parse=_str)
-    finetune_epochs: int = opt(0, "epochs of fine-tuning after pruning (on the checkpoint's training "
-                                  "data; pruned weights stay zero)", min=0)
+    finetune_epochs: int = opt(0, "epochs of fine-tuning after pruning, on the checkpoint's training data",
+                               min=0)
     finetune_lr: float = opt(0.01, "SGD learning rate of the fine-tuning", min=0.0)
     batch_size: int = opt(64, "batch size", min=1, max=BATCH_MAX, why=BATCH_WHY)
     workers: int | str = opt("auto", "DataLoader worker processes, or auto",
@@ -391,7 +391,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in [
     Command("bench-data", BenchDataConfig, "dlenv.bench.data:main",
             "Measure the input pipeline against the model and name the bottleneck."),
     Command("prune", PruneConfig, "dlenv.compress:prune_main",
-            "Prune a checkpoint's conv and linear weights and re-validate it."),
+            "Prune a checkpoint (single weights, or whole channels) and re-validate it."),
     Command("export", ExportConfig, "dlenv.compress:export_main",
             "Export a checkpoint to ONNX or TorchScript (optionally int8) and check its outputs."),
     Command("predict", PredictConfig, "dlenv.predict:main",

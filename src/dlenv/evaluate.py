@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from dlenv import pretrained
 from dlenv.atomic import check_output, write_bytes
 from dlenv.data.folder import class_key
 from dlenv.devices import resolve_device
@@ -88,22 +87,23 @@ def _cpu_bf16_autocast_works() -> bool:
         return False
 
 
-def val_precision(asked: str, amp: bool, trained: dict[str, Any], device: torch.device) -> tuple[str, str]:
-    """(mode, why) to validate in: `asked` unless "auto", else the precision the checkpoint trained in.
+def val_precision(asked: str, amp: bool, trained: str | None, device: torch.device) -> tuple[str, str]:
+    """(mode, why) to validate in: `asked` unless "auto", else the precision the model trained in.
 
-    `trained` is the checkpoint's config ({} for a bare state dict: fp32). A dtype this device lacks
-    falls back (fp16 on a CPU -> bf16; bf16 on a GPU without it -> fp16; no CPU bf16 -> fp32) and `why`
-    says so. Raises UserError for an explicit dtype this device cannot run.
+    `trained` is dlenv.trained.Trained.precision: fp32, amp (the device's dtype), fp16 or bf16, None when
+    the file does not say (fp32). A dtype this device lacks falls back (fp16 on a CPU -> bf16; bf16 on a
+    GPU without it -> fp16; no CPU bf16 -> fp32) and `why` says so. Raises UserError for an explicit
+    dtype this device cannot run.
     """
     from dlenv.precision import resolve_precision
 
     if asked != "auto":
         mode = "fp32" if asked == "fp32" else resolve_precision(True, asked, device)
         return mode, f"--precision {asked}"
-    if not trained.get("amp") and not amp:
-        return "fp32", "fp32 as trained" if trained else "fp32 (the state dict does not say)"
-    want = str(trained.get("amp_dtype", "auto")) if trained.get("amp") else "auto"
-    source = f"trained with --amp ({want})" if trained.get("amp") else "--amp"
+    if trained in (None, "fp32") and not amp:
+        return "fp32", "fp32 as trained" if trained else "fp32 (the file does not say)"
+    want = "auto" if trained in (None, "fp32", "amp") else trained
+    source = f"trained with --amp ({want})" if trained not in (None, "fp32") else "--amp"
     if device.type == "cpu":
         if not _cpu_bf16_autocast_works():
             return "fp32", f"{source}, but this CPU build has no bf16 autocast: fp32 (results may differ a little)"
@@ -111,7 +111,7 @@ def val_precision(asked: str, amp: bool, trained: dict[str, Any], device: torch.
         return "bf16", source + note
     if device.type == "cuda" and want == "bf16" and not torch.cuda.is_bf16_supported():
         return "fp16", f"{source}: fp16, this GPU has no bf16"
-    return resolve_precision(True, want if want in ("fp16", "bf16") else "auto", device), source
+    return resolve_precision(True, want, device), source
 
 
 def _avg(p: Any, r: Any, f: Any, support: int) -> dict[str, float]:
@@ -337,15 +337,15 @@ def _samples_of(root: Path, val_split: float, seed: int, trained_on: bool) -> tu
     return list(layout.val), list(layout.classes), f"the {val_split:g} held out for validation (seed {seed})"
 
 
-def resolve_data(cfg: Any, ckpt: Any) -> tuple[Path, list, list[str], str]:
-    """(root, samples, classes, what) to validate on: --data, else the data the checkpoint was
+def resolve_data(data: str | None, ckpt: Any) -> tuple[Path, list, list[str], str]:
+    """(root, samples, classes, what) to validate on: `data` (--data), else the data the checkpoint was
     trained on (the part it held out), else the demo data when it was trained on that."""
     train_cfg = ckpt.get("config") if isinstance(ckpt, dict) else None
     train_cfg = train_cfg if isinstance(train_cfg, dict) else {}
     val_split = float(train_cfg.get("val_split") or 0.2)
     seed = int(train_cfg.get("seed") or 0)
-    if cfg.data:
-        root = Path(cfg.data)
+    if data:
+        root = Path(data)
         if not root.is_dir():
             raise UserError(f"--data {root}: no such folder; pass a folder of class folders or a dataset "
                             "with val/")
@@ -390,21 +390,6 @@ def match_classes(data_classes: list[str], ckpt_classes: list[str], bare: bool, 
     return [ckpt_classes.index(c) for c in data_classes]
 
 
-def check_saved_options(ckpt: Any, path: Path | str) -> None:
-    """Refuse a dlenv checkpoint whose saved training options are not valid ones (dlenv.config's types and
-    bounds), before val, prune or export read them (its data folder, val split, seed, precision)."""
-    from dlenv import config
-    from dlenv.runstate import is_dlenv_checkpoint
-
-    if not (is_dlenv_checkpoint(ckpt) and isinstance(ckpt.get("config"), dict)):
-        return
-    try:
-        config.from_dict(config.TrainConfig, ckpt["config"])
-    except UserError as e:
-        raise UserError(f"{path}: its saved training options are not valid ({e}); the file was edited "
-                        "or written by another dlenv version, use another checkpoint") from None
-
-
 def run_folder(weights: Path) -> Path:
     """The folder a checkpoint's reports go to without --out: the one the file lies in, a link followed to
     its target (a best_model.pth linked into the folder `val` is started from reports into its run
@@ -443,8 +428,7 @@ def main(cfg: Any) -> int:
     that is missing or has other classes than the checkpoint, or a bad --device.
     """
     from dlenv.data.loaders import build_eval_loader
-    from dlenv.models import model_from_checkpoint
-    from dlenv.runstate import is_dlenv_checkpoint, load_checkpoint
+    from dlenv.trained import CHECKPOINT, STATE_DICT, open_trained
     from dlenv.weights import LoadPolicy
 
     if not cfg.weights:
@@ -453,11 +437,11 @@ def main(cfg: Any) -> int:
     if cfg.out:  # a bad --out fails before the checkpoint is read
         check_output(cfg.out, "--out", folder=True)
     device = resolve_device(cfg.device)
-    ckpt = load_checkpoint(weights, LoadPolicy.of(cfg))
-    check_saved_options(ckpt, weights)
-    model, class_names, img_size = model_from_checkpoint(ckpt, cfg.model, source=str(weights))
-    bare = not is_dlenv_checkpoint(ckpt)
-    root, samples, data_classes, what = resolve_data(cfg, ckpt if not bare else {})
+    trained = open_trained(weights, LoadPolicy.of(cfg), cfg.model, kinds=(CHECKPOINT, STATE_DICT), verb="val",
+                           img_size=cfg.img_size)
+    model, class_names = trained.model, list(trained.class_names)
+    bare = trained.kind == STATE_DICT
+    root, samples, data_classes, what = resolve_data(cfg.data, trained.ckpt)
     if not samples:
         raise UserError(f"no images to validate on in {root}; pass --data with class folders of images")
     out = check_output(cfg.out or report_folder(run_folder(weights), root), "--out", folder=True)
@@ -465,14 +449,11 @@ def main(cfg: Any) -> int:
     if bare:
         class_names = list(data_classes)
     samples = [(path, remap[idx]) for path, idx in samples]
-    size = cfg.img_size or img_size
-    if size is None:
-        size = 224
-        print("image size: 224 (the state dict does not say; set --img-size to change it)")
+    size = trained.img_size
     loader = build_eval_loader(samples, size, cfg.batch_size, cfg.workers,  # sized there (resolve_workers)
                                # --pretrained weights' own mean, std and resampling
-                               norm=pretrained.norm_of(ckpt), interpolation=pretrained.interpolation_of(ckpt))
-    mode, why = val_precision(cfg.precision, cfg.amp, {} if bare else dict(ckpt.get("config") or {}), device)
+                               norm=trained.norm, interpolation=trained.interpolation)
+    mode, why = val_precision(cfg.precision, cfg.amp, trained.precision, device)
     how = f"{mode}: {why}; --precision fp32 to change" if mode != "fp32" else why
     print(f"validating {weights} on {len(samples)} images from {root}, {what} ({device}, {size}px, {how})")
     logits, targets = predict(model, loader, device, mode=mode, progress=True)

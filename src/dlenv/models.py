@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlenv import compat, modelsource, pretrained, runstate, smallcnn, tvargs, usermodel
+from dlenv import compat, modelsource, pretrained, runstate, shrink, smallcnn, tvargs, usermodel
 from dlenv.errors import UserError, printable
 
 log = logging.getLogger(__name__)
@@ -291,6 +291,8 @@ def model_from_checkpoint(ckpt: Any, model_name: str | None = None, source: str 
     else:  # a torchvision ViT is built at the size it was trained at (a bare state dict: 224)
         size = img_size if isinstance(img_size, int) and not isinstance(img_size, bool) else None
         model = build_model(name, num_classes, **tvargs.builder_args(name, {}, size))
+    if runstate.is_dlenv_checkpoint(ckpt):  # channel-pruned (prune --structured): its layers at their widths
+        shrink.apply_widths(model, ckpt.get("widths"), source)
     runstate.load_model_state(model, sd, source, name=name,
                               num_classes=num_classes if runstate.is_dlenv_checkpoint(ckpt) else None)
     return model, class_names, img_size

@@ -1,21 +1,23 @@
 """Predictions on unlabelled images: `dlenv predict --weights best_model.pth --source photos/`.
 
-The model is opened the way `dlenv val` opens it (dlenv.runstate's guarded load under the command's
---trust-pickle, dlenv.evaluate's check of the saved options, dlenv.models' rebuild with the rule for a
-model of your own), so a file val refuses is refused here in the same words. Its preprocessing is
-val's too: resize and centre crop at the checkpoint's image size, its normalisation and resampling,
-in the precision it trained in (`evaluate.val_precision`), batched through `evaluate.predict`.
+The model is opened by dlenv.trained.open_trained, as `dlenv val` opens it (the guarded load under the
+command's --trust-pickle, the check of the saved options, the rebuild with the rule for a model of your
+own), so a file val refuses is refused here in the same words; predict also takes an ONNX export (run
+by onnxruntime) and, with consent, a TorchScript one. Its preprocessing is val's too: resize and centre
+crop at the model's image size, its normalisation and resampling, in the precision it trained in
+(`evaluate.val_precision`), batched through `evaluate.predict`.
 
 `--source` is an image, a folder (recursively, images only), a glob, a video (OpenCV, every
 `--vid-stride`-th frame) or `-` for paths on standard input. An unreadable image is skipped with one
 line (the first few named, then counted: dlenv.data.badimages); nothing readable at all is an error.
 The results go to runs/predict/<name>/predictions.csv, written whole or not at all (dlenv.atomic):
 path, frame (for a video), tta, then class_i and prob_i for i = 1..top-k. `--json` prints the same
-as JSON lines on stdout; `--save-images` writes annotated copies into <run>/images/.
+as JSON lines on stdout; `--save-images` writes annotated copies into <run>/images/ and, for more than
+one image, contact sheets (a grid of thumbnails, each with its top class and probability) into <run>/.
 
 A TorchScript export is a program: torch.jit.load runs the code it holds, so it opens only with
---trust-pickle, and since `dlenv export` stores neither class names nor image size in it, with
---classes and --img-size. An ONNX file needs onnxruntime, which this environment does not provide.
+--trust-pickle, and since it stores neither class names nor image size, with --classes and --img-size.
+An ONNX export carries both in its metadata (dlenv.onnxmodel).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import json
 import os
 import sys
 import time
-import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,27 +37,16 @@ from typing import Any
 
 import torch
 
-from dlenv import pretrained, safeio
+from dlenv import safeio
 from dlenv.atomic import write_atomic, write_file
 from dlenv.data.folder import IMAGE_EXTS, is_image
 from dlenv.errors import UserError, printable
+from dlenv.trained import Trained
 
 #: file name endings `--source FILE` reads as a video (anything else named alone is read as an image)
 VIDEO_EXTS = frozenset({".mp4", ".avi", ".mov", ".mkv", ".webm", ".m4v", ".mpg", ".mpeg", ".wmv"})
 #: the file of the predictions inside the run folder
 CSV_NAME = "predictions.csv"
-
-
-@dataclass
-class Opened:
-    """A model ready to predict with, and how its inputs are prepared."""
-
-    model: torch.nn.Module
-    class_names: list[str]
-    img_size: int
-    norm: tuple[tuple, tuple] | None  # (mean, std); None: ImageNet's
-    interpolation: str
-    trained: dict[str, Any]  # the training options it was saved with ({}: unknown)
 
 
 @dataclass
@@ -72,89 +62,13 @@ class Source:
 # The model.
 
 
-def _is_torchscript(path: Path) -> bool:
-    """Whether `path` is a TorchScript archive (a zip with constants.pkl, as dlenv.runstate tells one)."""
-    if not safeio.is_regular(path):
-        return False
-    try:
-        with safeio.open_regular(path, "weights file") as fh, zipfile.ZipFile(fh) as zf:
-            return any(n.endswith("constants.pkl") for n in zf.namelist())
-    except (zipfile.BadZipFile, OSError, ValueError):
-        return False
-
-
-def _names(given: tuple | None, own: list[str], named: bool, path: Path) -> list[str]:
-    """The class names to report: the file's own when it has them (--classes must agree), else --classes."""
-    if given is None:
-        return list(own)
-    given = list(given)
-    if len(given) != len(own):
-        raise UserError(f"--classes names {len(given)} classes but {printable(str(path))} has {len(own)} outputs; "
-                        f"pass {len(own)} names in the model's output order")
-    if named and given != list(own):
-        raise UserError(f"--classes differs from the class names {printable(str(path))} was trained with "
-                        f"({', '.join(own[:5])}{', ...' if len(own) > 5 else ''}); drop --classes")
-    return given
-
-
-def _open_torchscript(cfg: Any, path: Path) -> Opened:
-    """A TorchScript export: with consent, and the class names and size the file does not carry."""
-    from dlenv import compat
-
-    if not cfg.trust_pickle:
-        raise UserError(f"{printable(str(path))} is a TorchScript export, a program: loading it runs the code it "
-                        "holds. Pass --trust-pickle if you trust where it came from, or predict from the "
-                        "checkpoint or its .safetensors export (no code run)")
-    if cfg.classes is None or cfg.img_size is None:
-        raise UserError(f"{printable(str(path))} is a TorchScript export, which stores no class names or image "
-                        "size; pass --classes NAME,NAME,... and --img-size N (or use the checkpoint it was "
-                        "exported from)")
-    try:
-        model = compat.jit_load(path, map_location="cpu").eval()
-    except Exception as e:  # the file is what's wrong: truncated, or written by a newer PyTorch
-        raise UserError(f"TorchScript file {printable(str(path))} could not be loaded "
-                        f"({printable(str(e).strip().splitlines()[0][:160]) if str(e).strip() else type(e).__name__})"
-                        "; export it again") from None
-    try:
-        with torch.inference_mode():
-            width = model(torch.zeros(1, 3, cfg.img_size, cfg.img_size)).shape[-1]
-    except Exception as e:
-        first = str(e).strip().splitlines()[-1][:120] if str(e).strip() else type(e).__name__
-        raise UserError(f"{printable(str(path))} does not run on {cfg.img_size}x{cfg.img_size} images "
-                        f"({printable(first)}); pass the --img-size it was exported at") from None
-    names = _names(cfg.classes, [str(i) for i in range(int(width))], False, path)
-    return Opened(model, names, int(cfg.img_size), None, "bilinear", {})
-
-
-def open_model(cfg: Any, say: Any = print) -> Opened:
-    """The model cfg.weights holds, opened as `dlenv val` opens it (or a TorchScript export).
-
-    Raises UserError for a missing, foreign, unsafe or corrupt file, a bare state dict without --model,
-    an ONNX file, and --classes that do not fit the model.
-    """
-    from dlenv.evaluate import check_saved_options
-    from dlenv.models import model_from_checkpoint
-    from dlenv.runstate import is_dlenv_checkpoint, load_checkpoint
+def open_model(cfg: Any, device: torch.device, say: Any = print) -> Trained:
+    """The model cfg.weights holds (any kind dlenv.trained opens), with --classes and --img-size."""
+    from dlenv.trained import open_trained
     from dlenv.weights import LoadPolicy
 
-    path = Path(cfg.weights)
-    if path.suffix.lower() == ".onnx":
-        raise UserError(f"{printable(str(path))} is an ONNX file, and predicting with one needs onnxruntime, "
-                        "which this environment does not have; pass the checkpoint it was exported from, or "
-                        "its .safetensors or TorchScript export")
-    if _is_torchscript(path):
-        return _open_torchscript(cfg, path)
-    ckpt = load_checkpoint(path, LoadPolicy.of(cfg))
-    check_saved_options(ckpt, path)
-    model, class_names, img_size = model_from_checkpoint(ckpt, cfg.model, source=str(path))
-    named = is_dlenv_checkpoint(ckpt)
-    class_names = _names(cfg.classes, class_names, named, path)
-    size = cfg.img_size or img_size
-    if size is None:
-        size = 224
-        say("image size: 224 (the state dict does not say; set --img-size to change it)")
-    return Opened(model, class_names, int(size), pretrained.norm_of(ckpt), pretrained.interpolation_of(ckpt),
-                  dict(ckpt.get("config") or {}) if named else {})
+    return open_trained(cfg.weights, LoadPolicy.of(cfg), cfg.model, verb="predict", classes=cfg.classes,
+                        img_size=cfg.img_size, device=device, say=say)
 
 
 class FlipAverage(torch.nn.Module):
@@ -259,7 +173,7 @@ def video_frames(path: Path, stride: int) -> Iterator[tuple[int, Any]]:
         cap.release()
 
 
-def _video_batches(path: Path, stride: int, opened: Opened, batch_size: int) -> Iterator[tuple[torch.Tensor, Any]]:
+def _video_batches(path: Path, stride: int, opened: Trained, batch_size: int) -> Iterator[tuple[torch.Tensor, Any]]:
     """(images, frame numbers) batches of the video through val's eval transform."""
     from dlenv.data.loaders import build_transforms
 
@@ -288,7 +202,7 @@ class Prediction:
     top: list[tuple[str, float]]
 
 
-def run(opened: Opened, source: Source, cfg: Any, device: torch.device, mode: str) -> tuple[list[Prediction], float]:
+def run(opened: Trained, source: Source, cfg: Any, device: torch.device, mode: str) -> tuple[list[Prediction], float]:
     """(predictions in source order, seconds the pass took). Unreadable images are left out, said in
     one line each for the first few, then counted. Raises UserError when nothing could be read, and
     (dlenv.evaluate.refuse_non_finite) for NaN or inf outputs."""
@@ -374,13 +288,42 @@ def _annotated(im: Any, label: str) -> Any:
     return im
 
 
-def save_images(folder: Path, preds: list[Prediction], source: Source, stride: int) -> int:
-    """Annotated copies of the predicted images (or frames) in `folder`, each written atomically;
-    returns how many. A name met twice (a glob over folders) gets -2, -3, ..."""
+#: a contact sheet's grid: thumbnails of CELL pixels, COLUMNS a row, at most SHEET_MAX images a sheet
+CELL, COLUMNS, SHEET_MAX = 160, 10, 100
+#: the height of the caption under each thumbnail (two lines: the top class and probability, the file name)
+CAPTION = 28
+
+
+def _sheet(cells: list[tuple[Any, str, str]]) -> Any:
+    """One contact sheet: each (image, caption, name) as a thumbnail with its caption below, in a grid."""
+    from PIL import Image, ImageDraw
+
+    cols = min(COLUMNS, len(cells))
+    rows = -(-len(cells) // cols)
+    sheet = Image.new("RGB", (cols * CELL, rows * (CELL + CAPTION)), (255, 255, 255))
+    draw = ImageDraw.Draw(sheet)
+    for i, (im, caption, name) in enumerate(cells):
+        x, y = (i % cols) * CELL, (i // cols) * (CELL + CAPTION)
+        scale = min((CELL - 4) / im.width, (CELL - 4) / im.height)  # small images are scaled up to be seen
+        thumb = im.resize((max(1, round(im.width * scale)), max(1, round(im.height * scale))))
+        sheet.paste(thumb, (x + (CELL - thumb.width) // 2, y + (CELL - thumb.height) // 2))
+        draw.text((x + 3, y + CELL), caption, fill=(0, 0, 0))
+        draw.text((x + 3, y + CELL + 13), name if len(name) <= 24 else name[:11] + "..." + name[-10:],
+                  fill=(90, 90, 90))
+    return sheet
+
+
+def save_images(run_dir: Path, preds: list[Prediction], source: Source, stride: int) -> tuple[int, list[Path]]:
+    """Annotated copies of the predicted images (or frames) in <run_dir>/images, and for more than one
+    image (a folder, a glob, stdin) contact sheets in run_dir: contact_sheet.jpg (contact_sheet_2.jpg, ...
+    past SHEET_MAX images), each image's thumbnail with its top class and probability. Every file is
+    written atomically. Returns (annotated copies written, sheets written). A name met twice (a glob over
+    folders) gets -2, -3, ..."""
     from PIL import Image
 
     from dlenv.data.decode import load_rgb
 
+    folder = run_dir / "images"
     folder.mkdir(parents=True, exist_ok=True)
     taken: set[str] = set()
 
@@ -401,10 +344,29 @@ def save_images(folder: Path, preds: list[Prediction], source: Source, stride: i
         for n, im in video_frames(source.video, stride):
             if n in by_frame:
                 save(im, f"{source.video.stem}_frame{n:06d}.jpg", by_frame[n].top[0])
-        return len(by_frame)
+        return len(by_frame), []
+    sheets: list[Path] = []
+    cells: list[tuple[Any, str, str]] = []
+
+    def flush() -> None:
+        name = "contact_sheet.jpg" if not sheets else f"contact_sheet_{len(sheets) + 1}.jpg"
+        grid = _sheet(cells)
+        write_atomic(run_dir / name, lambda tmp: grid.save(tmp, format="JPEG", quality=90))
+        sheets.append(run_dir / name)
+        cells.clear()
+
     for p in preds:
-        save(load_rgb(p.path), os.path.basename(p.path), p.top[0])
-    return len(preds)
+        im = load_rgb(p.path)
+        save(im, os.path.basename(p.path), p.top[0])
+        if len(preds) > 1:
+            thumb = im.copy()
+            thumb.thumbnail((CELL, CELL))  # only the thumbnail is kept until its sheet is written
+            cells.append((thumb, f"{p.top[0][0][:16]} {p.top[0][1]:.0%}", os.path.basename(p.path)))
+            if len(cells) == SHEET_MAX:
+                flush()
+    if cells:
+        flush()
+    return len(preds), sheets
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -430,11 +392,11 @@ def main(cfg: Any) -> int:
 
     source = find_source(cfg.source)
     device = resolve_device(cfg.device)
-    opened = open_model(cfg, say)
+    opened = open_model(cfg, device, say)
     k = min(cfg.topk, len(opened.class_names))
     if k < cfg.topk:
         say(f"--topk {cfg.topk}: the model has {k} classes, so all {k} are listed")
-    mode, why = val_precision(cfg.precision, cfg.amp, opened.trained, device)
+    mode, why = val_precision(cfg.precision, cfg.amp, opened.precision, device)
     how = f"{mode}: {why}; --precision fp32 to change" if mode != "fp32" else why
     tta = f", tta {cfg.tta}" if cfg.tta != "none" else ""
     stride = f", every {cfg.vid_stride}th frame" if source.video is not None and cfg.vid_stride > 1 else ""
@@ -447,10 +409,11 @@ def main(cfg: Any) -> int:
         for p in preds:
             print(json_line(p, cfg.tta), flush=False)
         sys.stdout.flush()
-    saved = save_images(run_dir / "images", preds, source, cfg.vid_stride) if cfg.save_images else 0
+    saved, sheets = save_images(run_dir, preds, source, cfg.vid_stride) if cfg.save_images else (0, [])
     rate = len(preds) / seconds if seconds > 0 else float("inf")
     what = ("frame" if source.video is not None else "image") + ("s" if len(preds) != 1 else "")
     say(f"{len(preds)} {what} in {seconds:.1f} s: {rate:.1f} img/s (decoding included{', x2 for tta' if tta else ''})")
     say(f"predictions in {run_dir / CSV_NAME}" + (f"; {saved} annotated {what} in {run_dir / 'images'}/" if saved
-                                                   else ""))
+                                                   else "")
+        + (f"; contact sheet{'s' if len(sheets) > 1 else ''} {', '.join(p.name for p in sheets)}" if sheets else ""))
     return 0

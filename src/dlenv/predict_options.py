@@ -50,8 +50,9 @@ class PredictConfig:
     """Options of `predict`."""
 
     weights: str | None = opt(None, "the trained model: best_model.pth, last.pth, a copy of one, its .safetensors "
-                                    "export, a bare state dict (with --model), or a TorchScript export (with "
-                                    "--classes, --img-size and --trust-pickle: it is a program)", parse=parse_str)
+                                    "or ONNX export, a bare state dict (with --model), or a TorchScript export "
+                                    "(with --classes, --img-size and --trust-pickle: it is a program)",
+                              parse=parse_str)
     source: str | None = opt(None, "what to predict: an image, a folder (recursively, images only), a glob "
                                    "('photos/*.jpg', quoted), a video file (every --vid-stride-th frame), or - "
                                    "for image paths on standard input, one a line", parse=parse_str)
@@ -74,7 +75,8 @@ class PredictConfig:
                            "image's (not for digits or text); said in predictions.csv", choices=("none", "flip"))
     vid_stride: int = opt(1, "for a video: predict every Nth frame", min=1)
     save_images: bool = opt(False, "also write a copy of each image (or video frame) with its top class and "
-                                   "probability drawn on it")
+                                   "probability drawn on it, and for several images contact sheets (grids of "
+                                   "them)")
     json: bool = opt(False, "print one JSON object per image to standard output (messages go to stderr)")
     project: str = opt("runs/predict", "folder that holds the prediction runs")
     name: str = opt("exp", "run name; exp, exp2, exp3, ... if it exists", parse=folder_name)

@@ -1,7 +1,8 @@
 """Run state: the files that hold a run (runs.LAST, runs.BEST), saved atomically, loaded safely.
 
-(Activation checkpointing, the other meaning of "checkpoint", is dlenv.models.) Rebuilding a model from
-one of these files is `dlenv.models.model_from_checkpoint`.
+(Activation checkpointing, the other meaning of "checkpoint", is dlenv.models.) Opening a trained model
+from one of these files (or an export) is `dlenv.trained.open_trained`; it lives there, not here, because
+rebuilding the model needs dlenv.models, which reads files through this module.
 
 A dlenv checkpoint is a dict of tensors and plain types only: dlenv.weights' allowlist passes it and
 dlenv.torchfile builds its tensors from the bytes judged (torch.load never reads it), so it loads on any
@@ -14,6 +15,7 @@ gives is bounded (`check_entries`):
     model         state dict of the bare model (torchvision key names: no "module." or wrapper prefixes)
     model_name    torchvision model name, e.g. "resnet50", or a model of your own, "models/net.py:build"
     model_source  of a model of your own: {"ref", "sha256", "args", "file"} (dlenv.usermodel); else None
+    widths        of a channel-pruned model: {layer name: its widths} (dlenv.shrink); absent otherwise
     num_classes   int
     class_names   list[str]
     img_size      int
@@ -160,6 +162,8 @@ def _save_safetensors(state: dict[str, Any], path: Path) -> Path:
             "config": json.dumps(state.get("config") or {}, default=str)}
     if state.get("model_source"):
         meta["model_source"] = json.dumps(state["model_source"], default=str)
+    if state.get("widths"):  # a channel-pruned model (dlenv.shrink)
+        meta["widths"] = json.dumps(state["widths"])
     return weights.save_safetensors(state["model"], path, meta)
 
 
@@ -186,6 +190,8 @@ def _from_safetensors(path: Path) -> dict[str, Any]:
                 "img_size": count("img_size"), "config": json.loads(meta.get("config") or "{}")}
         if meta.get("model_source"):
             ckpt["model_source"] = json.loads(meta["model_source"])
+        if meta.get("widths"):
+            ckpt["widths"] = json.loads(meta["widths"])
     except (KeyError, ValueError) as e:
         raise UserError(f"{printable(str(path))}: its dlenv metadata is incomplete or malformed "
                         f"({printable(str(e))[:80]}); load it as a bare state dict with --model NAME, or export "
@@ -303,7 +309,7 @@ def check_entries(ckpt: Any, path: str | Path) -> None:
     Checks what the loaders read, each number within its bound (the module's MAX_*): num_classes,
     class_names (as many as num_classes), img_size, model_name, epoch, step, batch_in_epoch, world_size,
     best_metric and train_state. The saved training options' values are checked by
-    dlenv.evaluate.check_saved_options (it needs dlenv.config, which this module must not import: config ->
+    dlenv.trained.check_saved_options (it needs dlenv.config, which this module must not import: config ->
     pretrained -> runstate), model_source's content by dlenv.modelsource. Anything other than a dlenv
     checkpoint passes unchecked (its tensors are bounded by the bytes the file holds). Raises UserError
     naming the file, the entry and the bound.

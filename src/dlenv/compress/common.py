@@ -1,10 +1,11 @@
 """What dlenv.compress works on and how it measures it.
 
-A command starts from a `Source`: a dlenv checkpoint with the model rebuilt from it, its class names
-and image size. Data for re-validation comes from `--data` or the data the checkpoint was trained on
-(the same rules as `dlenv val`). The measurements are the ones every compress report prints:
-top-1 on that data, serialized size raw and zipped (zip deflate, as a download or an artifact store
-would compress it), and median CPU latency of one image.
+A command starts from a dlenv checkpoint opened by dlenv.trained.open_trained (`open_checkpoint`): the
+model rebuilt from it, its class names, image size and preprocessing. Data for re-validation comes
+from `--data` or the data the checkpoint was trained on (the same rules as `dlenv val`). The
+measurements are the ones every compress report prints: top-1 on that data, parameters, serialized
+size raw and zipped (zip deflate, as a download or an artifact store would compress it), and the
+median CPU latency of one image with its spread (and the GPU's, where there is one).
 """
 
 from __future__ import annotations
@@ -16,79 +17,37 @@ import statistics
 import time
 import zipfile
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from dlenv import compat
 from dlenv.errors import UserError
+from dlenv.trained import Trained
+from dlenv.weights import SAFE, LoadPolicy
 
 
-@dataclasses.dataclass
-class Source:
-    """A loaded checkpoint: its path, the raw dict, the rebuilt float model (CPU, eval mode), its
-    class names and image size."""
+def open_checkpoint(weights: str | None, verb: str, policy: LoadPolicy = SAFE, model: str | None = None) -> Trained:
+    """The dlenv checkpoint `weights` (--weights) names, opened by dlenv.trained.open_trained (model on the
+    CPU, in eval mode) under `policy` (--trust-pickle); `model` is --model (a model of your own named again).
 
-    path: Path
-    ckpt: dict
-    model: torch.nn.Module
-    class_names: list[str]
-    img_size: int
-
-
-def policy(cfg: Any) -> Any:
-    """The load policy a command's options ask for (dlenv.weights.LoadPolicy: --trust-pickle)."""
-    from dlenv.weights import LoadPolicy
-
-    return LoadPolicy.of(cfg)
-
-
-def load_source(weights: str | None, verb: str, model: str | None = None, load_policy: Any = None) -> Source:
-    """Load `weights` as a dlenv checkpoint and rebuild its model.
-
-    Raises UserError when --weights is missing, the file is missing/corrupt/unsafe, it is a bare
-    state dict or a checkpoint without class names, or the weights don't fit the architecture.
-    `model` is --model: a model of your own named again (see dlenv.modelsource's rule);
-    `load_policy` what --trust-pickle allows (dlenv.weights.LoadPolicy; None: the allowlist only).
+    Raises UserError when --weights is missing, the file is missing/corrupt/unsafe, it is not a dlenv
+    checkpoint (a bare state dict, an export: no class names or image size to re-validate with), or the
+    weights don't fit the architecture.
     """
-    from dlenv.evaluate import check_saved_options
-    from dlenv.models import model_from_checkpoint
     from dlenv.runs import BEST
-    from dlenv.runstate import is_bare_state_dict, is_dlenv_checkpoint, load_checkpoint
-    from dlenv.weights import SAFE
+    from dlenv.trained import CHECKPOINT, open_trained
 
     if not weights:
         raise UserError(f"--weights is required: the checkpoint to {verb} (e.g. runs/exp/{BEST})")
-    path = Path(weights)
-    ckpt = load_checkpoint(path, load_policy or SAFE)
-    check_saved_options(ckpt, path)
-    if not is_dlenv_checkpoint(ckpt):
-        what = "a bare state dict" if is_bare_state_dict(ckpt) else "not a dlenv checkpoint"
-        raise UserError(f"{path} is {what}, without class names or image size; {verb} needs a checkpoint "
-                        "written by `invoke train` (best_model.pth or last.pth). Make one with "
-                        f"invoke train --weights {path} --model NAME --data FOLDER --epochs 1")
-    names = ckpt.get("class_names")
-    if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names):
-        raise UserError(f"{path} has no class names (its 'class_names' entry is missing or empty); "
-                        f"{verb} re-validates by class, so use a checkpoint written by `invoke train`")
-    if len(names) != int(ckpt.get("num_classes", len(names))):
-        raise UserError(f"{path} lists {len(names)} class names for a {ckpt['num_classes']}-class model; "
-                        "the checkpoint is inconsistent, use another one")
-    model, class_names, img_size = model_from_checkpoint(ckpt, model, source=str(path))
-    if not img_size:
-        img_size = 224
-        print(f"image size: 224 ({path} does not say)")
-    return Source(path, ckpt, model.cpu().eval(), list(class_names), int(img_size))
+    return open_trained(weights, policy, model, kinds=(CHECKPOINT,), verb=verb)
 
 
-def _val_data(data: str | None, src: Source) -> tuple[Path, list[tuple[str, int]]]:
+def _val_data(data: str | None, src: Trained) -> tuple[Path, list[tuple[str, int]]]:
     """(root, samples) to measure on, with labels in the checkpoint's class order (as `dlenv val`)."""
     from dlenv.evaluate import match_classes, resolve_data
 
-    # (root, samples, classes[, what]): the same choice of data as `dlenv val` makes
-    found = resolve_data(SimpleNamespace(data=data), src.ckpt)
-    root, samples, classes = found[0], found[1], found[2]
+    root, samples, classes, _ = resolve_data(data, src.ckpt)  # the same choice of data as `dlenv val` makes
     remap = match_classes(list(classes), src.class_names, False, root)
     samples = [(p, remap[i]) for p, i in samples]
     if not samples:
@@ -96,20 +55,19 @@ def _val_data(data: str | None, src: Source) -> tuple[Path, list[tuple[str, int]
     return Path(root), samples
 
 
-def eval_loader(data: str | None, src: Source, batch_size: int, workers: int | str) -> tuple[Path, Any]:
+def eval_loader(data: str | None, src: Trained, batch_size: int, workers: int | str) -> tuple[Path, Any]:
     """(root, loader) over the images to re-validate on: --data, else the checkpoint's own val data.
 
     Raises UserError when neither is there or its classes differ from the checkpoint's.
     """
-    from dlenv import pretrained
     from dlenv.data.loaders import build_eval_loader
 
     root, samples = _val_data(data, src)
-    return root, build_eval_loader(samples, src.img_size, batch_size, workers, norm=pretrained.norm_of(src.ckpt),
-                                   interpolation=pretrained.interpolation_of(src.ckpt))
+    return root, build_eval_loader(samples, src.img_size, batch_size, workers, norm=src.norm,
+                                   interpolation=src.interpolation)
 
 
-def train_layout(src: Source) -> Any:
+def train_layout(src: Trained) -> Any:
     """The training split of the data the checkpoint was trained on, labels in its class order.
 
     Returns a dlenv.data.folder.Layout with an empty val split (for fine-tuning). Raises UserError
@@ -118,8 +76,8 @@ def train_layout(src: Source) -> Any:
     from dlenv.data.folder import find_layout
     from dlenv.evaluate import match_classes, resolve_data
 
-    train_cfg = src.ckpt.get("config") if isinstance(src.ckpt.get("config"), dict) else {}
-    root = Path(resolve_data(SimpleNamespace(data=None), src.ckpt)[0])
+    train_cfg = src.config
+    root = Path(resolve_data(None, src.ckpt)[0])
     layout = find_layout(root, val_split=float(train_cfg.get("val_split", 0.2)),
                          seed=int(train_cfg.get("seed", 0)))
     remap = match_classes(list(layout.classes), src.class_names, False, root)
@@ -127,7 +85,7 @@ def train_layout(src: Source) -> Any:
     if not train:
         raise UserError(f"no training images in {root}; fine-tuning needs the data the checkpoint was "
                         "trained on")
-    return dataclasses.replace(layout, classes=list(src.class_names), train=train, val=[], test=[])
+    return dataclasses.replace(layout, classes=src.class_names, train=train, val=[], test=[])
 
 
 def top1(model: torch.nn.Module, loader: Any, device: torch.device | str, class_names: list[str]) -> float:
@@ -235,6 +193,50 @@ def cpu_latencies(models: list[Any], img_size: int, batch: int = 1, min_runs: in
                 m(x)
                 ts.append(time.perf_counter() - t0)
     return [Latency.of(ts) for ts in times]
+
+
+def gpu_latencies(models: list[Any], img_size: int, batch: int = 1, runs: int = 50) -> list[Latency]:
+    """Each model's forward time on the GPU for `batch` images (CUDA events, after warm-up, the models taking
+    turns), timed on float copies moved to the GPU. Call only where torch.cuda.is_available()."""
+    x = torch.randn(batch, 3, img_size, img_size, device="cuda")
+    copies = [copy.deepcopy(m).float().cuda().eval() for m in models]
+    times: list[list[float]] = [[] for _ in copies]
+    with torch.no_grad():
+        for m in copies:
+            for _ in range(5):
+                m(x)
+        torch.cuda.synchronize()
+        for _ in range(runs):
+            for m, ts in zip(copies, times, strict=True):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                m(x)
+                end.record()
+                end.synchronize()
+                ts.append(start.elapsed_time(end) / 1000)
+    del copies
+    torch.cuda.empty_cache()
+    return [Latency.of(ts) for ts in times]
+
+
+def count_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def compare_table(dense: torch.nn.Module, pruned: torch.nn.Module, img_size: int, top1: list[float]) -> str:
+    """The before/after table of a pruned model (both on the CPU): top-1, parameters, weights raw and
+    zipped, CPU latency and, where there is a GPU, GPU latency; then the latency note."""
+    sizes = [saved_sizes(m.state_dict()) for m in (dense, pruned)]
+    lat = cpu_latencies([dense, pruned], img_size)
+    rows = [["top-1 (%)", f"{top1[0]:.2f}", f"{top1[1]:.2f}"],
+            ["parameters", f"{count_params(dense):,}", f"{count_params(pruned):,}"],
+            ["weights (.pth)", mib(sizes[0][0]), mib(sizes[1][0])],
+            ["weights zipped", mib(sizes[0][1]), mib(sizes[1][1])],
+            ["CPU latency, 1 image", str(lat[0]), str(lat[1])]]
+    if torch.cuda.is_available():
+        gpu = gpu_latencies([dense, pruned], img_size)
+        rows.append(["GPU latency, 1 image", str(gpu[0]), str(gpu[1])])
+    return table(["", "before", "after"], rows) + "\n" + latency_note(lat, img_size)
 
 
 def latency_note(lat: list[Latency], img_size: int) -> str:

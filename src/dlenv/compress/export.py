@@ -1,12 +1,14 @@
 """`dlenv export`: a checkpoint to ONNX or TorchScript (float32, fp16 or int8), checked against PyTorch.
 
 The model is rebuilt from the checkpoint alone. Files have a dynamic batch axis (traced with one
-image, checked with a whole batch). After writing, the file is loaded back and run on real images
-from `--data` (or the checkpoint's own val data; random input only when there is none, and the
-report says so), and the largest absolute difference from PyTorch's output is reported:
+image, checked with a whole batch). The file is written to a temporary name, loaded back and run on
+real images from `--data` (or the checkpoint's own val data; random input only when there is none,
+and the report says so); the largest absolute difference from PyTorch's output and the share of equal
+top-1 classes are reported, and only a file within `tolerance` is renamed into place:
 
-    onnx         onnxruntime when it is installed; else the ONNX checker validates the file and the
-                 TorchScript trace the exporter is built on is compared instead
+    onnx         onnxruntime (in requirements.txt); the file also carries the class names, image size,
+                 normalisation and resampling as metadata (dlenv.onnxmodel), so `dlenv predict` runs it
+                 with nothing else given
     torchscript  torch.jit.load of the written file
 
 `--half` exports fp16 for GPU inference (needs CUDA). `--quantize dynamic|static` converts to int8
@@ -17,7 +19,6 @@ ONNX reliably (quantize the float ONNX file with onnxruntime's tools instead).
 
 from __future__ import annotations
 
-import importlib.util
 import io
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,11 @@ from typing import Any
 import torch
 
 from dlenv import compat
-from dlenv.atomic import check_output, write_atomic, write_bytes
+from dlenv.atomic import check_output, write_atomic
 from dlenv.compress import common, quantize
 from dlenv.errors import UserError
+from dlenv.trained import Trained
+from dlenv.weights import LoadPolicy
 
 _SUFFIX = {"onnx": ".onnx", "torchscript": ".torchscript.pt", "safetensors": ".safetensors"}
 
@@ -52,6 +55,11 @@ def _check_options(cfg: Any) -> None:
         reason = compat.onnx_export_unavailable()
         if reason:
             raise UserError(f"--format onnx: {reason}")
+        import importlib.util
+
+        if importlib.util.find_spec("onnxruntime") is None:
+            raise UserError("--format onnx runs the exported file with onnxruntime to check it, and onnxruntime "
+                            "is not installed (it is in requirements.txt: pip install -r requirements.txt)")
 
 
 def output_path(cfg: Any, src_path: Path) -> Path:
@@ -66,7 +74,7 @@ def output_path(cfg: Any, src_path: Path) -> Path:
     return out
 
 
-def _check_inputs(cfg: Any, src: common.Source) -> tuple[torch.Tensor, Any, str]:
+def _check_inputs(cfg: Any, src: Trained) -> tuple[torch.Tensor, Any, str]:
     """(images, loader or None, description) to check and calibrate with."""
     try:
         root, loader = common.eval_loader(cfg.data, src, cfg.batch_size, cfg.workers)
@@ -80,41 +88,30 @@ def _check_inputs(cfg: Any, src: common.Source) -> tuple[torch.Tensor, Any, str]
     return images, loader, f"{len(images)} real images from {root}"
 
 
-def run_exported(path: Path, fmt: str, inputs: torch.Tensor, device: torch.device,
-                 model: torch.nn.Module, example: torch.Tensor) -> tuple[torch.Tensor, str]:
-    """Outputs of the exported file on `inputs` (float32 CPU) and how they were obtained.
-
-    ONNX: onnxruntime when installed (CUDA provider for fp16 where it has one). Without it, or when
-    it cannot run the file, onnx.checker validates the file and the TorchScript trace of `model` is
-    run instead.
-    """
+def run_exported(path: Path, fmt: str, inputs: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, str]:
+    """Outputs of the exported file at `path` on `inputs` (float32 CPU) and what ran them: torch.jit.load
+    for TorchScript, onnxruntime for ONNX (its CUDA provider for a file on a GPU where it has one).
+    Raises UserError when the file cannot be run (nothing is then written in its place)."""
     if fmt == "torchscript":
         loaded = compat.jit_load(path, map_location=device)
         with torch.no_grad():
             return loaded(inputs).float().cpu(), "TorchScript (torch.jit.load of the file)"
-    note = "onnxruntime not installed"
-    if importlib.util.find_spec("onnxruntime") is not None:
-        import onnxruntime as ort
+    import onnxruntime as ort
 
-        providers = ["CPUExecutionProvider"]
-        if device.type == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
-            providers.insert(0, "CUDAExecutionProvider")
-        try:
-            sess = ort.InferenceSession(str(path), providers=providers)
-            out = sess.run(None, {sess.get_inputs()[0].name: inputs.cpu().numpy()})[0]
-            return torch.from_numpy(out).float(), f"onnxruntime {ort.__version__} ({providers[0]})"
-        except Exception as e:  # e.g. no fp16 kernel on the CPU provider: fall back, and say why
-            note = f"onnxruntime could not run it: {str(e).strip().splitlines()[0][:120]}"
-    import onnx
+    from dlenv import onnxmodel
 
-    onnx.checker.check_model(str(path))
-    traced = compat.jit_trace(model, example)
-    with torch.no_grad():
-        out = traced(inputs).float().cpu()
-    return out, f"ONNX checker passed + TorchScript trace comparison ({note})"
+    try:
+        sess = onnxmodel.session(path, device)
+        with torch.no_grad():
+            out = onnxmodel.OnnxModule(sess)(inputs)
+    except Exception as e:  # e.g. an fp16 graph on a CPU provider without fp16 kernels
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise UserError(f"onnxruntime {ort.__version__} could not run the exported file ({first}), so it is not "
+                        "checked and was not written; export float32 (drop --half), or another --opset") from None
+    return out.float().cpu(), f"onnxruntime {ort.__version__} ({sess.get_providers()[0]})"
 
 
-def _quantize(cfg: Any, src: common.Source, loader: Any, example: torch.Tensor) -> torch.nn.Module:
+def _quantize(cfg: Any, src: Trained, loader: Any, example: torch.Tensor) -> torch.nn.Module:
     """The int8 model, after printing the float-vs-int8 table (top-1, TorchScript size, CPU latency)."""
     model = src.model
     if cfg.quantize == "dynamic":
@@ -147,13 +144,14 @@ def tolerance(ref: torch.Tensor, half: bool) -> float:
 def main(cfg: Any) -> int:
     """`dlenv export`: write cfg.weights as ONNX or TorchScript and check it against PyTorch.
 
-    Returns 0 when the exported outputs agree within `tolerance`, 1 when they don't (the file is
-    kept for inspection). Raises UserError for incompatible options (--half without CUDA, int8 ONNX),
-    a checkpoint that is missing or has no class names, a model static quantization cannot handle,
-    or an environment that cannot export ONNX.
+    Returns 0 when the exported outputs agree within `tolerance` (safetensors: 1 when reading it back
+    differs). Raises UserError for incompatible options (--half without CUDA, int8 ONNX), a checkpoint
+    that is missing or has no class names, a model static quantization cannot handle, an environment
+    that cannot export or run ONNX, and an exported file that disagrees with PyTorch or cannot be run
+    (then nothing is written: whatever was at the output path stays).
     """
     _check_options(cfg)
-    src = common.load_source(cfg.weights, "export", cfg.model, common.policy(cfg))
+    src = common.open_checkpoint(cfg.weights, "export", LoadPolicy.of(cfg), cfg.model)
     out = output_path(cfg, src.path)
     if cfg.format == "safetensors":  # weights, not a program: written, read back, compared (dlenv.runstate)
         from dlenv import runstate
@@ -171,27 +169,40 @@ def main(cfg: Any) -> int:
         model = model.half().to(device)
         inputs, example = inputs.half().to(device), example.half().to(device)
 
-    if cfg.format == "torchscript":
-        traced = compat.jit_trace(model, example)
-        buf = io.BytesIO()  # torch.jit.save to a path ends the process when the disk fills (1.13)
-        compat.jit_save(traced, buf)
-        write_bytes(out, buf.getvalue())
-    else:
-        write_atomic(out, lambda p: compat.onnx_export(model, example, p, cfg.opset))
-
     with torch.no_grad():
         ref = model(inputs).float().cpu()
-    got, how = run_exported(out, cfg.format, inputs, device, model, example)
-    diff = float((got - ref).abs().max())
     tol = tolerance(ref, cfg.half)
-    agree = float((got.argmax(1) == ref.argmax(1)).float().mean() * 100)
+    checked: dict[str, Any] = {}
+
+    def write_and_check(tmp: Path) -> None:
+        """The file, written to `tmp` and run against PyTorch; a file that disagrees is never renamed to
+        `out` (write_atomic removes it and leaves what was there)."""
+        if cfg.format == "torchscript":
+            buf = io.BytesIO()  # torch.jit.save to a path ends the process when the disk fills (1.13)
+            compat.jit_save(compat.jit_trace(model, example), buf)
+            tmp.write_bytes(buf.getvalue())
+        else:
+            from dlenv import onnxmodel
+
+            compat.onnx_export(model, example, tmp, cfg.opset)
+            onnxmodel.write_metadata(tmp, onnxmodel.metadata(list(src.class_names), src.img_size, src.norm,
+                                                             src.interpolation))
+        got, how = run_exported(tmp, cfg.format, inputs, device)
+        diff = float((got - ref).abs().max())
+        agree = float((got.argmax(1) == ref.argmax(1)).float().mean() * 100)
+        if not diff <= tol:  # NaN too
+            raise UserError(f"the exported {cfg.format} file disagrees with PyTorch on {described} (via {how}): "
+                            f"largest |difference| {diff:.3g} > tolerance {tol:.2g}, same top-1 class for "
+                            f"{agree:.1f}%; it was not written to {out}. Try another --opset, or --format "
+                            "torchscript") from None
+        checked.update(how=how, diff=diff, agree=agree)
+
+    write_atomic(out, write_and_check)
     raw, zipped = common.file_sizes(out)
     dtype = "fp16" if cfg.half else (f"int8 {cfg.quantize}" if cfg.quantize != "none" else "float32")
-    print(f"wrote {out} ({cfg.format}, {dtype}, dynamic batch; {common.mib(raw)}, zipped {common.mib(zipped)})")
-    print(f"check on {described} via {how}: largest |difference| from PyTorch {diff:.3g} "
-          f"(tolerance {tol:.2g}), same top-1 class for {agree:.1f}%")
-    if diff > tol:
-        print(f"the exported model's outputs differ from PyTorch's by more than {tol:.2g}; {out} is kept "
-              "for inspection, do not deploy it unchecked")
-        return 1
+    described_file = "class names, image size and normalisation in its metadata; " if cfg.format == "onnx" else ""
+    print(f"wrote {out} ({cfg.format}, {dtype}, dynamic batch; {described_file}{common.mib(raw)}, zipped "
+          f"{common.mib(zipped)})")
+    print(f"check on {described} via {checked['how']}: largest |difference| from PyTorch {checked['diff']:.3g} "
+          f"(tolerance {tol:.2g}), same top-1 class for {checked['agree']:.1f}%")
     return 0

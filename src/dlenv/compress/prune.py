@@ -1,21 +1,23 @@
-"""`dlenv prune`: magnitude pruning of conv and linear weights, made permanent and re-validated.
+"""`dlenv prune`: pruning a trained checkpoint, re-validated, with what it bought measured.
 
 Unstructured (default): `torch.nn.utils.prune.global_unstructured` with L1 ranks |w| across all conv
 and linear weights at once and zeroes the smallest `amount` of them, so layers lose different shares
-(the report lists each). Structured (`--structured`): `ln_structured(n=2, dim=0)` zeroes the
-`amount` of each conv layer's output channels with the smallest L2 norm; the classifier is left
-alone, since its output rows are the classes.
+(the report lists each). The zeros are stored in dense tensors of the same shape: the file, the memory
+and the time of a forward stay the same until the weights are stored sparse; only the zipped file
+shrinks. The report says so in one line.
 
-What it buys, honestly: the zeros are stored in dense tensors of the same shape, so the model uses
-the same memory and dense GPU/CPU kernels take the same time. Unstructured sparsity shows in the
-*zipped* file size; zeroed channels would only speed things up if they were physically removed
-(a different architecture, which this command does not write: the result is a checkpoint like any
-other, loadable by `dlenv val`, `dlenv export` and `invoke train --weights`). The report measures
-size and CPU latency instead of claiming them.
+Structured (`--structured`): whole channels are removed, following the model's dependencies
+(dlenv.compress.channels, Torch-Pruning), until about `amount` of the parameters are gone. The model
+really is smaller and faster; its checkpoint records the new layer widths (dlenv.shrink), so `val`,
+`predict` and `export` rebuild it from the architecture's name and those numbers (never from code in the
+file). Before writing, the checkpoint is rebuilt that way and must give the pruned model's outputs.
 
-`--finetune-epochs N` trains the pruned model on the checkpoint's training data with the pruning
-masks still attached (the weight is recomputed as weight_orig * mask on every forward, so pruned
-weights stay exactly zero), then makes the pruning permanent.
+`--finetune-epochs N` trains the pruned model on the checkpoint's training data through the trainer's
+own step (dlenv.step.train_step). Unstructured pruning keeps its masks attached meanwhile (the weight is
+weight_orig * mask on every forward, so pruned weights stay exactly zero), then makes them permanent.
+
+The report: top-1, parameters, file size (raw and zipped), CPU latency (median, p10-p90) and, on a
+machine with a GPU, GPU latency, before and after.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch.nn.utils import prune as tprune
 from dlenv.atomic import check_output
 from dlenv.compress import common
 from dlenv.errors import UserError
+from dlenv.weights import LoadPolicy
 
 #: Layer types whose `weight` is pruned.
 PRUNABLE = (nn.modules.conv._ConvNd, nn.Linear)
@@ -38,37 +41,29 @@ PRUNABLE = (nn.modules.conv._ConvNd, nn.Linear)
 def check_amount(amount: float) -> float:
     """Return `amount` if it lies strictly between 0 and 1; else raise UserError naming it."""
     if not 0.0 < float(amount) < 1.0:
-        raise UserError(f"--amount {amount} is outside (0, 1): it is the fraction of weights (or channels) "
-                        "to remove, e.g. --amount 0.3")
+        raise UserError(f"--amount {amount} is outside (0, 1): it is the share of the weights to remove (single "
+                        "weights, or whole channels with --structured), e.g. --amount 0.3")
     return float(amount)
 
 
-def prunable_layers(model: nn.Module, conv_only: bool = False) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every conv (and, unless conv_only, linear) layer with a weight, in model order."""
-    kinds = (nn.modules.conv._ConvNd,) if conv_only else PRUNABLE
+def prunable_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every conv and linear layer with a weight, in model order."""
     return [(n, m) for n, m in model.named_modules()
-            if isinstance(m, kinds) and isinstance(getattr(m, "weight", None), torch.Tensor)]
+            if isinstance(m, PRUNABLE) and isinstance(getattr(m, "weight", None), torch.Tensor)]
 
 
-def apply_pruning(model: nn.Module, amount: float, structured: bool = False) -> list[tuple[str, nn.Module]]:
-    """Attach pruning masks to `model` in place; returns the pruned (name, module) pairs.
-
-    Unstructured: global L1 over all conv and linear weights (exactly round(amount * total) weights
-    are zeroed). Structured: per conv layer, round(amount * out_channels) output channels by L2
-    norm. The masks stay attached (weight = weight_orig * weight_mask) until `make_permanent`.
-    Raises UserError for an amount outside (0, 1) or a model without such layers.
+def apply_pruning(model: nn.Module, amount: float) -> list[tuple[str, nn.Module]]:
+    """Attach global L1 unstructured pruning masks to `model` in place: exactly round(amount * total) of
+    all conv and linear weights are zeroed. Returns the pruned (name, module) pairs; the masks stay
+    attached (weight = weight_orig * weight_mask) until `make_permanent`. Raises UserError for an amount
+    outside (0, 1) or a model without such layers.
     """
     amount = check_amount(amount)
-    layers = prunable_layers(model, conv_only=structured)
+    layers = prunable_layers(model)
     if not layers:
-        kind = "conv" if structured else "conv or linear"
-        raise UserError(f"the model has no {kind} layers to prune")
-    if structured:
-        for _, m in layers:
-            tprune.ln_structured(m, "weight", amount=amount, n=2, dim=0)
-    else:
-        tprune.global_unstructured([(m, "weight") for _, m in layers], pruning_method=tprune.L1Unstructured,
-                                   amount=amount)
+        raise UserError("the model has no conv or linear layers to prune")
+    tprune.global_unstructured([(m, "weight") for _, m in layers], pruning_method=tprune.L1Unstructured,
+                               amount=amount)
     return layers
 
 
@@ -79,28 +74,27 @@ def make_permanent(layers: list[tuple[str, nn.Module]]) -> None:
             tprune.remove(m, "weight")
 
 
-def sparsity(model: nn.Module, conv_only: bool = False) -> tuple[float, list[dict[str, Any]]]:
+def sparsity(model: nn.Module) -> tuple[float, list[dict[str, Any]]]:
     """(global sparsity, per-layer rows) over the prunable weights of `model`, as fractions 0-1.
 
-    Each row: name, shape, params, zeros, sparsity, and channels_zeroed (output channels whose
-    weights are all zero). With masks still attached the effective weight (orig * mask) is counted.
+    Each row: name, shape, params, zeros, sparsity. With masks still attached the effective weight
+    (orig * mask) is counted.
     """
     rows, total, zeros = [], 0, 0
-    for name, m in prunable_layers(model, conv_only):
+    for name, m in prunable_layers(model):
         w = m.weight.detach()
         z = int((w == 0).sum())
-        dead = int((w.reshape(w.shape[0], -1) == 0).all(dim=1).sum())
         rows.append({"name": name, "shape": tuple(w.shape), "params": w.numel(), "zeros": z,
-                     "sparsity": z / w.numel(), "channels_zeroed": dead})
+                     "sparsity": z / w.numel()})
         total += w.numel()
         zeros += z
     return (zeros / total if total else 0.0), rows
 
 
 def finetune(model: nn.Module, loader: Any, device: torch.device, epochs: int, lr: float) -> list[float]:
-    """Train `model` (masks attached) for `epochs` with SGD (momentum 0.9, cosine to 0); returns the
-    mean loss of each epoch. Masked weights stay zero: their gradient is zero and the forward
-    multiplies by the mask anyway."""
+    """Train `model` for `epochs` with SGD (momentum 0.9, cosine to 0) through the trainer's step; returns
+    the mean loss of each epoch. Masked weights (unstructured pruning) stay zero: their gradient is zero and
+    the forward multiplies by the mask anyway."""
     from dlenv.precision import Precision
     from dlenv.step import Parts, train_step
 
@@ -125,11 +119,13 @@ def finetune(model: nn.Module, loader: Any, device: torch.device, epochs: int, l
     return losses
 
 
-def pruned_checkpoint(ckpt: dict[str, Any], model: nn.Module, info: dict[str, Any]) -> dict[str, Any]:
-    """The input checkpoint with the pruned weights: same format, config and class names.
+def pruned_checkpoint(ckpt: dict[str, Any], model: nn.Module, info: dict[str, Any],
+                      widths: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    """The input checkpoint with the pruned weights: same format, config and class names, and for a
+    channel-pruned model the layer `widths` it is rebuilt at (dlenv.shrink).
 
     Optimizer, scaler, scheduler and EMA states described the dense weights, so they are dropped
-    (None): the result is for validation, export, or as --weights of a new training run.
+    (None): the result is for validation, prediction and export.
     """
     from dlenv.runstate import environment
 
@@ -141,6 +137,8 @@ def pruned_checkpoint(ckpt: dict[str, Any], model: nn.Module, info: dict[str, An
     state["best_metric"] = info.get("top1_after")
     state["pruning"] = info
     state["env"] = environment()
+    if widths:
+        state["widths"] = widths
     return state
 
 
@@ -151,89 +149,119 @@ def _output_path(cfg: Any, src_path: Path) -> Path:
     return out
 
 
+def _check_rebuilt(state: dict[str, Any], pruned: nn.Module, example: torch.Tensor, source: str) -> None:
+    """Rebuild the channel-pruned checkpoint as val and predict will (dlenv.models from the name and the
+    widths) and compare its outputs with the pruned model's; raise UserError when they differ."""
+    from dlenv.models import model_from_checkpoint
+
+    rebuilt = model_from_checkpoint(state, source=source)[0].eval()
+    with torch.no_grad():
+        a, b = rebuilt(example), pruned.eval()(example)
+    if not torch.allclose(a, b, atol=1e-4, rtol=1e-4):
+        raise UserError(f"the pruned model rebuilt from its checkpoint gives other outputs (by up to "
+                        f"{float((a - b).abs().max()):.3g}); nothing was written. Prune without --structured")
+
+
+def _structured(src: Any, amount: float) -> tuple[nn.Module, dict[str, Any], dict[str, list[int]]]:
+    """(the channel-pruned copy of src.model, report fields, the widths to record)."""
+    from dlenv import shrink
+    from dlenv.compress import channels
+
+    example = torch.randn(1, 3, src.img_size, src.img_size)
+    dense = src.model.cpu().eval()
+    pruned, ratio = channels.remove_channels(dense, amount, example, len(src.class_names))
+    lost = shrink.unsupported(pruned, dense)
+    if lost:
+        raise UserError(f"pruning channels resized {', '.join(lost[:3])}, a kind of layer dlenv cannot rebuild "
+                        "from a checkpoint; prune without --structured")
+    widths = shrink.widths_of(pruned, dense)
+    print(f"removed {ratio:.1%} of the channels of every layer group ({len(widths)} layers resized)")
+    return pruned, {"channel_ratio": ratio}, widths
+
+
+def _finetune(cfg: Any, src: Any, model: nn.Module, device: torch.device, masks: bool) -> None:
+    from dlenv.data.loaders import build_loaders
+    from dlenv.data.plan import InputPlan
+
+    layout = common.train_layout(src)
+    plan = InputPlan.classic(src.img_size, cfg.batch_size, cfg.workers, seed=int(src.config.get("seed", 0)),
+                             norm=src.norm, interpolation=src.interpolation)
+    train_loader, _ = build_loaders(layout, plan)
+    print(f"fine-tuning {cfg.finetune_epochs} epoch(s) on {len(train_loader.dataset)} training images, "
+          f"lr {cfg.finetune_lr:g}" + (", masks kept" if masks else ""))
+    try:
+        finetune(model, train_loader, device, cfg.finetune_epochs, cfg.finetune_lr)
+    finally:  # its persistent workers, now rather than at a garbage collection (loaders.SafeLoader)
+        close = getattr(train_loader, "close", None)
+        if close is not None:
+            close()
+    model.cpu()
+
+
 def main(cfg: Any) -> int:
     """`dlenv prune`: prune cfg.weights, optionally fine-tune, re-validate, save <stem>_pruned.pth.
 
-    Prints per-layer and global sparsity and a before/after table (top-1, sizes, CPU latency).
-    Returns 0. Raises UserError for an amount outside (0, 1), a checkpoint that is missing or has no
-    class names, data that is missing or has other classes, or a bad --device.
+    Prints per-layer sparsity (unstructured) and a before/after table (top-1, parameters, sizes, CPU and
+    GPU latency). Returns 0. Raises UserError for an amount outside (0, 1), a checkpoint that is missing
+    or has no class names, data that is missing or has other classes, a model whose channels cannot be
+    removed or rebuilt, or a bad --device.
     """
     from dlenv.devices import resolve_device
+    from dlenv.runstate import save_checkpoint
 
     amount = check_amount(cfg.amount)
-    src = common.load_source(cfg.weights, "prune", cfg.model, common.policy(cfg))
+    src = common.open_checkpoint(cfg.weights, "prune", LoadPolicy.of(cfg), cfg.model)
     out = _output_path(cfg, src.path)
     device = resolve_device(cfg.device)
     root, loader = common.eval_loader(cfg.data, src, cfg.batch_size, cfg.workers)
-    train_loader = None
     if cfg.finetune_epochs:
-        from dlenv.data.loaders import build_loaders
-        from dlenv.data.plan import InputPlan
+        common.train_layout(src)  # its data must be here before anything is pruned
 
-        layout = common.train_layout(src)
-        seed = int((src.ckpt.get("config") or {}).get("seed", 0))
-        train_loader, _ = build_loaders(layout, InputPlan.classic(src.img_size, cfg.batch_size, cfg.workers, seed=seed))
-
-    model = src.model
-    kind = "channel (L2, conv layers)" if cfg.structured else "global L1 unstructured (conv + linear)"
+    kind = ("channels removed (L2, following the model's dependencies)" if cfg.structured
+            else "global L1 unstructured (conv + linear)")
     print(f"pruning {src.path}: {kind}, amount {amount:g}; validating on {root} ({device})")
-    before = {"top1": common.top1(model, loader, device, src.class_names)}
-    before["size"] = common.saved_sizes(model.state_dict())
-    dense = common.cpu_copy(model)  # timed beside the pruned model at the end, turn about
-
-    model.cpu()
-    layers = apply_pruning(model, amount, cfg.structured)
-    if train_loader is not None:
-        print(f"fine-tuning {cfg.finetune_epochs} epoch(s) on {len(train_loader.dataset)} training images, "
-              f"lr {cfg.finetune_lr:g}, masks kept")
-        try:
-            finetune(model, train_loader, device, cfg.finetune_epochs, cfg.finetune_lr)
-        finally:  # its persistent workers, now rather than at a garbage collection (loaders.SafeLoader)
-            close = getattr(train_loader, "close", None)
-            if close is not None:
-                close()
-    model.cpu()
-    make_permanent(layers)
+    dense = common.cpu_copy(src.model)  # timed beside the pruned model at the end, turn about
+    before = {"top1": common.top1(src.model, loader, device, src.class_names)}
+    info: dict[str, Any] = {}
+    widths = None
+    rows: list[dict[str, Any]] = []
+    if cfg.structured:
+        model, info, widths = _structured(src, amount)
+        if cfg.finetune_epochs:
+            _finetune(cfg, src, model, device, masks=False)
+    else:
+        model = src.model.cpu()
+        layers = apply_pruning(model, amount)
+        if cfg.finetune_epochs:
+            _finetune(cfg, src, model, device, masks=True)
+        make_permanent(layers)
+        info["sparsity"], rows = sparsity(model)
     model.eval()
-
-    g, rows = sparsity(model, conv_only=cfg.structured)
     after = {"top1": common.top1(model, loader, device, src.class_names)}
     model.cpu()
-    after["size"] = common.saved_sizes(model.state_dict())
-    before["latency"], after["latency"] = common.cpu_latencies([dense, common.cpu_copy(model)], src.img_size)
-
-    info = {"amount": amount, "structured": bool(cfg.structured), "sparsity": g,
-            "finetune_epochs": int(cfg.finetune_epochs), "source": str(src.path),
-            "top1_before": before["top1"], "top1_after": after["top1"]}
-    state = pruned_checkpoint(src.ckpt, model, info)
-    from dlenv.runstate import save_checkpoint
-
+    info.update({"amount": amount, "structured": bool(cfg.structured), "finetune_epochs": int(cfg.finetune_epochs),
+                 "source": str(src.path), "top1_before": before["top1"], "top1_after": after["top1"],
+                 "params_before": common.count_params(dense), "params_after": common.count_params(model)})
+    state = pruned_checkpoint(src.ckpt, model, info, widths)
+    if widths:
+        _check_rebuilt(state, model, torch.randn(2, 3, src.img_size, src.img_size), str(out))
     save_checkpoint(state, out)
     file_raw, file_zip = common.file_sizes(out)
 
-    print(_layer_table(rows, cfg.structured))
-    what = "conv weights" if cfg.structured else "conv + linear weights"
-    print(f"\nglobal sparsity: {g * 100:.2f}% of {sum(r['params'] for r in rows):,} {what}")
-    print(common.table(["", "dense", "pruned"], [
-        ["top-1 (%)", f"{before['top1']:.2f}", f"{after['top1']:.2f}"],
-        ["weights (.pth)", common.mib(before["size"][0]), common.mib(after["size"][0])],
-        ["weights zipped", common.mib(before["size"][1]), common.mib(after["size"][1])],
-        ["CPU latency, 1 image", str(before["latency"]), str(after["latency"])],
-    ]))
-    print(common.latency_note([before["latency"], after["latency"]], src.img_size))
-    print("note: zeroed weights are still stored and multiplied in dense tensors; expect the zipped size "
-          "to shrink, not the raw size, memory or latency" +
-          (" (channels would have to be removed from the architecture to run faster)" if cfg.structured else ""))
+    if rows:
+        print(_layer_table(rows))
+        print(f"\nglobal sparsity: {info['sparsity'] * 100:.2f}% of {sum(r['params'] for r in rows):,} "
+              "conv + linear weights")
+    print(common.compare_table(dense, model, src.img_size, [before["top1"], after["top1"]]))
+    if not cfg.structured:
+        print("note: unstructured pruning saves nothing until the weights are stored sparse: the zeros sit in "
+              "dense tensors, so the file, memory and latency stay the same (only the zipped size shrinks); "
+              "--structured removes whole channels")
     print(f"\nwrote {out} ({common.mib(file_raw)}, zipped {common.mib(file_zip)})")
     return 0
 
 
-def _layer_table(rows: list[dict[str, Any]], structured: bool) -> str:
-    headers = ["layer", "shape", "weights", "sparsity"] + (["channels zeroed"] if structured else [])
-    body = []
-    for r in rows:
-        line = [r["name"], "x".join(map(str, r["shape"])), f"{r['params']:,}", f"{r['sparsity'] * 100:.1f}%"]
-        if structured:
-            line.append(f"{r['channels_zeroed']}/{r['shape'][0]}")
-        body.append(line)
-    return common.table(headers, body)
+def _layer_table(rows: list[dict[str, Any]]) -> str:
+    body = [[r["name"], "x".join(map(str, r["shape"])), f"{r['params']:,}", f"{r['sparsity'] * 100:.1f}%"]
+            for r in rows]
+    return common.table(["layer", "shape", "weights", "sparsity"], body)
