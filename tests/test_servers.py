@@ -200,6 +200,7 @@ def test_dlenv_lab_makes_private_folders_when_home_is_not_writable(execs, monkey
 
 def test_dlenv_tensorboard_becomes_tensorboard_on_the_runs(execs, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DLENV_IMAGE", raising=False)  # outside the image (this test runs inside it too)
     port = free_port()
     assert cli.main(["tensorboard", "--port", str(port)]) == 0
     (path, argv, _), = execs
