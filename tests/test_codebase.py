@@ -133,6 +133,29 @@ def test_no_source_file_is_over_the_limit():
     assert not long, f"modules over {MAX_LINES} lines (split them by job): {long}"
 
 
+#: the most parameters a function of the input path and the trainer takes (self and cls counted): more is a
+#: plan broken into loose arguments at a boundary, the shape issue 35 did away with
+MAX_PARAMETERS = 8
+
+
+def parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = fn.args
+    return len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+@pytest.mark.parametrize("folder", ["data", "train"])
+def test_no_function_of_the_input_path_or_the_trainer_takes_more_than_8_parameters(folder):
+    many = {f"{p.relative_to(SRC)}:{fn.lineno} {fn.name}": n for p in sorted((PACKAGE / folder).rglob("*.py"))
+            for fn in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and (n := parameters(fn)) > MAX_PARAMETERS}
+    assert not many, f"over {MAX_PARAMETERS} parameters (pass the plan, or group what travels together): {many}"
+
+
+def test_the_parameter_count_counts_every_kind():
+    fn = ast.parse("def f(self, a, /, b, *args, c, **kw): pass").body[0]
+    assert parameters(fn) == 6
+
+
 @pytest.mark.parametrize("graph,expected", [
     ({"a": {"b"}, "b": {"a"}}, [["a", "b"]]),
     ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c"]]),

@@ -65,14 +65,14 @@ def test_build_for_synthetic_data():
 
 
 def test_no_hflip_reaches_both_augmentation_paths():
-    from dlenv.data.gpu_aug import GpuAugment
+    from dlenv.data.gpu_aug import Crops, GpuAugment
     from dlenv.data.loaders import build_transforms
 
     names = [type(t).__name__ for t in build_transforms(16, True, hflip=False).transforms]
     assert "RandomHorizontalFlip" not in names and "RandomResizedCrop" in names
     assert "RandomHorizontalFlip" in [type(t).__name__ for t in build_transforms(16, True).transforms]
     sizes = torch.tensor([[20, 20]] * 64)
-    assert GpuAugment(16, True, hflip=False).boxes(sizes, seed=1)[:, 4].sum() == 0
+    assert GpuAugment(16, True, crops=Crops(hflip=False)).boxes(sizes, seed=1)[:, 4].sum() == 0
     assert GpuAugment(16, True).boxes(sizes, seed=1)[:, 4].sum() > 0
 
 

@@ -15,6 +15,7 @@ crops on any device and after a resume.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,16 @@ from dlenv.pretrained import INTERPOLATIONS
 
 #: eval crops this fraction of the shorter side (torchvision: Resize(256) then CenterCrop(224))
 EVAL_CROP = 224 / 256
+
+
+@dataclass(frozen=True)
+class Crops:
+    """The training crops: RandomResizedCrop's area range `scale` and aspect range `ratio` (an --augment
+    preset's), and whether half the images are mirrored."""
+
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    hflip: bool = True
 
 
 def random_boxes(sizes: torch.Tensor, generator: torch.Generator, scale: tuple[float, float] = (0.08, 1.0),
@@ -85,8 +96,8 @@ def boxes_to_theta(boxes: torch.Tensor) -> torch.Tensor:
 class GpuAugment:
     """Stored-form uint8 batches -> normalized float batches, on the batch's own device.
 
-    train=True: RandomResizedCrop(img_size, scale, ratio) (`crop`: (scale, ratio), an --augment preset's)
-    + horizontal flip (if `hflip`), drawn by `random_boxes` from `seed`; train=False: the eval centre crop.
+    train=True: RandomResizedCrop(img_size, scale, ratio) + horizontal flip as `crops` says, drawn by
+    `random_boxes` from `seed`; train=False: the eval centre crop.
     Both sample with `interpolation` ('bilinear', 'bicubic' or 'nearest': grid_sample's modes; pretrained
     weights' own), bicubic clamped to the pixel range as torchvision's resize clamps it. Output:
     (B, 3, img_size, img_size) in `dtype` (float32, or bf16/fp16 under AMP), `memory_format` (channels_last
@@ -95,14 +106,13 @@ class GpuAugment:
 
     def __init__(self, img_size: int, train: bool, dtype: torch.dtype = torch.float32,
                  memory_format: torch.memory_format = torch.contiguous_format,
-                 crop: tuple[tuple[float, float], tuple[float, float]] = ((0.08, 1.0), (3 / 4, 4 / 3)),
-                 hflip: bool = True, norm: tuple[tuple, tuple] | None = None, interpolation: str = "bilinear"):
+                 crops: Crops = Crops(), norm: tuple[tuple, tuple] | None = None, interpolation: str = "bilinear"):
         if interpolation not in INTERPOLATIONS:
             raise ValueError(f"interpolation {interpolation!r} is not one of: {', '.join(INTERPOLATIONS)}")
         self.img_size, self.train, self.interpolation = img_size, train, interpolation
         self.mean, self.std = norm or (IMAGENET_MEAN, IMAGENET_STD)
         self.dtype, self.memory_format = dtype, memory_format
-        (self.scale, self.ratio), self.flip_p = crop, 0.5 if hflip else 0.0
+        self.scale, self.ratio, self.flip_p = crops.scale, crops.ratio, 0.5 if crops.hflip else 0.0
         self._stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def boxes(self, sizes: torch.Tensor, seed: int) -> torch.Tensor:

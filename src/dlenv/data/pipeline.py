@@ -113,16 +113,16 @@ def make_loaders(layout: Any, plan: Any, device: Any, *, dtype: torch.dtype = to
 
         return build_loaders(layout, plan, train_sampler, pin_memory=device.type == "cuda")
     from dlenv.data.fastpath import DeviceLoader
-    from dlenv.data.gpu_aug import GpuAugment
+    from dlenv.data.gpu_aug import Crops, GpuAugment
     from dlenv.data.sampler import ResumableSampler
     from dlenv.data.sources import SOURCES
 
     make_source = SOURCES[plan.source]
     splits = [(layout.train, train_sampler, True)] + ([(layout.val, val_sampler, False)] if layout.val else [])
     out = []
+    crops = Crops(plan.train_scale, plan.train_ratio, plan.hflip)
     for samples, sampler, train in splits:
-        augment = GpuAugment(plan.img_size, train, dtype, memory_format, crop=(plan.train_scale, plan.train_ratio),
-                             hflip=plan.hflip, norm=plan.norm, interpolation=plan.interpolation)
+        augment = GpuAugment(plan.img_size, train, dtype, memory_format, crops, plan.norm, plan.interpolation)
         if train and sampler is None:
             sampler = ResumableSampler(len(samples), seed=plan.seed, batch_size=plan.batch_size)
         source = make_source(samples, sampler, plan, device, say)

@@ -126,8 +126,8 @@ def unpack(archive: str | Path, dest: str | Path | None = None, overwrite: bool 
             for line in result.cleaned:
                 print(printable(line))
             _check_dest(dest, overwrite, src, mounted)
-            _extract_and_swap(src, fmt, dest, dest if mounted else parent, result, name_encoding, max_ratio,
-                              progress, tqdm, mounted)
+            _extract_and_swap(src, dest if mounted else parent, result, name_encoding, max_ratio, progress, tqdm,
+                              mounted)
     except BaseException:
         for p in made:  # parents created for a destination that never came to be
             with contextlib.suppress(OSError):
@@ -136,10 +136,12 @@ def unpack(archive: str | Path, dest: str | Path | None = None, overwrite: bool 
     return result
 
 
-def _extract_and_swap(src: Path, fmt: str, dest: Path, parent: Path, result: UnpackResult, name_encoding: str,
-                      max_ratio: float, progress: bool, tqdm: Any, mounted: bool = False) -> None:
-    """Extract into a temporary folder in `parent` (the destination's parent, or the destination itself
-    when it is a mount point), then swap (or, into a mount point, move) it into place."""
+def _extract_and_swap(src: Path, parent: Path, result: UnpackResult, name_encoding: str, max_ratio: float,
+                      progress: bool, tqdm: Any, mounted: bool = False) -> None:
+    """Extract `src` (in `result.format`) into a temporary folder in `parent` (the destination's parent, or the
+    destination itself when it is a mount point), then swap (or, into a mount point, move) it into place at
+    `result.dest`."""
+    fmt, dest = result.format, result.dest
     tmp = parent / f".{dest.name}.unpack-{os.getpid()}-tmp"
     where = str(src)
     in_main = threading.current_thread() is threading.main_thread()
