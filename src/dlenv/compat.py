@@ -374,7 +374,7 @@ def onnx_export(model: torch.nn.Module, example: torch.Tensor, path: Any, opset:
 
 
 # ---------------------------------------------------------------------------------------------------
-# JPEG decoding with torchvision.io (dlenv.data.decode, dlenv.data.fastpath).
+# JPEG decoding with torchvision.io (dlenv.data.decode, dlenv.data.sources).
 
 
 def _decode_jpeg_params() -> set:
