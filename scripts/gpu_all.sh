@@ -46,7 +46,7 @@ for part in $parts; do
            cat "$tmp"/bm-r50/memory.md "$tmp"/bm-vit/memory.md >> "$tmp/tables.md" 2>/dev/null
            cp "$tmp/bm-r50/memory.png" "$out/memory.png" 2>/dev/null ;;
     autobatch) run autobatch python3 scripts/bench_autobatch.py --model resnet50 ;;
-    input) run input python3 -m pytest -q -m gpu tests/test_decode.py tests/test_fastpath_gpu.py -p no:cacheprovider
+    input) run input python3 -m pytest -q -m gpu tests/test_decode.py tests/test_plan.py tests/test_fastpath_gpu.py -p no:cacheprovider
            run input python3 scripts/bench_pipeline.py --only gpu-augment,nvjpeg,cache-ram,cache-disk --out "$tmp/input"
            cat "$tmp"/input/*.md >> "$tmp/tables.md" 2>/dev/null ;;
     defaults)  # issue 17's done-when in one call: the default path's rows, the pipeline, memory flatness
