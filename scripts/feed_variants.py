@@ -457,9 +457,9 @@ def measure(parts: Any, batches: Any, warm: int, steps: int, prof_steps: int, tr
 
 
 def mirror(a: Any, dev: torch.device, located: Any, feeds: list[str], modes: list[str], deadline: float,
-           work: Path, traces: Path) -> list[dict]:
+           work: Path, traces: Path, earlier: list[dict] = ()) -> list[dict]:
     """The candidate table: every feed of `feeds` in every mode (reduce-overhead: only --graph-feeds),
-    synthetic first and again last in each mode."""
+    synthetic first and again last in each mode; `earlier` rows may hold the default mode's synthetic."""
     from torch import nn
 
     from dlenv.models import build_model
@@ -470,6 +470,7 @@ def mirror(a: Any, dev: torch.device, located: Any, feeds: list[str], modes: lis
     cuda = dev.type == "cuda"
     fmt = torch.channels_last if cuda else torch.contiguous_format
     dtype = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(0)
     model = build_model(a.model, num_classes=len(located.classes)).to(dev, memory_format=fmt)
     optimizer = build_optimizer(model, "adamw", 1e-3, 0.05)
     precision = Precision("bf16" if cuda else "fp32", dev)
@@ -507,8 +508,8 @@ def mirror(a: Any, dev: torch.device, located: Any, feeds: list[str], modes: lis
                 if feed == "synthetic" and base is None:
                     base = row["img_s"]
                 row["x_synthetic"] = row["img_s"] / base if base else None
-                yard = next((r["img_s"] for r in rows if r["mode"] == "default" and r["feed"] == "synthetic"
-                             and "img_s" in r), None)
+                yard = next((r["img_s"] for r in [*earlier, *rows] if r["mode"] == "default"
+                             and r["feed"] == "synthetic" and "img_s" in r), None)
                 row["x_synthetic_default"] = row["img_s"] / yard if yard else None
                 row["seconds"] = round(time.monotonic() - t0, 1)
                 print(f"mirror {mode} {label}: {row['img_s']:,.0f} img/s, x{fmt_ratio(row['x_synthetic'])} "

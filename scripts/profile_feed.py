@@ -146,6 +146,8 @@ def child(a: argparse.Namespace, n: int, deadline: float) -> dict | None:
            "--budget", str(max(1, int(deadline - time.monotonic())))]
     if a.have_data:
         cmd.append("--have-data")
+    if a.keep_traces:
+        cmd.append("--keep-traces")
     print("$ " + " ".join(cmd[1:]), flush=True)
     subprocess.call(cmd)
     path = out / "profile_feed.json"
@@ -272,6 +274,23 @@ def machine_info(dev: torch.device, a: Any) -> dict[str, Any]:
     return info
 
 
+def keep_traces(traces: Path, tar_path: Path, limit: int = 15 << 20) -> None:
+    """The traces gzipped into one tar of at most `limit` bytes (what the device tool brings back): the
+    trainer's rows first, then the mirror's; a trace that would pass the limit is left out."""
+    total = 0
+    paths = sorted(traces.glob("*.json"), key=lambda p: (p.name.startswith("mirror-"), p.name))
+    with tarfile.open(tar_path, "w") as tar:
+        for path in paths:
+            gz = path.with_suffix(".json.gz")
+            with open(path, "rb") as src, gzip.open(gz, "wb", compresslevel=6) as dst:
+                dst.write(src.read())
+            if total + gz.stat().st_size + 1024 > limit:
+                print(f"traces.tar: {gz.name} left out ({gz.stat().st_size / 2**20:.1f} MiB)", flush=True)
+                continue
+            total += gz.stat().st_size + 1024
+            tar.add(gz, arcname=gz.name)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("profile-feed"))
@@ -317,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--train-images {a.train_images} is not a multiple of --batch-size {a.batch_size}", file=sys.stderr)
         return 2
     cuda = dev.type == "cuda"
+    if not cuda:  # the CPU check: a model that fits one batch drives its gradients into denormals, 100x slower
+        torch.set_flush_denormal(True)
     rows = [r for r in (a.rows or ("synthetic-compiled,cache-compiled,default-compiled" if cuda
                                    else "synthetic-eager,cache-eager,default-eager")).split(",") if r]
     modes = [m for m in (a.modes or ("default,reduce-overhead" if cuda else "eager")).split(",") if m]
@@ -337,25 +358,28 @@ def main(argv: list[str] | None = None) -> int:
     traces.mkdir()
     info = machine_info(dev, a)
     print(json.dumps(info), flush=True)
-    result: dict = {"info": info, "rows": run_rows(a, rows, deadline, work, traces), "feeds": [], "children": {}}
+    result: dict = {"info": info, "rows": [], "feeds": [], "children": {}}
+
+    def save() -> None:  # after each part: a run cut short still leaves what it measured
+        result["seconds"] = round(time.monotonic() - t_start, 1)
+        (a.out / "profile_feed.json").write_text(json.dumps(result, indent=1))
+        (a.out / "profile_feed.md").write_text(report(result) + "\n")
+
+    result["rows"] = run_rows(a, rows, deadline, work, traces)
+    save()
     located = pipeline.locate(str(a.data))
     feeds = [f for f in a.feeds.split(",") if f]
-    if feeds and time.monotonic() < deadline:
-        result["feeds"] = fv.mirror(a, dev, located, feeds, modes, deadline, work, traces)
-    if a.cores_eager and cuda:
-        result["children"][str(a.cores_eager)] = child(a, a.cores_eager, deadline)
-    result["seconds"] = round(time.monotonic() - t_start, 1)
-    (a.out / "profile_feed.json").write_text(json.dumps(result, indent=1))
-    md = report(result)
-    (a.out / "profile_feed.md").write_text(md + "\n")
-    print("\n" + md, flush=True)
+    # the eager rows' child between the modes: CUDA graphs compile longest, so they come last
+    for k, mode in enumerate(modes):
+        if feeds and time.monotonic() < deadline:
+            result["feeds"] += fv.mirror(a, dev, located, feeds, [mode], deadline, work, traces, result["feeds"])
+            save()
+        if k == 0 and a.cores_eager and cuda:
+            result["children"][str(a.cores_eager)] = child(a, a.cores_eager, deadline)
+            save()
+    print("\n" + report(result), flush=True)
     if a.keep_traces:
-        with tarfile.open(a.out / "traces.tar", "w") as tar:
-            for path in sorted(traces.glob("*.json")):
-                gz = path.with_suffix(".json.gz")
-                with open(path, "rb") as src, gzip.open(gz, "wb", compresslevel=6) as dst:
-                    dst.write(src.read())
-                tar.add(gz, arcname=gz.name)
+        keep_traces(traces, a.out / "traces.tar")
     import shutil
 
     with contextlib.suppress(OSError):
