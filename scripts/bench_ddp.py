@@ -45,7 +45,7 @@ def _env() -> dict[str, str]:
 
 def run_train(label: str, options: list[str], out: Path, timeout: int) -> tuple[dict, float]:
     """`python -m dlenv train <options>` into out/runs/<label>; (last results.csv row, wall seconds)."""
-    from dlenv import results
+    from dlenv.runfolder import results
 
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ def main() -> int:
     from dlenv import config
     from dlenv.cli import main as cli_main
     from dlenv.models import build_model
-    from dlenv.runstate import FORMAT, environment, save_checkpoint
+    from dlenv.runfolder.runstate import FORMAT, environment, save_state
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="auto")
@@ -37,7 +37,7 @@ def main() -> int:
     classes = [f"c{i}" for i in range(10)]
     model = build_model("resnet50", len(classes)).eval()
     cfg = config.to_dict(config.build(config.TrainConfig, img_size=224, model="resnet50", amp=args.amp))
-    save_checkpoint({"format": FORMAT, "model": model.state_dict(), "model_name": "resnet50",
+    save_state({"format": FORMAT, "model": model.state_dict(), "model_name": "resnet50",
                      "num_classes": len(classes), "class_names": classes, "img_size": 224, "config": cfg,
                      "epoch": 1, "step": 1, "batch_in_epoch": 0, "best_metric": 0.0,
                      "optimizer": {"state": {}, "param_groups": []}, "scaler": None, "scheduler": None, "ema": None,

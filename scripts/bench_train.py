@@ -133,11 +133,12 @@ def ours(name: str, batch: int, img: int, steps: int, options: dict,
     seconds it compiled, and what config.yaml says its auto options chose."""
     import signal
 
-    from dlenv import config, results
+    from dlenv import config
     from dlenv.config import TrainConfig
+    from dlenv.runfolder import results
+    from dlenv.runfolder.trainstate import read_config_notes
     from dlenv.train import train
     from dlenv.train.auto import COMPILE_MIN_BATCHES
-    from dlenv.train.state import read_config_notes
 
     options = dict(options)
     long = options.pop("long", False)

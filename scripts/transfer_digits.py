@@ -75,8 +75,8 @@ def run(out: Path, epochs: int, per_class: int, pre_epochs: int, model: str = "s
     """Both numbers of the transfer experiment (see the module doc), as a dict: the mean top-1 over `seeds`
     seeds from the demo weights and from scratch, and each seed's. `reuse`: start from the demo weights an
     earlier call left in `out` (the same --pre-epochs and --demo-per-class)."""
-    from dlenv import results
     from dlenv.data.demo import ensure_demo_data
+    from dlenv.runfolder import results
 
     out.mkdir(parents=True, exist_ok=True)
     data = out / "demo-data"

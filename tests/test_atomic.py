@@ -91,7 +91,8 @@ def set_umask():
 def _writers():
     import torch
 
-    from dlenv import runstate, weights
+    from dlenv import weights
+    from dlenv.runfolder import runstate
 
     def replaced(tmp):  # a writer that makes a new file instead of filling the temporary one (ONNX, savefig)
         tmp.unlink()
@@ -101,7 +102,7 @@ def _writers():
         "write_text": lambda p: write_text(p, "t"),
         "write_bytes": lambda p: write_bytes(p, b"b"),
         "write_atomic, file replaced": lambda p: write_atomic(p, replaced),
-        "save_checkpoint": lambda p: runstate.save_checkpoint({"w": torch.ones(1)}, p),
+        "save_state": lambda p: runstate.save_state({"w": torch.ones(1)}, p),
         "save_safetensors": lambda p: weights.save_safetensors({"w": torch.ones(1)}, p.with_suffix(".safetensors")),
         "open() for comparison": lambda p: p.write_text("plain"),
     }

@@ -35,7 +35,8 @@ import pytest
 import torch
 from imagedata import FillsUpAfter, make_image_folder
 
-from dlenv import cli, config, runstate
+from dlenv import cli, config
+from dlenv.runfolder import runstate
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ["--data", "ds", "--img-size", "32", "--device", "cpu", "--workers", "0"]  # fast train flags
@@ -82,7 +83,7 @@ def ws(tmp_path_factory):
     (bad / "afile").write_text("a file, where a folder is expected\n")
     (bad / "run_typo.yaml").write_text((run / "config.yaml").read_text() + "lrate: 0.1\n")
     shutil.copy(run / "best_model.pth", bad / "old_pruned.pth")
-    good = runstate.load_checkpoint(run / "last.pth")
+    good = runstate.load_state(run / "last.pth")
     for name, change in {
         "nc5.pth": {"num_classes": 5, "class_names": list("abcde")},  # the head has 2 outputs
         "names3.pth": {"class_names": ["a", "b", "c"]},
@@ -90,12 +91,12 @@ def ws(tmp_path_factory):
         "epoch_x.pth": {"epoch": "x"},
         "cfg_bad.pth": {"config": {**good["config"], "lr": "fast"}},
     }.items():
-        runstate.save_checkpoint({**good, **change}, bad / name)
+        runstate.save_state({**good, **change}, bad / name)
     _weights_attacks(root, bad, good)
     from dlenv.models import build_model
 
     five = build_model("resnet18", 5).state_dict()  # a head of 5 while the data has 2 classes
-    runstate.save_checkpoint({**good, "model": five, "num_classes": 5, "class_names": list("abcde")},
+    runstate.save_state({**good, "model": five, "num_classes": 5, "class_names": list("abcde")},
                                bad / "five" / "last.pth")
     return root
 
@@ -124,12 +125,12 @@ def _weights_attacks(root: Path, bad: Path, good: dict) -> None:
                       "ref_data": "data/pets/net.py:build"}.items():
         src = {"ref": ref, "sha256": sha, "args": {}, "file": None}
         for suffix in (".pth", ".safetensors"):
-            runstate.save_checkpoint({**good, "model_name": ref, "model_source": src}, bad / f"{name}{suffix}")
-    runstate.save_checkpoint({**good, "model_name": f"{bad / 'evil' / 'net.py'}:build", "model_source": None},
+            runstate.save_state({**good, "model_name": ref, "model_source": src}, bad / f"{name}{suffix}")
+    runstate.save_state({**good, "model_name": f"{bad / 'evil' / 'net.py'}:build", "model_source": None},
                              bad / "ref_no_source.pth")
-    runstate.save_checkpoint({**good, "img_size": 100000}, bad / "img_huge.pth")
-    runstate.save_checkpoint({**good, "img_size": 100000}, bad / "img_huge.safetensors")
-    runstate.save_checkpoint({**good, "num_classes": 10**9}, bad / "classes_huge.pth")
+    runstate.save_state({**good, "img_size": 100000}, bad / "img_huge.pth")
+    runstate.save_state({**good, "img_size": 100000}, bad / "img_huge.safetensors")
+    runstate.save_state({**good, "num_classes": 10**9}, bad / "classes_huge.pth")
     torch.save({"model": _System(f"touch {bad / 'RAN'}")}, bad / "system.pth")
 
 
@@ -518,7 +519,7 @@ def test_invoke_task_goes_through_the_same_handler(ws, capsys, monkeypatch):
 def test_second_run_in_a_locked_folder_is_refused_until_the_first_dies(ws, capsys, monkeypatch):
     """A run holds runs/exp (another process here); `train --name exp --exist-ok` is one line, and once
     the holder is killed with -9 the kernel has released the lock."""
-    code = ("import sys, time; from dlenv import runs; lock = runs.lock_run_dir(sys.argv[1]); "
+    code = ("import sys, time; from dlenv import runfolder; lock = runfolder.lock_run_dir(sys.argv[1]); "
             "print('held', flush=True); time.sleep(120)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     holder = subprocess.Popen([sys.executable, "-c", code, str(ws / "runs" / "exp")], env=env,
@@ -531,9 +532,9 @@ def test_second_run_in_a_locked_folder_is_refused_until_the_first_dies(ws, capsy
     finally:
         holder.kill()
         holder.wait()
-    from dlenv import runs
+    from dlenv import runfolder
 
-    lock = runs.lock_run_dir(ws / "runs" / "exp")  # free again: taken without waiting
+    lock = runfolder.lock_run_dir(ws / "runs" / "exp")  # free again: taken without waiting
     lock.release()
 
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 from imagedata import make_train_val, train_config
 
-from dlenv import runstate
 from dlenv import train as train_mod
 from dlenv.cli import main as cli_main
+from dlenv.runfolder import runstate
 from dlenv.train import loop
 
 TESTS = Path(__file__).resolve().parent
@@ -48,7 +48,7 @@ def test_best_is_small_and_every_consumer_uses_it(tmp_path, ds, wide, monkeypatc
     metrics(monkeypatch, [10, 20, 5])  # the last for the run from --weights
     run = Path(train_mod.train(cfg(tmp_path, ds, ema=ema))["run_dir"])
     best, last = run / "best_model.pth", run / "last.pth"
-    b, full = runstate.load_checkpoint(best), runstate.load_checkpoint(last)  # weights_only=True inside
+    b, full = runstate.load_state(best), runstate.load_state(last)  # weights_only=True inside
     assert set(b) == {"format", "model", "model_name", "model_source", "num_classes", "class_names", "img_size",
                       "config", "world_size", "epoch", "step", "best_metric", "best_epoch", "env"}
     assert b["best_metric"] == 20.0 and b["best_epoch"] == 2 and b["class_names"] == ["cat", "dog"]
@@ -63,7 +63,7 @@ def test_best_is_small_and_every_consumer_uses_it(tmp_path, ds, wide, monkeypatc
     assert best.with_name("best_model.torchscript.pt").is_file()
     assert cli_main(["prune", "--weights", str(best), "--amount", "0.3", "--data", str(ds / "val"),
                      "--workers", "0"]) == 0
-    assert runstate.load_checkpoint(best.with_name("best_model_pruned.pth"))["class_names"] == ["cat", "dog"]
+    assert runstate.load_state(best.with_name("best_model_pruned.pth"))["class_names"] == ["cat", "dog"]
     again = train_mod.train(cfg(tmp_path, ds, epochs=1, weights=str(best), name="from-best"))
     assert again["exit_code"] == 0
 
@@ -73,14 +73,15 @@ import os, signal, sys
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 import dlenv.models
-from dlenv import atomic, runstate
+from dlenv import atomic
+from dlenv.runfolder import runstate
 from dlenv.train import loop
 from tinymodels import build_wide
 dlenv.models.build_model = build_wide
 values = iter([10.0, 20.0, 30.0])
 loop.validate = lambda *a, **k: loop.Scores(1.0, next(values), 100.0)
 KILL_AT = int(os.environ["KILL_AT"])
-real = runstate.save_checkpoint
+real = runstate.save_state
 
 def save(state, path):
     path = Path(path)
@@ -90,7 +91,7 @@ def save(state, path):
         os.kill(os.getpid(), signal.SIGKILL)
     return real(state, path)
 
-runstate.save_checkpoint = save
+runstate.save_state = save
 from dlenv.cli import main
 raise SystemExit(main(["train", *sys.argv[1:]]))
 """
@@ -109,14 +110,14 @@ def test_kill_9_while_best_is_written_then_resume(tmp_path, ds, wide, monkeypatc
     temps = [p.name for p in run.iterdir() if p.name.endswith(".tmp")]
     assert len(temps) == 1 and temps[0].startswith(".best_model.pth.")
     (run / "notes.tmp").write_text("the user's file")  # not a name of ours: stays
-    last = runstate.load_checkpoint(run / "last.pth")
+    last = runstate.load_state(run / "last.pth")
     assert last["epoch"] == kill_at and last["best_metric"] == 10.0 * kill_at
     # the resumed epochs do not improve: only the rebuilt best_model.pth can hold the best metric
     metrics(monkeypatch, [0, 0, 0])
     summary = train_mod.train(cfg(tmp_path, ds, resume=str(run / "last.pth")))
     out = capsys.readouterr().out
     assert summary["exit_code"] == 0 and "wrote " + str(run / "best_model.pth") + " again" in out
-    best = runstate.load_checkpoint(run / "best_model.pth")
+    best = runstate.load_state(run / "best_model.pth")
     assert best["best_metric"] == summary["best_metric"] == 10.0 * kill_at and best["epoch"] == kill_at
     assert all(torch.equal(best["model"][k], last["model"][k]) for k in last["model"])
     assert sorted(p.name for p in run.iterdir() if p.name.endswith(".tmp")) == ["notes.tmp"]

@@ -18,8 +18,8 @@ from dlenv import compat, config
 from dlenv.cli import main as cli_main
 from dlenv.compress import common, export, prune, quantize
 from dlenv.errors import UserError
-from dlenv.models import model_from_checkpoint
-from dlenv.runstate import FORMAT, load_checkpoint, save_checkpoint
+from dlenv.models import model_from_state
+from dlenv.runfolder.runstate import FORMAT, load_state, save_state
 
 CLASSES = ["cat", "dog"]
 IMG = 32
@@ -40,7 +40,7 @@ def _calibrated(model: nn.Module) -> nn.Module:
 def save_ckpt(path: Path, data: Path | str | None, model_name: str = "mobilenet_v3_small", **override) -> Path:
     """A dlenv checkpoint of an untrained torchvision model, in the format `dlenv train` writes."""
     from dlenv.models import build_model
-    from dlenv.runstate import environment
+    from dlenv.runfolder.runstate import environment
 
     torch.manual_seed(0)
     model = _calibrated(build_model(model_name, len(CLASSES)))
@@ -52,7 +52,7 @@ def save_ckpt(path: Path, data: Path | str | None, model_name: str = "mobilenet_
              "optimizer": {"state": {}, "param_groups": []}, "scaler": None, "scheduler": None, "ema": None,
              "rng": None, "env": environment()}
     state.update(override)
-    return save_checkpoint(state, path)
+    return save_state(state, path)
 
 
 @pytest.fixture(scope="module")
@@ -187,14 +187,14 @@ def test_prune_main_writes_a_checkpoint_like_any_other(ckpt, data_dir, capsys):
     assert prune.main(prune_cfg(weights=str(ckpt), amount=0.3, data=str(data_dir / "val"))) == 0
     out = ckpt.with_name("best_model_pruned.pth")
     assert hashlib.sha256(ckpt.read_bytes()).hexdigest() == digest  # the input is untouched
-    state = load_checkpoint(out)  # weights_only=True
-    src = load_checkpoint(ckpt)
+    state = load_state(out)  # weights_only=True
+    src = load_state(ckpt)
     assert state["format"] == FORMAT and state["class_names"] == CLASSES and state["config"] == src["config"]
     assert state["model_name"] == src["model_name"] and state["img_size"] == IMG
     assert state["optimizer"] is None  # dense-weight optimizer state does not belong to pruned weights
     assert not any(k.endswith(("_orig", "_mask")) for k in state["model"])
     assert set(state["model"]) == set(src["model"])
-    model, names, size = model_from_checkpoint(state)  # strict: loads into a plain model
+    model, names, size = model_from_state(state)  # strict: loads into a plain model
     zeros, total = prunable_zeros(model)
     assert zeros == round(0.3 * total)
     assert state["pruning"]["sparsity"] == pytest.approx(zeros / total)
@@ -217,11 +217,11 @@ def test_prune_finetune_keeps_the_pruned_weights_at_zero(ckpt, capsys):
     cfg = prune_cfg(weights=str(ckpt), amount=0.5, out=str(out), finetune_epochs=1, finetune_lr=0.05)
     assert prune.main(cfg) == 0
     assert "fine-tune epoch 1/1" in capsys.readouterr().out
-    tuned, _, _ = model_from_checkpoint(load_checkpoint(out))
+    tuned, _, _ = model_from_state(load_state(out))
     zeros, total = prunable_zeros(tuned)
     assert zeros == round(0.5 * total)  # sparsity held through training
     # ...and training did happen: the surviving weights moved away from plain pruning's values
-    plain, _, _ = model_from_checkpoint(load_checkpoint(ckpt))
+    plain, _, _ = model_from_state(load_state(ckpt))
     prune.make_permanent(prune.apply_pruning(plain, 0.5))
     for (_, a), (_, b) in zip(prune.prunable_layers(tuned), prune.prunable_layers(plain), strict=True):
         assert torch.equal(a.weight == 0, b.weight == 0)
@@ -232,10 +232,10 @@ def test_prune_structured_main_removes_half_the_parameters_and_val_loads_it(ckpt
     assert prune.main(prune_cfg(weights=str(ckpt), amount=0.5, structured=True, data=str(data_dir / "val"))) == 0
     text = capsys.readouterr().out
     out = ckpt.with_name("best_model_pruned.pth")
-    state, src = load_checkpoint(out), load_checkpoint(ckpt)
+    state, src = load_state(out), load_state(ckpt)
     assert state["widths"] and state["pruning"]["structured"] is True
-    model, names, size = model_from_checkpoint(state)  # rebuilt from the name and the widths
-    dense, _, _ = model_from_checkpoint(src)
+    model, names, size = model_from_state(state)  # rebuilt from the name and the widths
+    dense, _, _ = model_from_state(src)
     assert common.count_params(model) == pytest.approx(0.5 * common.count_params(dense), rel=0.05)
     assert state["pruning"]["params_after"] == common.count_params(model)
     assert out.stat().st_size < 0.7 * ckpt.stat().st_size  # really smaller, not zeros
@@ -259,9 +259,9 @@ def test_prune_structured_main_removes_half_the_parameters_and_val_loads_it(ckpt
 ])
 def test_pruned_widths_that_do_not_fit_are_one_line(widths, phrase, tmp_path, ckpt):
     path = tmp_path / "edited.pth"
-    save_checkpoint({**load_checkpoint(ckpt), "widths": widths}, path)
+    save_state({**load_state(ckpt), "widths": widths}, path)
     with pytest.raises(UserError, match=phrase) as e:
-        model_from_checkpoint(load_checkpoint(path), source=str(path))
+        model_from_state(load_state(path), source=str(path))
     assert "\n" not in str(e.value)
 
 
@@ -385,7 +385,7 @@ def _loaded_outputs(path: Path, x: torch.Tensor) -> torch.Tensor:
 def test_export_torchscript_matches_pytorch_with_dynamic_batch(ckpt, capsys):
     assert export.main(export_cfg(weights=str(ckpt), format="torchscript")) == 0
     out = ckpt.with_name("best_model.torchscript.pt")
-    model, _, _ = model_from_checkpoint(load_checkpoint(ckpt))
+    model, _, _ = model_from_state(load_state(ckpt))
     model.eval()
     for batch in (1, 5):  # traced with one image; other batch sizes must work too
         x = torch.randn(batch, 3, IMG, IMG)
@@ -443,7 +443,7 @@ def test_export_quantized_torchscript_reports_before_after(mode, ckpt, capsys):
     for needle in ("float32", f"int8 {mode}", "top-1 (%)", "TorchScript size", "CPU latency", str(out)):
         assert needle in text
     x = torch.randn(3, 3, IMG, IMG)
-    model, _, _ = model_from_checkpoint(load_checkpoint(ckpt))
+    model, _, _ = model_from_state(load_state(ckpt))
     with torch.no_grad():
         ref = model.eval()(x)
         got = _loaded_outputs(out, x)

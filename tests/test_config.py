@@ -289,7 +289,7 @@ def test_image_sizes_at_most_2048(name, option, value):
 
 
 def test_the_img_size_bound_is_the_one_checkpoints_have():
-    from dlenv import runstate
+    from dlenv.runfolder import runstate
 
     assert config.IMG_SIZE_MAX == runstate.MAX_IMG_SIZE
 

@@ -116,7 +116,7 @@ def test_two_processes_train_like_one_with_the_same_effective_batch(tmp_path):
     step are the single process's batch, gradients are averaged, so weights and metrics match."""
     from imagedata import make_train_val
 
-    from dlenv import results
+    from dlenv.runfolder import results
 
     make_train_val(tmp_path / "ds", per_class=8, val_per_class=4)
     (tmp_path / "ds" / "val" / "dog" / "dog_3.png").unlink()  # 7 val images: shards of 4 and 3
@@ -196,7 +196,7 @@ def test_launch_sigterm_saves_once_then_resumes_on_one_process(tmp_path):
     the run exits 143; --resume on one process keeps the effective batch through accumulation."""
     from imagedata import make_train_val
 
-    from dlenv import results
+    from dlenv.runfolder import results
 
     make_train_val(tmp_path / "ds", per_class=8)
     project = tmp_path / "runs"
@@ -327,7 +327,7 @@ def test_shard_eval_loader_keeps_bad_image_handling(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_gpu_two_gpus_nccl_sync_bn_and_auto_batch(tmp_path):
     """NCCL, SyncBatchNorm, AMP and --batch-size auto agreed over 2 GPUs, through the real launcher."""
-    from dlenv import results
+    from dlenv.runfolder import results
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS.parent / "src"), env.get("PYTHONPATH")) if p)

@@ -89,7 +89,7 @@ def test_stop_with_dataloader_workers_saves_once_and_resumes(tmp_path, dataset, 
 def stop_and_resume(entry_cmd: list[str], tmp_path: Path, dataset: Path, target: str, signum: int,
                     code: int) -> None:
     """Train with 2 workers under `entry_cmd`, stop as `target` receives `signum`, check, resume."""
-    from dlenv import results, runstate
+    from dlenv.runfolder import results, runstate
 
     project = tmp_path / "runs"
     last = project / "exp" / "last.pth"
@@ -125,7 +125,7 @@ def stop_and_resume(entry_cmd: list[str], tmp_path: Path, dataset: Path, target:
     # the command the user ran: the dlenv console script here (python -m dlenv where there is none)
     typed = "dlenv train" if len(dlenv_cmd()) == 1 else "python -m dlenv train"
     assert f"stopped by {name}; saved {last}. Resume with: {typed} --resume {last}" in out, out[-2000:]
-    saved = runstate.load_checkpoint(last)  # dlenv wrote it: it loads without consent on any PyTorch
+    saved = runstate.load_state(last)  # dlenv wrote it: it loads without consent on any PyTorch
     assert saved["format"] == runstate.FORMAT and 1 <= saved["epoch"] < 8
 
     resumed = subprocess.run([*entry_cmd, *dlenv_cmd(), "train", "--resume", str(last), "--device", "cpu"],

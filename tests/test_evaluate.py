@@ -17,7 +17,7 @@ from imagedata import make_image_folder
 from dlenv import evaluate
 from dlenv.cli import main as cli_main
 from dlenv.errors import UserError
-from dlenv.runstate import FORMAT, save_checkpoint
+from dlenv.runfolder.runstate import FORMAT, save_state
 
 ROOT = Path(__file__).resolve().parents[1]
 CLASSES = ["cat", "dog", "fox"]
@@ -170,7 +170,7 @@ def _dlenv_ckpt(path: Path, class_names=CLASSES, data=None, **config) -> Path:
     state = {"format": FORMAT, "model": model.state_dict(), "model_name": "resnet18",
              "num_classes": len(class_names), "class_names": list(class_names), "img_size": SIZE,
              "config": {"data": str(data) if data else None, "val_split": 0.2, "seed": 0, **config}, "epoch": 1}
-    return save_checkpoint(state, path)
+    return save_state(state, path)
 
 
 @pytest.fixture
@@ -404,11 +404,11 @@ def test_val_of_non_finite_weights_is_refused_with_exit_4(tmp_path, val_data, ca
     from dlenv.errors import EXIT_NONFINITE
 
     weights = _dlenv_ckpt(tmp_path / "runs" / "exp" / "best_model.pth")
-    from dlenv.runstate import load_checkpoint
+    from dlenv.runfolder.runstate import load_state
 
-    state = dict(load_checkpoint(weights))
+    state = dict(load_state(weights))
     state["model"] = _poison(state["model"], how)
-    save_checkpoint(state, weights)
+    save_state(state, weights)
     out = tmp_path / "runs" / "exp" / "val"
     out.mkdir()
     (out / "metrics.json").write_text('{"top1": 91.0}')  # an earlier report: kept as it was

@@ -1,5 +1,5 @@
 """Numbers a bare state dict gives (issue 34, item 5): the class count val reads from a head's shape is
-bounded as a dlenv checkpoint's num_classes is (1 to 100,000, dlenv.runstate.MAX_CLASSES), and read only
+bounded as a dlenv checkpoint's num_classes is (1 to 100,000, dlenv.runfolder.runstate.MAX_CLASSES), and read only
 from a tensor whose every element is stored: a stride of 0 (expand) or overlapping strides give a shape
 that costs no bytes. Each refusal is one line naming the file, the tensor and the bound. A key is as
 long as the file's bytes allow: prefixes are stripped in time linear in it, and messages cut it short.
@@ -13,8 +13,9 @@ import pytest
 import torch
 from torchvision.models import resnet18
 
-from dlenv import cli, models, runstate
+from dlenv import cli, models
 from dlenv.errors import UserError
+from dlenv.runfolder import runstate
 
 #: fc.weight of a bare state dict -> the class count read from it, or the line that refuses it
 HEADS = [
@@ -55,14 +56,14 @@ def test_the_class_count_of_a_bare_state_dict_is_bounded(make, expect):
     (lambda sd: sd, None),
 ], ids=["10^10-classes", "zero-stride-head", "no-linear-layer", "a-real-state-dict"])
 def test_a_bare_state_dict_is_rebuilt_only_within_the_bounds(make, expect):
-    """model_from_checkpoint is what val --model NAME calls on a bare state dict."""
+    """model_from_state is what val --model NAME calls on a bare state dict."""
     sd = make(resnet18(num_classes=10).state_dict())
     if expect is None:
-        model, names, size = models.model_from_checkpoint(sd, "resnet18", source="w.pth")
+        model, names, size = models.model_from_state(sd, "resnet18", source="w.pth")
         assert names == [str(i) for i in range(10)] and model.fc.out_features == 10 and size is None
         return
     with pytest.raises(UserError, match=expect) as err:
-        models.model_from_checkpoint(sd, "resnet18", source="w.pth")
+        models.model_from_state(sd, "resnet18", source="w.pth")
     assert "\n" not in str(err.value)
 
 
@@ -72,7 +73,7 @@ def test_dlenv_val_refuses_a_head_beyond_the_bound_in_one_line(tmp_path, monkeyp
     stored tensor: its bytes are in the file) is one line and a non-zero exit, nothing allocated for it."""
     monkeypatch.chdir(tmp_path)
     sd = {**resnet18(num_classes=2).state_dict(), "fc.weight": torch.zeros(100_001, 1), "fc.bias": torch.zeros(2)}
-    runstate.save_checkpoint(sd, tmp_path / f"w{suffix}")
+    runstate.save_state(sd, tmp_path / f"w{suffix}")
     (tmp_path / "ds" / "cat").mkdir(parents=True)
     code = cli.main(["val", "--weights", f"w{suffix}", "--model", "resnet18", "--data", "ds", "--device", "cpu",
                      "--workers", "0"])
@@ -106,7 +107,7 @@ def test_a_state_dict_that_does_not_fit_names_its_keys_in_one_short_line(key):
     sd = {**resnet18(num_classes=10).state_dict(), key: torch.zeros(1)}
     with pytest.raises(UserError, match=r"w.pth does not match architecture 'resnet18' \(0 missing, 1 unexpected") \
             as err:
-        models.model_from_checkpoint(sd, "resnet18", source="w.pth")
+        models.model_from_state(sd, "resnet18", source="w.pth")
     line = str(err.value)
     assert "\n" not in line and "\x1b" not in line and len(line) < 600, line[:200]
     model = resnet18(num_classes=10)

@@ -15,9 +15,9 @@ import torch
 from imagedata import make_train_val, train_config
 from torch import nn
 
-from dlenv import runstate
 from dlenv import train as train_mod
 from dlenv.data.sampler import ResumableSampler
+from dlenv.runfolder import runstate
 
 
 class Recorder(nn.Module):
@@ -76,7 +76,7 @@ def test_no_one_image_batch_and_the_epoch_arithmetic_follows(tmp_path, ds80, rec
     assert recorder == batches and min(recorder) > 1
     per_epoch = len(batches) // summary["epochs"]
     assert summary["step"] == summary["epochs"] * -(-per_epoch // opts.get("accum_steps", 1))
-    last = runstate.load_checkpoint(Path(summary["run_dir"]) / "last.pth")
+    last = runstate.load_state(Path(summary["run_dir"]) / "last.pth")
     assert last["batch_in_epoch"] == 0 and last["sampler"]["position"] == 0
 
 
@@ -92,13 +92,13 @@ def test_resume_mid_epoch_with_a_left_out_sample_is_exact(tmp_path, ds81, record
 
     part = train_mod.train(cfg(tmp_path / "b", ds81, **opts), on_step=on_step)
     assert part["exit_code"] == 143
-    saved = runstate.load_checkpoint(Path(part["run_dir"]) / "last.pth")
+    saved = runstate.load_state(Path(part["run_dir"]) / "last.pth")
     assert saved["sampler"]["position"] == 40
     recorder.clear()
     resumed = train_mod.train(cfg(tmp_path / "c", ds81, resume=str(Path(part["run_dir"]) / "last.pth")))
     assert recorder == [4] * 10 and resumed["step"] == 20
-    a = runstate.load_checkpoint(Path(full["run_dir"]) / "last.pth")["model"]
-    b = runstate.load_checkpoint(Path(resumed["run_dir"]) / "last.pth")["model"]
+    a = runstate.load_state(Path(full["run_dir"]) / "last.pth")["model"]
+    b = runstate.load_state(Path(resumed["run_dir"]) / "last.pth")["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 

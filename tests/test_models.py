@@ -10,7 +10,7 @@ from torch import nn
 
 from dlenv import models
 from dlenv.errors import UserError
-from dlenv.models import build_model, is_convolutional, list_model_names, model_from_checkpoint
+from dlenv.models import build_model, is_convolutional, list_model_names, model_from_state
 
 
 @pytest.fixture(autouse=True)
@@ -185,7 +185,7 @@ def test_bare_googlenet_state_dict_with_aux_heads_loads(tmp_path):
 
     theirs = torchvision.models.googlenet(weights=None, num_classes=3, aux_logits=True, init_weights=False)
     sd = {f"module.{k}": v for k, v in theirs.state_dict().items()}  # as saved from DDP
-    model, classes, _ = model_from_checkpoint(sd, "googlenet")
+    model, classes, _ = model_from_state(sd, "googlenet")
     assert classes == ["0", "1", "2"]
     assert torch.equal(model.state_dict()["fc.weight"], theirs.state_dict()["fc.weight"])
 
@@ -222,7 +222,7 @@ def test_a_torchvision_builders_arguments(name, model_args, img_size, expect):
 def test_vit_b_16_at_32_px_trains_forward_and_rebuilds_from_its_checkpoint():
     """--model vit_b_16 --img-size 32 once ended in 'Wrong image height': the trainer's path (the plan's
     factory_kwargs, then build_model) now builds it at 32 px, and val rebuilds it at the checkpoint's size."""
-    from dlenv.runstate import FORMAT
+    from dlenv.runfolder.runstate import FORMAT
     from dlenv.usermodel import factory_kwargs
 
     torch.manual_seed(0)
@@ -233,7 +233,7 @@ def test_vit_b_16_at_32_px_trains_forward_and_rebuilds_from_its_checkpoint():
     assert out.shape == (2, 3) and model.encoder.pos_embedding.shape == (1, 5, 768)  # 2x2 patches + class token
     ckpt = {"format": FORMAT, "model": model.state_dict(), "model_name": "vit_b_16", "num_classes": 3,
             "class_names": ["a", "b", "c"], "img_size": 32, "config": {}, "epoch": 1}
-    again, names, size = model_from_checkpoint(ckpt)
+    again, names, size = model_from_state(ckpt)
     with torch.no_grad():
         assert size == 32 and torch.equal(again.eval()(x), out)
     with pytest.raises(UserError, match="--img-size 40: vit_b_16 .* multiples of 16"):

@@ -57,7 +57,7 @@ def test_two_nodes_one_process_each_train_together_to_identical_weights(tmp_path
     import torch
     from imagedata import make_train_val
 
-    from dlenv import runstate
+    from dlenv.runfolder import runstate
 
     data = tmp_path / "ds"
     make_train_val(data, per_class=8, size=(32, 32))
@@ -92,7 +92,7 @@ def test_two_nodes_one_process_each_train_together_to_identical_weights(tmp_path
 
     run = tmp_path / "node0" / "runs" / "exp"
     assert not (tmp_path / "node1" / "runs").exists(), "only rank 0 writes"
-    saved = runstate.load_checkpoint(run / "last.pth")
+    saved = runstate.load_state(run / "last.pth")
     assert saved["world_size"] == 2 and saved["epoch"] == 2 and saved["step"] == 6
     ranks = [torch.load(dumps / f"rank{r}.pt", map_location="cpu") for r in (0, 1)]
     assert set(ranks[0]) == set(ranks[1]) == set(saved["model"])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dlenv.runstate import load_checkpoint
+from dlenv.runfolder.runstate import load_state
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ def _code() -> str:
 
 def test_the_loop_uses_dlenvs_parts_and_stays_short():
     code = _code()
-    for part in ("Precision(", "apply_checkpointing(", "MemoryMonitor(", ".generate_report()", "save_checkpoint(",
+    for part in ("Precision(", "apply_checkpointing(", "MemoryMonitor(", ".generate_report()", "save_state(",
                  "precision.autocast()", "precision.backward(", "precision.step(", "/ accum_steps"):
         assert part in code, part
     assert len(code.splitlines()) <= 60
@@ -42,7 +42,7 @@ def test_the_loop_runs_as_written(tmp_path):
     report = r.stdout[r.stdout.index("samples"):]
     assert all(re.search(rf"^{phase}\s+{n}\b", report, re.M) for phase, n in
                (("forward", 24), ("backward", 24), ("step", 12)))
-    state = load_checkpoint(tmp_path / "runs" / "own-loop" / "last.pth")  # weights_only, floats restored
+    state = load_state(tmp_path / "runs" / "own-loop" / "last.pth")  # weights_only, floats restored
     assert state["iter"] == 12 and "layer1.0.conv1.weight" in state["model"]
     assert isinstance(state["optimizer"]["param_groups"][0]["lr"], float)
     # the file and its MAC sidecar (dlenv.weights): no temporary file left behind

@@ -12,7 +12,7 @@ import pytest
 from dlenv import plots
 from dlenv.cli import main as cli_main
 from dlenv.errors import UserError
-from dlenv.results import COLUMNS, append_row, read_results
+from dlenv.runfolder.results import COLUMNS, append_row, read_results
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -258,17 +258,17 @@ def test_timm_arguments_that_would_fetch_weights_are_refused(cwd):
 def test_a_timm_checkpoint_rebuilds_with_its_arguments_and_size(cwd):
     """val, prune and export rebuild a timm model with the run's --model-args and, for a ViT, its size."""
     pytest.importorskip("timm")
-    from dlenv import runstate
+    from dlenv.runfolder import runstate
 
     name = "timm/vit_tiny_patch16_224"
     model = models.build_model(name, 3, model_args={"img_size": 32, "depth": 2})
     ckpt = {"format": runstate.FORMAT, "model": model.state_dict(), "model_name": name, "num_classes": 3,
             "class_names": ["a", "b", "c"], "img_size": 32, "config": {"model": name, "model_args": "depth=2"}}
-    rebuilt, classes, size = models.model_from_checkpoint(ckpt, source="x.pth")
+    rebuilt, classes, size = models.model_from_state(ckpt, source="x.pth")
     assert size == 32 and len(rebuilt.blocks) == 2 and rebuilt.patch_embed.img_size == (32, 32)
     ckpt["config"]["model_args"] = "depth=100000000"
     with pytest.raises(UserError, match="depth=100000000, beyond the bounds"):
-        models.model_from_checkpoint(ckpt, source="x.pth")
+        models.model_from_state(ckpt, source="x.pth")
 
 
 # ---------------------------------------------------------------------------------------------------

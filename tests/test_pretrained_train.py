@@ -18,8 +18,9 @@ import yaml
 from imagedata import make_train_val, train_config
 from weightserver import hub_file, isolated_cache, serve, torchvision_file
 
-from dlenv import cli, pretrained, runstate
+from dlenv import cli, pretrained
 from dlenv import train as train_mod
+from dlenv.runfolder import runstate
 
 
 @pytest.fixture
@@ -67,7 +68,7 @@ def test_dlenv_train_pretrained_torchvision_end_to_end(server, data, cwd, monkey
     assert _cli("--model", "resnet18", "--pretrained", "--data", str(data), "--max-steps", "1") == 0
     assert len(requests) == 1  # ... and the second run hit the cache
     # the trained model started from the served weights: its stem moved only a little from them
-    ck = runstate.load_checkpoint(run / "last.pth")
+    ck = runstate.load_state(run / "last.pth")
     moved = (ck["model"]["conv1.weight"] - state["conv1.weight"]).abs().max().item()
     assert 0 < moved < 0.05 and ck["model"]["fc.weight"].shape[0] == 2
 
@@ -89,11 +90,11 @@ def test_dlenv_train_pretrained_timm_end_to_end(server, data, cwd):
     text = (cwd / "runs" / "exp" / "config.yaml").read_text()
     assert "timm/mobilenetv3_small_050.lamb_in1k" in text and "drop_rate=0.1" in text
     # its pretrained_cfg says bicubic: recorded with the weights, and applied (the input plan's line)
-    from dlenv.train.state import read_config_notes
+    from dlenv.runfolder.trainstate import read_config_notes
 
     notes = read_config_notes(cwd / "runs" / "exp" / "config.yaml")
     assert "'interpolation': 'bicubic'" in notes["pretrained"] and "flips, bicubic)" in notes["input"]
-    ck = runstate.load_checkpoint(cwd / "runs" / "exp" / "last.pth")
+    ck = runstate.load_state(cwd / "runs" / "exp" / "last.pth")
     moved = (ck["model"]["conv_stem.weight"] - model.conv_stem.weight).abs().max().item()
     assert moved < 0.05 and ck["model"]["classifier.weight"].shape[0] == 2
     n = len(requests)
@@ -134,7 +135,7 @@ def _cfg(cwd, data, **kw):
 def test_head_learns_at_lr_and_the_backbone_at_a_tenth(server, data, cwd, monkeypatch):
     _serve_torchvision(server[0], "mobilenet_v3_small", monkeypatch)
     summary = train_mod.train(_cfg(cwd, data, epochs=1))
-    ck = runstate.load_checkpoint(Path(summary["run_dir"]) / "last.pth")
+    ck = runstate.load_state(Path(summary["run_dir"]) / "last.pth")
     groups = ck["optimizer"]["param_groups"]
     assert [g["initial_lr"] for g in groups] == pytest.approx([0.05, 0.05, 0.005, 0.005])
     # the head: classifier.3 (its hidden Linear, classifier.0, is pretrained and learns with the backbone)
@@ -147,7 +148,7 @@ def test_pretrained_size_wins_over_the_default(server, data, cwd, monkeypatch):
     _serve_torchvision(server[0], "mobilenet_v3_small", monkeypatch)
     cfg = _cfg(cwd, data, epochs=1, img_size=None, max_steps=1, batch_size=2)
     summary = train_mod.train(cfg)
-    ck = runstate.load_checkpoint(Path(summary["run_dir"]) / "last.pth")
+    ck = runstate.load_state(Path(summary["run_dir"]) / "last.pth")
     assert ck["img_size"] == 224
     assert "was trained at 224 px" in (Path(summary["run_dir"]) / "config.yaml").read_text()
 
@@ -155,7 +156,7 @@ def test_pretrained_size_wins_over_the_default(server, data, cwd, monkeypatch):
 def test_freeze_epochs_train_the_head_alone_with_batchnorm_statistics_frozen(server, data, cwd, monkeypatch):
     state = _serve_torchvision(server[0], "mobilenet_v3_small", monkeypatch)
     summary = train_mod.train(_cfg(cwd, data, epochs=1, freeze_epochs=1))
-    ck = runstate.load_checkpoint(Path(summary["run_dir"]) / "last.pth")
+    ck = runstate.load_state(Path(summary["run_dir"]) / "last.pth")
     sd = ck["model"]
     for k, v in state.items():
         if not k.startswith("classifier.3."):  # the backbone: weights and BatchNorm statistics untouched
@@ -181,8 +182,8 @@ def test_resume_is_exact_through_the_unfreeze(server, data, cwd, monkeypatch):
     part = train_mod.train(_cfg(cwd / "b", data, **opts), on_step=on_step)
     assert part["status"] == "interrupted"
     resumed = train_mod.train(_cfg(cwd / "c", data, resume=str(Path(part["run_dir"]) / "last.pth")))
-    a = runstate.load_checkpoint(Path(full["run_dir"]) / "last.pth")
-    b = runstate.load_checkpoint(Path(resumed["run_dir"]) / "last.pth")
+    a = runstate.load_state(Path(full["run_dir"]) / "last.pth")
+    b = runstate.load_state(Path(resumed["run_dir"]) / "last.pth")
     assert a["step"] == b["step"] == 6
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert all(torch.equal(a["ema"]["module"][k], b["ema"]["module"][k]) for k in a["ema"]["module"])
@@ -207,7 +208,7 @@ def test_the_weights_normalization_reaches_the_input_pipeline(server, data, cwd,
     monkeypatch.setattr(InputOptions, "decide", lambda *a, **k: plans.append(real_decide(*a, **k)) or plans[-1])
     summary = train_mod.train(_cfg(cwd, data, epochs=1, max_steps=1))
     assert plans[-1].norm == (half, half) and plans[-1].interpolation == "bicubic"
-    from dlenv.train.state import read_config_notes
+    from dlenv.runfolder.trainstate import read_config_notes
 
     note = read_config_notes(Path(summary["run_dir"]) / "config.yaml")["pretrained"]
     assert "'mean': [0.5, 0.5, 0.5]" in note and "MobileNet_V3_Small_Weights.IMAGENET1K_V1" in note

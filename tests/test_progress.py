@@ -108,8 +108,8 @@ def test_the_bar_and_the_epoch_line_give_one_img_per_s(tmp_path, data, tiny, mon
     import tinymodels
     from tinymodels import tiny_config
 
-    from dlenv import results
     from dlenv import train as train_mod
+    from dlenv.runfolder import results
 
     forward, calls = tinymodels.Tiny.forward, []
 

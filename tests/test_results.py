@@ -1,10 +1,10 @@
-"""dlenv.results: the results.csv contract between the trainer, plots and reports."""
+"""dlenv.runfolder.results: the results.csv contract between the trainer, plots and reports."""
 
 from __future__ import annotations
 
 import pytest
 
-from dlenv import results
+from dlenv.runfolder import results
 
 
 def test_rows_append_under_one_header_in_column_order(tmp_path):

@@ -13,16 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from dlenv import runs
+from dlenv import runfolder
 from dlenv.errors import UserError
 
 
 def test_names_increment_like_yolo(tmp_path):
-    assert runs.new_run_dir(tmp_path, "exp").name == "exp"
-    assert runs.new_run_dir(tmp_path, "exp").name == "exp2"
-    assert runs.new_run_dir(tmp_path, "exp").name == "exp3"
-    assert runs.new_run_dir(tmp_path, "exp", exist_ok=True).name == "exp"
-    assert runs.new_run_dir(tmp_path, "other").name == "other"
+    assert runfolder.new_run_dir(tmp_path, "exp").name == "exp"
+    assert runfolder.new_run_dir(tmp_path, "exp").name == "exp2"
+    assert runfolder.new_run_dir(tmp_path, "exp").name == "exp3"
+    assert runfolder.new_run_dir(tmp_path, "exp", exist_ok=True).name == "exp"
+    assert runfolder.new_run_dir(tmp_path, "other").name == "other"
 
 
 @pytest.mark.parametrize("taken,asked,got", [
@@ -38,38 +38,38 @@ def test_names_increment_like_yolo(tmp_path):
 def test_a_taken_name_ending_in_a_digit_goes_on_with_a_dash(tmp_path, taken, asked, got):
     for name in taken:
         (tmp_path / name).mkdir()
-    assert runs.new_run_dir(tmp_path, asked).name == got
+    assert runfolder.new_run_dir(tmp_path, asked).name == got
 
 
 @pytest.mark.parametrize("name", ["a/b", "..", ""])
 def test_bad_names_are_refused(tmp_path, name):
     with pytest.raises(UserError, match="--name"):
-        runs.new_run_dir(tmp_path, name)
+        runfolder.new_run_dir(tmp_path, name)
 
 
 def test_resume_auto_is_the_newest_last_pth(tmp_path):
     with pytest.raises(UserError, match="no .*last.pth"):
-        runs.find_resume("auto", tmp_path)
+        runfolder.find_resume("auto", tmp_path)
     for i, name in enumerate(["exp", "exp2", "zzz"]):
         (tmp_path / name).mkdir()
         f = tmp_path / name / "last.pth"
         f.write_bytes(b"x")
         t = time.time() - 100 + (50 if name == "exp2" else i)
         os.utime(f, (t, t))
-    assert runs.find_resume("auto", tmp_path) == tmp_path / "exp2" / "last.pth"
-    assert runs.find_resume(str(tmp_path / "exp"), tmp_path) == tmp_path / "exp" / "last.pth"
+    assert runfolder.find_resume("auto", tmp_path) == tmp_path / "exp2" / "last.pth"
+    assert runfolder.find_resume(str(tmp_path / "exp"), tmp_path) == tmp_path / "exp" / "last.pth"
     with pytest.raises(UserError, match="no such checkpoint"):
-        runs.find_resume(str(tmp_path / "missing.pth"), tmp_path)
+        runfolder.find_resume(str(tmp_path / "missing.pth"), tmp_path)
 
 
 def test_a_locked_run_folder_refuses_another_process(tmp_path):
     import subprocess
     import sys
 
-    run = runs.new_run_dir(tmp_path, "exp")
-    lock = runs.lock_run_dir(run)
-    assert runs.lock_run_dir(run) is lock  # again in this process: the same lock
-    code = "import sys; from dlenv import runs; runs.lock_run_dir(sys.argv[1])"
+    run = runfolder.new_run_dir(tmp_path, "exp")
+    lock = runfolder.lock_run_dir(run)
+    assert runfolder.lock_run_dir(run) is lock  # again in this process: the same lock
+    code = "import sys; from dlenv import runfolder; runfolder.lock_run_dir(sys.argv[1])"
     r = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True)
     assert r.returncode == 1 and f"is in use by another run (process {os.getpid()})" in r.stderr
     lock.release()
@@ -78,12 +78,12 @@ def test_a_locked_run_folder_refuses_another_process(tmp_path):
 
 
 def test_the_lock_goes_with_the_object_that_holds_it(tmp_path):
-    run = runs.new_run_dir(tmp_path, "exp")
-    lock = runs.lock_run_dir(run)
-    fd = os.open(run / runs.LOCK_FILE, os.O_RDWR)  # opened while held, as a second run would
+    run = runfolder.new_run_dir(tmp_path, "exp")
+    lock = runfolder.lock_run_dir(run)
+    fd = os.open(run / runfolder.LOCK_FILE, os.O_RDWR)  # opened while held, as a second run would
     try:
         del lock  # the trainer's local variable going out of scope at the end of a run
-        assert not (run / runs.LOCK_FILE).exists()
+        assert not (run / runfolder.LOCK_FILE).exists()
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: would raise if still held
     finally:
         os.close(fd)
@@ -94,45 +94,45 @@ def test_the_lock_goes_with_the_object_that_holds_it(tmp_path):
 
 
 def test_release_removes_the_lock_file_and_a_second_release_is_harmless(tmp_path):
-    run = runs.new_run_dir(tmp_path, "exp")
-    with runs.lock_run_dir(run) as lock:
-        assert (run / runs.LOCK_FILE).read_text() == f"{os.getpid()}\n"
-    assert not (run / runs.LOCK_FILE).exists()
+    run = runfolder.new_run_dir(tmp_path, "exp")
+    with runfolder.lock_run_dir(run) as lock:
+        assert (run / runfolder.LOCK_FILE).read_text() == f"{os.getpid()}\n"
+    assert not (run / runfolder.LOCK_FILE).exists()
     lock.release()
-    again = runs.lock_run_dir(run)  # a released lock is not handed out again: a fresh one is taken
-    assert again is not lock and (run / runs.LOCK_FILE).is_file()
+    again = runfolder.lock_run_dir(run)  # a released lock is not handed out again: a fresh one is taken
+    assert again is not lock and (run / runfolder.LOCK_FILE).is_file()
     del again
-    assert not (run / runs.LOCK_FILE).exists()
+    assert not (run / runfolder.LOCK_FILE).exists()
 
 
 def test_release_never_removes_another_runs_lock_file(tmp_path):
-    run = runs.new_run_dir(tmp_path, "exp")
-    lock = runs.lock_run_dir(run)
-    os.unlink(run / runs.LOCK_FILE)
-    (run / runs.LOCK_FILE).write_text("12345\n")  # another run's file under the same name
+    run = runfolder.new_run_dir(tmp_path, "exp")
+    lock = runfolder.lock_run_dir(run)
+    os.unlink(run / runfolder.LOCK_FILE)
+    (run / runfolder.LOCK_FILE).write_text("12345\n")  # another run's file under the same name
     lock.release()
-    assert (run / runs.LOCK_FILE).read_text() == "12345\n"
+    assert (run / runfolder.LOCK_FILE).read_text() == "12345\n"
 
 
 def test_a_run_that_opened_the_file_before_it_was_removed_takes_a_fresh_one(tmp_path, monkeypatch):
     """The race the removal opens: B opens the lock file, A releases (removes it), B gets the flock on
     the removed file. B must notice and lock the file now at that name, or a third run C could hold
     the new file at the same time."""
-    run = runs.new_run_dir(tmp_path, "exp")
-    stale = os.open(run / runs.LOCK_FILE, os.O_RDWR | os.O_CREAT)
-    os.unlink(run / runs.LOCK_FILE)  # what A's release does after B's open
+    run = runfolder.new_run_dir(tmp_path, "exp")
+    stale = os.open(run / runfolder.LOCK_FILE, os.O_RDWR | os.O_CREAT)
+    os.unlink(run / runfolder.LOCK_FILE)  # what A's release does after B's open
     real_open, opened = os.open, []
 
     def first_open_is_stale(path, flags, mode=0o777):
         opened.append(path)
         return os.dup(stale) if len(opened) == 1 else real_open(path, flags, mode)
 
-    monkeypatch.setattr(runs.os, "open", first_open_is_stale)
-    lock = runs.lock_run_dir(run)
+    monkeypatch.setattr(runfolder.os, "open", first_open_is_stale)
+    lock = runfolder.lock_run_dir(run)
     monkeypatch.undo()
     os.close(stale)
     assert len(opened) == 2  # the stale file was let go and the name opened again
-    fd = os.open(run / runs.LOCK_FILE, os.O_RDWR)
+    fd = os.open(run / runfolder.LOCK_FILE, os.O_RDWR)
     try:
         with pytest.raises(BlockingIOError):  # the file at the name is the one locked
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -143,13 +143,13 @@ def test_a_run_that_opened_the_file_before_it_was_removed_takes_a_fresh_one(tmp_
 
 _HOLDER = textwrap.dedent("""
     import os, signal, sys, time
-    from dlenv import runs
+    from dlenv import runfolder
 
     def stop(signum, frame):  # what the trainer's console.Stop turns SIGTERM into: an orderly end
         raise SystemExit(143)
 
     signal.signal(signal.SIGTERM, stop)
-    lock = runs.lock_run_dir(sys.argv[1])
+    lock = runfolder.lock_run_dir(sys.argv[1])
     print("locked", flush=True)
     how = sys.argv[2]
     if how == "error":
@@ -169,28 +169,28 @@ _HOLDER = textwrap.dedent("""
     ("wait", signal.SIGINT, -signal.SIGINT),  # Ctrl-C: KeyboardInterrupt, then Python ends by SIGINT
 ])
 def test_the_lock_file_goes_when_the_process_ends(tmp_path, how, signum, code):
-    run = runs.new_run_dir(tmp_path, "exp")
+    run = runfolder.new_run_dir(tmp_path, "exp")
     proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(run), how], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "locked"
     if signum is not None:
-        assert (run / runs.LOCK_FILE).read_text() == f"{proc.pid}\n"  # there while it runs
+        assert (run / runfolder.LOCK_FILE).read_text() == f"{proc.pid}\n"  # there while it runs
         proc.send_signal(signum)
     proc.communicate(timeout=30)
     assert proc.returncode == code
-    assert not (run / runs.LOCK_FILE).exists()
+    assert not (run / runfolder.LOCK_FILE).exists()
 
 
 def test_a_killed_run_leaves_its_file_but_no_lock(tmp_path):
-    run = runs.new_run_dir(tmp_path, "exp")
+    run = runfolder.new_run_dir(tmp_path, "exp")
     proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(run), "wait"], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "locked"
     proc.kill()
     proc.communicate(timeout=30)
-    assert (run / runs.LOCK_FILE).is_file()  # SIGKILL: no code runs
-    with runs.lock_run_dir(run):  # the kernel ended the flock: the next run takes it
-        assert (run / runs.LOCK_FILE).read_text() == f"{os.getpid()}\n"
-    assert not (run / runs.LOCK_FILE).exists()
+    assert (run / runfolder.LOCK_FILE).is_file()  # SIGKILL: no code runs
+    with runfolder.lock_run_dir(run):  # the kernel ended the flock: the next run takes it
+        assert (run / runfolder.LOCK_FILE).read_text() == f"{os.getpid()}\n"
+    assert not (run / runfolder.LOCK_FILE).exists()
 
 
 @pytest.mark.parametrize("end", ["done", "sigterm", "error"])
@@ -199,7 +199,7 @@ def test_the_trainer_keeps_the_file_while_it_runs_and_removes_it_at_the_end(tmp_
 
     from dlenv import train as train_mod
 
-    lock_file = tmp_path / "runs" / "exp" / runs.LOCK_FILE
+    lock_file = tmp_path / "runs" / "exp" / runfolder.LOCK_FILE
     seen = []
 
     def on_step(state):

@@ -1,4 +1,5 @@
-"""dlenv.runstate, the run-state files: atomic writes, safe loading, exact floats on both PyTorch lines, RNG state."""
+"""dlenv.runfolder.runstate, the run-state files: atomic writes, safe loading, exact floats on both PyTorch
+lines, RNG state."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ import torch
 from imagedata import FillsUpAfter
 from torch import nn
 
-from dlenv import runstate
 from dlenv.errors import UserError
+from dlenv.runfolder import runstate
 
 
 def test_save_is_atomic_when_the_write_crashes(tmp_path, monkeypatch):
     path = tmp_path / "last.pth"
-    runstate.save_checkpoint({"epoch": 1, "w": torch.ones(3)}, path)
+    runstate.save_state({"epoch": 1, "w": torch.ones(3)}, path)
     real_save = torch.save
 
     def crash(obj, fh, *a, **k):
@@ -28,9 +29,9 @@ def test_save_is_atomic_when_the_write_crashes(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(KeyboardInterrupt):
-        runstate.save_checkpoint({"epoch": 2, "w": torch.zeros(3)}, path)
+        runstate.save_state({"epoch": 2, "w": torch.zeros(3)}, path)
     monkeypatch.setattr(torch, "save", real_save)
-    assert runstate.load_checkpoint(path)["epoch"] == 1
+    assert runstate.load_state(path)["epoch"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pth"]  # no temp file left behind, no sidecar
 
 
@@ -46,19 +47,19 @@ def test_pickles_that_run_code_are_refused_without_running(tmp_path):
     marker = tmp_path / "pwned"
     torch.save({"model": Evil(marker)}, tmp_path / "evil.pth")
     with pytest.raises(UserError, match="refusing to unpickle"):
-        runstate.load_checkpoint(tmp_path / "evil.pth")
+        runstate.load_state(tmp_path / "evil.pth")
     assert not marker.exists()
 
 
 def test_missing_and_truncated_files_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="not found"):
-        runstate.load_checkpoint(tmp_path / "nope.pth")
+        runstate.load_state(tmp_path / "nope.pth")
     good = tmp_path / "good.pth"
-    runstate.save_checkpoint({"w": torch.randn(1000)}, good)
+    runstate.save_state({"w": torch.randn(1000)}, good)
     cut = tmp_path / "cut.pth"
     cut.write_bytes(good.read_bytes()[:-300])
     with pytest.raises(UserError, match="truncated or corrupt"):
-        runstate.load_checkpoint(cut)
+        runstate.load_state(cut)
 
 
 def test_floats_and_state_dicts_round_trip_exactly(tmp_path):
@@ -66,10 +67,10 @@ def test_floats_and_state_dicts_round_trip_exactly(tmp_path):
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     state = {"lr": 0.1, "vals": [1.5, -0.0, math.inf, (2.25, 3)], "model": net.state_dict(),
              "optimizer": opt.state_dict(), "none": None, "flag": True}
-    path = runstate.save_checkpoint(state, tmp_path / "c.pth")
+    path = runstate.save_state(state, tmp_path / "c.pth")
     raw = torch.load(path, weights_only=True)  # what any loader of either PyTorch line sees
     assert not isinstance(raw["lr"], float)  # floats are encoded for 1.13's weights_only loader
-    back = runstate.load_checkpoint(path)
+    back = runstate.load_state(path)
     assert back["lr"] == 0.1 and back["vals"][:3] == [1.5, 0.0, math.inf]
     assert math.copysign(1, back["vals"][1]) == -1 and back["vals"][3] == (2.25, 3)
     assert back["optimizer"]["param_groups"][0]["weight_decay"] == 1e-4
@@ -79,7 +80,7 @@ def test_floats_and_state_dicts_round_trip_exactly(tmp_path):
 
 
 def test_nan_survives(tmp_path):
-    back = runstate.load_checkpoint(runstate.save_checkpoint({"x": math.nan}, tmp_path / "n.pth"))
+    back = runstate.load_state(runstate.save_state({"x": math.nan}, tmp_path / "n.pth"))
     assert math.isnan(back["x"])
 
 
@@ -87,9 +88,9 @@ def test_rng_state_restores_every_generator(tmp_path):
     torch.manual_seed(1)
     random.seed(2)
     np.random.seed(3)
-    path = runstate.save_checkpoint({"rng": runstate.rng_state()}, tmp_path / "r.pth")
+    path = runstate.save_state({"rng": runstate.rng_state()}, tmp_path / "r.pth")
     first = (torch.rand(3), random.random(), np.random.rand())
-    runstate.set_rng_state(runstate.load_checkpoint(path)["rng"])
+    runstate.set_rng_state(runstate.load_state(path)["rng"])
     second = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(first[0], second[0]) and first[1:] == second[1:]
 
@@ -110,16 +111,16 @@ def test_full_disk_mid_write_raises_oserror_naming_the_file_and_keeps_the_old_on
     from dlenv import atomic
 
     path = tmp_path / "last.pth"
-    runstate.save_checkpoint({"epoch": 1, "w": torch.ones(3)}, path)
+    runstate.save_state({"epoch": 1, "w": torch.ones(3)}, path)
     real_open = open
     with monkeypatch.context() as m:  # the one atomic writer opens the temporary file
         m.setattr(atomic, "open", lambda f, mode="r", *a, **kw: (  # writes only: atomic also reads the umask
             FillsUpAfter(real_open(f, mode, *a, **kw), limit) if "w" in mode else real_open(f, mode, *a, **kw)),
                   raising=False)
         with pytest.raises(OSError) as e:  # not torch's RuntimeError, and the process is still alive
-            runstate.save_checkpoint({"epoch": 2, "w": torch.zeros(300_000)}, path)
+            runstate.save_state({"epoch": 2, "w": torch.zeros(300_000)}, path)
     assert e.value.errno == 28 and e.value.filename == str(path)
-    assert runstate.load_checkpoint(path)["epoch"] == 1  # its MAC sidecar still matches it
+    assert runstate.load_state(path)["epoch"] == 1  # its MAC sidecar still matches it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pth"]
 
 
@@ -147,7 +148,7 @@ def _wrong_files(tmp: Path) -> dict[str, tuple[Path, str]]:
 def test_a_wrong_file_is_named_for_what_it_is(tmp_path, kind):
     path, what = _wrong_files(tmp_path)[kind]
     with pytest.raises(UserError) as e:
-        runstate.load_checkpoint(path)
+        runstate.load_state(path)
     assert str(e.value).startswith(f"{path} {what}") and "\n" not in str(e.value)
 
 
@@ -185,24 +186,24 @@ def _dlenv(**change):
     ({"model": {"fc.weight": "not a tensor"}}, "its 'model' is 'dict', not a state dict of tensors"),
 ])
 def test_entries_of_the_wrong_type_are_refused_naming_them(tmp_path, change, message):
-    path = runstate.save_checkpoint(_dlenv(**change), tmp_path / "c.pth")
+    path = runstate.save_state(_dlenv(**change), tmp_path / "c.pth")
     with pytest.raises(UserError) as e:
-        runstate.load_checkpoint(path)
+        runstate.load_state(path)
     assert message in str(e.value) and str(path) in str(e.value)
 
 
 def test_a_good_checkpoint_and_a_bare_state_dict_pass(tmp_path):
-    assert runstate.load_checkpoint(runstate.save_checkpoint(_dlenv(), tmp_path / "c.pth"))["epoch"] == 1
-    bare = runstate.save_checkpoint({"w": torch.ones(2)}, tmp_path / "b.pth")
-    assert list(runstate.load_checkpoint(bare)) == ["w"]
+    assert runstate.load_state(runstate.save_state(_dlenv(), tmp_path / "c.pth"))["epoch"] == 1
+    bare = runstate.save_state({"w": torch.ones(2)}, tmp_path / "b.pth")
+    assert list(runstate.load_state(bare)) == ["w"]
 
 
 def test_metadata_that_disagrees_with_the_head_is_named(tmp_path):
-    from dlenv.models import build_model, model_from_checkpoint
+    from dlenv.models import build_model, model_from_state
 
     sd = build_model("resnet18", 10).state_dict()
     ckpt = _dlenv(model=sd, num_classes=5, class_names=list("abcde"))
     with pytest.raises(UserError, match="its metadata says num_classes 5 but its weights' head fc.weight has 10"):
-        model_from_checkpoint(ckpt, source="x.pth")
+        model_from_state(ckpt, source="x.pth")
     with pytest.raises(UserError, match=r"does not match this model \(0 missing, 0 unexpected keys, 2 of another"):
         runstate.load_model_state(build_model("resnet18", 3), sd, "x.pth")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from dlenv import results, runstate
+from dlenv.runfolder import results, runstate
 
 REPO = Path(__file__).resolve().parents[1]
 EPOCHS = 3
@@ -79,7 +79,7 @@ elif moment == "validation":  # epoch 2's validation, after its first batch (the
         return real_validate(model, hooked(), *a, **k)
     loop.validate = validate
 elif moment == "save":  # epoch 2's last.pth: its temporary file written, not yet renamed into place
-    from dlenv import runstate
+    from dlenv.runfolder import runstate
     real_write, saves = runstate.write_file, []
     def write_file(path, write, durable=False):
         if Path(path).name != "last.pth":
@@ -214,7 +214,7 @@ def test_a_signal_to_the_whole_group_stops_in_one_line_and_the_run_resumes(tmp_p
 
     assert out.count(f"{name}: saving last.pth") == 1, out[-3000:]  # once: not once per worker
     assert out.count(f"stopped by {name}; saved {trainer.last}. Resume with: ") == 1, out[-3000:]
-    saved = runstate.load_checkpoint(trainer.last)
+    saved = runstate.load_state(trainer.last)
     # mid-epoch: the step boundary of epoch 2; in validation or the save: epoch 2 complete
     assert (saved["epoch"], saved["batch_in_epoch"]) == ((1, 3) if moment == "mid-epoch" else (2, 0))
     assert not list(trainer.last.parent.glob(".last.pth.*.tmp"))
@@ -222,7 +222,7 @@ def test_a_signal_to_the_whole_group_stops_in_one_line_and_the_run_resumes(tmp_p
     resumed = trainer.run_again(_resume_command(out))
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert trainer.epochs() == list(range(1, EPOCHS + 1))  # each epoch once
-    assert runstate.load_checkpoint(trainer.last)["epoch"] == EPOCHS
+    assert runstate.load_state(trainer.last)["epoch"] == EPOCHS
 
 
 def test_the_terminal_closing_saves_the_epoch_in_progress(tmp_path, dataset):
@@ -242,7 +242,7 @@ def test_the_terminal_closing_saves_the_epoch_in_progress(tmp_path, dataset):
     err = _finish(proc)
     assert proc.returncode == 129, err[-3000:]
     assert not any(c in err for c in CRASH), err[-3000:]
-    assert runstate.load_checkpoint(trainer.last)["batch_in_epoch"] == 3
+    assert runstate.load_state(trainer.last)["batch_in_epoch"] == 3
     resumed = trainer.run_again([*trainer.args, "--resume", str(trainer.last)])
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert trainer.epochs() == list(range(1, EPOCHS + 1))
@@ -260,7 +260,7 @@ def test_the_same_signal_again_at_once_is_one_request(tmp_path, dataset):
     out = _finish(proc)
     assert proc.returncode == 143, out[-3000:]
     assert out.count("SIGTERM: saving last.pth") == 1 and "Traceback" not in out, out[-3000:]
-    assert runstate.load_checkpoint(trainer.last)["batch_in_epoch"] == 3
+    assert runstate.load_state(trainer.last)["batch_in_epoch"] == 3
 
 
 def test_a_second_signal_during_the_save_stops_at_once_and_last_pth_is_the_previous_one(tmp_path, dataset):
@@ -274,7 +274,7 @@ def test_a_second_signal_during_the_save_stops_at_once_and_last_pth_is_the_previ
     trainer.signal_group(proc, signal.SIGTERM)
     out = _finish(proc)
     assert proc.returncode == -signal.SIGTERM, out[-3000:]
-    assert runstate.load_checkpoint(trainer.last)["epoch"] == 1  # the previous file, whole
+    assert runstate.load_state(trainer.last)["epoch"] == 1  # the previous file, whole
     _no_process_left(proc.pid)
     resumed = trainer.run_again([*trainer.args, "--resume", str(trainer.last)])
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]

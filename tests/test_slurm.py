@@ -181,7 +181,7 @@ class Job:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def epochs(self, run: str | None = None) -> list[int]:
-        from dlenv import results
+        from dlenv.runfolder import results
 
         path = self.project / "runs" / (run or f"slurm-{self.id}") / "results.csv"
         return results.read_results(path)["epoch"].tolist()
@@ -217,9 +217,9 @@ def _assert_ranks_agree(job: Job) -> None:
     statistics are each rank's own: DDP broadcasts rank 0's at each forward, and the last one updates them.)"""
     import torch
 
-    from dlenv import runstate
+    from dlenv.runfolder import runstate
 
-    saved = runstate.load_checkpoint(job.last)
+    saved = runstate.load_state(job.last)
     assert saved["world_size"] == 2 and saved["epoch"] == EPOCHS
     ranks = [torch.load(job.marks / f"rank{r}.pt", map_location="cpu") for r in (0, 1)]
     assert set(ranks[0]["state"]) == set(ranks[1]["state"]) == set(saved["model"])
@@ -339,7 +339,7 @@ def test_scancel_ends_the_job_after_a_save_and_a_resubmission_resumes(project):
 def test_srun_sent_sigterm_kills_the_tasks_and_last_pth_stays_the_last_saved(project):
     """SIGTERM to srun itself (`timeout srun ...`, a closed terminal) makes srun kill its tasks with SIGKILL at
     once (Slurm's design): nothing is saved, and nothing saved is lost."""
-    from dlenv import runstate
+    from dlenv.runfolder import runstate
 
     job = Job.submit(project, hold=STEPS_PER_EPOCH + 3)
     job.reach()
@@ -352,7 +352,7 @@ def test_srun_sent_sigterm_kills_the_tasks_and_last_pth_stays_the_last_saved(pro
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", log[-3000:]
     assert _task_exits(log) == {0: "Killed", 1: "Killed"} and "srun: forcing job termination" in log, log[-3000:]
     assert "saving last.pth" not in log and not any(c in log for c in CRASH), log[-3000:]
-    saved = runstate.load_checkpoint(job.last)
+    saved = runstate.load_state(job.last)
     assert (saved["epoch"], saved["batch_in_epoch"]) == (1, 0) and job.epochs() == [1]
     assert not list(job.last.parent.glob(".last.pth.*.tmp"))
 

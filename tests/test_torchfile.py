@@ -20,8 +20,9 @@ from typing import Tuple  # noqa: UP035 (TorchScript on 1.13 reads typing.Tuple)
 import pytest
 import torch
 
-from dlenv import compat, pickleguard, runstate, torchfile, weights
+from dlenv import compat, pickleguard, torchfile, weights
 from dlenv.errors import UserError
+from dlenv.runfolder import runstate
 
 MARKER = "PAYLOAD-RAN-7f3a"
 
@@ -194,7 +195,7 @@ def test_a_file_read_two_ways_is_refused_and_runs_nothing(tmp_path, make, reason
     path = tmp_path / "w.pth"
     path.write_bytes(make(BENIGN))
     with pytest.raises(UserError) as e:
-        runstate.load_checkpoint(path, weights.LoadPolicy(trust_pickle=trust))
+        runstate.load_state(path, weights.LoadPolicy(trust_pickle=trust))
     line = str(e.value)
     assert "\n" not in line and line.startswith(f"refusing to unpickle {path}") or "truncated or corrupt" in line
     if _torch_names(path.read_bytes()) is not None:  # torch's reader opens it: the disagreement is named

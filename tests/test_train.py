@@ -19,10 +19,11 @@ import pytest
 import torch
 from tinymodels import Tiny, tiny_config
 
-from dlenv import config, results, runstate
+from dlenv import config
 from dlenv import train as train_mod
 from dlenv.config import TrainConfig
 from dlenv.errors import UserError
+from dlenv.runfolder import results, runstate
 from dlenv.train import loop
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,21 +55,21 @@ def test_run_writes_config_first_then_rows_and_checkpoints(tmp_path, data, tiny)
     again = config.build(TrainConfig, run / "config.yaml")
     assert again.batch_size == 4 and again.lr == pytest.approx(0.1 * 8 / 256) and again.weight_decay == 1e-4
     for name in ("last.pth", "best_model.pth"):
-        ck = runstate.load_checkpoint(run / name)  # weights_only=True inside
+        ck = runstate.load_state(run / name)  # weights_only=True inside
         assert ck["format"] == runstate.FORMAT and ck["class_names"] == ["cat", "dog"]
         assert ck["img_size"] == 16 and ck["config"]["batch_size"] == 4
         assert isinstance(ck["config"]["lr"], float) and isinstance(ck["best_metric"], float)
-    last = runstate.load_checkpoint(run / "last.pth")
+    last = runstate.load_state(run / "last.pth")
     assert last["epoch"] == 2 and last["step"] == 4 and last["batch_in_epoch"] == 0
     # a second run gets the next name, and its config.yaml and checkpoints record that name
     second = Path(train_mod.train(tiny_config(tmp_path, data, epochs=1))["run_dir"])
     assert second.name == "exp2"
     assert config.build(TrainConfig, second / "config.yaml").name == "exp2"
-    assert runstate.load_checkpoint(second / "last.pth")["config"]["name"] == "exp2"
+    assert runstate.load_state(second / "last.pth")["config"]["name"] == "exp2"
 
 
 def _final(run_dir: Path) -> dict:
-    return runstate.load_checkpoint(run_dir / "last.pth")
+    return runstate.load_state(run_dir / "last.pth")
 
 
 def test_auto_optimizer_is_resolved_into_config_yaml(tmp_path, data, tiny):
@@ -76,7 +77,7 @@ def test_auto_optimizer_is_resolved_into_config_yaml(tmp_path, data, tiny):
     again = config.build(TrainConfig, run / "config.yaml")
     # a run of a few steps: AdamW with its default lr and weight decay, recorded as such
     assert again.optimizer == "adamw" and again.lr == pytest.approx(1e-3) and again.weight_decay == 0.05
-    assert runstate.load_checkpoint(run / "last.pth")["config"]["optimizer"] == "adamw"
+    assert runstate.load_state(run / "last.pth")["config"]["optimizer"] == "adamw"
 
 
 @pytest.mark.parametrize("stop_at,signum", [(3, signal.SIGTERM), pytest.param(4, signal.SIGINT, marks=pytest.mark.slow),
@@ -201,7 +202,7 @@ def test_nonfinite_losses_stop_with_exit_4_and_keep_the_last_good_checkpoint(tmp
         train_mod.train(tiny_config(tmp_path, data, epochs=3), on_step=on_step)
     assert err.value.exit_code == train_mod.EXIT_NONFINITE
     assert "last good checkpoint" in str(err.value)
-    last = runstate.load_checkpoint(tmp_path / "runs" / "exp" / "last.pth")
+    last = runstate.load_state(tmp_path / "runs" / "exp" / "last.pth")
     assert last["epoch"] == 1 and all(torch.isfinite(v).all() for v in last["model"].values())
 
 
@@ -219,7 +220,7 @@ def test_cuda_oom_stops_with_advice_and_exit_3(tmp_path, data, tiny, monkeypatch
     msg = str(err.value)
     assert err.value.exit_code == train_mod.EXIT_OOM
     assert msg.index("--amp") < msg.index("--checkpoint") < msg.index("--batch-size 2 --accum-steps 2")
-    assert runstate.load_checkpoint(tmp_path / "runs" / "exp" / "last.pth")["epoch"] == 1
+    assert runstate.load_state(tmp_path / "runs" / "exp" / "last.pth")["epoch"] == 1
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -272,7 +273,7 @@ def test_real_model_with_checkpointing_and_bf16_autocast(tmp_path, data):
     # 30 at 64 and 224 px; 0 of 60 with ONEDNN_MAX_CPU_ISA=AVX2), which the trainer rightly stops on.
     out = train_mod.train(tiny_config(tmp_path, data, model="resnet18", img_size=64, epochs=1, max_steps=1, amp=True,
                               amp_dtype="bf16", checkpoint=True, deterministic=False))  # bf16 even where it is slower
-    ck = runstate.load_checkpoint(Path(out["run_dir"]) / "last.pth")
+    ck = runstate.load_state(Path(out["run_dir"]) / "last.pth")
     assert out["precision"] == "bf16" and "layer1.0.conv1.weight" in ck["model"]
 
 
@@ -280,7 +281,7 @@ def test_synthetic_data_needs_no_folder(tmp_path, tiny):
     out = train_mod.train(config.build(TrainConfig, synthetic=True, img_size=16, batch_size=2, epochs=1,
                                        max_steps=2, device="cpu", project=str(tmp_path / "runs"),
                                        model="tiny"))
-    assert out["step"] == 2 and len(runstate.load_checkpoint(Path(out["last"]))["class_names"]) == 1000
+    assert out["step"] == 2 and len(runstate.load_state(Path(out["last"]))["class_names"]) == 1000
 
 
 _SCRIPT = """
@@ -319,7 +320,7 @@ def test_sigterm_and_kill_9_leave_a_loadable_checkpoint(tmp_path, data):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 143, out
     assert f"Resume with: python {script} --resume {last}" in out  # the command that was run
-    epoch = runstate.load_checkpoint(last)["epoch"]
+    epoch = runstate.load_state(last)["epoch"]
     # resume, then kill -9 while it saves a checkpoint every few milliseconds
     proc = subprocess.Popen(args + ["--resume", str(last)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
@@ -331,7 +332,7 @@ def test_sigterm_and_kill_9_leave_a_loadable_checkpoint(tmp_path, data):
     time.sleep(0.37)
     proc.kill()
     proc.communicate()
-    ck = runstate.load_checkpoint(last)
+    ck = runstate.load_state(last)
     assert ck["epoch"] > epoch
 
 
@@ -343,7 +344,7 @@ def test_resume_says_which_given_options_it_cannot_change(tmp_path, data, tiny, 
     out = capsys.readouterr().out
     assert "ignoring --epochs, --lr" in out and f"--weights {last}" in out
     # the saved run's options win: it was complete after its one epoch
-    assert again["exit_code"] == 0 and runstate.load_checkpoint(last)["epoch"] == 1
+    assert again["exit_code"] == 0 and runstate.load_state(last)["epoch"] == 1
 
 
 def test_progress_in_a_log_is_a_timed_line_with_eta(tmp_path, data, tiny, capsys):
@@ -366,13 +367,13 @@ def test_workers_streaming_across_epochs_train_the_same_run(tmp_path, data, tiny
         out = train_mod.train(tiny_config(tmp_path / f"w{workers}", data, epochs=3, workers=workers, gpu_augment="on",
                                           cache="off", decoder="pil", model="tiny-nonorm"))
         assert out["status"] == "done" and out["epochs"] == 3
-        runs[workers] = runstate.load_checkpoint(Path(out["last"]))["model"]
+        runs[workers] = runstate.load_state(Path(out["last"]))["model"]
     assert state_equal(runs[0], runs[2])
 
 
 def test_config_yaml_records_each_setup_decision_and_why(tmp_path, data, tiny):
     """The plan (dlenv.train.plan) writes every decision's reason beside the options it resolved."""
-    from dlenv.train.state import read_config_notes
+    from dlenv.runfolder.trainstate import read_config_notes
 
     out = train_mod.train(tiny_config(tmp_path, data, epochs=1, accum_steps=2))
     notes = read_config_notes(Path(out["run_dir"]) / "config.yaml")

@@ -13,11 +13,12 @@ import torch
 import yaml
 from tinymodels import Tiny, tiny_config
 
-from dlenv import compat, config, results
+from dlenv import compat, config
 from dlenv import train as train_mod
 from dlenv.config import TrainConfig
+from dlenv.runfolder import results
+from dlenv.runfolder.trainstate import read_config_notes
 from dlenv.train import auto
-from dlenv.train.state import read_config_notes
 from dlenv.values import on_off_auto, ratio_or_auto
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)

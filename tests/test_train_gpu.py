@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlenv import config, memory, results, runstate
+from dlenv import config, memory
 from dlenv import train as train_mod
 from dlenv.config import TrainConfig
 from dlenv.errors import UserError
+from dlenv.runfolder import results, runstate
 from dlenv.train import loop
 
 pytestmark = pytest.mark.gpu
@@ -34,7 +35,7 @@ def test_amp_auto_is_bf16_with_channels_last_and_memory_columns(tmp_path):
     assert out["precision"] == ("bf16" if torch.cuda.is_bf16_supported() else "fp16")
     r = rows(out).iloc[-1]
     assert r["mem_alloc_gib"] > 0 and r["mem_reserved_gib"] >= r["mem_alloc_gib"]
-    ck = runstate.load_checkpoint(Path(out["last"]))
+    ck = runstate.load_state(Path(out["last"]))
     assert ck["env"]["gpu"] == torch.cuda.get_device_name(0)
     assert ck["model"]["conv1.weight"].is_contiguous(memory_format=torch.channels_last)
     report = (Path(out["run_dir"]) / "memory.md").read_text()  # the run's memory report, each epoch
@@ -43,7 +44,7 @@ def test_amp_auto_is_bf16_with_channels_last_and_memory_columns(tmp_path):
 
 def test_fp16_saves_the_scaler_and_cuda_rng(tmp_path):
     out = run(tmp_path, amp=True, amp_dtype="fp16", epochs=2)
-    ck = runstate.load_checkpoint(Path(out["last"]))
+    ck = runstate.load_state(Path(out["last"]))
     assert isinstance(ck["scaler"]["scale"], float) and ck["scaler"]["scale"] > 0
     assert len(ck["rng"]["cuda"]) == torch.cuda.device_count()
 
@@ -139,7 +140,7 @@ def _notes(out) -> dict:
     """config.yaml's options and its `# key: value` notes."""
     import yaml
 
-    from dlenv.train.state import read_config_notes
+    from dlenv.runfolder.trainstate import read_config_notes
 
     path = Path(out["run_dir"]) / "config.yaml"
     return {**read_config_notes(path), **yaml.safe_load(path.read_text(encoding="utf-8"))}
@@ -181,7 +182,7 @@ def test_compile_auto_compiles_a_long_run_with_plain_checkpoint_keys(tmp_path, m
     said = _notes(out)
     assert said["compile"] == "on" and "auto: on" in said["compile_rule"]
     assert out["compile_s"] > 0 and "(compile " in capsys.readouterr().out
-    ck = runstate.load_checkpoint(Path(out["last"]))
+    ck = runstate.load_state(Path(out["last"]))
     assert not any(k.startswith(("_orig_mod", "module.")) for k in ck["model"])
     again = run(tmp_path, resume=out["last"], epochs=2)  # resumes the finished run: nothing left to do
     assert again["exit_code"] == 0

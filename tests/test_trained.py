@@ -10,7 +10,7 @@ import torch
 from dlenv import compat, config
 from dlenv.errors import UserError
 from dlenv.models import build_model
-from dlenv.runstate import FORMAT, save_checkpoint
+from dlenv.runfolder.runstate import FORMAT, save_state
 from dlenv.trained import CHECKPOINT, STATE_DICT, TORCHSCRIPT, open_trained, trained_precision
 from dlenv.weights import SAFE, LoadPolicy
 
@@ -34,7 +34,7 @@ def _ckpt(path, **override):
             state["config"] = {**state["config"], key: value}
         else:
             state[key] = value
-    return save_checkpoint(state, path)
+    return save_state(state, path)
 
 
 def _torchscript(path):

@@ -24,13 +24,14 @@ from imagedata import make_train_val
 from test_checkpointing import _assert_same, _compare_plain_and_checkpointed, _train_step
 from usermodels import MODELS, RESNET, isolated_imports, write_project
 
-from dlenv import cli, compat, config, models, runstate, usermodel, values
+from dlenv import cli, compat, config, models, usermodel, values
 from dlenv import train as train_mod
 from dlenv.compress import export_main, prune_main
 from dlenv.config import ExportConfig, PruneConfig, TrainConfig, ValConfig
 from dlenv.errors import UserError
 from dlenv.evaluate import main as val_main
 from dlenv.precision import Precision
+from dlenv.runfolder import runstate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -207,9 +208,9 @@ def test_a_factory_taking_img_size_is_rebuilt_by_every_command(project, verb, im
     else:
         weights = Path(train(model=ref, img_size=img_size)["best"])
         assert VERBS[verb](weights) == 0
-    ckpt = runstate.load_checkpoint(weights)
+    ckpt = runstate.load_state(weights)
     assert ckpt["model_source"]["args"] == {"img_size": trained_at} and ckpt["img_size"] == trained_at
-    model = models.model_from_checkpoint(ckpt, source=str(weights))[0]
+    model = models.model_from_state(ckpt, source=str(weights))[0]
     assert model.pos.shape[1] == (trained_at // 4) ** 2  # built to the trained size: one position a patch
 
 
@@ -220,11 +221,11 @@ def test_code_from_an_unpacked_archive_is_not_the_projects_model(trained, projec
     archive names it with its sha256. val, prune and export import it only when --model names it."""
     net = "import pathlib\npathlib.Path(__file__).with_name('RAN').touch()\n" + RESNET
     ref = "datasets/pets/net.py:build"
-    ckpt = runstate.load_checkpoint(trained)
+    ckpt = runstate.load_state(trained)
     ckpt.update(model_name=ref, config={**ckpt["config"], "model": ref},
                 model_source={"ref": ref, "sha256": hashlib.sha256(net.encode()).hexdigest(), "args": {"width": 4},
                               "file": None})
-    weights = runstate.save_checkpoint(ckpt, tmp_path / f"w{suffix}")
+    weights = runstate.save_state(ckpt, tmp_path / f"w{suffix}")
     with zipfile.ZipFile(tmp_path / "pets.zip", "w") as z:
         z.writestr("pets/train/cat/0.jpg", b"jpg")
         z.writestr("pets/net.py", net)
@@ -296,7 +297,7 @@ def test_resume_with_ema_is_bit_exact(project):
     assert part["exit_code"] == 143
     resumed = train(resume=part["last"])
     assert resumed["exit_code"] == 0 and resumed["step"] == full["step"] == 8
-    a, b = runstate.load_checkpoint(full["last"]), runstate.load_checkpoint(resumed["last"])
+    a, b = runstate.load_state(full["last"]), runstate.load_state(resumed["last"])
     for key in ("model",):
         assert all(torch.equal(a[key][k], b[key][k]) for k in a[key])
     assert all(torch.equal(a["ema"]["module"][k], b["ema"]["module"][k]) for k in a["ema"]["module"])
@@ -378,7 +379,7 @@ def test_two_processes_train_a_model_of_ones_own(project):
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert "x 2 GPU" in p.stdout
-    ck = runstate.load_checkpoint(project / "runs" / "exp" / "last.pth")
+    ck = runstate.load_state(project / "runs" / "exp" / "last.pth")
     assert ck["world_size"] == 2 and ck["model_source"]["args"] == {"width": 4}
 
 
@@ -404,7 +405,7 @@ def test_gpu_amp_checkpoint_compile_and_auto_batch(project, name):
     out = train(model=f"models/{name}:build", device="cuda", img_size=32 if name == "resnet.py" else None,
                 deterministic=False, compile=compat.HAS_COMPILE, batch_size="auto", epochs=2, max_steps=4)
     assert out["exit_code"] == 0 and out["precision"] in ("bf16", "fp16")
-    ck = runstate.load_checkpoint(out["last"])
+    ck = runstate.load_state(out["last"])
     first = next(v for v in ck["model"].values() if v.ndim == 4)  # the stem's conv / the patch embedding
     assert first.is_contiguous(memory_format=torch.channels_last) == (name == "resnet.py")
     assert _val(out["best"], device="cuda") == 0
@@ -418,7 +419,7 @@ def test_gpu_checkpointing_still_saves_memory_when_compiled(project):
     not a repeated block and holds most of the activations, so the saving is modest: on an H200 at
     128 px, 5.27 vs 6.47 GiB (0.82x); a run that saved nothing would be ~1.0x. (ResNet-50, whose
     blocks hold the activations: 5.36 vs 10.79 GiB compiled, scripts/bench_train.py.)"""
-    from dlenv import results
+    from dlenv.runfolder import results
 
     peaks = {}
     for ckpt in (False, True):

@@ -1,4 +1,4 @@
-"""Weights files from elsewhere (dlenv.weights, dlenv.pickleguard, dlenv.runstate's loading): what loads
+"""Weights files from elsewhere (dlenv.weights, dlenv.pickleguard, dlenv.runfolder.runstate's loading): what loads
 without consent, what is refused before any of it runs, what --trust-pickle opens, safetensors of any
 origin, and the code a weights file names.
 
@@ -26,10 +26,11 @@ import pytest
 import torch
 
 import dlenv
-from dlenv import compat, pickleguard, runstate, torchfile, weights
+from dlenv import compat, pickleguard, torchfile, weights
 from dlenv.cli import main as cli_main
 from dlenv.errors import UserError
 from dlenv.models import build_model
+from dlenv.runfolder import runstate
 from dlenv.weights import SAFE, LoadPolicy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,7 +183,7 @@ def test_a_file_outside_the_allowlist_is_refused_before_torch_sees_it(tmp_path, 
     with monkeypatch.context() as m:
         m.setattr(compat, "load_weights_only", never)
         with pytest.raises(UserError) as e:
-            runstate.load_checkpoint(path, SAFE)
+            runstate.load_state(path, SAFE)
     line = str(e.value)
     assert "\n" not in line and line.startswith(f"refusing to unpickle {path}: ") and reason in line, line
     assert "nothing in it was run" in line and "--trust-pickle" in line
@@ -191,7 +192,7 @@ def test_a_file_outside_the_allowlist_is_refused_before_torch_sees_it(tmp_path, 
         return  # out-of-bounds storages are the memory-corruption class: not handed to torch, even here
     # with consent torch's weights_only loader reads it: it refuses code (never runs it) on both lanes
     with contextlib.suppress(UserError):
-        runstate.load_checkpoint(path, TRUST)
+        runstate.load_state(path, TRUST)
     assert not marker.exists(), "the file's code ran under --trust-pickle"
 
 
@@ -228,7 +229,7 @@ def test_a_damaged_file_is_named_as_damaged(tmp_path, make):
     torch.save({"w": torch.arange(100.0)}, tmp_path / "legacy.pth", _use_new_zipfile_serialization=False)
     make(tmp_path)
     with pytest.raises(UserError, match="truncated or corrupt") as e:
-        runstate.load_checkpoint(tmp_path / "f.pth", SAFE)
+        runstate.load_state(tmp_path / "f.pth", SAFE)
     assert "\n" not in str(e.value)
 
 
@@ -277,7 +278,7 @@ def test_state_dicts_and_plain_data_load_without_consent(tmp_path, make, save):
         torchfile.check(fh)  # the allowlist passes it, on both lanes
     # built by dlenv from the bytes it judged, not by torch's weights_only loader (which knows no FRAME,
     # and on 1.13 no float): every case loads on both lanes, exactly as torch itself reads it
-    back = runstate.load_checkpoint(path, SAFE)
+    back = runstate.load_state(path, SAFE)
     want = torch.load(path, weights_only=False)  # we made it: the reference reading
     flat_back, flat_want = _flat(back), _flat(want)
     assert flat_back.keys() == flat_want.keys()
@@ -314,8 +315,8 @@ def test_consent_opens_what_torch_allows_and_only_from_the_command_line(trained,
     sparse = tmp_path / "sparse.pth"  # torch's weights_only loader reads sparse tensors; the allowlist does not
     torch.save({"s": torch.eye(3).to_sparse()}, sparse)
     with pytest.raises(UserError, match="refusing to unpickle"):
-        runstate.load_checkpoint(sparse, SAFE)
-    assert torch.equal(runstate.load_checkpoint(sparse, TRUST)["s"].to_dense(), torch.eye(3))
+        runstate.load_state(sparse, SAFE)
+    assert torch.equal(runstate.load_state(sparse, TRUST)["s"].to_dense(), torch.eye(3))
 
     args = ["val", "--weights", str(sparse), "--model", "resnet18", "--data", str(trained / "ds" / "val"),
             "--img-size", str(SIZE), "--out", str(tmp_path / "val"), *COMMON]
@@ -360,7 +361,7 @@ def test_a_folder_or_fifo_named_like_weights_is_one_line_not_a_hang(tmp_path, na
     path = tmp_path / name
     path.mkdir() if kind == "folder" else os.mkfifo(path)
     with pytest.raises(UserError) as e:
-        runstate.load_checkpoint(path, SAFE)
+        runstate.load_state(path, SAFE)
     line = str(e.value)
     assert "\n" not in line and str(path) in line and "No such device" not in line
     assert ("a folder" if kind == "folder" else "not a regular file") in line, line
@@ -377,15 +378,15 @@ def test_save_checkpoint_to_safetensors_writes_weights_and_description_without_p
              "model_name": "resnet18", "num_classes": 3, "class_names": ["a", "b", "c"], "img_size": 64,
              "config": {"lr": 0.001, "data": "data/x"}, "optimizer": {"state": {}}}
     path = tmp_path / "w.safetensors"
-    runstate.save_checkpoint(state, path)
+    runstate.save_state(state, path)
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])  # safetensors: a little-endian header length, then JSON
     header = json.loads(raw[8:8 + n])
     assert header["__metadata__"]["model_name"] == "resnet18" and "optimizer" not in raw[8:8 + n].decode()
     with pytest.raises(pickle.UnpicklingError):
         pickle.loads(raw)
-    back = runstate.load_checkpoint(path)
-    assert runstate.is_dlenv_checkpoint(back)
+    back = runstate.load_state(path)
+    assert runstate.is_run_state(back)
     assert back["class_names"] == ["a", "b", "c"] and back["img_size"] == 64 and back["config"]["lr"] == 0.001
     assert torch.equal(back["model"]["fc.weight"], state["model"]["fc.weight"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["w.safetensors"]
@@ -405,7 +406,7 @@ HUB = [("huggingface/timm", {"format": "pt"}), ("no metadata", None), ("other ke
 def test_a_safetensors_from_a_hub_loads_with_model(tmp_path, trained, meta, capsys):
     src = build_model("resnet18", num_classes=2)
     path = _st(tmp_path / "hub.safetensors", src.state_dict(), meta)
-    assert set(runstate.load_checkpoint(path)) == set(src.state_dict())  # a bare state dict
+    assert set(runstate.load_state(path)) == set(src.state_dict())  # a bare state dict
     model = build_model("resnet18", num_classes=2, weights=str(path))
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), src.state_dict().values(),
                                                   strict=True))
@@ -448,7 +449,7 @@ def test_a_broken_safetensors_file_is_one_user_error(tmp_path):
     path = tmp_path / "cut.safetensors"
     path.write_bytes(struct.pack("<Q", 10_000) + b"{")
     with pytest.raises(UserError, match="not a readable safetensors file"):
-        runstate.load_checkpoint(path)
+        runstate.load_state(path)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -543,7 +544,7 @@ def test_code_a_weights_file_names_is_never_imported_by_val_prune_export(tmp_pat
     ckpt = {"format": runstate.FORMAT, "model": {"1.weight": torch.zeros(2, 3 * 32 * 32), "1.bias": torch.zeros(2)},
             "model_name": ref, "num_classes": 2, "class_names": ["cat", "dog"], "img_size": 32, "config": {},
             "model_source": {"ref": ref, "sha256": sha, "args": {}, "file": None} if source else None}
-    path = runstate.save_checkpoint(ckpt, proj / f"downloaded.{fmt}")
+    path = runstate.save_state(ckpt, proj / f"downloaded.{fmt}")
     data = ["--data", str(trained / "ds" / "val")]
     for argv in (["val", "--weights", path.name, *data, *COMMON], ["prune", "--weights", path.name, *data, *COMMON],
                  ["export", "--weights", path.name, *data, *EXPORT]):

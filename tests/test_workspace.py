@@ -72,7 +72,7 @@ def test_val_py_writes_its_reports_into_the_run_folder_not_the_folder_it_runs_in
     from imagedata import make_train_val
     from tinymodels import Tiny
 
-    from dlenv.runstate import FORMAT, save_checkpoint
+    from dlenv.runfolder.runstate import FORMAT, save_state
 
     ws = tmp_path / "workspace"
     shutil.copytree(ROOT / "workspace", ws, ignore=shutil.ignore_patterns("runs", "__pycache__"))
@@ -80,7 +80,7 @@ def test_val_py_writes_its_reports_into_the_run_folder_not_the_folder_it_runs_in
     make_train_val(ws / "data" / "tiny", per_class=2, val_per_class=2)
     torch.manual_seed(0)
     run = ws / "runs" / "exp"
-    save_checkpoint({"format": FORMAT, "model": Tiny(2).state_dict(), "model_name": "tiny",
+    save_state({"format": FORMAT, "model": Tiny(2).state_dict(), "model_name": "tiny",
                      "num_classes": 2, "class_names": ["cat", "dog"], "img_size": 16, "epoch": 1,
                      "config": {"data": "data/tiny", "val_split": 0.2, "seed": 0}}, run / "best_model.pth")
     monkeypatch.setattr("dlenv.models.build_model", lambda name, num_classes, **kw: Tiny(num_classes))

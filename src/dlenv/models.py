@@ -32,8 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlenv import compat, modelsource, pretrained, runstate, shrink, smallcnn, tvargs, usermodel
+from dlenv import compat, modelsource, pretrained, shrink, smallcnn, tvargs, usermodel
 from dlenv.errors import UserError, printable
+from dlenv.runfolder import runstate
 
 log = logging.getLogger(__name__)
 
@@ -149,14 +150,14 @@ def _weights_file(weights: Any, name: str) -> Path:
         raise UserError(f"--weights {weights!r} names no local file; for {name}'s pretrained weights use "
                         f"--model {name} --pretrained {weights if isinstance(weights, str) else 'DEFAULT'}")
     path = Path(weights)
-    if not path.exists():  # a folder or a wrong file: dlenv.runstate.load_checkpoint says what it is
+    if not path.exists():  # a folder or a wrong file: dlenv.runfolder.runstate.load_state says what it is
         raise UserError(f"--weights {str(path)!r} not found; pass the path of a local .pth state dict "
                         "or dlenv checkpoint")
     return path
 
 
 def _state_dict_of(obj: Any, path: Path) -> dict[str, torch.Tensor]:
-    if runstate.is_dlenv_checkpoint(obj):
+    if runstate.is_run_state(obj):
         return dict(obj["model"])
     # Other tools nest the weights under "state_dict" (Lightning, timm) or "model" (torchvision refs).
     for key in ("state_dict", "model"):
@@ -180,7 +181,7 @@ def load_weights(model: nn.Module, weights: str | Path, name: str, num_classes: 
     path = _weights_file(weights, name)
     from dlenv.weights import SAFE
 
-    ckpt = runstate.load_checkpoint(path, policy or SAFE)
+    ckpt = runstate.load_state(path, policy or SAFE)
     _load_state(model, _state_dict_of(ckpt, path), name, num_classes, f"--weights {path}")
 
 
@@ -256,14 +257,14 @@ def _num_classes_from(sd: dict[str, Any], source: str) -> int:
     return rows
 
 
-def model_from_checkpoint(ckpt: Any, model_name: str | None = None, source: str = "checkpoint"):
+def model_from_state(ckpt: Any, model_name: str | None = None, source: str = "checkpoint"):
     """Rebuild the model from a loaded checkpoint alone.
 
     Returns (model, class_names, img_size). A dlenv checkpoint carries its architecture, classes and
     image size; a bare state dict from another tool needs `model_name` (class names are then
     "0".."N-1" and img_size None). Raises UserError when the weights don't fit the architecture.
     """
-    if runstate.is_dlenv_checkpoint(ckpt):
+    if runstate.is_run_state(ckpt):
         name = model_name or ckpt["model_name"]
         sd = ckpt["model"]
         num_classes = int(ckpt["num_classes"])
@@ -284,17 +285,17 @@ def model_from_checkpoint(ckpt: Any, model_name: str | None = None, source: str 
         raise UserError(f"{source} is neither a dlenv checkpoint nor a state dict; "
                         "save one with torch.save(model.state_dict(), path)")
     if usermodel.is_reference(name):  # a model of your own: the import rule, then its factory and arguments
-        model = modelsource.rebuild(ckpt.get("model_source") if runstate.is_dlenv_checkpoint(ckpt) else None, name,
+        model = modelsource.rebuild(ckpt.get("model_source") if runstate.is_run_state(ckpt) else None, name,
                                   num_classes, given=model_name, what=source)
-    elif pretrained.is_timm(name) and runstate.is_dlenv_checkpoint(ckpt):
+    elif pretrained.is_timm(name) and runstate.is_run_state(ckpt):
         model = build_model(name, num_classes, model_args=_timm_args(ckpt, name, img_size, source))
     else:  # a torchvision ViT is built at the size it was trained at (a bare state dict: 224)
         size = img_size if isinstance(img_size, int) and not isinstance(img_size, bool) else None
         model = build_model(name, num_classes, **tvargs.builder_args(name, {}, size))
-    if runstate.is_dlenv_checkpoint(ckpt):  # channel-pruned (prune --structured): its layers at their widths
+    if runstate.is_run_state(ckpt):  # channel-pruned (prune --structured): its layers at their widths
         shrink.apply_widths(model, ckpt.get("widths"), source)
     runstate.load_model_state(model, sd, source, name=name,
-                              num_classes=num_classes if runstate.is_dlenv_checkpoint(ckpt) else None)
+                              num_classes=num_classes if runstate.is_run_state(ckpt) else None)
     return model, class_names, img_size
 
 

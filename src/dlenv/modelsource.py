@@ -79,7 +79,7 @@ def read_source(source: Any, what: str) -> tuple[str, str | None, dict[str, Any]
             raise UserError(f"{what}: its model_source names the factory argument {str(k)[:40]!r}, not a keyword "
                             "argument name; the file was edited or damaged, use another checkpoint")
         if k == "img_size":
-            from dlenv.runstate import MAX_IMG_SIZE
+            from dlenv.runfolder.runstate import MAX_IMG_SIZE
 
             if not (isinstance(v, int) and not isinstance(v, bool) and 16 <= v <= MAX_IMG_SIZE):
                 raise UserError(f"{what}: its model_source gives img_size={repr(v)[:40]}, not an image size of 16 "

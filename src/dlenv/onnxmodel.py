@@ -5,7 +5,7 @@ string metadata (`metadata_props`): the dlenv format, the class names, the image
 normalisation and the resampling. `open_file` reads a file back for `predict` (through
 dlenv.trained.open_trained): the bytes of a regular file of bounded size are handed to onnxruntime
 (so no external-data path inside the file is followed), the metadata is bounded like a checkpoint's
-(dlenv.runstate's limits), and the graph's input shape must be images of one size, that of the metadata
+(dlenv.runfolder.runstate's limits), and the graph's input shape must be images of one size, that of the metadata
 and of --img-size if given. A file another tool wrote has no metadata: its class names are then
 "0".."N-1" (or --classes), its size the input shape's (or --img-size).
 
@@ -125,7 +125,7 @@ def _bad(path: Path, key: str, value: str, expected: str) -> UserError:
 def read_metadata(path: Path, meta: dict[str, str]) -> dict[str, Any]:
     """The dlenv description in an ONNX file's metadata, checked and bounded: {class_names, img_size,
     norm, interpolation} ({} for a file without dlenv's format key). Raises UserError naming the entry."""
-    from dlenv.runstate import MAX_CLASSES, MAX_IMG_SIZE, MAX_NAME
+    from dlenv.runfolder.runstate import MAX_CLASSES, MAX_IMG_SIZE, MAX_NAME
 
     if meta.get("format") != FORMAT:
         return {}

@@ -381,7 +381,7 @@ def main(cfg: Any) -> int:
     """
     from dlenv.devices import resolve_device
     from dlenv.evaluate import val_precision
-    from dlenv.runs import BEST, new_run_dir
+    from dlenv.runfolder import BEST, new_run_dir
 
     if not cfg.weights:
         raise UserError(f"--weights is required: the trained model to predict with (e.g. runs/exp/{BEST})")

@@ -26,7 +26,7 @@ from dlenv.values import (
     workers_or_auto,
 )
 
-#: the most class names --classes takes (dlenv.runstate.MAX_CLASSES bounds a checkpoint's the same way)
+#: the most class names --classes takes (dlenv.runfolder.runstate.MAX_CLASSES bounds a checkpoint's the same way)
 CLASSES_MAX = 100_000
 
 

@@ -9,7 +9,7 @@ changed, the layer's new numbers (`widths_of`):
     BatchNorm1d/2d/3d  [num_features]
 
 Loading builds the named architecture as usual and replaces each such layer by a fresh one of the same
-type and settings at the recorded widths (`apply_widths`, called by dlenv.models.model_from_checkpoint);
+type and settings at the recorded widths (`apply_widths`, called by dlenv.models.model_from_state);
 the weights then load strictly, shape by shape. Nothing from the file is imported or run, a layer can
 only shrink, and every number is checked against the layer it names. A model whose pruning changed any
 other kind of layer cannot be rebuilt this way, so `unsupported` names it before such a file is written.

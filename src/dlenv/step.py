@@ -23,6 +23,11 @@ from dlenv import distributed
 from dlenv.memory import MemoryMonitor
 
 
+class NonFiniteLoss(Exception):
+    """A run of non-finite losses or skipped steps (or weights gone non-finite); the trainer turns it into
+    exit 4."""
+
+
 @dataclass
 class Parts:
     """The objects a step needs, passed explicitly instead of the whole config."""

@@ -6,7 +6,7 @@ It returns a frozen `Trained`: the model (on the CPU, in eval mode), its class n
 
     checkpoint   dlenv's own file (best_model.pth, last.pth, a copy, its .safetensors export): the
                  architecture is rebuilt by name (a channel-pruned one at the widths it records, see
-                 dlenv.shrink) and everything else read from it, every number bounded (dlenv.runstate)
+                 dlenv.shrink) and everything else read from it, every number bounded (dlenv.runfolder.runstate)
                  and the saved training options checked (`check_saved_options`)
     state_dict   another tool's weights: the architecture from --model, classes "0".."N-1"
     torchscript  a program: torch.jit.load runs the code it holds, so only with --trust-pickle, and with
@@ -15,8 +15,8 @@ It returns a frozen `Trained`: the model (on the CPU, in eval mode), its class n
                  metadata `dlenv export` writes into it, else --classes and --img-size
 
 A command names the kinds it takes; a file of another kind is refused in one line saying what to pass.
-This module sits beside dlenv.runstate rather than in it: rebuilding a model needs dlenv.models, which
-itself reads files through dlenv.runstate.
+This module sits beside dlenv.runfolder.runstate rather than in it: rebuilding a model needs dlenv.models, which
+itself reads files through dlenv.runfolder.runstate.
 """
 
 from __future__ import annotations
@@ -76,9 +76,9 @@ def check_saved_options(ckpt: Any, path: Path | str) -> None:
     """Refuse a dlenv checkpoint whose saved training options are not valid ones (dlenv.config's types and
     bounds), before anything reads them (its data folder, val split, seed, precision)."""
     from dlenv import config
-    from dlenv.runstate import is_dlenv_checkpoint
+    from dlenv.runfolder.runstate import is_run_state
 
-    if not (is_dlenv_checkpoint(ckpt) and isinstance(ckpt.get("config"), dict)):
+    if not (is_run_state(ckpt) and isinstance(ckpt.get("config"), dict)):
         return
     try:
         config.from_dict(config.TrainConfig, ckpt["config"])
@@ -88,7 +88,7 @@ def check_saved_options(ckpt: Any, path: Path | str) -> None:
 
 
 def is_torchscript(path: Path) -> bool:
-    """Whether `path` is a TorchScript archive (a zip with constants.pkl, as dlenv.runstate tells one)."""
+    """Whether `path` is a TorchScript archive (a zip with constants.pkl, as dlenv.runfolder.runstate tells one)."""
     if not safeio.is_regular(path):
         return False
     try:
@@ -182,23 +182,23 @@ def open_trained(path: str | Path, policy: LoadPolicy, model: str | None = None,
     the command does not take, a bare state dict without --model, weights that do not fit their
     architecture, invalid saved options, and --classes that do not fit the model.
     """
-    from dlenv.models import model_from_checkpoint
-    from dlenv.runstate import is_bare_state_dict, is_dlenv_checkpoint, load_checkpoint
+    from dlenv.models import model_from_state
+    from dlenv.runfolder.runstate import is_bare_state_dict, is_run_state, load_state
 
     path = Path(path)
     if is_onnx(path):
         if ONNX not in kinds:
             raise _refuse_kind(path, ONNX, verb)
         return _open_onnx(path, classes, img_size, device)
-    if TORCHSCRIPT in kinds and is_torchscript(path):  # else load_checkpoint names it and what to pass
+    if TORCHSCRIPT in kinds and is_torchscript(path):  # else load_state names it and what to pass
         return _open_torchscript(path, policy, classes, img_size)
-    ckpt = load_checkpoint(path, policy)
+    ckpt = load_state(path, policy)
     check_saved_options(ckpt, path)
-    named = is_dlenv_checkpoint(ckpt)
+    named = is_run_state(ckpt)
     if not named and STATE_DICT not in kinds:
         raise _refuse_kind(path, STATE_DICT, verb,
                            "a bare state dict" if is_bare_state_dict(ckpt) else "not a dlenv checkpoint")
-    net, names, size = model_from_checkpoint(ckpt, model, source=str(path))
+    net, names, size = model_from_state(ckpt, model, source=str(path))
     size = img_size or size
     if size is None:
         size = DEFAULT_SIZE

@@ -234,7 +234,7 @@ DEVICE_HELP = "cuda, cuda:N, cpu or auto (the first GPU if there is one)"
 #: holds at any size; a larger number is a slip of the keyboard (10^12 was accepted and printed)
 BATCH_MAX = 2**20
 BATCH_WHY = "2^20 images, far more than any GPU holds; use auto for the largest that fits"
-#: the largest --img-size (and demo-data --size): the bound dlenv.runstate.MAX_IMG_SIZE puts on a
+#: the largest --img-size (and demo-data --size): the bound dlenv.runfolder.runstate.MAX_IMG_SIZE puts on a
 #: checkpoint's img_size (a test holds the two equal; runstate imports torch, so it is not imported
 #: here). 1,000,000 px used to reach the model's forward and ask torch for 24 TB
 IMG_SIZE_MAX = 2048

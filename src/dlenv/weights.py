@@ -17,7 +17,7 @@ pickle (`.pth`, `.pt`, anything but .safetensors)
 
 safetensors (`*.safetensors`)
     A JSON header of names, dtypes and shapes, then raw tensor bytes: reading it runs no code, on any
-    PyTorch. `read_safetensors` returns its tensors and string metadata; dlenv.runstate decides whether
+    PyTorch. `read_safetensors` returns its tensors and string metadata; dlenv.runfolder.runstate decides whether
     the metadata describes a dlenv model and bounds every number in it.
 
 Consent is a `LoadPolicy` passed to each load, from the command's options: nothing global.

@@ -35,7 +35,7 @@ def open_checkpoint(weights: str | None, verb: str, policy: LoadPolicy = SAFE, m
     checkpoint (a bare state dict, an export: no class names or image size to re-validate with), or the
     weights don't fit the architecture.
     """
-    from dlenv.runs import BEST
+    from dlenv.runfolder import BEST
     from dlenv.trained import CHECKPOINT, open_trained
 
     if not weights:

@@ -153,8 +153,8 @@ def main(cfg: Any) -> int:
     _check_options(cfg)
     src = common.open_checkpoint(cfg.weights, "export", LoadPolicy.of(cfg), cfg.model)
     out = output_path(cfg, src.path)
-    if cfg.format == "safetensors":  # weights, not a program: written, read back, compared (dlenv.runstate)
-        from dlenv import runstate
+    if cfg.format == "safetensors":  # weights, not a program: written, read back, compared (dlenv.runfolder.runstate)
+        from dlenv.runfolder import runstate
 
         return runstate.export_safetensors(src.ckpt, src.model, out)
     inputs, loader, described = _check_inputs(cfg, src)

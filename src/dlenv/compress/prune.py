@@ -127,7 +127,7 @@ def pruned_checkpoint(ckpt: dict[str, Any], model: nn.Module, info: dict[str, An
     Optimizer, scaler, scheduler and EMA states described the dense weights, so they are dropped
     (None): the result is for validation, prediction and export.
     """
-    from dlenv.runstate import environment
+    from dlenv.runfolder.runstate import environment
 
     state = dict(ckpt)
     state["model"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
@@ -152,9 +152,9 @@ def _output_path(cfg: Any, src_path: Path) -> Path:
 def _check_rebuilt(state: dict[str, Any], pruned: nn.Module, example: torch.Tensor, source: str) -> None:
     """Rebuild the channel-pruned checkpoint as val and predict will (dlenv.models from the name and the
     widths) and compare its outputs with the pruned model's; raise UserError when they differ."""
-    from dlenv.models import model_from_checkpoint
+    from dlenv.models import model_from_state
 
-    rebuilt = model_from_checkpoint(state, source=source)[0].eval()
+    rebuilt = model_from_state(state, source=source)[0].eval()
     with torch.no_grad():
         a, b = rebuilt(example), pruned.eval()(example)
     if not torch.allclose(a, b, atol=1e-4, rtol=1e-4):
@@ -207,7 +207,7 @@ def main(cfg: Any) -> int:
     removed or rebuilt, or a bad --device.
     """
     from dlenv.devices import resolve_device
-    from dlenv.runstate import save_checkpoint
+    from dlenv.runfolder.runstate import save_state
 
     amount = check_amount(cfg.amount)
     src = common.open_checkpoint(cfg.weights, "prune", LoadPolicy.of(cfg), cfg.model)
@@ -245,7 +245,7 @@ def main(cfg: Any) -> int:
     state = pruned_checkpoint(src.ckpt, model, info, widths)
     if widths:
         _check_rebuilt(state, model, torch.randn(2, 3, src.img_size, src.img_size), str(out))
-    save_checkpoint(state, out)
+    save_state(state, out)
     file_raw, file_zip = common.file_sizes(out)
 
     if rows:

@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from dlenv import compat, distributed, finetune, memory, results, runs
+from dlenv import compat, distributed, finetune, memory, runfolder
 from dlenv.data import pipeline
 from dlenv.errors import EXIT_NONFINITE, EXIT_OOM, UserError
+from dlenv.runfolder import results, trainstate
 from dlenv.step import Parts
 from dlenv.train import console, loop
-from dlenv.train import state as saved
 from dlenv.train.loop import NonFiniteLoss, Replan, TrainState
 from dlenv.train.plan import TrainPlan, per_rank
 
@@ -42,16 +42,16 @@ class Run:
     meta: dict[str, Any]
     tb: Any                     # a TensorBoard SummaryWriter, or None
     is_main: bool
-    lock: Any = None            # runs.RunLock: a second run in this folder is refused while it lives
+    lock: Any = None            # runfolder.RunLock: a second run in this folder is refused while it lives
     advised: bool = False       # the data-wait explanation is given once per run
 
     @property
     def last(self) -> Path | None:
-        return self.dir / runs.LAST if self.dir else None
+        return self.dir / runfolder.LAST if self.dir else None
 
     @property
     def best(self) -> Path | None:
-        return self.dir / runs.BEST if self.dir else None
+        return self.dir / runfolder.BEST if self.dir else None
 
 
 def fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Data, run: Run,
@@ -86,7 +86,7 @@ def fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Data
                 if stats.interrupted:
                     if run.is_main:
                         stop.moment = "this save"
-                        saved.save_last(parts, state, epochs.data.sampler, run.meta, run.last)
+                        trainstate.save_last(parts, state, epochs.data.sampler, run.meta, run.last)
                     return _stopped(summary, stop.signum, run.last, say)
                 row = epochs.end(state, stats, t_epoch, stop)
                 summary["compile_s"] = summary["compile_s"] + stats.compile_s
@@ -95,7 +95,7 @@ def fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Data
                 if stop.requested():
                     return _stopped(summary, stop.signum, run.last, say)
         except NonFiniteLoss as e:
-            raise UserError(f"training stopped: {e}. {saved.last_good(run.last)} Try a lower --lr, --clip-grad "
+            raise UserError(f"training stopped: {e}. {trainstate.last_good(run.last)} Try a lower --lr, --clip-grad "
                             "1.0, or --amp-dtype bf16 instead of fp16", exit_code=EXIT_NONFINITE) from None
         except RuntimeError as e:
             if decided.world_size > 1 and distributed.is_peer_error(e):  # e.g. in DDP's gradient all-reduce
@@ -200,9 +200,9 @@ class _Epochs:
                     if isinstance(v, (int, float)) and k != "epoch":
                         run.tb.add_scalar(k, v, state.epoch)
                 run.tb.flush()
-            saved.save_last(parts, state, data.sampler, run.meta, run.last)
+            trainstate.save_last(parts, state, data.sampler, run.meta, run.last)
             if improved:
-                saved.save_best(parts, state, data.sampler, run.meta, run.best)
+                trainstate.save_best(parts, state, data.sampler, run.meta, run.best)
             self.write_memory_report()
         self.say(console.epoch_line(row, self.plan.epochs, improved and val is not None, stats.compile_s, self.eta))
         # the first epoch's wait includes starting the workers: judge from the second on
@@ -230,7 +230,7 @@ class _Epochs:
         options["name"] = self.run.meta["config"].get("name", options["name"])  # the folder it got
         self.run.meta["config"] = options
         if self.run.is_main:
-            saved.write_config_yaml(self.run.dir / "config.yaml", self.run.meta["config"],
+            trainstate.write_config_yaml(self.run.dir / "config.yaml", self.run.meta["config"],
                                     self.plan.notes(self.parts.device))
         again = f"; {oom.dropped} micro-batch(es) of the window are trained again" if oom.dropped else ""
         self.say(f"CUDA out of memory ({oom.reason}): continuing from the last optimizer step with micro-batch "

@@ -32,36 +32,13 @@ from torch import nn
 from dlenv import compat, distributed
 from dlenv.errors import first_line
 from dlenv.memory import MemoryMonitor
-from dlenv.step import Parts, forward_backward, optimizer_step
+from dlenv.runfolder.trainstate import TrainState
+from dlenv.step import NonFiniteLoss, Parts, forward_backward, optimizer_step
 
 #: consecutive non-finite losses (or skipped fp16 steps) that stop a run
 NONFINITE_LIMIT = 20
 #: micro-batches between reads of the loss from the GPU (each read waits for the GPU)
 CHECK_EVERY = 10
-
-
-@dataclass
-class TrainState:
-    """Counters of a run. `micro_batch` x `accum_steps` images per optimizer step per GPU (an OOM retry
-    re-plans both: half the micro-batch, twice the accumulation)."""
-
-    micro_batch: int
-    accum_steps: int
-    epoch: int = 0              # completed epochs
-    step: int = 0               # optimizer steps done
-    batch_in_epoch: int = 0     # loader batches trained on in the current epoch
-    position: int = 0           # samples of the current epoch trained on (the sampler position)
-    best_metric: float | None = None
-    best_epoch: int | None = None   # the epoch whose end set best_metric (best_model.pth's weights)
-    oom_retries: int = 0        # re-plans at half the micro-batch after CUDA out of memory
-    skipped_run: int = 0        # consecutive skipped (fp16 overflow) optimizer steps
-
-    def saved(self) -> dict[str, int]:
-        return {"micro_batch": self.micro_batch, "accum_steps": self.accum_steps, "oom_retries": self.oom_retries}
-
-
-class NonFiniteLoss(Exception):
-    """A run of non-finite losses or skipped steps; the trainer turns it into exit 4."""
 
 
 class Replan(Exception):

@@ -272,7 +272,7 @@ class TrainPlan:
 
 def decide(cfg: TrainConfig, resume: Any, dist: distributed.DistInfo, device: torch.device) -> TrainPlan:
     """Every setup decision of the run `cfg` on `device`, in the order each needs the last (see the module
-    doc for what it reads and measures); `resume` a dlenv.train.state.Resume or None. Raises UserError for
+    doc for what it reads and measures); `resume` a dlenv.runfolder.trainstate.Resume or None. Raises UserError for
     options this machine or data cannot honour."""
     devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # probes draw from copies: the run's streams stay seeded

@@ -28,12 +28,12 @@ from typing import Any
 
 import torch
 
-from dlenv import distributed, launch, results, runs, runstate
+from dlenv import distributed, launch, runfolder
 from dlenv.config import TrainConfig
 from dlenv.data.demo import ensure_demo_data
 from dlenv.devices import resolve_device
+from dlenv.runfolder import results, runstate, trainstate
 from dlenv.train import console, parts, plan
-from dlenv.train import state as saved
 from dlenv.train.fit import Run, fit
 from dlenv.train.loop import TrainState
 
@@ -66,7 +66,7 @@ def train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None = None)
 
 
 def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> dict[str, Any]:
-    cfg, resume = saved.open_resume(cfg)
+    cfg, resume = trainstate.open_resume(cfg)
     dist = distributed.join(cfg)
     say = console.printer(dist.is_main)
     if resume is not None and resume.ignored:
@@ -87,7 +87,7 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
     data = parts.build_data(decided, device, dist, say)
     built = parts.build_parts(decided, model, device)
     state = TrainState(micro_batch=decided.micro_batch, accum_steps=decided.accum_steps)
-    rng = saved.restore(resume, built, state, data.sampler) if resume is not None else None
+    rng = trainstate.restore(resume, built, state, data.sampler) if resume is not None else None
     run = open_run(decided, resume, dist, device, state)
     say(decided.start_line(device, bool(state.epoch or state.batch_in_epoch), run.dir))
     if rng is not None:  # last: building the model drew from these streams
@@ -128,7 +128,7 @@ def _seed_everything(seed: int, deterministic: bool, device: torch.device) -> No
         torch.backends.cudnn.benchmark = device.type == "cuda"
 
 
-def open_run(decided: plan.TrainPlan, resume: saved.Resume | None, dist: distributed.DistInfo,
+def open_run(decided: plan.TrainPlan, resume: trainstate.Resume | None, dist: distributed.DistInfo,
              device: torch.device, state: TrainState) -> Run:
     """The run folder with config.yaml in it first (rank 0), results.csv cut back to a resumed epoch, and
     the metadata every checkpoint carries."""
@@ -136,11 +136,11 @@ def open_run(decided: plan.TrainPlan, resume: saved.Resume | None, dist: distrib
     run_dir, lock = (resume.run_dir if resume is not None else None), None
     if dist.is_main:
         if run_dir is None:
-            run_dir = runs.new_run_dir(cfg.project, cfg.name, cfg.exist_ok)
+            run_dir = runfolder.new_run_dir(cfg.project, cfg.name, cfg.exist_ok)
         options["name"] = run_dir.name  # the folder it got (exp2), not the name asked for (exp)
-        lock = runs.lock_run_dir(run_dir)  # held for the run's life: a second run here is refused
-        saved.settle_best(run_dir, resume, state.best_metric, print)
-        saved.write_config_yaml(run_dir / "config.yaml", options, decided.notes(device))
+        lock = runfolder.lock_run_dir(run_dir)  # held for the run's life: a second run here is refused
+        trainstate.settle_best(run_dir, resume, state.best_metric, print)
+        trainstate.write_config_yaml(run_dir / "config.yaml", options, decided.notes(device))
         if state.epoch or state.batch_in_epoch:
             results.truncate_after(run_dir / "results.csv", state.epoch)
     meta = {"model_name": cfg.model, "num_classes": len(decided.data.classes), "class_names": decided.data.classes,

@@ -1,6 +1,7 @@
-"""A run's state in its files, saved and restored side by side.
+"""What the trainer keeps in a run's files, saved and restored side by side: its counters (`TrainState`),
+the saves of an epoch, config.yaml, and a --resume put back into a new run.
 
-`payload` is what last.pth holds (the format: dlenv.runstate), `slim` the part of it best_model.pth
+`payload` is what last.pth holds (the format: dlenv.runfolder.runstate), `slim` the part of it best_model.pth
 keeps (the weights people share, with the classes and the config: no optimizer, schedule or RNG
 state); `save_last` and `save_best` write them (atomically, through runstate); `open_resume` reads a
 --resume file and the options it was trained with, and `restore` puts its state into the new run's
@@ -24,11 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlenv import config, modelsource, runs, runstate, weights
+from dlenv import config, modelsource, runfolder, weights
 from dlenv.atomic import remove_leftover_temps, write_text
 from dlenv.config import TrainConfig
 from dlenv.errors import UserError
-from dlenv.train.loop import NonFiniteLoss, Parts, TrainState
+from dlenv.runfolder import runstate
+from dlenv.step import NonFiniteLoss, Parts
 
 #: Options a resumed run takes from the new command: where it runs, not what it computes.
 RESUME_FROM_COMMAND = ("device", "workers", "gpus", "nnodes", "node_rank", "master_addr", "master_port",
@@ -37,6 +39,26 @@ RESUME_FROM_COMMAND = ("device", "workers", "gpus", "nnodes", "node_rank", "mast
 #: the numbers (augmentation in DataLoader workers draws its random stream per worker: another count, other
 #: crops; the printed resume command names no --workers, and must be exact)
 RESUME_FROM_RUN_UNLESS_GIVEN = ("workers",)
+
+
+@dataclass
+class TrainState:
+    """Counters of a run. `micro_batch` x `accum_steps` images per optimizer step per GPU (an OOM retry
+    re-plans both: half the micro-batch, twice the accumulation)."""
+
+    micro_batch: int
+    accum_steps: int
+    epoch: int = 0              # completed epochs
+    step: int = 0               # optimizer steps done
+    batch_in_epoch: int = 0     # loader batches trained on in the current epoch
+    position: int = 0           # samples of the current epoch trained on (the sampler position)
+    best_metric: float | None = None
+    best_epoch: int | None = None   # the epoch whose end set best_metric (best_model.pth's weights)
+    oom_retries: int = 0        # re-plans at half the micro-batch after CUDA out of memory
+    skipped_run: int = 0        # consecutive skipped (fp16 overflow) optimizer steps
+
+    def saved(self) -> dict[str, int]:
+        return {"micro_batch": self.micro_batch, "accum_steps": self.accum_steps, "oom_retries": self.oom_retries}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -72,7 +94,7 @@ def save_last(parts: Parts, state: TrainState, sampler: Any, meta: dict[str, Any
     NonFiniteLoss is raised)."""
     if not weights_finite(parts.bare):
         raise NonFiniteLoss(f"the weights became non-finite (epoch {state.epoch}, step {state.step})")
-    runstate.save_checkpoint(payload(parts, state, sampler, meta), path)
+    runstate.save_state(payload(parts, state, sampler, meta), path)
 
 
 #: what best_model.pth keeps of last.pth: the weights and what it takes to use them (classes, size,
@@ -91,7 +113,7 @@ def slim(full: dict[str, Any], weights: dict[str, Any]) -> dict[str, Any]:
 def save_best(parts: Parts, state: TrainState, sampler: Any, meta: dict[str, Any], path: Path) -> None:
     """Save best_model.pth: the weights that were validated (the EMA's, if any), classes and config."""
     weights = parts.ema.module.state_dict() if parts.ema is not None else parts.bare.state_dict()
-    runstate.save_checkpoint(slim(payload(parts, state, sampler, meta), weights), path)
+    runstate.save_state(slim(payload(parts, state, sampler, meta), weights), path)
 
 
 def _recorded_best(path: Path) -> float | None:
@@ -99,7 +121,7 @@ def _recorded_best(path: Path) -> float | None:
     if not path.is_file():
         return None
     try:
-        ckpt = runstate.load_checkpoint(path)
+        ckpt = runstate.load_state(path)
     except UserError:
         return None
     return ckpt.get("best_metric") if isinstance(ckpt, dict) else None
@@ -115,14 +137,14 @@ def settle_best(run_dir: Path, resume: Resume | None, best_metric: float | None,
             f"{', '.join(removed)}")
     if resume is None or best_metric is None:
         return
-    path = run_dir / runs.BEST
+    path = run_dir / runfolder.BEST
     if _recorded_best(path) == best_metric:
         return
     if resume.best is None:  # the file was changed by hand: last.pth is past the best epoch
         say(f"note: {path} does not hold the best metric ({best_metric:.2f}) that {resume.path.name} records, "
             "and cannot be rebuilt from it; it is left as it is")
         return
-    runstate.save_checkpoint(resume.best, path)
+    runstate.save_state(resume.best, path)
     resume.best = None
     say(f"wrote {path} again from {resume.path.name} (a stop interrupted its last save)")
 
@@ -175,11 +197,11 @@ class Resume:
 def open_resume(cfg: TrainConfig) -> tuple[TrainConfig, Resume | None]:
     """(the options to run with, the Resume or None) for --resume. A resumed run keeps its saved options
     except where it runs (RESUME_FROM_COMMAND). Raises UserError for a file that is not a dlenv
-    training checkpoint (through runstate.load_checkpoint, for a missing or unsafe one)."""
+    training checkpoint (through runstate.load_state, for a missing or unsafe one)."""
     if not cfg.resume:
         return cfg, None
-    path = runs.find_resume(cfg.resume, cfg.project)
-    ckpt = runstate.load_checkpoint(path, weights.LoadPolicy.of(cfg))
+    path = runfolder.find_resume(cfg.resume, cfg.project)
+    ckpt = runstate.load_state(path, weights.LoadPolicy.of(cfg))
     modelsource.check_resume(ckpt, cfg.model, f"--resume {path}")  # a model of your own: the import rule
     cfg, ignored, inexact = resume_config(ckpt, cfg, path)
     return cfg, Resume(ckpt, path, ignored, inexact)
@@ -188,7 +210,7 @@ def open_resume(cfg: TrainConfig) -> tuple[TrainConfig, Resume | None]:
 def resume_config(ckpt: dict[str, Any], given: TrainConfig, path: Path) -> tuple[TrainConfig, list[str], list[str]]:
     """(the saved run's options with only where it runs taken from this command, the flags given that a
     resume cannot change, the flags given that make it differ from the run: 'FLAG N (the run's M)')."""
-    if not runstate.is_dlenv_checkpoint(ckpt) or "config" not in ckpt or "optimizer" not in ckpt:
+    if not runstate.is_run_state(ckpt) or "config" not in ckpt or "optimizer" not in ckpt:
         raise UserError(f"--resume {path}: not a dlenv training checkpoint (no optimizer state); "
                         "pass a last.pth from runs/<name>/, or start from its weights with --weights")
     saved = _unsplit(config.from_dict(TrainConfig, ckpt["config"]), ckpt)

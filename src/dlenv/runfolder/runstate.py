@@ -1,10 +1,10 @@
-"""Run state: the files that hold a run (runs.LAST, runs.BEST), saved atomically, loaded safely.
+"""Run state: the files that hold a run (runfolder.LAST, runfolder.BEST), saved atomically, loaded safely.
 
-(Activation checkpointing, the other meaning of "checkpoint", is dlenv.models.) Opening a trained model
+("Checkpoint" means activation checkpointing, dlenv.models; these are run-state files.) Opening a trained model
 from one of these files (or an export) is `dlenv.trained.open_trained`; it lives there, not here, because
 rebuilding the model needs dlenv.models, which reads files through this module.
 
-A dlenv checkpoint is a dict of tensors and plain types only: dlenv.weights' allowlist passes it and
+A run-state file is a dict of tensors and plain types only: dlenv.weights' allowlist passes it and
 dlenv.torchfile builds its tensors from the bytes judged (torch.load never reads it), so it loads on any
 PyTorch, from any folder, with no consent asked. Loading takes a `weights.LoadPolicy` (what the
 command's --trust-pickle allows for other pickles). A path ending in .safetensors is read and written
@@ -25,13 +25,13 @@ gives is bounded (`check_entries`):
     best_metric   best val top-1 so far (float or None)
     optimizer, scaler, scheduler, ema    state dicts (or None)
     sampler       {"seed", "epoch", "position", "world_size"} of the training sampler (or None)
-    train_state   {"micro_batch", "accum_steps", "chunks", "oom_retries"}
+    train_state   {"micro_batch", "accum_steps", "oom_retries"} (an older dlenv's also "chunks")
     rng           RNG states (torch CPU/CUDA as uint8 tensors, python/numpy as plain types)
     env           {"dlenv", "torch", "cuda", "gpu"} versions and GPU name
 
 best_model.pth holds only format, model (the EMA weights with --ema), model_name, model_source,
 num_classes, class_names, img_size, config, world_size, epoch, step, best_metric, best_epoch and env: what it
-takes to use and share the weights (dlenv.train.state.slim); last.pth also records best_epoch, the
+takes to use and share the weights (dlenv.runfolder.trainstate.slim); last.pth also records best_epoch, the
 epoch whose end set best_metric.
 
 Writes go to a temporary file in the same folder, are fsynced and `os.replace`d into place, so a
@@ -56,7 +56,7 @@ import torch
 from dlenv import safeio, weights
 from dlenv.atomic import write_file
 from dlenv.errors import UserError, printable, with_path
-from dlenv.runs import BEST, LAST
+from dlenv.runfolder import BEST, LAST
 
 FORMAT = "dlenv/1"
 _FLOAT = "__float__"
@@ -106,7 +106,7 @@ class _KeepFirstError:
     When a write raises under torch's zip writer (a full disk), PyTorch 1.13 ends the whole process
     from the writer's destructor (std::terminate: "unexpected pos"), and 2.x raises that RuntimeError.
     So the first OSError is kept, the rest of the stream is dropped (into the temporary file, which is
-    deleted), and `save_checkpoint` raises the OSError itself once torch.save has returned.
+    deleted), and `save_state` raises the OSError itself once torch.save has returned.
     """
 
     def __init__(self, fh: Any):
@@ -128,7 +128,7 @@ class _KeepFirstError:
                 self.error = e
 
 
-def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
+def save_state(state: dict[str, Any], path: str | Path) -> Path:
     """Write `state` to `path` atomically (temp file + fsync + os.replace); returns the path.
 
     Floats are encoded so that PyTorch 1.13's weights_only loader reads the file (see the module doc).
@@ -154,7 +154,7 @@ def _save_safetensors(state: dict[str, Any], path: Path) -> Path:
     """A dlenv checkpoint's weights with its description as string metadata; a bare state dict as it is."""
     import json
 
-    if not is_dlenv_checkpoint(state):
+    if not is_run_state(state):
         return weights.save_safetensors(state, path)
     meta = {"format": FORMAT, "model_name": str(state["model_name"]), "num_classes": str(int(state["num_classes"])),
             "class_names": json.dumps(list(state["class_names"])),
@@ -204,7 +204,7 @@ def export_safetensors(ckpt: dict[str, Any], model: Any, out: Path) -> int:
     read back and compared tensor by tensor. Returns 0 when identical, 1 when not (the file is kept)."""
     state = {**ckpt, "format": FORMAT, "model": model.state_dict()}
     _save_safetensors(state, out)
-    back = load_checkpoint(out)
+    back = load_state(out)
     want = state["model"]
     same = (set(back["model"]) == set(want)
             and all(torch.equal(back["model"][k].cpu(), want[k].detach().cpu()) for k in want))
@@ -219,7 +219,7 @@ def export_safetensors(ckpt: dict[str, Any], model: Any, out: Path) -> int:
     return 0
 
 
-def load_checkpoint(path: str | Path, policy: weights.LoadPolicy = weights.SAFE) -> Any:
+def load_state(path: str | Path, policy: weights.LoadPolicy = weights.SAFE) -> Any:
     """Load a checkpoint (a pickle through dlenv.weights' allowlist, or a .safetensors file); a dlenv
     checkpoint's entries are checked and bounded (`check_entries`). `policy`: what --trust-pickle allows.
 
@@ -314,7 +314,7 @@ def check_entries(ckpt: Any, path: str | Path) -> None:
     checkpoint passes unchecked (its tensors are bounded by the bytes the file holds). Raises UserError
     naming the file, the entry and the bound.
     """
-    if not is_dlenv_checkpoint(ckpt):
+    if not is_run_state(ckpt):
         return
     path = Path(path)
     if not is_bare_state_dict(ckpt["model"]):
@@ -348,7 +348,7 @@ def check_entries(ckpt: Any, path: str | Path) -> None:
                         f"{ckpt['num_classes']}; the file was edited or damaged, use another checkpoint")
 
 
-def is_dlenv_checkpoint(obj: Any) -> bool:
+def is_run_state(obj: Any) -> bool:
     return isinstance(obj, dict) and obj.get("format") == FORMAT and "model" in obj
 
 

@@ -1,4 +1,13 @@
-"""Run folders: `runs/exp`, `runs/exp2`, `runs/exp3`, ... as YOLO users know them, and `--resume auto`.
+"""A run folder and its files, in one home: the folder here, and beside it what each file holds.
+
+    dlenv.runfolder             the folder: its name, its lock, `--resume auto`, the names of its files
+    dlenv.runfolder.results     results.csv, one row per epoch (no torch: the plots read it)
+    dlenv.runfolder.runstate    the run-state files (last.pth, best_model.pth): their format,
+                                `save_state` and `load_state`, atomic and safe
+    dlenv.runfolder.trainstate  what the trainer keeps in them: its counters (TrainState), the saves of
+                                an epoch, config.yaml, and a --resume put back into a new run
+
+Run folders: `runs/exp`, `runs/exp2`, `runs/exp3`, ... as YOLO users know them, and `--resume auto`.
 
 `new_run_dir` picks the first free name and creates it in one `mkdir` (so two runs started at once
 never share a folder); a taken name that ends in a digit gets `-2`, `-3`, ... (`exp3-2`, not `exp32`:
@@ -8,9 +17,9 @@ of one folder all the same (`--exist-ok`, or two resumes of one run): the traine
 `flock` on the folder's `.dlenv.lock` for the run's life; the lock file is removed when the run ends
 (`RunLock.release`: when the trainer lets go of it, or at exit), and a kill that leaves it behind
 leaves no lock, as the kernel releases a flock with its process. `find_resume` turns
-`--resume PATH|auto` into a checkpoint path: auto is the newest `last.pth` under the project folder.
-The names of a run folder's files are written here once (LAST, BEST; dlenv.runstate writes and reads
-them). No torch here.
+`--resume PATH|auto` into a run-state path: auto is the newest `last.pth` under the project folder.
+The names of a run folder's files are written here once (LAST, BEST; dlenv.runfolder.runstate writes and
+reads them). No torch here: importing any module of this package runs this one first.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from dlenv.errors import UserError
 LOCK_FILE = ".dlenv.lock"
 #: the run state a run saves each epoch (optimizer, RNG, position: what --resume needs)
 LAST = "last.pth"
-#: the weights of the best epoch with what it takes to use them (dlenv.train.state.slim)
+#: the weights of the best epoch with what it takes to use them (dlenv.runfolder.trainstate.slim)
 BEST = "best_model.pth"
 
 
