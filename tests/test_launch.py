@@ -55,14 +55,30 @@ def test_failure_line_blames_the_cause_not_the_ranks_that_lost_it():
 @pytest.mark.parametrize("message, shown", [
     ("Received 15 death signal, shutting down workers", False),
     ("Sending process 4242 closing signal SIGTERM", False),
+    ("failed (exitcode: 6) local_rank: 0 (pid: 4242) of binary: /usr/bin/python", False),  # _failure_line's
     ("Unable to shutdown process 4242 via 15, forcefully exitting via 9", True),  # a real problem: shown
-], ids=["received", "forwarded", "killed-after-grace"])
-def test_torchruns_routine_stop_warnings_are_dropped_and_others_kept(message, shown):
+], ids=["received", "forwarded", "failed", "killed-after-grace"])
+def test_torchruns_routine_lines_are_dropped_and_others_kept(message, shown):
     import logging
 
     record = logging.LogRecord("torch.distributed.elastic.agent.server.api", logging.WARNING, __file__, 1,
                                message, None, None)
-    assert launch._RoutineStopFilter().filter(record) is shown
+    assert launch._RoutineFilter().filter(record) is shown
+
+
+def test_after_a_failure_torchrun_does_not_wait_for_the_other_nodes(monkeypatch):
+    """PyTorch 1.13's agent waited 300 s at the exit barrier after its workers failed (for nodes that may be
+    dead); with dlenv's wrapper only a run that succeeded waits for every node, as 2.x does."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerState
+
+    waited = []
+    monkeypatch.setattr(SimpleElasticAgent, "_exit_barrier", lambda self: waited.append(self._worker_group.state))
+    launch._no_exit_barrier_after_a_failure()
+    for state in (WorkerState.FAILED, WorkerState.SUCCEEDED):
+        SimpleElasticAgent._exit_barrier(SimpleNamespace(_worker_group=SimpleNamespace(state=state)))
+    assert waited == [WorkerState.SUCCEEDED]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ _SRUN = textwrap.dedent("""\
     #!/bin/bash
     while [[ "$1" == --* ]]; do echo "srun-option $1" >> "$LOG"; shift; done
     for id in 0 1; do SLURM_PROCID=$id "$@" >> "$LOG" || exit; done
+    [ -z "$CANCEL" ] || kill -TERM "$PPID"  # a plain scancel: the batch script gets SIGTERM too
     exit "${SRUN_EXIT:-0}"
 """)
 _PRINT = '#!/bin/bash\necho "$(basename "$0") $* (in $PWD)"\n'
@@ -111,14 +112,15 @@ def test_a_run_with_a_last_pth_is_resumed(slurm):
     assert all(_flags(w)["--resume"] == "runs/slurm-3/last.pth" and _flags(w)["--name"] == "slurm-3" for w in tasks)
 
 
-@pytest.mark.parametrize("requeue, rc, requeued, line", [
-    ("1", 143, True, "stopped by SIGTERM; requeueing job 7, which resumes runs/slurm-7/last.pth"),
-    ("0", 143, False, "the run ended with exit status 143; to resume it, submit it again with DLENV_RUN=slurm-7"),
-    ("1", 6, False, "the run ended with exit status 6; to resume it, submit it again with DLENV_RUN=slurm-7"),
-    ("1", 0, False, None),
-], ids=["stopped-requeue", "stopped-no-requeue", "failed", "done"])
-def test_a_job_stopped_by_sigterm_requeues_itself_only_when_it_may(slurm, requeue, rc, requeued, line):
-    r, _ = _run({**slurm, "REQUEUE": requeue, "SRUN_EXIT": str(rc)})
+@pytest.mark.parametrize("requeue, rc, cancel, requeued, line", [
+    ("1", 143, "", True, "stopped by SIGTERM; requeueing job 7, which resumes runs/slurm-7/last.pth"),
+    ("0", 143, "", False, "the run ended with exit status 143; to resume it, submit it again with DLENV_RUN=slurm-7"),
+    ("1", 143, "1", False, "the run ended with exit status 143; to resume it, submit it again with DLENV_RUN=slurm-7"),
+    ("1", 6, "", False, "the run ended with exit status 6; to resume it, submit it again with DLENV_RUN=slurm-7"),
+    ("1", 0, "", False, None),
+], ids=["stopped-requeue", "stopped-no-requeue", "cancelled", "failed", "done"])
+def test_a_job_stopped_by_sigterm_requeues_itself_only_when_it_may(slurm, requeue, rc, cancel, requeued, line):
+    r, _ = _run({**slurm, "REQUEUE": requeue, "SRUN_EXIT": str(rc), "CANCEL": cancel})
     assert r.returncode == rc, r.stderr
     assert ("scontrol requeue 7" in Path(slurm["LOG"]).read_text()) == requeued
     if line:
@@ -132,7 +134,8 @@ def test_a_job_stopped_by_sigterm_requeues_itself_only_when_it_may(slurm, requeu
     ({}, ["--project=elsewhere"], "--project=elsewhere: the run folder is runs/$DLENV_RUN"),
     ({"DLENV_VENV": "/venv", "DLENV_SIF": "/x.sif"}, [], "DLENV_VENV and DLENV_SIF are both set"),
     ({"DLENV_VENV": "/no/such/venv"}, [], "DLENV_VENV=/no/such/venv has no bin/dlenv"),
-], ids=["name", "project", "venv-and-sif", "venv-without-dlenv"])
+    ({"SLURM_JOB_ID": ""}, [], "no Slurm job here (SLURM_JOB_ID, SLURM_NTASKS unset): submit it, sbatch "),
+], ids=["name", "project", "venv-and-sif", "venv-without-dlenv", "not-in-a-job"])
 def test_bad_settings_stop_before_srun_in_one_line(slurm, env, args, message):
     r, tasks = _run({**slurm, **env}, *args)
     assert r.returncode == 2 and tasks == []

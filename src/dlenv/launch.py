@@ -159,22 +159,39 @@ def _failure_line(err: Any) -> str:
     return f"{who} {how}{hint}; the other processes were stopped. Its own error is printed above"
 
 
-#: torchrun's warnings on every stop by a signal: that it got one and passes it on to its workers (twice
-#: where a scheduler signals torchrun itself as well as the launcher that forwards it). The ranks' own line
-#: says the same; torchrun's other warnings (a worker it had to kill after the grace time) still show.
-_ROUTINE_STOP = ("death signal, shutting down workers", "closing signal")
+#: torchrun's log lines that dlenv's own lines say already: that a stop signal came and was passed on to the
+#: workers (twice where a scheduler signals torchrun itself as well as the launcher that forwards it), and
+#: that a worker failed (_failure_line names it). Its other warnings (a worker it had to kill after the
+#: grace time) still show.
+_ROUTINE = ("death signal, shutting down workers", "closing signal", "failed (exitcode:")
 
 
-class _RoutineStopFilter(logging.Filter):
+class _RoutineFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not any(m in record.getMessage() for m in _ROUTINE_STOP)
+        return not any(m in record.getMessage() for m in _ROUTINE)
 
 
-def _quiet_routine_stops() -> None:
-    """Drop _ROUTINE_STOP's warnings from torchrun's loggers (imported by now: torch.distributed.run)."""
+def _quiet_routine_lines() -> None:
+    """Drop _ROUTINE's lines from torchrun's loggers (imported by now: torch.distributed.run)."""
     names = [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]
     for name in names:
-        logging.getLogger(name).addFilter(_RoutineStopFilter())
+        logging.getLogger(name).addFilter(_RoutineFilter())
+
+
+def _no_exit_barrier_after_a_failure() -> None:
+    """After its workers failed, PyTorch 1.13's torchrun agent still waits at the exit barrier, up to 300 s,
+    for the agents of the other nodes, which may be the ones that died: a node's task then outlives its
+    ranks by five minutes (a Slurm job holds its nodes that long). PyTorch 2.x returns at once after a
+    failure; with this 1.13 does too. A run that succeeded still waits for every node."""
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerState
+
+    barrier = SimpleElasticAgent._exit_barrier
+
+    def exit_barrier(self: Any) -> None:
+        if self._worker_group.state != WorkerState.FAILED:
+            barrier(self)
+
+    SimpleElasticAgent._exit_barrier = exit_barrier
 
 
 def _torchrun(argv: list[str]) -> int:
@@ -183,7 +200,8 @@ def _torchrun(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    _quiet_routine_stops()
+    _quiet_routine_lines()
+    _no_exit_barrier_after_a_failure()
     try:
         torchrun_main(argv)
     except SignalException as e:  # the workers got the signal and are done (or were killed)
