@@ -80,6 +80,16 @@ def test_bad_file_error_is_raised_in_the_training_thread(layout, tmp_path):
     assert len(_epoch(train)[0]) == 10 and list(train.bad_paths) == [layout.train[3][0]]
 
 
+def test_the_plans_seed_and_epochs_reach_the_device_loader_and_its_workers(layout, tmp_path):
+    """The seed fixes the crops; the run's epochs are where the workers' stream ends (sources.EpochStream)."""
+    _, train, val = _build(layout, tmp_path, workers=2, epochs=3)
+    assert train.seed == val.seed == 5 and train.source.stream.last_epoch == 2
+    _, open_ended, _ = _build(layout, tmp_path, workers=2)
+    assert open_ended.source.stream.last_epoch is None
+    train.close()
+    open_ended.close()
+
+
 def test_batch_seed_depends_on_seed_epoch_and_position():
     a = DeviceLoader(None, None, "cpu", 4, seed=0)
     b = DeviceLoader(None, None, "cpu", 4, seed=1)

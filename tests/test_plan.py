@@ -51,6 +51,11 @@ def test_input_options_of_a_config_takes_the_fields_it_has():
     assert InputOptions.of(cfg) == InputOptions(decoder="pil", cache="on", workers=3, bad_images="error")
     bench = config.build(config.BenchDataConfig, gpu_augment="off")
     assert InputOptions.of(bench).gpu_augment == "off"
+    # the run's seed (order and crops) and epochs (where the workers stop decoding ahead) reach the plan
+    run = InputOptions.of(config.build(config.TrainConfig, seed=7, epochs=3))
+    assert (run.seed, run.epochs) == (7, 3)
+    plan = run.decide(pipeline.locate(None, synthetic=True), "cpu", 2, 16)
+    assert (plan.seed, plan.epochs, plan.cache_mode, plan.workers) == (7, 3, "off", 0)
 
 
 @pytest.mark.parametrize("workers,local,expected", [(12, 4, 3), (2, 8, 1), (0, 8, 0), (5, 1, 5)])
