@@ -9,8 +9,8 @@
 decoder (the auto policy and the GPU decoders' availability are here), the nvImageCodec backends, the cache
 and its mode (ram, disk or off: never auto after planning), the workers as a number, the crops and flips.
 The trainer prints the plan and writes it to config.yaml; everything after reads it instead of deciding
-again. Deciding reads no image data beyond a few headers (and, for --decoder auto, a few timed decodes),
-builds nothing and writes nothing.
+again. Deciding reads no image data beyond a few headers (and, for --decoder auto, a few timed decodes;
+for a GPU decoder, a test image decoded on the GPU), builds nothing and writes nothing.
 
 A new decoder is a source in `sources` (keyed by `InputPlan.source`), its rule here, and a choice in config.
 """
