@@ -35,6 +35,7 @@ from torch import nn
 from dlenv import compat, modelsource, pretrained, shrink, smallcnn, tvargs, usermodel
 from dlenv.errors import UserError, printable
 from dlenv.runfolder import runstate
+from dlenv.weights import SAFE, LoadPolicy
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def _check_name(name: str) -> None:
 
 def build_model(name: str, /, num_classes: int, weights: str | Path | None = None,
                 pretrained_state: dict[str, Any] | None = None, *, model_args: dict[str, Any] | None = None,
-                load_policy: Any = None, **kwargs: Any) -> nn.Module:
+                load_policy: LoadPolicy = SAFE, **kwargs: Any) -> nn.Module:
     """A classification model with its head sized to `num_classes`; never downloads.
 
     `name` is a torchvision name, timm/<arch> or a model of your own. `weights` is a local file: a dlenv
@@ -104,7 +105,7 @@ def build_model(name: str, /, num_classes: int, weights: str | Path | None = Non
     fresh). `kwargs` go to the builder (e.g. image_size=32 for a torchvision ViT, --model-args for timm's
     create_model). `model_args` (--model-args) join them as a mapping: a factory's keyword arguments may
     then have any name, `weights` or `name` too. `load_policy` is what --trust-pickle allows for `weights`
-    (dlenv.weights.LoadPolicy; None: the allowlist only). GoogLeNet and Inception v3 are built without auxiliary
+    (dlenv.weights.LoadPolicy; SAFE: the allowlist only). GoogLeNet and Inception v3 are built without auxiliary
     classifiers. Raises UserError for an unknown name, a request that would need a download, or weights
     that don't fit.
     """
@@ -170,18 +171,18 @@ def _state_dict_of(obj: Any, path: Path) -> dict[str, torch.Tensor]:
     return runstate.strip_prefixes(obj)
 
 
-def load_weights(model: nn.Module, weights: str | Path, name: str, num_classes: int, policy: Any = None) -> None:
+def load_weights(model: nn.Module, weights: str | Path, name: str, num_classes: int,
+                 policy: LoadPolicy = SAFE) -> None:
     """Load a local weights file into `model` (built as `name` with `num_classes`), under `policy`
-    (dlenv.weights.LoadPolicy; None: the allowlist only).
+    (dlenv.weights.LoadPolicy; SAFE: the allowlist only).
 
     A classifier head of another class count is left at its fresh initialisation, with a one-line
     note; auxiliary heads the model doesn't have are ignored. Raises UserError when anything else
     is missing, unexpected, or of another shape.
     """
     path = _weights_file(weights, name)
-    from dlenv.weights import SAFE
 
-    ckpt = runstate.load_state(path, policy or SAFE)
+    ckpt = runstate.load_state(path, policy)
     _load_state(model, _state_dict_of(ckpt, path), name, num_classes, f"--weights {path}")
 
 
