@@ -291,7 +291,9 @@ ENTRIES = [
     ("epoch_x.pth", "its 'epoch' is 'x', not a count of epochs"),
     ("cfg_bad.pth", "its saved training options are not valid (--lr 'fast'"),
 ]
-READERS = {"val": ["val", "--device", "cpu"], "prune": ["prune", "--device", "cpu"], "export": ["export"]}
+#: the verbs that open a trained model (all through dlenv.trained.open_trained): the same file, the same line
+READERS = {"val": ["val", "--device", "cpu"], "prune": ["prune", "--device", "cpu"], "export": ["export"],
+           "predict": ["predict", "--device", "cpu", "--workers", "0", "--source", "ds"]}
 
 WEIGHTS_ATTACKS = [  # (file, what the line says): nothing imported or unpickled, the workspace unchanged
     ("bad/x.safetensors", "bad/x.safetensors is a folder"),
