@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from dlenv import config, values
+from dlenv import config, options
 from dlenv.errors import UserError
 
 
@@ -238,7 +238,7 @@ def _commands_with(option: str) -> list[str]:
 @pytest.mark.parametrize(("cpus", "most"), [(1, 64), (2, 64), (16, 64), (17, 68), (64, 256)])
 @pytest.mark.parametrize("name", _commands_with("workers"))
 def test_workers_at_most_4_per_cpu_or_64(monkeypatch, name, cpus, most):
-    monkeypatch.setattr(values, "usable_cpus", lambda: cpus)
+    monkeypatch.setattr(options, "usable_cpus", lambda: cpus)
     cls = config.COMMANDS[name].config
     as_typed = (lambda n: f"0,{n}") if name == "bench-data" else str  # bench-data takes a list of counts
     assert config.build(cls, workers=as_typed(most)).workers in (most, (0, most))
@@ -249,7 +249,7 @@ def test_workers_at_most_4_per_cpu_or_64(monkeypatch, name, cpus, most):
 
 
 def test_a_saved_runs_workers_are_not_judged_by_this_machine(monkeypatch):
-    monkeypatch.setattr(values, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(options, "usable_cpus", lambda: 2)
     saved = config.to_dict(config.build(config.TrainConfig, workers=60))
     assert config.from_dict(config.TrainConfig, {**saved, "workers": 500}).workers == 500  # made on 128 CPUs
     with pytest.raises(UserError, match="--workers 500 is above 64"):

@@ -22,33 +22,35 @@ from typing import Any
 
 from dlenv.cfgfile import options_in
 from dlenv.errors import UserError
-from dlenv.predict_options import PredictConfig
-from dlenv.server_options import LabConfig, TensorboardConfig
-from dlenv.values import (  # noqa: F401 (BATCH_MAX, IMG_SIZE_MAX: config's bounds, as tests read them)
+from dlenv.options import (  # noqa: F401 (BATCH_MAX, IMG_SIZE_MAX: config's bounds, as tests read them)
     BATCH_MAX,
     BATCH_WHY,
     DEVICE_HELP,
     IMG_SIZE_MAX,
     IMG_WHY,
+    flag,  # noqa: F401 (config.flag: the spelling of an option on the command line)
+    opt,
+    parse_option,
+    trust_pickle,
+    workers_here,
+)
+from dlenv.predict_options import PredictConfig
+from dlenv.server_options import LabConfig, TensorboardConfig
+from dlenv.values import (
     auto_float,
     auto_int,
-    flag,  # noqa: F401 (config.flag: the spelling of an option on the command line)
     folder_name,
     int_list,
     int_or_auto,
     model_args_text,
     on_off_auto,
-    opt,
     parse_bool,
     parse_float,
     parse_int,
-    parse_option,
     parse_pretrained,
     parse_str,
     ratio_or_auto,
     scale_range_or_auto,
-    trust_pickle,
-    workers_here,
     workers_or_auto,
 )
 

@@ -2,7 +2,7 @@
 invoke task are generated from this class as from every other).
 
 It lives beside config.py because that module is at its size limit. The bounds and words it shares with
-the other commands (image size, batch size, the device's help, --trust-pickle) come from dlenv.values,
+the other commands (image size, batch size, the device's help, --trust-pickle) come from dlenv.options,
 as config.py's do. No torch here: `dlenv --help` and `invoke --list` import it.
 """
 
@@ -11,20 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dlenv.values import (
-    BATCH_MAX,
-    BATCH_WHY,
-    DEVICE_HELP,
-    IMG_SIZE_MAX,
-    IMG_WHY,
-    folder_name,
-    opt,
-    parse_int,
-    parse_str,
-    trust_pickle,
-    workers_here,
-    workers_or_auto,
-)
+from dlenv.options import BATCH_MAX, BATCH_WHY, DEVICE_HELP, IMG_SIZE_MAX, IMG_WHY, opt, trust_pickle, workers_here
+from dlenv.values import folder_name, parse_int, parse_str, workers_or_auto
 
 #: the most class names --classes takes (dlenv.runfolder.runstate.MAX_CLASSES bounds a checkpoint's the same way)
 CLASSES_MAX = 100_000

@@ -11,7 +11,8 @@ import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
-from dlenv.values import opt, parse_str
+from dlenv.options import opt
+from dlenv.values import parse_str
 
 #: where the servers listen by default: every address inside the image (a container's loopback is its
 #: own, so `docker run -p 8888:8888` can reach nothing else), only this machine's loopback elsewhere

@@ -2,7 +2,8 @@
 raises ValueError with a short reason, which `dlenv.config` turns into one line naming the flag.
 --model-args and --pretrained are parsed here too, so that config sits below the modules that give
 them meaning (dlenv.usermodel, dlenv.pretrained).
-No torch here: `dlenv --help` and `invoke --list` import it.
+How an option is declared and checked against its bounds is dlenv.options. No torch here: `dlenv --help`
+and `invoke --list` import it.
 """
 
 from __future__ import annotations
@@ -10,12 +11,7 @@ from __future__ import annotations
 import math
 import re
 import unicodedata
-from collections.abc import Callable
-from dataclasses import field
 from typing import Any
-
-from dlenv.cpus import usable_cpus
-from dlenv.errors import UserError
 
 
 def parse_bool(v: Any) -> bool:
@@ -144,108 +140,6 @@ def auto_int(v: Any) -> int | None:
 def auto_float(v: Any) -> float | None:
     """A number, or 'auto' (None: decided at run time)."""
     return None if _is_auto(v) else parse_float(v)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Declaring an option (dlenv.config's dataclasses)
-
-
-_PARSERS: dict[type, Callable[[Any], Any]] = {bool: parse_bool, int: parse_int, float: parse_float, str: parse_str}
-
-
-def opt(default: Any, help: str, *, parse: Callable[[Any], Any] | None = None,
-        choices: tuple[str, ...] | None = None, positional: bool = False,
-        min: float | None = None, max: float | None = None, why: str | None = None,
-        here: Callable[[], tuple[int, str]] | None = None, bare: str | None = None) -> Any:
-    """Declare one option: its default, its help line, and how a string becomes its value.
-
-    `parse` defaults to the type of `default`; give it when the default is None or mixed ('auto'|int).
-    `min`/`max` bound numbers (inclusive; each number of a list); `why` ends the line of a value over
-    `max`. `here` is a bound that depends on this machine: () -> (most, why), applied to what a user
-    gives now (flags, --cfg), not to the options a saved run was made with. `choices` bound strings.
-    `bare` is the value of the flag given without one (`--compile` = `--compile on`), for options that
-    were once plain switches.
-    """
-    if parse is None:
-        if default is None:
-            raise TypeError("an option whose default is None needs parse=")
-        parse = _PARSERS[type(default)]
-    return field(default=default, metadata={
-        "help": help, "parse": parse, "choices": choices, "positional": positional,
-        "min": min, "max": max, "why": why, "here": here, "bare": bare,
-    })
-
-
-def flag(name: str) -> str:
-    """'batch_size' -> '--batch-size'."""
-    return "--" + name.replace("_", "-")
-
-
-def parse_option(f: Any, value: Any, here: bool = True) -> Any:
-    """The value of option `f` (a dataclass field declared by `opt`) from `value`, with its bounds: `here`
-    applies the bounds that depend on this machine. Raises UserError naming the flag."""
-    md = f.metadata
-    if value is None:
-        if f.default is None:
-            return None
-        raise UserError(f"{flag(f.name)} needs a value (default: {f.default})")
-    try:
-        v = md["parse"](value)
-    except (TypeError, ValueError) as e:
-        raise UserError(f"{flag(f.name)} {value!r}: {e}; see --help") from None
-    if md["choices"] and v not in md["choices"]:
-        raise UserError(f"{flag(f.name)} {value!r} is not one of: {', '.join(md['choices'])}")
-    numbers = list(v) if isinstance(v, tuple) else [v]  # a list's bounds hold for each of its numbers
-    for x in numbers:
-        if not isinstance(x, (int, float)) or isinstance(x, bool):
-            continue
-        if md["min"] is not None and x < md["min"]:
-            raise UserError(f"{flag(f.name)} {value!r} is below its minimum {md['min']}")
-        if md["max"] is not None and x > md["max"]:
-            why = f" ({md['why']})" if md["why"] else ""
-            raise UserError(f"{flag(f.name)} {value!r} is above its maximum {md['max']:,}{why}")
-        if here and md["here"] is not None:
-            most, why = md["here"]()
-            if x > most:
-                raise UserError(f"{flag(f.name)} {value!r} is above {most:,}, {why}")
-    return v
-
-
-#: --workers may be at most max(WORKERS_FLOOR, WORKERS_PER_CPU x the CPUs this process may use):
-#: refused, not capped, so a run does what its config.yaml says. Loading waits on files as well as
-#: CPUs, so a few workers per CPU can pay; thousands only spawn processes (10,000 were started)
-WORKERS_FLOOR, WORKERS_PER_CPU = 64, 4
-
-
-def workers_here() -> tuple[int, str]:
-    """(the most --workers on this machine, why), for `opt(here=)`."""
-    cpus = usable_cpus()
-    most = max(WORKERS_FLOOR, WORKERS_PER_CPU * cpus)
-    return most, (f"the most worker processes dlenv starts here ({WORKERS_PER_CPU} x the {cpus} CPU"
-                  f"{'s' if cpus != 1 else ''} this process may use, at least {WORKERS_FLOOR}); use auto "
-                  "or a smaller number")
-
-
-# ---------------------------------------------------------------------------------------------------
-# Bounds and words the commands' options share (dlenv.config, dlenv.predict_options)
-
-DEVICE_HELP = "cuda, cuda:N, cpu or auto (the first GPU if there is one)"
-#: the largest --batch-size, --accum-steps and --effective-batch: 2^20 images is far past what any GPU
-#: holds at any size; a larger number is a slip of the keyboard (10^12 was accepted and printed)
-BATCH_MAX = 2**20
-BATCH_WHY = "2^20 images, far more than any GPU holds; use auto for the largest that fits"
-#: the largest --img-size (and demo-data --size): the bound dlenv.runfolder.runstate.MAX_IMG_SIZE puts on a
-#: checkpoint's img_size (a test holds the two equal; runstate imports torch, so it is not imported
-#: here). 1,000,000 px used to reach the model's forward and ask torch for 24 TB
-IMG_SIZE_MAX = 2048
-IMG_WHY = "the largest image size dlenv trains, validates or reads from a checkpoint"
-
-
-def trust_pickle() -> Any:
-    """--trust-pickle, declared once for every command that reads weights files (dlenv.weights)."""
-    return opt(False, "hand torch.load(weights_only=True) a .pth that holds more than tensors and plain data, "
-                      "or a TorchScript file (dlenv's checkpoints and state dicts never need it; docs/weights.md); "
-                      "only for files you trust. Command line only")
 
 
 # ---------------------------------------------------------------------------------------------------
