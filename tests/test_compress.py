@@ -411,6 +411,35 @@ def test_export_onnx_checked_with_dynamic_batch(ckpt, capsys):
 
 
 @pytest.mark.skipif(NO_ONNX is not None, reason=str(NO_ONNX))
+def test_export_onnx_describes_itself_for_predict(ckpt):
+    from dlenv import onnxmodel
+
+    assert export.main(export_cfg(weights=str(ckpt), format="onnx")) == 0
+    opened = onnxmodel.open_file(ckpt.with_name("best_model.onnx"), None)
+    assert opened.class_names == tuple(CLASSES) and opened.named and opened.img_size == IMG
+
+
+@pytest.mark.skipif(NO_ONNX is not None, reason=str(NO_ONNX))
+@pytest.mark.parametrize("fmt", ["onnx", "torchscript"])
+def test_an_export_that_disagrees_is_one_line_and_not_written(fmt, ckpt, monkeypatch, capsys):
+    out = ckpt.with_name("model.out")
+    out.write_bytes(b"the previous export")
+    real = export.run_exported
+
+    def off_by_one(path, fmt, inputs, device):
+        got, how = real(path, fmt, inputs, device)
+        return got + 1.0, how  # as if the exporter had mistranslated an op
+
+    monkeypatch.setattr(export, "run_exported", off_by_one)
+    code = cli_main(["export", "--weights", str(ckpt), "--format", fmt, "--workers", "0", "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "disagrees with PyTorch" in err and "largest |difference| 1 > tolerance" in err and "not written" in err
+    assert out.read_bytes() == b"the previous export"  # left as it was
+    assert sorted(p.name for p in out.parent.iterdir()) == ["best_model.pth", "model.out"]  # no temporary file
+
+
+@pytest.mark.skipif(NO_ONNX is not None, reason=str(NO_ONNX))
 def test_onnx_agrees_with_pytorch_under_onnxruntime(tmp_path):
     ort = pytest.importorskip("onnxruntime")
     torch.manual_seed(0)
