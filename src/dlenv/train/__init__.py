@@ -10,7 +10,8 @@ This face only hands names on, and only when they are asked for: `from dlenv.tra
     loop.py     the epoch: forward, backward and the optimizer step; validation
     auto.py     what the auto options become on this machine (--compile, --checkpoint-ratio, --batch-size)
     console.py  progress, the epoch line, SIGINT/SIGTERM
-    state.py    the files a run saves and resumes from
+
+What a run saves and resumes from is dlenv.runfolder.trainstate, beside the run folder's other files.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def __getattr__(name: str):
 
         return getattr(fit, name)
     if name == "TrainState":
-        from dlenv.train.loop import TrainState
+        from dlenv.runfolder.trainstate import TrainState
 
         return TrainState
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -28,9 +28,10 @@ from dlenv import compat, distributed, finetune, memory, runfolder
 from dlenv.data import pipeline
 from dlenv.errors import EXIT_NONFINITE, EXIT_OOM, UserError
 from dlenv.runfolder import results, trainstate
-from dlenv.step import Parts
+from dlenv.runfolder.trainstate import TrainState
+from dlenv.step import NonFiniteLoss, Parts
 from dlenv.train import console, loop
-from dlenv.train.loop import NonFiniteLoss, Replan, TrainState
+from dlenv.train.loop import Replan
 from dlenv.train.plan import TrainPlan, per_rank
 
 

@@ -33,9 +33,9 @@ from dlenv.config import TrainConfig
 from dlenv.data.demo import ensure_demo_data
 from dlenv.devices import resolve_device
 from dlenv.runfolder import results, runstate, trainstate
+from dlenv.runfolder.trainstate import TrainState
 from dlenv.train import console, parts, plan
 from dlenv.train.fit import Run, fit
-from dlenv.train.loop import TrainState
 
 
 def main(cfg: TrainConfig) -> int:
