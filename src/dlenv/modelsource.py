@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dlenv.errors import UserError
+from dlenv.options import IMG_SIZE_MAX  # the bound run-state files keep too (runfolder.runstate.MAX_IMG_SIZE)
 from dlenv.usermodel import (
     Reference,
     build,
@@ -79,11 +80,9 @@ def read_source(source: Any, what: str) -> tuple[str, str | None, dict[str, Any]
             raise UserError(f"{what}: its model_source names the factory argument {str(k)[:40]!r}, not a keyword "
                             "argument name; the file was edited or damaged, use another checkpoint")
         if k == "img_size":
-            from dlenv.runfolder.runstate import MAX_IMG_SIZE
-
-            if not (isinstance(v, int) and not isinstance(v, bool) and 16 <= v <= MAX_IMG_SIZE):
+            if not (isinstance(v, int) and not isinstance(v, bool) and 16 <= v <= IMG_SIZE_MAX):
                 raise UserError(f"{what}: its model_source gives img_size={repr(v)[:40]}, not an image size of 16 "
-                                f"to {MAX_IMG_SIZE} pixels; the file was edited or damaged, use another checkpoint")
+                                f"to {IMG_SIZE_MAX} pixels; the file was edited or damaged, use another checkpoint")
             continue
         if not _arg_ok(v):
             shown = repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."
