@@ -47,8 +47,8 @@ class Decision(NamedTuple):
 class Probe:
     """What the auto probes train on this machine: the run's model built afresh (`build`, without
     --weights), its classes and image size, the precision, the device and the memory format; `resident`,
-    the bytes the run's input keeps on the device beside the model (--synthetic's batch), held while
-    probing so that they count."""
+    bytes held on the device while probing: the run's model's weights (the probes once ran beside it, and
+    keep that margin) and what the input keeps there (--synthetic's batch)."""
 
     name: str
     build: Callable[[], nn.Module]
@@ -146,10 +146,12 @@ def auto_batch(probe: Probe, checkpoint: float | bool, upper: int, say: Callable
 
     trial = make_train_step_probe(probe.build, probe.precision, checkpoint, probe.img_size, probe.num_classes,
                                   probe.device, channels_last=probe.channels_last)
+    held = torch.empty(probe.resident, dtype=torch.uint8, device=probe.device) if probe.resident else None
     try:
         n = find_max_batch(trial, start=8, upper=upper, what=probe.name)
     finally:
         trial.close()
+        del held
     n -= n % 2 if n > 2 else 0
     say(f"--batch-size auto: {n} fits ({probe.precision}, checkpointing "
         f"{'on' if checkpoint else 'off'}, {probe.img_size} px)")

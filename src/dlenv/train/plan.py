@@ -13,8 +13,8 @@ length); the optimizer, the schedule and the step's options. It builds nothing t
 prints nothing: the lines a user should see are the plan's `said`, printed by the trainer.
 
 What it reads and measures, and only when an option asks: the data folder's listing (and image
-headers for --img-size auto and the CPU recipe); the model's structure for --checkpoint and for
-channels_last on a GPU (a copy built without weights, on PyTorch's meta device where it has one);
+headers for --img-size auto and the CPU recipe); the model's structure for --checkpoint and on a GPU
+(a copy built without weights, on PyTorch's meta device where it has one);
 real training steps for --batch-size auto and --checkpoint-ratio auto on a GPU and for --amp on a
 CPU (kept per machine, dlenv.precision). The run's random streams are left as the seed set them.
 
@@ -86,13 +86,15 @@ class ModelSpec:
         return auto.Probe(self.name, lambda: self.build(with_weights=False), self.num_classes, self.img_size.value,
                           precision, device, channels_last)
 
-    def structure(self) -> tuple[bool, int]:
-        """(whether the model is convolutional, its repeated blocks): read from a copy built without
-        weights, on the meta device where PyTorch has one (no memory, no initialisation)."""
+    def structure(self) -> tuple[bool, int, int]:
+        """(whether the model is convolutional, its repeated blocks, the bytes of its weights and buffers):
+        read from a copy built without weights, on the meta device where PyTorch has one (no memory, no
+        initialisation)."""
         from dlenv.models import find_blocks, is_convolutional
 
         model = compat.build_on_meta(lambda: self.build(with_weights=False))
-        return is_convolutional(model), len(find_blocks(model))
+        size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        return is_convolutional(model), len(find_blocks(model)), size
 
     @property
     def norm(self) -> tuple[tuple, tuple] | None:
@@ -289,11 +291,13 @@ def _decide(cfg: TrainConfig, resume: Any, dist: distributed.DistInfo, device: t
     precision = _precision(cfg, device, spec)
     if precision.value == "fp32" and cfg.amp:
         said.append(precision.why)
-    convolutional, blocks = spec.structure() if cfg.checkpoint or _cuda_channels_last(cfg, device) else (False, 0)
+    # a GPU's decisions read the model's structure; a CPU's only for --checkpoint
+    convolutional, blocks, weights = spec.structure() if cfg.checkpoint or device.type == "cuda" else (False, 0, 0)
     channels_last = _channels_last(cfg, device, convolutional)
     if cfg.checkpoint and blocks == 0:
         said.append(f"--checkpoint: {cfg.model} has no repeated blocks to checkpoint; training without it")
-    probe = spec.probe(precision.value, device, channels_last.value)
+    # the GPU probes keep the margin they had when they ran beside the run's built model: its weights
+    probe = dataclasses.replace(spec.probe(precision.value, device, channels_last.value), resident=weights)
     batch = _batch_split(cfg, dist, located, probe, resume, said.append)
     micro, accum = batch.value
     input_plan = InputOptions.of(cfg).decide(located, device, micro, spec.img_size.value, dist.local_world_size,
@@ -302,8 +306,8 @@ def _decide(cfg: TrainConfig, resume: Any, dist: distributed.DistInfo, device: t
         said.append(input_plan.describe(device))
         if cfg.hflip == "auto" and not input_plan.hflip and input_plan.augment != "none":
             said.append(f"--hflip {input_plan.hflip_why}")  # once: the flips the dataset report advises against
-    # --synthetic keeps its batch on the device: it counts in the probe
-    resident = micro * 3 * spec.img_size.value ** 2 * 4 if cfg.synthetic else 0  # float32 images
+    # --synthetic keeps its batch on the device: it counts in the probe (float32 images)
+    resident = weights + (micro * 3 * spec.img_size.value ** 2 * 4 if cfg.synthetic else 0)
     ratio = auto.checkpoint_ratio(cfg, blocks, dataclasses.replace(probe, resident=resident), micro, said.append)
     full_epoch = _batches(located, dist, micro, cfg.max_steps)
     batches_per_epoch = min(full_epoch, cfg.max_steps or full_epoch)
@@ -336,10 +340,6 @@ def _batches(located: pipeline.Located, dist: Any, micro: int, max_steps: int | 
     loader gives --max-steps of them (pipeline.SYNTHETIC_BATCHES without)."""
     n = per_rank(located, micro, dist.rank, dist.world_size)
     return math.ceil(n / micro) if n is not None else (max_steps or pipeline.SYNTHETIC_BATCHES)
-
-
-def _cuda_channels_last(cfg: TrainConfig, device: torch.device) -> bool:
-    return cfg.channels_last and device.type == "cuda"
 
 
 def _channels_last(cfg: TrainConfig, device: torch.device, convolutional: bool) -> Decision:
