@@ -72,6 +72,11 @@ ROWS = {
     "synthetic-eager": {"synthetic": True, "compile": "off"},
     "cache-eager": {"cache": "on", "cache_mode": "ram", "compile": "off"},
     "default-eager": {"cache": "off", "compile": "off"},
+    # the trainer's torch.compile call changed from here (a measurement, not the product): dynamic=False keeps
+    # one static graph per batch size (a short last batch compiles its own), reduce-overhead adds CUDA graphs
+    "cache-compiled-static": {"cache": "on", "cache_mode": "ram", "compile": "on", "_compile": {"dynamic": False}},
+    "default-compiled-static": {"cache": "off", "compile": "on", "_compile": {"dynamic": False}},
+    "default-compiled-graphs": {"cache": "off", "compile": "on", "_compile": {"mode": "reduce-overhead"}},
 }
 EPOCHS = 3          # 1: compile and fill; 2: the profiled window; 3: the timed steps
 PROFILE_EPOCH = 1   # completed epochs when the window runs (the trainer's state.epoch)
@@ -80,7 +85,23 @@ TIMED = (11, 41)    # batches of the timed epoch: from just after one loss read 
 
 
 def yardstick(name: str) -> str:
-    return "synthetic-compiled" if name.endswith("-compiled") else "synthetic-eager"
+    return "synthetic-compiled" if "-compiled" in name else "synthetic-eager"
+
+
+@contextlib.contextmanager
+def compile_args(kwargs: dict | None):
+    """The trainer's compat.compile_model called with `kwargs` added, while a row runs."""
+    from dlenv import compat
+
+    if not kwargs:
+        yield
+        return
+    orig = compat.compile_model
+    compat.compile_model = lambda model, **given: orig(model, **{**given, **kwargs})
+    try:
+        yield
+    finally:
+        compat.compile_model = orig
 
 
 def product_row(name: str, a: argparse.Namespace, work: Path, traces: Path) -> dict:
@@ -96,9 +117,9 @@ def product_row(name: str, a: argparse.Namespace, work: Path, traces: Path) -> d
                        amp=True, batch_size=a.batch_size, img_size=a.img_size, epochs=EPOCHS,
                        max_steps=steps if opts.get("synthetic") else None, project=str(work / name), name="run",
                        cache_dir=str(work / "cache"), device=a.device, **{k: v for k, v in opts.items()
-                                                                          if k != "synthetic"},
+                                                                          if k not in ("synthetic", "_compile")},
                        synthetic=bool(opts.get("synthetic")))
-    with hook.annotations:
+    with hook.annotations, compile_args(opts.get("_compile")):
         summary = train(cfg, on_step=hook)
     with open(Path(summary["run_dir"]) / "results.csv", newline="") as f:
         last_row = list(csv.DictReader(f))[-1]
@@ -295,8 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("profile-feed"))
     p.add_argument("--data", type=Path, default=Path(tempfile.gettempdir()) / "dlenv-jpegs-profile")
-    p.add_argument("--train-images", type=int, default=11_776, help="a multiple of --batch-size: no short batch, "
-                   "whose new shape would compile again (default 46 x 256)")
+    p.add_argument("--train-images", type=int, default=11_776, help="default 46 x 256: no short last batch, whose "
+                   "new shape makes torch.compile compile again, with a dynamic batch size (12000: the issue's set-up)")
     p.add_argument("--val-images", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--img-size", type=int, default=224)
@@ -307,13 +328,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cores-eager", type=int, default=4, help="CPUs for the eager rows' child process (0: none)")
     p.add_argument("--eager-rows", default="synthetic-eager,default-eager")
     p.add_argument("--feeds", default=",".join(fv.FEEDS), help=f"mirror feeds, of: {', '.join(fv.FEEDS)}")
-    p.add_argument("--graph-feeds", default="synthetic,product-cache,ahead-cache,product-workers,ahead-workers",
+    p.add_argument("--graph-feeds", default="synthetic,product-cache,product-cache-ondevice,product-workers",
                    help="the feeds measured again with CUDA graphs (mode reduce-overhead)")
     p.add_argument("--modes", default=None, help="mirror modes (default: default,reduce-overhead on CUDA, eager "
                    "on a CPU)")
-    p.add_argument("--profile-feeds", default="synthetic,product-cache,ahead-cache,product-workers,ahead-workers")
-    p.add_argument("--stack-feeds", default="product-cache", help="feeds profiled with Python frames too "
-                   "(torch.profiler's with_stack), in the first mode")
+    p.add_argument("--profile-feeds", default="synthetic,product-cache,product-cache-ondevice,product-workers")
+    p.add_argument("--stack-feeds", default="", help="feeds profiled with Python frames too (torch.profiler's "
+                   "with_stack), in the first mode: minutes to write and read on a GPU")
     p.add_argument("--warm", type=int, default=8, help="mirror steps before timing (the first compiles)")
     p.add_argument("--steps", type=int, default=24, help="mirror steps timed")
     p.add_argument("--profile-steps", type=int, default=10)
@@ -332,8 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     if dev.type == "cuda" and not torch.cuda.is_available():
         print("profile_feed needs a CUDA GPU (or --device cpu to check the script)", file=sys.stderr)
         return 2
-    if a.train_images % a.batch_size:
-        print(f"--train-images {a.train_images} is not a multiple of --batch-size {a.batch_size}", file=sys.stderr)
+    if a.train_images < a.batch_size:
+        print(f"--train-images {a.train_images} is fewer than one batch (--batch-size {a.batch_size})", file=sys.stderr)
         return 2
     cuda = dev.type == "cuda"
     if not cuda:  # the CPU check: a model that fits one batch drives its gradients into denormals, 100x slower

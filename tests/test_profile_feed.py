@@ -210,8 +210,48 @@ def test_profiler_window_sees_the_main_thread_and_another(tmp_path):
         assert s["threads"]["helper-thread"]["busy_ms_per_step"] > 0
 
 
+@pytest.mark.parametrize("kwargs, passed", [
+    (None, {"fullgraph": True}),
+    ({"dynamic": False}, {"fullgraph": True, "dynamic": False}),
+    ({"mode": "reduce-overhead"}, {"fullgraph": True, "mode": "reduce-overhead"}),
+])
+def test_compile_args_reach_the_trainers_compile_call_and_go(kwargs, passed, monkeypatch):
+    import profile_feed
+
+    from dlenv import compat
+
+    seen = []
+    monkeypatch.setattr(compat, "compile_model", lambda model, **given: seen.append(given) or model)
+    plain = compat.compile_model
+    with profile_feed.compile_args(kwargs):
+        compat.compile_model("model", fullgraph=True)  # as dlenv.train.parts calls it, through the module
+    assert seen == [passed] and compat.compile_model is plain
+
+
+def test_device_cache_source_gathers_what_the_host_cache_does():
+    from dlenv.data.sources import CacheSource
+
+    class Cache:  # a DecodedCache's arrays: row 2 is a bad file, read as row 0's image and label
+        images = torch.arange(4 * 2 * 2 * 3, dtype=torch.uint8).reshape(4, 2, 2, 3).numpy()
+        sizes = torch.tensor([[5, 4], [6, 4], [5, 4], [7, 3]], dtype=torch.int32).numpy()
+        labels = torch.tensor([0, 1, 0, 3]).numpy()
+        source = torch.tensor([0, 1, 0, 3]).numpy()
+        bad = {"b.jpg": "truncated"}
+
+        def __len__(self):
+            return 4
+
+    host = CacheSource(Cache(), None, 3, pin=False)
+    dev = feed_variants.DeviceCacheSource(host, torch.device("cpu"))
+    assert len(dev) == len(host) == 2 and dev.bad_paths == host.bad_paths
+    for a, b in zip(iter(host), iter(dev), strict=True):
+        want, got = host.upload(a, torch.device("cpu")), dev.upload(b, torch.device("cpu"))
+        for w, g in zip(want, got, strict=True):
+            assert torch.equal(w, g)
+
+
 @pytest.mark.parametrize("args, says", [
-    (["--train-images", "10", "--batch-size", "4"], "is not a multiple of --batch-size"),
+    (["--train-images", "3", "--batch-size", "4"], "is fewer than one batch"),
     (["--rows", "nope"], "unknown rows or feeds: nope"),
     (["--feeds", "synthetic,fast"], "unknown rows or feeds: fast"),
 ])
@@ -233,7 +273,8 @@ def test_whole_run_on_cpu(tmp_path):
                             "--train-images", "64", "--val-images", "16", "--warm", "2", "--steps", "3",
                             "--profile-steps", "2", "--data", str(tmp_path / "jpegs"), "--out", str(out),
                             "--rows", "synthetic-eager,cache-eager",
-                            "--feeds", "synthetic,product-cache,ahead-cache,ahead-workers", "--keep-traces"])
+                            "--feeds", "synthetic,product-cache,product-cache-ondevice,ahead-cache,ahead-workers",
+                            "--keep-traces"])
     assert rc == 0
     result = json.loads((out / "profile_feed.json").read_text())
     assert [r["row"] for r in result["rows"]] == ["synthetic-eager", "cache-eager"]
@@ -242,7 +283,8 @@ def test_whole_run_on_cpu(tmp_path):
         assert r["img_s"] > 0 and r["profile"]["steps"] == 2
     assert result["rows"][1]["x_synthetic"] > 0
     feeds = {r["feed"]: r for r in result["feeds"]}
-    assert set(feeds) == {"synthetic", "product-cache", "ahead-cache", "ahead-workers", "synthetic (again)"}
+    assert set(feeds) == {"synthetic", "product-cache", "product-cache-ondevice", "ahead-cache", "ahead-workers",
+                          "synthetic (again)"}
     for r in feeds.values():
         assert "error" not in r, r
         assert r["img_s"] > 0 and r["loss"] == r["loss"]  # finite
