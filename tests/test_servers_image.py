@@ -1,7 +1,7 @@
 """Inside the built image (marker `image`): the notebook server's parts as the image installs them.
 workspace/quickstart.ipynb executes headless (nbclient, as `jupyter nbconvert --execute` does) on a CPU
 without an error, drawing its curves and val's confusion matrix; the lab's default kernel is the `dl` env's
-Python. tests/container/test_servers.py runs the servers themselves in running containers."""
+Python. tests/container/test_lab_and_tensorboard.py runs the servers themselves in running containers."""
 
 from __future__ import annotations
 

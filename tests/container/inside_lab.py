@@ -1,4 +1,4 @@
-"""A JupyterLab client that runs *inside* a container (tests/container/test_servers.py sends this file's
+"""A JupyterLab client that runs *inside* a container (tests/container/test_lab_and_tensorboard.py sends this file's
 text to `python -c` through `docker exec`): with networking off, the lab is reachable only on the
 container's own loopback.
 
