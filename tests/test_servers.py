@@ -1,6 +1,7 @@
 """dlenv.servers on a CPU: the command lines, environments and lines `dlenv lab` / `dlenv tensorboard` build,
 the token printed once, the folders chosen, each refusal as one line, and a real TensorBoard answering and
-stopping on SIGTERM. JupyterLab itself runs in the image (tests/container/test_servers_image.py)."""
+stopping on SIGTERM. JupyterLab itself runs in the image: tests/test_servers_image.py and
+tests/container/test_lab_and_tensorboard.py."""
 
 from __future__ import annotations
 
