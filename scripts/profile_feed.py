@@ -5,34 +5,43 @@ Part 1, the product (--rows): the real trainer (`dlenv.train.train`, three epoch
 default) on the issue's rows: synthetic compiled, compiled `--cache on`, compiled default on JPEGs
 (DataLoader workers), and, in a child process held to --cores-eager CPUs, eager on synthetic data and
 on JPEGs. In the second epoch a window of --profile-steps steps is traced by torch.profiler (CPU and
-CUDA activities), with the loop's phases and the feed's steps annotated from here (the functions are
-wrapped while the row runs; nothing in src/dlenv changes); `feed_trace.summarize` reduces each trace.
-The third epoch's steps 11-41 are timed, unprofiled, from the trainer's own on_step calls (the loop
-reads the GPU every 10 steps, so these times are the GPU's).
+CUDA activities, every thread where torch can), with the loop's phases and the feed's steps annotated
+from here (the functions are wrapped while the row runs; nothing in src/dlenv changes);
+`feed_trace.summarize` reduces each trace. The third epoch's steps 11-41 are timed, unprofiled, from
+the trainer's own on_step calls (the loop reads the GPU every 10 steps, so these times are the GPU's).
+Rows `*-static` and `default-compiled-graphs` change only the trainer's torch.compile call (dynamic=False;
+mode="reduce-overhead"): measurements of candidate fixes, not the product. The default dataset has no
+short last batch (46 x 256); `--train-images 12000` is the issue's set-up, whose short batch makes
+torch.compile compile again with a dynamic batch size.
 
 Part 2, the candidates (--feeds, --modes): a mirror of the trainer's step (`dlenv.step.train_step` on
 the trainer's model, AdamW and autocast, the loss read every 10 steps as the trainer's check does) fed
 in several ways from the same data, each against synthetic data in the same process and mode:
 
 - `synthetic`: one batch already on the device, in the loader's dtype and layout (the same graph);
-- `synthetic-augment`: a stored uint8 batch on the device, augmented every step: the GPU cost of the
-  augmentation alone, without copies or threads;
+- `synthetic-augment`: a stored uint8 batch on the device, augmented every step by the training thread:
+  the augmentation's cost without copies or other threads;
 - `product-cache`, `product-workers`: the product's DeviceLoader (a Python thread uploads and augments
   on a side stream, three batches ahead) over the cache or over the DataLoader workers;
+- `product-cache-ondevice`: the same loader with the cache's rows in GPU memory (the gather on the GPU);
 - `ahead-cache`, `ahead-workers`: the same sources, but the copy and augmentation of batch k+1 are
   issued by the training thread itself, on a side stream, just before step k, with no per-step sync
   (the main stream waits on an event); the cache's gather runs in a helper thread that needs no GIL;
-- `ahead-cache-inline`: as ahead-cache on the main stream (does the side stream matter?).
+- `ahead-cache-inline`: as ahead-cache on the main stream (does the side stream matter?);
+- `*-w10`: the workers feeds with 10 workers instead of auto's count.
 
 Modes: `default` (torch.compile as the trainer calls it), `reduce-overhead` (CUDA graphs through
-torch.compile), `eager`.
+torch.compile), `eager`. The results and what they say: docs/input-pipeline.md, "Where the time goes on
+a compiled run".
 
-    python3 scripts/profile_feed.py --out /tmp/pf                        # ~6 min on an H200, 16 CPUs
-    python3 scripts/profile_feed.py --device cpu --model resnet18 --img-size 32 --batch-size 8 \\
+    python3 scripts/profile_feed.py --out /tmp/pf --keep-traces --budget 410   # ~7 min on an H200, 16 CPUs
+    python3 scripts/profile_feed.py --train-images 12000 --feeds "" --cores-eager 0 \
+        --rows synthetic-compiled,default-compiled,default-compiled-static       # the short batch's cost
+    python3 scripts/profile_feed.py --device cpu --model small_cnn --img-size 32 --batch-size 8 \
         --train-images 64 --val-images 16 --warm 2 --steps 3 --profile-steps 2 --out /tmp/pf-cpu
 
-Writes OUT/profile_feed.json (every number), OUT/profile_feed.md (the tables and timelines) and, with
---keep-traces, OUT/traces.tar (the gzipped Chrome traces).
+Writes OUT/profile_feed.json (every number) and OUT/profile_feed.md (the tables and timelines) after
+each part, and with --keep-traces OUT/traces.tar (the gzipped Chrome traces, at most 15 MiB).
 """
 
 from __future__ import annotations
