@@ -192,6 +192,27 @@ def test_a_failing_compile_falls_back_to_eager_in_one_line(tmp_path, data, tiny,
 
 
 @needs_compile
+def test_a_short_last_batch_gets_a_static_graph_not_a_dynamic_one(tmp_path, data, tiny, monkeypatch):
+    """The trainer compiles with dynamic=False: an epoch's short last batch gets a static graph of its own.
+    With torch.compile's automatic dynamic shapes (2.1+) the second batch size recompiled the model with a
+    symbolic batch size, and that slower graph then served every full batch after it (issue 36's profile)."""
+    shapes: list = []
+
+    def backend(gm, example_inputs):
+        shapes.extend(tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor))
+        shapes.extend(t for t in example_inputs if not isinstance(t, (torch.Tensor, int)))  # a SymInt input
+        return gm.forward
+
+    monkeypatch.setattr(compat, "compile_model", lambda m, **kw: torch.compile(m, backend=backend, **kw))
+    out = train_mod.train(tiny_config(tmp_path, data, epochs=2, compile="on", batch_size=6))  # 16 = 2 x 6 + 4
+    assert out["exit_code"] == 0 and shapes, "the model was not compiled"
+    batch_sizes = {s[0] for s in shapes if isinstance(s, tuple) and len(s) == 4}
+    symbolic = [s for s in shapes if not isinstance(s, tuple) or not all(isinstance(d, int) for d in s)]
+    assert not symbolic, f"a graph with a symbolic shape: {symbolic[:3]}"
+    assert {6, 4} <= batch_sizes, batch_sizes  # both the full and the short batch ran compiled, each static
+
+
+@needs_compile
 def test_a_model_error_under_compile_is_not_swallowed(tmp_path, data, tiny, monkeypatch):
     """Only torch.compile's own failures fall back; the model's errors stay errors."""
     monkeypatch.setattr(compat, "compile_model", lambda m, **kw: torch.compile(m, backend=_backend([])))

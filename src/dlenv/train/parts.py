@@ -54,7 +54,10 @@ def build_parts(decided: TrainPlan, model: nn.Module, device: torch.device) -> P
     ema = ModelEma(model, step.ema_decay) if step.ema_decay is not None else None
     eager = run_model  # kept: a compile that fails falls back to it (dlenv.train.loop.Rescue)
     if decided.compile.value:
-        run_model = compat.compile_model(run_model)
+        # dynamic=False: an epoch's short last batch would otherwise make torch.compile (2.1+) recompile with
+        # a dynamic batch size, and that slower graph then serves every full batch after it (issue 36's
+        # profile, docs/input-pipeline.md); each batch shape gets a static graph of its own instead
+        run_model = compat.compile_model(run_model, dynamic=False)
     return Parts(run_model, model, optimizer, scheduler, Precision(decided.precision.value, device),
                  nn.CrossEntropyLoss(label_smoothing=step.label_smoothing), ema, device, decided.memory_format,
                  step.clip_grad, eager=eager if decided.compile.value else None)
