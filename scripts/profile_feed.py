@@ -9,8 +9,9 @@ CUDA activities, every thread where torch can), with the loop's phases and the f
 from here (the functions are wrapped while the row runs; nothing in src/dlenv changes);
 `feed_trace.summarize` reduces each trace. The third epoch's steps 11-41 are timed, unprofiled, from
 the trainer's own on_step calls (the loop reads the GPU every 10 steps, so these times are the GPU's).
-Rows `*-static` and `default-compiled-graphs` change only the trainer's torch.compile call (dynamic=False;
-mode="reduce-overhead"): measurements of candidate fixes, not the product. The default dataset has no
+Rows `*-static`, `default-compiled-graphs` and `default-compiled-dynamic` change only the trainer's
+torch.compile call (dynamic=False, which the trainer itself passes since 0f3bfda; mode="reduce-overhead";
+dynamic=None, the call before 0f3bfda). The default dataset has no
 short last batch (46 x 256); `--train-images 12000` is the issue's set-up, whose short batch makes
 torch.compile compile again with a dynamic batch size.
 
@@ -86,6 +87,8 @@ ROWS = {
     "cache-compiled-static": {"cache": "on", "cache_mode": "ram", "compile": "on", "_compile": {"dynamic": False}},
     "default-compiled-static": {"cache": "off", "compile": "on", "_compile": {"dynamic": False}},
     "default-compiled-graphs": {"cache": "off", "compile": "on", "_compile": {"mode": "reduce-overhead"}},
+    # the trainer's call before it took dynamic=False (0f3bfda): the short last batch's dynamic-shape graph
+    "default-compiled-dynamic": {"cache": "off", "compile": "on", "_compile": {"dynamic": None}},
 }
 EPOCHS = 3          # 1: compile and fill; 2: the profiled window; 3: the timed steps
 PROFILE_EPOCH = 1   # completed epochs when the window runs (the trainer's state.epoch)
