@@ -14,9 +14,10 @@ prints nothing: the lines a user should see are the plan's `said`, printed by th
 
 What it reads and measures, and only when an option asks: the data folder's listing (and image
 headers for --img-size auto and the CPU recipe); the model's structure for --checkpoint and on a GPU
-(a copy built without weights, on PyTorch's meta device where it has one);
-real training steps for --batch-size auto and --checkpoint-ratio auto on a GPU and for --amp on a
-CPU (kept per machine, dlenv.precision). The run's random streams are left as the seed set them.
+(a copy built without weights, on PyTorch's meta device where it has one); real training steps for
+--batch-size auto and --checkpoint-ratio auto on a GPU and for --amp on a CPU (kept per machine,
+dlenv.precision); one forward of a model of your own, built without weights, to check it gives
+logits before anything is probed. The run's random streams are left as the seed set them.
 
 A new decision is a field of `TrainPlan` holding an `auto.Decision` (value, why), made in `decide`
 and written to config.yaml by `notes` as `<name>_rule`.
@@ -291,6 +292,8 @@ def _decide(cfg: TrainConfig, resume: Any, dist: distributed.DistInfo, device: t
     precision = _precision(cfg, device, spec)
     if precision.value == "fp32" and cfg.amp:
         said.append(precision.why)
+    if usermodel.is_reference(spec.name):  # a model of your own gives logits [N, classes] before it is probed
+        spec.check(spec.build(with_weights=False))
     # a GPU's decisions read the model's structure; a CPU's only for --checkpoint
     convolutional, blocks, weights = spec.structure() if cfg.checkpoint or device.type == "cuda" else (False, 0, 0)
     channels_last = _channels_last(cfg, device, convolutional)
