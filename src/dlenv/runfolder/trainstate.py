@@ -6,7 +6,7 @@ keeps (the weights people share, with the classes and the config: no optimizer, 
 state); `save_last` and `save_best` write them (atomically, through runstate); `open_resume` reads a
 --resume file and the options it was trained with, and `restore` puts its state into the new run's
 objects. The RNG states are handed back rather than set: the trainer sets them last, after
-everything that draws random numbers while it is being built (model init, the --batch-size auto probe).
+everything that draws random numbers while it is being built (the model's initialisation).
 
 A kill between the two saves of an improving epoch (last.pth first, then best_model.pth) leaves a
 last.pth that records a best metric best_model.pth does not hold. Its state is then exactly the best
