@@ -51,12 +51,12 @@ def reached():
 
 
 if moment == "start-up":  # data and model built, no run folder yet
-    from dlenv.train import run
-    real_parts = run.build_parts
+    from dlenv.train import parts
+    real_parts = parts.build_parts
     def build_parts(*a, **k):
         reached()
         return real_parts(*a, **k)
-    run.build_parts = build_parts
+    parts.build_parts = build_parts
 elif moment == "mid-epoch":  # the 3rd optimizer step of epoch 2, its workers running
     from dlenv.train import loop
     real_step, steps = loop.optimizer_step, []
