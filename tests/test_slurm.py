@@ -1,8 +1,9 @@
 """The scheduler lane (.ci/slurm-lane): scripts/slurm_train.sbatch as written on a real one-host Slurm cluster
-(munged, slurmctld, slurmd on 127.0.0.1), with its venv line, two tasks as two ranks talking gloo on the CPU.
+(munged, slurmctld and two slurmd on 127.0.0.1: two node names of one CPU each), with its venv line, its two
+nodes x one task as two ranks talking gloo on the CPU.
 
-Each case submits the script with sbatch exactly as a user would, with only the cluster's shape on the
-command line (one node, two tasks), trains on the demo data and checks what a user sees and keeps: the job's
+Each case submits the script with sbatch exactly as a user would (its own #SBATCH lines, no option but the
+case's own), trains on the demo data and checks what a user sees and keeps: the job's
 state and exit code, the lines in its log (one line per stop, nothing that looks like a crash), results.csv
 with every epoch once, and the weights every rank ends with (equal, and equal to last.pth):
 
@@ -41,8 +42,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "slurm_train.sbatch"
 LANE = os.environ.get("DLENV_SLURM_LANE")
 EPOCHS = 3
-#: the cluster's shape on the sbatch command line: its one node runs both tasks (the script says 2 nodes x 1)
-SHAPE = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"]
 #: the demo data, 16 + 4 images a class: 20 optimizer steps an epoch at 4 images a rank (the ranks vote on a
 #: stop every 10 steps: a stop held at step 3 of epoch 2 is taken at its 10th, mid-epoch)
 TRAIN_ARGS = ["--data", "data/demo", "--device", "cpu", "--epochs", str(EPOCHS), "--batch-size", "4",
@@ -143,7 +142,7 @@ class Job:
         if hold:
             job_env["DLENV_TEST_HOLD"] = str(hold)
         job_env.update(env or {})
-        r = subprocess.run(["sbatch", "--parsable", *SHAPE, *options, str(SCRIPT), *TRAIN_ARGS], cwd=project,
+        r = subprocess.run(["sbatch", "--parsable", *options, str(SCRIPT), *TRAIN_ARGS], cwd=project,
                            env=job_env, capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         return cls(project, r.stdout.strip().split(";")[0])
