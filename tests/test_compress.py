@@ -228,7 +228,7 @@ def test_prune_finetune_keeps_the_pruned_weights_at_zero(ckpt, capsys):
     assert not torch.equal(tuned.classifier[3].weight, plain.classifier[3].weight)
 
 
-def test_prune_structured_main_removes_half_the_parameters_and_val_loads_it(ckpt, data_dir, capsys):
+def test_prune_structured_main_removes_half_the_parameters_and_val_and_predict_load_it(ckpt, data_dir, capsys):
     assert prune.main(prune_cfg(weights=str(ckpt), amount=0.5, structured=True, data=str(data_dir / "val"))) == 0
     text = capsys.readouterr().out
     out = ckpt.with_name("best_model_pruned.pth")
@@ -245,6 +245,11 @@ def test_prune_structured_main_removes_half_the_parameters_and_val_loads_it(ckpt
     assert cli_main(["val", "--weights", str(out), "--data", str(data_dir / "val"), "--workers", "0",
                      "--device", "cpu"]) == 0
     assert "6 images, 2 classes" in capsys.readouterr().out
+    project = ckpt.parent / "predict"
+    assert cli_main(["predict", "--weights", str(out), "--source", str(data_dir / "val"), "--workers", "0",
+                     "--device", "cpu", "--project", str(project)]) == 0
+    rows = (project / "exp" / "predictions.csv").read_text().splitlines()
+    assert len(rows) == 1 + 6 and all(r.split(",")[3] in CLASSES for r in rows[1:])
 
 
 @pytest.mark.parametrize("widths,phrase", [
