@@ -537,6 +537,12 @@ def test_latency_median_spread_and_warning(seconds, median, p10, p90, wide):
     assert ("warning: CPU latency varied widely" in note) is wide
 
 
+@pytest.mark.gpu
+def test_gpu_latencies_time_each_model_on_the_gpu():
+    lat = common.gpu_latencies([TinyNet(), TinyNet()], IMG, runs=5)
+    assert len(lat) == 2 and all(x.runs == 5 and 0 < x.p10 <= x.median <= x.p90 for x in lat)
+
+
 def test_cpu_latencies_time_the_models_in_turns():
     order = []
 
