@@ -55,22 +55,25 @@ def stop_in_time(container) -> tuple[int, float, str]:
     return status, time.time() - t, container.logs().decode("utf-8", "replace")
 
 
-@pytest.mark.parametrize("how", ["dlenv as root", "invoke as --user", "dlenv on --read-only"])
+@pytest.mark.parametrize("how", ["dlenv as root", "invoke as --user", "dlenv on --read-only",
+                                 "dlenv without the entrypoint, as --user on --read-only"])
 def test_the_lab_answers_inside_runs_a_training_step_and_stops(docker_client, image, tmp_path, how):
-    verb, _, setup = how.split(" ", 2)
+    verb = how.split()[0]
     kwargs: dict = {}
     user = None
-    if setup == "--user":
+    folder = tmp_path
+    if "--user" in how:
         user = "1234:1234"
         folder = owned_by(tmp_path / "project", 1234, 1234)
         kwargs["user"] = user
-    elif setup == "--read-only":
-        folder = tmp_path
+    if "--read-only" in how:
         kwargs.update(read_only=True, tmpfs={"/tmp": ""})
-    else:
-        folder = tmp_path
+    if "without the entrypoint" in how:
+        # HOME=/ (not writable) and no name for the UID: dlenv lab moves Jupyter's folders to /tmp itself
+        kwargs["entrypoint"] = [verb]
     (folder / "notes-of-mine.txt").write_text("the user's project\n")
-    container = start(docker_client, image, [verb, "lab"], volumes=mounted(folder), **kwargs)
+    command = ["lab"] if "entrypoint" in kwargs else [verb, "lab"]
+    container = start(docker_client, image, command, volumes=mounted(folder), **kwargs)
     try:
         token = wait_for_line(container, r"dlenv lab: open http://127\.0\.0\.1:8888/lab\?token=(\w+) ").group(1)
         said = json.loads(inside(container, ["python", "-c", INSIDE_LAB, "8888", token], user).splitlines()[-1])
@@ -87,6 +90,8 @@ def test_the_lab_answers_inside_runs_a_training_step_and_stops(docker_client, im
     assert math.isfinite(step["loss"]) and step["params_moved"] > 0, step
     assert said["kernels_left"] == 0
     assert output.count(token) == 1, output[-3000:]  # printed once, by dlenv; Jupyter's own lines mask it
+    if "without the entrypoint" in how:
+        assert "is not writable: Jupyter's files go to /tmp/jupyter-1234" in output, output[:2000]
     assert "Traceback" not in output, output[-3000:]
     assert status in (0, 143) and took < STOP_WITHIN, (status, took, output[-2000:])
 
