@@ -206,7 +206,8 @@ def run(opened: Trained, source: Source, cfg: Any, device: torch.device, mode: s
     """(predictions in source order, seconds the pass took). Unreadable images are left out, said in
     one line each for the first few, then counted. Raises UserError when nothing could be read, and
     (dlenv.evaluate.refuse_non_finite) for NaN or inf outputs."""
-    from dlenv.data.loaders import BadImageError, build_eval_loader, resolve_workers
+    from dlenv.data.badimages import BadImageError
+    from dlenv.data.loaders import build_eval_loader
     from dlenv.evaluate import predict, refuse_non_finite
 
     net = FlipAverage(opened.model) if cfg.tta == "flip" else opened.model
@@ -217,8 +218,7 @@ def run(opened: Trained, source: Source, cfg: Any, device: torch.device, mode: s
         paths, frames = [str(source.video)] * len(keys), keys.tolist()
     else:
         samples = [(p, i) for i, p in enumerate(source.paths)]  # the label is the index: each row's path
-        workers = resolve_workers(cfg.workers, cfg.batch_size, opened.img_size)
-        loader = build_eval_loader(samples, opened.img_size, cfg.batch_size, workers, norm=opened.norm,
+        loader = build_eval_loader(samples, opened.img_size, cfg.batch_size, cfg.workers, norm=opened.norm,
                                    interpolation=opened.interpolation)
         try:
             logits, _ = predict(net, loader, device, mode=mode, progress=True)
