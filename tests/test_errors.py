@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from dlenv import cli
+from dlenv import cli, errors
 from dlenv.errors import environment_fault, first_line, printable, torch_write_failure, with_path
 
 # errno -> words the line must hold besides the path
@@ -238,3 +238,35 @@ def test_the_trainers_stop_signals_exit_by_the_table():
 
     assert console.SIGNAL_EXIT == {signal.SIGINT: errors.EXIT_SIGINT, signal.SIGTERM: errors.EXIT_SIGTERM,
                                    signal.SIGHUP: errors.EXIT_SIGHUP}
+
+
+def _raised_in(folder, filename: str, exc: BaseException) -> BaseException:
+    """`exc` as raised by a function of a module file named `filename` (its traceback passes there)."""
+    import importlib.util
+
+    path = folder / filename
+    path.write_text("def fail(exc):\n    raise exc\n")
+    spec = importlib.util.spec_from_file_location(f"_fake_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    try:
+        mod.fail(exc)
+    except BaseException as e:  # noqa: BLE001 - the test hands it back
+        return e
+    raise AssertionError("not raised")
+
+
+@pytest.mark.parametrize(("filename", "exc", "killed"), [
+    # a worker SIGKILLed between sending a batch and handing over its memory: the main process's fetch of the
+    # tensor's file descriptor fails inside multiprocessing's resource_sharer (seen in CI on 1.13)
+    ("resource_sharer.py", ConnectionResetError(104, "Connection reset by peer"), True),
+    ("resource_sharer.py", EOFError(), True),
+    ("resource_sharer.py", ValueError("not a connection error"), False),
+    ("somewhere_else.py", ConnectionResetError(104, "Connection reset by peer"), False),
+])
+def test_a_worker_gone_mid_handoff_is_a_killed_worker(tmp_path, filename, exc, killed):
+    raised = _raised_in(tmp_path, filename, exc)
+    assert errors.worker_killed(raised) is killed
+    wrapped = RuntimeError("outer")
+    wrapped.__cause__ = raised
+    assert errors.worker_killed(wrapped) is killed

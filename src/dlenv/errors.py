@@ -159,9 +159,25 @@ def shm_full(exc: BaseException) -> bool:
     return False
 
 
+def _worker_gone_mid_handoff(e: BaseException) -> bool:
+    """A connection error raised while the main process fetched a batch tensor's file descriptor from the
+    worker that made it (multiprocessing's resource_sharer, under torch's rebuild_storage_fd): the worker
+    died between sending the batch and handing over its memory, so torch never names the signal."""
+    if not isinstance(e, (ConnectionError, EOFError)):
+        return False
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith("resource_sharer.py"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def worker_killed(exc: BaseException) -> bool:
-    """Whether `exc` says a DataLoader worker was killed by SIGKILL (the OOM killer, or a person)."""
-    return any((m := _WORKER_SIGNAL.search(str(e))) and m.group(1).strip() == "Killed" for e in _chain(exc))
+    """Whether `exc` says a DataLoader worker was killed by SIGKILL (the OOM killer, or a person), by
+    torch's message or by a worker that vanished while handing a batch over."""
+    return any(((m := _WORKER_SIGNAL.search(str(e))) and m.group(1).strip() == "Killed")
+               or _worker_gone_mid_handoff(e) for e in _chain(exc))
 
 
 def first_line(e: BaseException | str, limit: int = 200, named: bool = True) -> str:
