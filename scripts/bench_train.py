@@ -135,8 +135,12 @@ def ours(name: str, batch: int, img: int, steps: int, options: dict,
 
     from dlenv import config
     from dlenv.config import TrainConfig
-    from dlenv.runfolder import results
-    from dlenv.runfolder.trainstate import read_config_notes
+    try:
+        from dlenv.runfolder import results
+        from dlenv.runfolder.trainstate import read_config_notes
+    except ImportError:  # a tree before the run folder's modules moved (fc13297), as bench_parity.py runs it
+        from dlenv import results
+        from dlenv.train.state import read_config_notes
     from dlenv.train import train
     from dlenv.train.auto import COMPILE_MIN_BATCHES
 

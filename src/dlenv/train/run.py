@@ -76,6 +76,14 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
         say(f"--resume with {', '.join(resume.inexact)}: augmentation in DataLoader workers draws its random "
             "stream per worker, so this resume is not exact (leave the flag out to continue with the run's)")
     device = resolve_device(cfg.device, dist.local_rank)
+    if device.type == "cuda":
+        # Once, before any probe: in benchmark mode PyTorch lets a cuDNN convolution take as much
+        # workspace as the allocator's largest cached free block (Conv_v8.cpp, get_available_workspace).
+        # A block left by earlier work in this process (a notebook's previous run, an out-of-memory
+        # attempt) lets it try algorithms of tens of GiB: in the GPU suite a ResNet-50 run that peaks
+        # at 3.2 GiB in a fresh process reported 138 GiB after the OOM test, and --checkpoint-ratio
+        # auto measured that. From an empty cache every process decides alike.
+        torch.cuda.empty_cache()
     _seed_everything(cfg.seed + dist.rank, cfg.deterministic, device)
     if cfg.data is None and not cfg.synthetic:
         ensure_demo_data()  # written on first use, before the plan (which only lists what is there)
