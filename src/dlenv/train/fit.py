@@ -221,6 +221,10 @@ class _Epochs:
         before = self.plan
         self.plan = before.halved(per_rank(before.data, before.micro_batch // 2))  # one GPU: rank 0 of 1
         _close_loaders(self.data)
+        if self.parts.device.type == "cuda":
+            # the failed step's blocks back to the driver: cuDNN autotunes the new shapes with workspace up
+            # to the largest cached block (see run._train), which must not be one the OOM left behind
+            torch.cuda.empty_cache()
         self.data = self.rebuild(self.plan)
         state.micro_batch, state.accum_steps = self.plan.micro_batch, self.plan.accum_steps
         state.batch_in_epoch *= 2  # the same images in batches of half the size
