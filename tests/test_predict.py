@@ -110,7 +110,9 @@ def test_csv_columns_and_topk(trained, tmp_path, capsys):
         assert 1.0 >= float(r["prob_1"]) >= float(r["prob_2"]) >= 0.0
     # more than the model has: all three, said once
     rows = _rows(_predict(tmp_path, _best(trained), trained / "ds" / "val", "--topk", "9", name="all"))
-    assert "--topk 9: the model has 3 classes" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--topk 9: the model has 3 classes" in out
+    assert "predicting 1/1" in out and "validating" not in out  # the bar names what it does
     assert sum(float(rows[0][f"prob_{i}"]) for i in (1, 2, 3)) == pytest.approx(1.0, abs=1e-5)
 
 
@@ -241,6 +243,9 @@ def _bad_case(name: str, trained: Path, tmp: Path, monkeypatch) -> tuple[list[st
         for i in range(3):
             write_file(tmp / "corrupt" / f"{i}.jpg", b"\xff\xd8 truncated")
         return ["--weights", best, "--source", tmp / "corrupt"], "none of the 3 image(s)"
+    if name == "a file that is no image":
+        write_file(tmp / "notes.jpg", b"hello, not a picture")
+        return ["--weights", best, "--source", tmp / "notes.jpg"], "not an image format Pillow can read"
     if name == "glob without matches":
         return ["--weights", best, "--source", f"{tmp}/*.jpg"], "matches no images"
     if name == "video that cannot be opened":
@@ -275,8 +280,9 @@ def _bad_case(name: str, trained: Path, tmp: Path, monkeypatch) -> tuple[list[st
     raise AssertionError(name)
 
 
-BAD = ["missing source", "folder without images", "every image corrupt", "glob without matches",
-       "video that cannot be opened", "empty stdin", "weights of another kind", "missing weights",
+BAD = ["missing source", "folder without images", "every image corrupt", "a file that is no image",
+       "glob without matches", "video that cannot be opened", "empty stdin", "weights of another kind",
+       "missing weights",
        "onnx file that is none", "onnx file of another input size", "onnx file of another class count than asked",
        "torchscript without consent", "torchscript without classes", "torchscript of another class count",
        "checkpoint of another class count than asked", "classes other than the checkpoint's"]

@@ -42,12 +42,12 @@ REPORT_FILES = ("metrics.json", "per_class.csv", "confusion_matrix.csv", "confus
 
 
 def predict(model: torch.nn.Module, loader: Any, device: torch.device | str, amp: bool = False,
-            mode: str | None = None, progress: bool = False):
+            mode: str | None = None, progress: bool = False, what: str = "validating"):
     """Run `model` (moved to `device`, in eval mode) over `loader`'s (images, labels) batches.
 
     `mode` ("fp32", "fp16", "bf16") is the precision of the forward, through the toolkit's one
     mixed-precision path; without it `amp` picks bf16/fp16 as `dlenv.precision` chooses for the device.
-    `progress` shows a time-based bar (a line every few seconds in a log). Returns (logits, targets):
+    `progress` shows a time-based bar (a line every few seconds in a log) named `what`. Returns (logits, targets):
     a float32 CPU tensor [N, num_classes] and an int64 CPU tensor [N], in the loader's order.
     """
     from dlenv.precision import Precision, resolve_precision
@@ -59,7 +59,7 @@ def predict(model: torch.nn.Module, loader: Any, device: torch.device | str, amp
     non_blocking = device.type == "cuda"
     all_logits, all_targets = [], []
     total = len(loader) if hasattr(loader, "__len__") else None
-    bar = Progress(total, "validating", enabled=progress, unit="batch")
+    bar = Progress(total, what, enabled=progress, unit="batch")
     try:
         with torch.inference_mode():
             for i, (images, labels) in enumerate(loader, 1):

@@ -214,14 +214,14 @@ def run(opened: Trained, source: Source, cfg: Any, device: torch.device, mode: s
     t0 = time.perf_counter()
     if source.video is not None:
         batches = _video_batches(source.video, cfg.vid_stride, opened, cfg.batch_size)
-        logits, keys = predict(net, batches, device, mode=mode, progress=True)
+        logits, keys = predict(net, batches, device, mode=mode, progress=True, what="predicting")
         paths, frames = [str(source.video)] * len(keys), keys.tolist()
     else:
         samples = [(p, i) for i, p in enumerate(source.paths)]  # the label is the index: each row's path
         loader = build_eval_loader(samples, opened.img_size, cfg.batch_size, cfg.workers, norm=opened.norm,
                                    interpolation=opened.interpolation)
         try:
-            logits, _ = predict(net, loader, device, mode=mode, progress=True)
+            logits, _ = predict(net, loader, device, mode=mode, progress=True, what="predicting")
         except BadImageError as e:  # every image failed: the dataset found none to stand in
             raise UserError(f"none of the {len(samples)} image(s) of {source.what} could be read (e.g. "
                             f"{printable(e.path)}: {printable(e.reason)})") from None

@@ -39,7 +39,10 @@ class BadImageError(UserError):
 
 def bad_image_reason(e: BaseException) -> str:
     """Why an image could not be read: its whole message on one line (the type's name if empty), for the
-    one log line and the BadImageError each bad file gets, on every path alike."""
+    one log line and the BadImageError each bad file gets, on every path alike. Pillow's "cannot identify
+    image file <_io.BufferedReader name=...>" names a Python object, not the file's problem: said plainly."""
+    if type(e).__name__ == "UnidentifiedImageError":
+        return "not an image format Pillow can read (another kind of file, or its start is damaged)"
     return " ".join(str(e).split()) or type(e).__name__
 
 
