@@ -240,11 +240,19 @@ def tensorboard_launch(cfg: Any, environ: Mapping[str, str], *, python: str) -> 
 
 def tensorboard(cfg: Any) -> int:
     """`dlenv tensorboard`: becomes TensorBoard on cfg.log_dir (returns only by raising UserError)."""
+    from dlenv.server_options import TensorboardConfig
+
     if not installed("tensorboard"):
         raise UserError(f"TensorBoard is not installed in this Python ({sys.executable}); the dlenv image has it, "
                         "elsewhere: python -m pip install -r requirements.txt", EXIT_FAULT)
-    if Path(cfg.log_dir).exists() and not Path(cfg.log_dir).is_dir():
+    log_dir = Path(cfg.log_dir)
+    if log_dir.exists() and not log_dir.is_dir():
         raise UserError(f"--log-dir {printable(cfg.log_dir)} is a file; pass the folder of runs (runs/)")
+    if not log_dir.exists() and log_dir != Path(TensorboardConfig().log_dir):
+        # runs/ may appear later (the first `train --tensorboard` makes it); a folder named by hand that is
+        # not there is far more often a typo, which would serve an empty page without a word
+        raise UserError(f"--log-dir {printable(cfg.log_dir)}: no such folder; pass the folder your runs are in "
+                        "(--project of train, runs/ by default)")
     launch = tensorboard_launch(cfg, os.environ, python=sys.executable)
     check_port(listen_host(cfg.host, os.environ), cfg.port, f"--port {cfg.port + 1}")
     return become(launch)
