@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import benchhost  # noqa: E402
 import torch  # noqa: E402
 
 from dlenv import compat, config  # noqa: E402
@@ -168,13 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.cores:
         return per_core_count(a, sys.argv[1:] if argv is None else argv)
-    if a.pin:
-        cpus = sorted(os.sched_getaffinity(0))[:a.pin]
-        os.sched_setaffinity(0, cpus)  # DataLoader workers inherit it; usable_cpus() reads it
-        torch.set_num_threads(len(cpus))
-    dev = torch.device(a.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        print("bench_pipeline needs a CUDA GPU (or --device cpu to check the script)", file=sys.stderr)
+    benchhost.hold_cores(a.pin)
+    dev = benchhost.device_or_none(a.device, "bench_pipeline")
+    if dev is None:
         return 2
     import make_jpeg_dataset
 

@@ -67,6 +67,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import benchhost  # noqa: E402
 import feed_variants as fv  # noqa: E402
 import torch  # noqa: E402
 
@@ -357,13 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     t_start = time.monotonic()
     deadline = t_start + a.budget
-    if a.pin:
-        cpus = sorted(os.sched_getaffinity(0))[:a.pin]
-        os.sched_setaffinity(0, cpus)  # DataLoader workers inherit it; usable_cpus() reads it
-        torch.set_num_threads(len(cpus))
-    dev = torch.device(a.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        print("profile_feed needs a CUDA GPU (or --device cpu to check the script)", file=sys.stderr)
+    benchhost.hold_cores(a.pin)
+    dev = benchhost.device_or_none(a.device, "profile_feed")
+    if dev is None:
         return 2
     if a.train_images < a.batch_size:
         print(f"--train-images {a.train_images} is fewer than one batch (--batch-size {a.batch_size})", file=sys.stderr)

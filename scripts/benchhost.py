@@ -1,0 +1,27 @@
+"""What the input benchmarks of scripts/ (bench_pipeline.py, profile_feed.py) do first on their host: hold
+the process to its first N CPUs, as `taskset` would, and check that the device they time is there."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+
+def hold_cores(n: int) -> None:
+    """Keep this process (and the DataLoader workers it starts, which inherit the affinity) on the first `n`
+    CPUs it may use; torch's intra-op threads follow. 0 leaves everything as it is."""
+    if n:
+        cpus = sorted(os.sched_getaffinity(0))[:n]
+        os.sched_setaffinity(0, cpus)  # dlenv's usable_cpus() reads the affinity, so --workers auto follows
+        torch.set_num_threads(len(cpus))
+
+
+def device_or_none(name: str, script: str) -> torch.device | None:
+    """torch.device(`name`), or None after one line on stderr when it is CUDA and there is none."""
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print(f"{script} needs a CUDA GPU (or --device cpu to check the script)", file=sys.stderr)
+        return None
+    return dev
