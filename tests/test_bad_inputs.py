@@ -357,9 +357,9 @@ OUTPUTS = [
     (["train", *DATA, "--project", "bad/afile/runs"], "cannot create --project folder bad/afile/runs"),
     (["train", *DATA, "--name", "x" * 300], "is too long for the file system"),
     (["demo-data", "--dest", "bad/afile/demo"], "bad/afile"),
-    (["plot", "--log-dir", "bad/afile"], "--log-dir bad/afile: no such folder"),
+    (["plot", "--log-dir", "bad/afile"], "--log-dir bad/afile is a file, not a folder"),
     (["data-report", "bad/afile"], "dataset bad/afile is not a folder"),
-    (["bench-data", "--data", "bad/afile"], "--data bad/afile: no such folder"),
+    (["bench-data", "--data", "bad/afile"], "--data bad/afile is a file, not a folder"),
     (["unpack", "bad/notes.txt"], "bad/notes.txt is not an archive"),
 ]
 

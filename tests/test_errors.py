@@ -270,3 +270,29 @@ def test_a_worker_gone_mid_handoff_is_a_killed_worker(tmp_path, filename, exc, k
     wrapped = RuntimeError("outer")
     wrapped.__cause__ = raised
     assert errors.worker_killed(wrapped) is killed
+
+
+@pytest.mark.parametrize(("make", "name", "said"), [
+    (None, "nowhere", "--data nowhere: no such folder; pass X"),
+    ("file", "notes.txt", "--data notes.txt is a file, not a folder; pass X"),
+    ("file", "dataset.zip", "--data dataset.zip is an archive, not a folder; unpack it first "
+                            "(invoke unpack dataset.zip)"),
+    ("file", "photos.TAR.GZ", "is an archive, not a folder"),
+    ("link", "dangling", "--data dangling: no such folder"),
+])
+def test_need_folder_tells_missing_from_file_from_archive(tmp_path, monkeypatch, make, name, said):
+    monkeypatch.chdir(tmp_path)
+    if make == "file":
+        (tmp_path / name).write_bytes(b"x")
+    elif make == "link":
+        os.symlink(tmp_path / "gone", tmp_path / name)
+    with pytest.raises(errors.UserError) as e:
+        errors.need_folder(name, "--data", "pass X")
+    assert said in str(e.value) and "\n" not in str(e.value)
+
+
+def test_need_folder_passes_a_folder_and_a_link_to_one(tmp_path):
+    (tmp_path / "d").mkdir()
+    os.symlink(tmp_path / "d", tmp_path / "l")
+    errors.need_folder(tmp_path / "d", "--data", "x")
+    errors.need_folder(tmp_path / "l", "--data", "x")

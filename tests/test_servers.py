@@ -213,7 +213,7 @@ def test_dlenv_tensorboard_becomes_tensorboard_on_the_runs(execs, capsys, tmp_pa
 @pytest.mark.parametrize(("argv", "message", "code"), [
     (["lab", "--root", "no/such/folder"], "--root no/such/folder: no such folder", 2),
     (["lab", "--host", "192.0.2.1"], "--host 192.0.2.1 is not an address of this machine", 2),  # TEST-NET-1
-    (["tensorboard", "--log-dir", "a-file"], "--log-dir a-file is a file", 2),
+    (["tensorboard", "--log-dir", "a-file"], "--log-dir a-file is a file, not a folder", 2),
     (["tensorboard", "--log-dir", "rusn"], "--log-dir rusn: no such folder", 2),  # a typo; runs/ may come later
     (["tensorboard", "--host", "192.0.2.1"], "--host 192.0.2.1 is not an address of this machine", 2),
 ])

@@ -230,3 +230,20 @@ def with_path(exc: OSError, path: str | os.PathLike) -> OSError:
         new.__traceback__ = exc.__traceback__
         return new
     return exc
+
+
+def need_folder(path: str | os.PathLike, flag: str, fix: str) -> None:
+    """Raise UserError unless `path` is a folder, in one line that tells a missing folder from a file:
+    "FLAG PATH: no such folder; FIX", or "FLAG PATH is a file, not a folder; FIX" (an archive is named
+    as one, with the command that unpacks it: a dataset.zip passed where its folder belongs is common)."""
+    if os.path.isdir(path):
+        return
+    shown = printable(os.fspath(path))
+    if not os.path.exists(path):
+        raise UserError(f"{flag} {shown}: no such folder; {fix}")
+    # the archive names `dlenv unpack` takes (dlenv.data.unpack.names); a hint only, so no import of it here
+    if os.fspath(path).lower().endswith((".zip", ".tar", ".tgz", ".tbz2", ".tbz", ".txz", ".gz", ".bz2", ".xz",
+                                         ".7z")):
+        raise UserError(f"{flag} {shown} is an archive, not a folder; unpack it first (invoke unpack {shown}) "
+                        "and pass the folder it makes")
+    raise UserError(f"{flag} {shown} is a file, not a folder; {fix}")

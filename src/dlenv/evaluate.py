@@ -31,7 +31,7 @@ import torch
 from dlenv.atomic import check_output, write_bytes
 from dlenv.data.folder import class_key
 from dlenv.devices import resolve_device
-from dlenv.errors import EXIT_NONFINITE, UserError
+from dlenv.errors import EXIT_NONFINITE, UserError, need_folder
 
 #: the report files `main` writes, in the order it writes them
 REPORT_FILES = ("metrics.json", "per_class.csv", "confusion_matrix.csv", "confusion_matrix.png", "errors.csv")
@@ -346,9 +346,7 @@ def resolve_data(data: str | None, ckpt: Any) -> tuple[Path, list, list[str], st
     seed = int(train_cfg.get("seed") or 0)
     if data:
         root = Path(data)
-        if not root.is_dir():
-            raise UserError(f"--data {root}: no such folder; pass a folder of class folders or a dataset "
-                            "with val/")
+        need_folder(root, "--data", "pass a folder of class folders or a dataset with val/")
         return (root, *_samples_of(root, val_split, seed, trained_on=False))
     if not train_cfg:
         raise UserError("this checkpoint does not say what data it was trained on; pass --data FOLDER")

@@ -21,7 +21,7 @@ from typing import Any
 
 from dlenv.atomic import write_atomic
 from dlenv.cfgfile import load_yaml
-from dlenv.errors import UserError, printable
+from dlenv.errors import UserError, need_folder, printable
 from dlenv.runfolder.results import COLUMNS, read_results
 
 RESULTS = "results.csv"
@@ -50,8 +50,7 @@ def find_runs(log_dir: str | Path) -> list[Path]:
     Hidden folders are skipped. Raises UserError when `log_dir` is missing or holds no run.
     """
     root = Path(log_dir)
-    if not root.is_dir():
-        raise UserError(f"--log-dir {root}: no such folder; pass the folder of your runs (e.g. runs)")
+    need_folder(root, "--log-dir", "pass the folder of your runs (e.g. runs)")
     runs = [p.parent for p in root.rglob(RESULTS)
             if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)]
     if not runs:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dlenv.errors import EXIT_FAULT, UserError, printable
+from dlenv.errors import EXIT_FAULT, UserError, need_folder, printable
 
 #: what the image installs (environment*.yml); named in the line that says the lab is missing
 LAB_REQUIREMENT = "jupyterlab>=4.6,<4.7"
@@ -192,8 +192,7 @@ def lab(cfg: Any) -> int:
     if not installed("jupyterlab"):
         raise UserError(f"JupyterLab is not installed in this Python ({sys.executable}); the dlenv image has it, "
                         f"elsewhere: python -m pip install '{LAB_REQUIREMENT}'", EXIT_FAULT)
-    if not Path(cfg.root).is_dir():
-        raise UserError(f"--root {printable(cfg.root)}: no such folder; pass the folder the lab should open")
+    need_folder(cfg.root, "--root", "pass the folder the lab should open")
 
     def hash_password(pw: str) -> str:
         from jupyter_server.auth import passwd  # argon2, Jupyter's own format
@@ -245,14 +244,11 @@ def tensorboard(cfg: Any) -> int:
     if not installed("tensorboard"):
         raise UserError(f"TensorBoard is not installed in this Python ({sys.executable}); the dlenv image has it, "
                         "elsewhere: python -m pip install -r requirements.txt", EXIT_FAULT)
-    log_dir = Path(cfg.log_dir)
-    if log_dir.exists() and not log_dir.is_dir():
-        raise UserError(f"--log-dir {printable(cfg.log_dir)} is a file; pass the folder of runs (runs/)")
-    if not log_dir.exists() and log_dir != Path(TensorboardConfig().log_dir):
-        # runs/ may appear later (the first `train --tensorboard` makes it); a folder named by hand that is
-        # not there is far more often a typo, which would serve an empty page without a word
-        raise UserError(f"--log-dir {printable(cfg.log_dir)}: no such folder; pass the folder your runs are in "
-                        "(--project of train, runs/ by default)")
+    # runs/ may appear later (the first `train --tensorboard` makes it); a folder named by hand that is not
+    # there is far more often a typo, which would serve an empty page without a word
+    if os.path.lexists(cfg.log_dir) or Path(cfg.log_dir) != Path(TensorboardConfig().log_dir):
+        need_folder(cfg.log_dir, "--log-dir", "pass the folder your runs are in (--project of train, runs/ by "
+                    "default)")
     launch = tensorboard_launch(cfg, os.environ, python=sys.executable)
     check_port(listen_host(cfg.host, os.environ), cfg.port, f"--port {cfg.port + 1}")
     return become(launch)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dlenv.errors import UserError
+from dlenv.errors import UserError, need_folder
 
 #: micro-batches per epoch of --synthetic data without --max-steps
 SYNTHETIC_BATCHES = 100
@@ -84,9 +84,8 @@ def locate(data: str | None, synthetic: bool = False, val_split: float = 0.2, se
         root, source = ensure_demo_data(), "demo"
     else:
         root, source = Path(data), str(data)
-        if not root.is_dir():
-            raise UserError(f"--data {data}: no such folder; pass a folder of class folders "
-                            "(or with train/ and val/), or unpack an archive with `invoke unpack`")
+        need_folder(root, "--data", "pass a folder of class folders (or with train/ and val/), or unpack an "
+                    "archive with `invoke unpack`")
     layout = find_layout(root, val_split, seed)
     if not layout.train or not layout.classes:
         raise UserError(f"--data {root}: no training images in class folders found")
