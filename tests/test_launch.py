@@ -81,6 +81,66 @@ def test_after_a_failure_torchrun_does_not_wait_for_the_other_nodes(monkeypatch)
     assert waited == [WorkerState.SUCCEEDED]
 
 
+class _Ctx:
+    """Stands in for torchrun's process context: what _StopForwarder reads of it."""
+
+    def __init__(self, *procs: subprocess.Popen):
+        self.procs = procs
+
+    def pids(self) -> dict[int, int]:
+        return {i: p.pid for i, p in enumerate(self.procs)}
+
+
+class _Stop(Exception):
+    def __init__(self, msg, sigval):
+        super().__init__(msg)
+        self.sigval = sigval
+
+
+def _child(code: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", f"import signal, sys, time\n{code}\nprint('ready', flush=True)\n"
+                             "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"  # its handlers are in place
+    return proc
+
+
+def test_a_stop_signal_goes_to_the_workers_and_the_agent_carries_on(monkeypatch):
+    """torchrun raised SignalException wherever its main thread was: inside subprocess's poll() that left a
+    lock held and the agent hung in its last wait(). The forwarder raises nothing while workers run: it
+    passes the signal to them and records it; a worker that ignores it is killed after the grace time."""
+    monkeypatch.setattr(launch, "STOP_GRACE_S", 0.5)
+    polite = _child("")
+    stubborn = _child("signal.signal(signal.SIGTERM, signal.SIG_IGN)")
+    forwarder = launch._StopForwarder(_Stop)
+    forwarder.contexts.append(_Ctx(polite, stubborn))
+    assert forwarder(signal.SIGTERM, None) is None  # no exception in the agent's main thread
+    assert forwarder.received == [signal.SIGTERM]
+    assert polite.wait(10) == -signal.SIGTERM
+    assert stubborn.wait(10) == -signal.SIGKILL  # after the grace time, not at once
+    with pytest.raises(_Stop) as stopped:  # no worker left: the agent stops as torchrun's handler stops it
+        forwarder(signal.SIGTERM, None)
+    assert stopped.value.sigval == signal.SIGTERM
+
+
+@pytest.mark.parametrize("state", ["running", "zombie", "reaped", "not a child"])
+def test_only_running_children_are_signalled(state):
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)" if state == "running" else ""])
+    pid = proc.pid
+    if state in ("zombie", "reaped"):
+        while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z":
+            time.sleep(0.02)  # exited, not yet waited for
+        if state == "reaped":
+            proc.wait()
+    if state == "not a child":
+        proc.wait()
+        pid = os.getppid()
+    try:
+        assert launch._is_running_child(pid) is (state == "running")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 # ---------------------------------------------------------------------------------------------------
 # The launch command.
 

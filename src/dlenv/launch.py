@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 from dlenv import config
@@ -194,6 +195,81 @@ def _no_exit_barrier_after_a_failure() -> None:
     SimpleElasticAgent._exit_barrier = exit_barrier
 
 
+#: how long the workers may take to finish their step and save after a stop signal before the agent kills
+#: them (torchrun's own grace is 30 s; a rank 0 writing a large last.pth to a slow disk can need more, and a
+#: scheduler's or Docker's own SIGKILL comes first where they set a shorter one)
+STOP_GRACE_S = 60.0
+
+
+def _signals_reach_the_workers_not_the_agent() -> list[int]:
+    """torchrun's agent turns SIGTERM/SIGINT/SIGHUP into an exception raised wherever its main thread is.
+    Raised inside subprocess's poll(), between taking a lock and the `try` that frees it, the lock stays
+    held and the agent's final wait() blocks for good: CI saw a Slurm task that never ended after `scancel
+    --signal=TERM` (its rank a zombie, torchrun "unable to shutdown" it, the job RUNNING 12 minutes later).
+    From here on the agent's signals go to `_StopForwarder` instead. Returns the list of the signals it
+    received (_torchrun's exit status)."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    forwarder = _StopForwarder(api.SignalException)
+    start = api.PContext.start
+
+    def start_then_take_the_signals(self: Any) -> None:
+        start(self)  # starts the workers, with torch's handlers in place
+        forwarder.contexts.append(self)
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(s, forwarder)
+
+    api.PContext.start = start_then_take_the_signals
+    return forwarder.received
+
+
+class _StopForwarder:
+    """The agent's handler of a stop signal: it passes the signal to the workers and lets the agent carry
+    on. The ranks finish the step, rank 0 saves, they exit 143 (or 130/129), and the agent sees them end.
+    Workers still running STOP_GRACE_S after the first signal are killed, as torchrun does after its grace.
+    With no worker running (rendezvous, the exit barrier) the signal ends the agent as torchrun's own
+    handler does, by raising `signal_exception`."""
+
+    def __init__(self, signal_exception: type[Exception]):
+        self.signal_exception = signal_exception
+        self.contexts: list[Any] = []  # torchrun's process contexts: pids() gives {local rank: pid}
+        self.received: list[int] = []
+
+    def workers(self) -> list[int]:
+        return [pid for ctx in self.contexts for pid in ctx.pids().values() if _is_running_child(pid)]
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        import threading
+
+        pids = self.workers()
+        if not pids:
+            raise self.signal_exception(f"Process {os.getpid()} got signal: {signum}", signal.Signals(signum))
+        if not self.received:
+            timer = threading.Timer(STOP_GRACE_S, self.kill_the_rest)
+            timer.daemon = True  # the agent's exit does not wait for it
+            timer.start()
+        self.received.append(signum)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    def kill_the_rest(self) -> None:
+        for pid in self.workers():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _is_running_child(pid: int) -> bool:
+    """Whether `pid` is a child of this process that has not exited (not a zombie): /proc's stat says so,
+    so a pid reused after the child was reaped is never signalled."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat.rsplit(")", 1)[-1].split()  # after "(comm)", which may hold spaces: state, ppid, ...
+    return len(fields) > 1 and fields[0] not in ("Z", "X") and int(fields[1]) == os.getpid()
+
+
 def _torchrun(argv: list[str]) -> int:
     """torch.distributed.run's main, ending in an exit status and one line instead of a traceback."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -202,11 +278,14 @@ def _torchrun(argv: list[str]) -> int:
 
     _quiet_routine_lines()
     _no_exit_barrier_after_a_failure()
+    received = _signals_reach_the_workers_not_the_agent()
     try:
         torchrun_main(argv)
-    except SignalException as e:  # the workers got the signal and are done (or were killed)
+    except SignalException as e:  # a signal with no worker running (before they started, or after)
         return 128 + int(e.sigval)
     except ChildFailedError as e:
+        if received:  # the workers stopped on the signal passed to them, and printed their own lines
+            return 128 + received[0]
         print(_failure_line(e), file=sys.stderr, flush=True)
         rank, failure = _root_failure(e)
         return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
