@@ -108,26 +108,32 @@ def test_a_stop_signal_goes_to_the_workers_and_the_agent_carries_on(monkeypatch)
     """torchrun raised SignalException wherever its main thread was: inside subprocess's poll() that left a
     lock held and the agent hung in its last wait(). The forwarder raises nothing while workers run: it
     passes the signal to them and records it; a worker that ignores it is killed after the grace time."""
-    monkeypatch.setattr(launch, "STOP_GRACE_S", 0.5)
+    monkeypatch.setattr(launch, "STOP_GRACE_S", 1.5)
     polite = _child("")
     stubborn = _child("signal.signal(signal.SIGTERM, signal.SIG_IGN)")
     forwarder = launch._StopForwarder(_Stop)
     forwarder.contexts.append(_Ctx(polite, stubborn))
     assert forwarder(signal.SIGTERM, None) is None  # no exception in the agent's main thread
     assert forwarder.received == [signal.SIGTERM]
-    assert polite.wait(10) == -signal.SIGTERM
-    assert stubborn.wait(10) == -signal.SIGKILL  # after the grace time, not at once
-    with pytest.raises(_Stop) as stopped:  # no worker left: the agent stops as torchrun's handler stops it
+    while launch._child_state(polite.pid) != "Z":  # ended on the signal; not yet waited for
+        time.sleep(0.02)
+    assert launch._child_state(stubborn.pid) not in (None, "Z")  # still running, within the grace time
+    while launch._child_state(stubborn.pid) != "Z":
+        time.sleep(0.02)  # killed after the grace time
+    # exited but not waited for: the agent is about to poll them, so a signal now still raises nothing
+    assert forwarder(signal.SIGTERM, None) is None and forwarder.received == [signal.SIGTERM] * 2
+    assert polite.wait(10) == -signal.SIGTERM and stubborn.wait(10) == -signal.SIGKILL
+    with pytest.raises(_Stop) as stopped:  # every worker waited for: the agent stops as torchrun's handler does
         forwarder(signal.SIGTERM, None)
     assert stopped.value.sigval == signal.SIGTERM
 
 
 @pytest.mark.parametrize("state", ["running", "zombie", "reaped", "not a child"])
-def test_only_running_children_are_signalled(state):
+def test_a_childs_state_is_read_only_for_this_processs_children(state):
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)" if state == "running" else ""])
     pid = proc.pid
     if state in ("zombie", "reaped"):
-        while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z":
+        while launch._child_state(pid) != "Z":
             time.sleep(0.02)  # exited, not yet waited for
         if state == "reaped":
             proc.wait()
@@ -135,7 +141,9 @@ def test_only_running_children_are_signalled(state):
         proc.wait()
         pid = os.getppid()
     try:
-        assert launch._is_running_child(pid) is (state == "running")
+        seen = launch._child_state(pid)
+        assert {"running": seen not in (None, "Z"), "zombie": seen == "Z", "reaped": seen is None,
+                "not a child": seen is None}[state], seen
     finally:
         proc.kill()
         proc.wait()

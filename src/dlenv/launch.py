@@ -227,29 +227,35 @@ class _StopForwarder:
     """The agent's handler of a stop signal: it passes the signal to the workers and lets the agent carry
     on. The ranks finish the step, rank 0 saves, they exit 143 (or 130/129), and the agent sees them end.
     Workers still running STOP_GRACE_S after the first signal are killed, as torchrun does after its grace.
-    With no worker running (rendezvous, the exit barrier) the signal ends the agent as torchrun's own
-    handler does, by raising `signal_exception`."""
+    Only once every worker has been waited for (the agent polls no more: the exit barrier, its shutdown)
+    does a signal end the agent as torchrun's own handler does, by raising `signal_exception`; a worker
+    that has exited but is not yet waited for is one the agent is about to poll."""
 
     def __init__(self, signal_exception: type[Exception]):
         self.signal_exception = signal_exception
         self.contexts: list[Any] = []  # torchrun's process contexts: pids() gives {local rank: pid}
         self.received: list[int] = []
 
+    def _states(self) -> list[str]:
+        states = (_child_state(pid) for ctx in self.contexts for pid in ctx.pids().values())
+        return [s for s in states if s is not None]
+
     def workers(self) -> list[int]:
-        return [pid for ctx in self.contexts for pid in ctx.pids().values() if _is_running_child(pid)]
+        """The workers still running (not exited)."""
+        return [pid for ctx in self.contexts for pid in ctx.pids().values()
+                if _child_state(pid) not in (None, "Z", "X")]
 
     def __call__(self, signum: int, frame: Any) -> None:
         import threading
 
-        pids = self.workers()
-        if not pids:
+        if not self._states():
             raise self.signal_exception(f"Process {os.getpid()} got signal: {signum}", signal.Signals(signum))
         if not self.received:
             timer = threading.Timer(STOP_GRACE_S, self.kill_the_rest)
             timer.daemon = True  # the agent's exit does not wait for it
             timer.start()
         self.received.append(signum)
-        for pid in pids:
+        for pid in self.workers():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 
@@ -259,15 +265,15 @@ class _StopForwarder:
                 os.kill(pid, signal.SIGKILL)
 
 
-def _is_running_child(pid: int) -> bool:
-    """Whether `pid` is a child of this process that has not exited (not a zombie): /proc's stat says so,
-    so a pid reused after the child was reaped is never signalled."""
+def _child_state(pid: int) -> str | None:
+    """The state letter /proc gives `pid` (R, S, D, ..., Z for exited but not waited for) when it is a child
+    of this process, else None: a pid reused after the child was waited for is never taken for it."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return False
+        return None
     fields = stat.rsplit(")", 1)[-1].split()  # after "(comm)", which may hold spaces: state, ppid, ...
-    return len(fields) > 1 and fields[0] not in ("Z", "X") and int(fields[1]) == os.getpid()
+    return fields[0] if len(fields) > 1 and int(fields[1]) == os.getpid() else None
 
 
 def _torchrun(argv: list[str]) -> int:
