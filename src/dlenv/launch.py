@@ -208,6 +208,8 @@ def _signals_reach_the_workers_not_the_agent() -> list[int]:
     --signal=TERM` (its rank a zombie, torchrun "unable to shutdown" it, the job RUNNING 12 minutes later).
     From here on the agent's signals go to `_StopForwarder` instead. Returns the list of the signals it
     received (_torchrun's exit status)."""
+    import threading
+
     from torch.distributed.elastic.multiprocessing import api
 
     forwarder = _StopForwarder(api.SignalException)
@@ -216,8 +218,9 @@ def _signals_reach_the_workers_not_the_agent() -> list[int]:
     def start_then_take_the_signals(self: Any) -> None:
         start(self)  # starts the workers, with torch's handlers in place
         forwarder.contexts.append(self)
-        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(s, forwarder)
+        if threading.current_thread() is threading.main_thread():  # the only thread that may set handlers
+            for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(s, forwarder)
 
     api.PContext.start = start_then_take_the_signals
     return forwarder.received
