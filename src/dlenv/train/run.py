@@ -79,10 +79,11 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
     if device.type == "cuda":
         # Once, before any probe: in benchmark mode PyTorch lets a cuDNN convolution take as much
         # workspace as the allocator's largest cached free block (Conv_v8.cpp, get_available_workspace).
-        # A block left by earlier work in this process (a notebook's previous run, an out-of-memory
-        # attempt) lets it try algorithms of tens of GiB: in the GPU suite a ResNet-50 run that peaks
-        # at 3.2 GiB in a fresh process reported 138 GiB after the OOM test, and --checkpoint-ratio
-        # auto measured that. From an empty cache every process decides alike.
+        # A block left by earlier work in this process (a notebook's previous run, a --batch-size auto
+        # run at the card's largest batch, an out-of-memory attempt) lets it try algorithms of tens of
+        # GiB: in the GPU suite a ResNet-50 run that peaks at 3.2 GiB in a fresh process reported
+        # 138 GiB after the earlier tests, and --checkpoint-ratio auto measured that. From an empty
+        # cache every process decides alike.
         torch.cuda.empty_cache()
     _seed_everything(cfg.seed + dist.rank, cfg.deterministic, device)
     if cfg.data is None and not cfg.synthetic:
