@@ -296,3 +296,9 @@ def test_need_folder_passes_a_folder_and_a_link_to_one(tmp_path):
     os.symlink(tmp_path / "d", tmp_path / "l")
     errors.need_folder(tmp_path / "d", "--data", "x")
     errors.need_folder(tmp_path / "l", "--data", "x")
+
+
+def test_need_folders_archive_names_are_unpacks():
+    from dlenv.data.unpack.names import ARCHIVE_SUFFIXES
+
+    assert errors._ARCHIVE_SUFFIXES == ARCHIVE_SUFFIXES

@@ -232,6 +232,11 @@ def with_path(exc: OSError, path: str | os.PathLike) -> OSError:
     return exc
 
 
+#: dlenv.data.unpack.names.ARCHIVE_SUFFIXES, the archive names `dlenv unpack` takes; a copy, held equal by a
+#: test, since this module sits below that one (importing it would close an import circle)
+_ARCHIVE_SUFFIXES = (".tar.gz", ".tar.bz2", ".tar.xz", ".tgz", ".tbz2", ".tbz", ".txz", ".tar", ".zip", ".7z")
+
+
 def need_folder(path: str | os.PathLike, flag: str, fix: str) -> None:
     """Raise UserError unless `path` is a folder, in one line that tells a missing folder from a file:
     "FLAG PATH: no such folder; FIX", or "FLAG PATH is a file, not a folder; FIX" (an archive is named
@@ -241,9 +246,7 @@ def need_folder(path: str | os.PathLike, flag: str, fix: str) -> None:
     shown = printable(os.fspath(path))
     if not os.path.exists(path):
         raise UserError(f"{flag} {shown}: no such folder; {fix}")
-    # the archive names `dlenv unpack` takes (dlenv.data.unpack.names); a hint only, so no import of it here
-    if os.fspath(path).lower().endswith((".zip", ".tar", ".tgz", ".tbz2", ".tbz", ".txz", ".gz", ".bz2", ".xz",
-                                         ".7z")):
+    if os.fspath(path).lower().endswith(_ARCHIVE_SUFFIXES):
         raise UserError(f"{flag} {shown} is an archive, not a folder; unpack it first (invoke unpack {shown}) "
                         "and pass the folder it makes")
     raise UserError(f"{flag} {shown} is a file, not a folder; {fix}")

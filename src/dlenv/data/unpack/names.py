@@ -14,7 +14,8 @@ from pathlib import Path
 from dlenv.errors import UserError
 
 _JUNK_FILES = {".ds_store", "thumbs.db", "desktop.ini"}
-_SUFFIXES = (".tar.gz", ".tar.bz2", ".tar.xz", ".tgz", ".tbz2", ".tbz", ".txz", ".tar", ".zip", ".7z")
+#: the archive names `dlenv unpack` takes (errors.need_folder names a file of these as an archive)
+ARCHIVE_SUFFIXES = (".tar.gz", ".tar.bz2", ".tar.xz", ".tgz", ".tbz2", ".tbz", ".txz", ".tar", ".zip", ".7z")
 _LEGACY_CODECS = ("gb18030", "cp932", "big5", "cp949")
 _ZIP_UTF8_FLAG = 0x800
 _ZIP_UNICODE_PATH = 0x7075
@@ -66,7 +67,7 @@ def _is_v7_tar(head: bytes) -> bool:
 def archive_stem(path: Path) -> str:
     """'pets.tar.gz' -> 'pets'; the default destination is data/<stem>/."""
     name = path.name
-    for suffix in _SUFFIXES:
+    for suffix in ARCHIVE_SUFFIXES:
         if name.lower().endswith(suffix) and len(name) > len(suffix):
             return name[: -len(suffix)]
     return path.stem or name
