@@ -3,8 +3,9 @@
 Parses flags generated from `dlenv.config`, builds the frozen config, imports the one function that
 does the work and calls it. `run_command` is the one place every verb's failures end, for `dlenv VERB`
 and the invoke tasks alike: a `UserError`, or a fault of the machine (full disk, read-only folder,
-permission, ...: `dlenv.errors.environment_fault`), becomes one line on stderr and its status from
-the one table, `dlenv.errors.EXIT_CODES` (2 bad input, 5 the machine, ...); Ctrl-C exits 130;
+permission, ...: `dlenv.errors.environment_fault`) or the host out of RAM (`host_memory_line`, naming the
+command's batch size), becomes one line on stderr and its status from the one table,
+`dlenv.errors.EXIT_CODES` (2 bad input, 3 out of memory, 5 the machine, ...); Ctrl-C exits 130;
 anything else is a bug and shows its traceback, then one line saying so (exit 1). Set
 DLENV_TRACEBACK=1 to see the traceback of a fault too. Nothing here imports torch until a command
 actually runs.
@@ -29,12 +30,15 @@ from dlenv.errors import (
     EXIT_BUG,
     EXIT_FAULT,
     EXIT_INPUT,
+    EXIT_OOM,
     EXIT_SIGHUP,
     EXIT_SIGINT,
     EXIT_SIGTERM,
     UserError,
     environment_fault,
+    host_memory_line,
     printable,
+    sizes_said,
 )
 
 
@@ -157,6 +161,7 @@ def run_command(name: str, given: dict[str, Any], yaml_file: str | None = None) 
     """Build `name`'s config from `given` flags (and a YAML file) and run it; returns the exit code."""
     cmd = config.COMMANDS[name]
     loading = True
+    cfg = None
     try:
         cfg = weights.command_line_consent(config.build(cmd.config, yaml_file, **given), given)
         module, func = cmd.target.split(":")
@@ -178,12 +183,14 @@ def run_command(name: str, given: dict[str, Any], yaml_file: str | None = None) 
         print(f"dlenv {name}: interrupted", file=sys.stderr)
         return EXIT_SIGINT
     except Exception as e:
-        fault = environment_fault(e)
+        sizes = {k: getattr(cfg, k, None) for k in ("batch_size", "img_size", "workers")}
+        oom = host_memory_line(e, accum_steps=getattr(cfg, "accum_steps", None), **sizes)
+        fault = oom or environment_fault(e, at=sizes_said(**sizes))
         if fault is None or os.environ.get("DLENV_TRACEBACK"):
             traceback.print_exc()
         if fault is not None:
             print(f"dlenv {name}: error: {printable(fault)}", file=sys.stderr)
-            return EXIT_FAULT
+            return EXIT_OOM if oom else EXIT_FAULT
         print(f"dlenv {name}: {BUG_REPORT.format(version=__version__)}", file=sys.stderr)
         return EXIT_BUG
 

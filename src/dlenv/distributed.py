@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import Sampler
 
 from dlenv import compat
-from dlenv.errors import UserError, first_line
+from dlenv.errors import UserError, first_line, host_memory_short
 from dlenv.launch import EXIT_PEER, needs_launch
 
 #: seconds a process waits in a collective before the run is declared dead (see --dist-timeout)
@@ -176,6 +176,8 @@ def is_peer_error(e: BaseException) -> bool:
     """Whether an exception from a collective (or from DDP's backward) means a peer failed or timed out."""
     if type(e).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError"):
         return True
+    if host_memory_short(e) is not None:  # the CPU allocator's refusal also says "[enforce fail at"
+        return False
     text = str(e)
     return isinstance(e, RuntimeError) and any(m in text for m in (
         "Connection closed by peer", "Connection reset by peer", "Broken pipe", "timed out", "Timed out",

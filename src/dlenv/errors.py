@@ -21,7 +21,7 @@ import re
 EXIT_OK = 0
 EXIT_BUG = 1             #: an error dlenv did not expect: traceback, then BUG_REPORT
 EXIT_INPUT = 2           #: a bad flag, file, folder or dataset (UserError's default)
-EXIT_OOM = 3             #: CUDA out of memory in train, with advice
+EXIT_OOM = 3             #: out of memory, with advice: CUDA in train, the host's RAM in any verb
 EXIT_NONFINITE = 4       #: non-finite losses in train; non-finite outputs in val
 EXIT_FAULT = 5           #: the machine: full disk, read-only folder, permission, /dev/shm, a killed worker
 EXIT_PEER = 6            #: another process of a multi-GPU run failed; this one stopped because of it
@@ -34,7 +34,7 @@ EXIT_CODES: dict[int, str] = {
     EXIT_OK: "done",
     EXIT_BUG: "a bug in dlenv (the traceback, then a line asking for a report)",
     EXIT_INPUT: "a bad flag, file, folder or dataset you gave",
-    EXIT_OOM: "CUDA out of memory (train)",
+    EXIT_OOM: "out of memory: CUDA (train), or the host's RAM (any verb)",
     EXIT_NONFINITE: "non-finite numbers: losses (train), outputs of the weights (val)",
     EXIT_FAULT: "the machine: a full disk or /dev/shm, a read-only or foreign-owned folder, a worker the system "
                 "killed",
@@ -131,7 +131,7 @@ _WORKER_SIGNAL = re.compile(r"DataLoader worker \(pid[^)]*\) is killed by signal
 # (worded without torch's "DataLoader worker", which marks its own crash output)
 _SHM_LINE = ("shared memory (/dev/shm) is full: the processes that load images pass batches through it; start "
              "the container with --ipc=host or --shm-size=8g, or use fewer --workers (0 needs none)")
-_KILLED_LINE = ("a process that loads images (--workers) was killed by the system (SIGKILL; out of host memory? "
+_KILLED_LINE = ("a process that loads images (--workers) was killed by the system{at} (SIGKILL; out of host memory? "
                 "see dmesg or docker stats); use fewer --workers or a smaller --batch-size, or give the container "
                 "more memory (docker run --memory)")
 
@@ -193,21 +193,84 @@ def first_line(e: BaseException | str, limit: int = 200, named: bool = True) -> 
     return f"{type(e).__name__}: {line}" if named else line
 
 
+# PyTorch's CPU allocator refusing an allocation (a RuntimeError: "[enforce fail at alloc_cpu.cpp:75] err == 0.
+# DefaultCPUAllocator: can't allocate memory: you tried to allocate 1125899906842624 bytes. Error code 12 (Cannot
+# allocate memory)" on 1.13 and 2.x; "not enough memory" on Windows), as raised or as quoted by a DataLoader
+# worker's re-raise ("Caught RuntimeError in DataLoader worker process 0. Original Traceback ...").
+_CPU_ALLOC = re.compile(r"DefaultCPUAllocator: (?:can't allocate memory|not enough memory)"
+                        r"(?:: you tried to allocate (\d+) bytes)?")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.0f} MiB" if n >= 2 ** 20 else f"{n} bytes"
+
+
+def host_memory_short(exc: BaseException) -> str | None:
+    """Whether `exc` is the host running out of RAM in this process: PyTorch's CPU allocator (above) or a
+    MemoryError (Python's, NumPy's, Pillow's), raised or re-raised from a DataLoader worker. Returns what
+    failed ("could not allocate 1.90 GiB", or "an allocation failed" when the size is not said), else None.
+    A worker the system killed is `worker_killed` (its cause is only a guess)."""
+    for e in _chain(exc):
+        m = _CPU_ALLOC.search(str(e)) if isinstance(e, RuntimeError) else None
+        if m and m.group(1):
+            return f"could not allocate {_size(int(m.group(1)))}"
+        if m or isinstance(e, MemoryError):
+            return "an allocation failed"
+    return None
+
+
+def sizes_said(batch_size: object = None, img_size: object = None, workers: object = None) -> str:
+    """'batch size 512, image size 224, 8 workers': the sizes a command ran at that bear on its memory,
+    each left out when not known (None or 'auto')."""
+    parts = [f"{label} {v}" for label, v in (("batch size", batch_size), ("image size", img_size))
+             if isinstance(v, int) and not isinstance(v, bool)]
+    if isinstance(workers, int) and not isinstance(workers, bool):
+        parts.append(f"{workers} worker{'s' if workers != 1 else ''}")
+    return ", ".join(parts)
+
+
+def host_memory_line(exc: BaseException, batch_size: object = None, img_size: object = None,
+                     workers: object = None, accum_steps: object = None) -> str | None:
+    """The one line for the host running out of RAM (`host_memory_short`), as CUDA's out-of-memory has
+    (dlenv.memory.oom_message): what failed, at which sizes, and what to try in order; None when `exc` is
+    not that. The suggestions use the flags the command has (those given here, not None)."""
+    what = host_memory_short(exc)
+    if what is None:
+        return None
+    at = sizes_said(batch_size, img_size, workers)
+    tries = []
+    if isinstance(batch_size, int) and batch_size > 1:
+        half = batch_size // 2
+        if accum_steps is not None:
+            accum = accum_steps if isinstance(accum_steps, int) else 1
+            tries.append(f"--batch-size {half} --accum-steps {accum * 2} (same images per optimizer step)")
+        else:
+            tries.append(f"--batch-size {half}")
+    if isinstance(workers, int) and workers > 0:
+        tries.append(f"--workers {workers // 2} (each worker holds batches of its own in RAM)")
+    if isinstance(img_size, int) and img_size > 32:
+        tries.append("a smaller --img-size")
+    tries.append("give the container more memory (docker run --memory; docker stats shows its use)")
+    return (f"out of host memory (RAM): {what}{f' at {at}' if at else ''}; the machine's memory or the "
+            "container's limit is used up. Try, in order: " + "; ".join(f"{i}) {t}" for i, t in enumerate(tries, 1)))
+
+
 def torch_write_failure(exc: BaseException) -> bool:
     """Whether `exc` is torch's RuntimeError for a file write that failed under it (a full disk)."""
     return isinstance(exc, RuntimeError) and bool(_TORCH_WRITE.search(str(exc)))
 
 
-def environment_fault(exc: BaseException) -> str | None:
+def environment_fault(exc: BaseException, at: str = "") -> str | None:
     """One line for a fault of the machine (see the module docstring), or None when `exc` is not one.
 
     Knows OSError by its errno (no space, quota, read-only, permission, name too long, a file where a
-    folder is expected, ...) and torch's messages for a write that failed under it.
+    folder is expected, ...) and torch's messages for a write that failed under it. `at` (`sizes_said`)
+    names the sizes the command ran at, for a worker the system killed (out of host memory, likely).
     """
     if shm_full(exc):
         return _SHM_LINE
     if worker_killed(exc):
-        return _KILLED_LINE
+        return _KILLED_LINE.format(at=f" at {at}" if at else "")
     if torch_write_failure(exc):
         return ("writing a file failed: no space left on the device (PyTorch: "
                 f"{str(exc).strip().splitlines()[0][:100]}); free some space " + _ELSEWHERE + ", then run again")

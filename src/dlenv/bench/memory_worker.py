@@ -22,7 +22,7 @@ import torch
 
 from dlenv.bench.memory import GIB, NO_SEARCH_ON_CPU, NUM_CLASSES, SEED, fragmentation_schedule
 from dlenv.compat import is_oom
-from dlenv.errors import UserError, first_line
+from dlenv.errors import UserError, first_line, host_memory_short
 from dlenv.step import Parts, train_step
 
 
@@ -80,13 +80,14 @@ def _peaks(dev) -> tuple[float | None, float | None]:
 
 
 def _oom_as_status(run: Any, out: dict[str, Any]) -> dict[str, Any]:
-    """Call run(); a CUDA out-of-memory becomes status "oom" in `out` (a result, not a crash)."""
+    """Call run(); a CUDA or host out-of-memory becomes status "oom" in `out` (a result, not a crash)."""
     try:
         run()
     except Exception as e:
-        if not is_oom(e):
+        host = host_memory_short(e)
+        if host is None and not is_oom(e):
             raise
-        out.update(status="oom", error=first_line(e, named=False))
+        out.update(status="oom", error=f"out of host memory (RAM): {host}" if host else first_line(e, named=False))
     return out
 
 

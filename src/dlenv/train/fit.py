@@ -26,7 +26,7 @@ import torch
 
 from dlenv import compat, distributed, finetune, memory, runfolder
 from dlenv.data import pipeline
-from dlenv.errors import EXIT_NONFINITE, EXIT_OOM, UserError
+from dlenv.errors import EXIT_NONFINITE, EXIT_OOM, UserError, host_memory_line
 from dlenv.runfolder import results, trainstate
 from dlenv.runfolder.trainstate import TrainState
 from dlenv.step import NonFiniteLoss, Parts
@@ -60,8 +60,8 @@ def fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Data
         on_step: Callable[[TrainState], None] | None = None) -> dict[str, Any]:
     """Epochs until the plan's are done or a signal stops the run; returns the summary (see `train`).
 
-    A stop saves last.pth at the step boundary the loop stopped at. Non-finite losses and CUDA out of
-    memory become one UserError each (exit 4 and 3) naming the last good checkpoint (an OOM under
+    A stop saves last.pth at the step boundary the loop stopped at. Non-finite losses and CUDA or host out
+    of memory become one UserError each (exit 4 and 3) naming the last good checkpoint (an OOM under
     --batch-size auto re-plans instead, the data built again by `rebuild`, see the module doc); a
     failed peer becomes dlenv.distributed.PeerFailure.
     """
@@ -98,7 +98,11 @@ def fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Data
         except NonFiniteLoss as e:
             raise UserError(f"training stopped: {e}. {trainstate.last_good(run.last)} Try a lower --lr, --clip-grad "
                             "1.0, or --amp-dtype bf16 instead of fp16", exit_code=EXIT_NONFINITE) from None
-        except RuntimeError as e:
+        except (RuntimeError, MemoryError) as e:
+            host = host_memory_line(e, state.micro_batch, decided.config.img_size, decided.config.workers,
+                                    state.accum_steps)
+            if host is not None:  # the batch that did it is this state's, not the flag's (auto, a re-plan)
+                raise UserError(f"{host}. {trainstate.last_good(run.last)}", exit_code=EXIT_OOM) from None
             if decided.world_size > 1 and distributed.is_peer_error(e):  # e.g. in DDP's gradient all-reduce
                 raise distributed.peer_failure(e, "a training step") from None
             if not compat.is_oom(e):
