@@ -122,8 +122,8 @@ def stop_and_resume(entry_cmd: list[str], tmp_path: Path, dataset: Path, target:
     assert proc.returncode == code, out[-3000:]
     assert out.count(f"{name}: saving last.pth") == 1, out[-3000:]  # once, not once per worker
     assert "DataLoader worker" not in out and "Traceback" not in out, out[-3000:]
-    # the command the user ran: the dlenv console script here (python -m dlenv where there is none)
-    typed = "dlenv train" if len(dlenv_cmd()) == 1 else "python -m dlenv train"
+    # the dlenv command, after python -m dlenv too (where there is no console script): -m reads the working folder
+    typed = "dlenv train"
     assert f"stopped by {name}; saved {last}. Resume with: {typed} --resume {last}" in out, out[-2000:]
     saved = runstate.load_state(last)  # dlenv wrote it: it loads without consent on any PyTorch
     assert saved["format"] == runstate.FORMAT and 1 <= saved["epoch"] < 8

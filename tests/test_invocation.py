@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,8 +15,9 @@ CASES = [  # (sys.argv[0], the script passed its own verb, what to suggest)
     ("/opt/conda/envs/dl/bin/dlenv", False, "dlenv train"),
     ("/opt/conda/envs/dl/bin/invoke", False, "invoke train"),
     ("/usr/lib/python3/site-packages/invoke/__main__.py", False, "invoke train"),
-    ("/opt/dlenv/src/dlenv/__main__.py", False, "python -m dlenv train"),
-    ("/opt/dlenv/src/dlenv/cli.py", False, "python -m dlenv.cli train"),
+    # python -m dlenv is told the dlenv command: the working folder can stand in for a package run with -m
+    ("/opt/dlenv/src/dlenv/__main__.py", False, "dlenv train"),
+    ("/opt/dlenv/src/dlenv/cli.py", False, "dlenv train"),
     ("train.py", True, "python train.py"),
     ("my project/train.py", True, "python 'my project/train.py'"),
     ("tools/run.py", False, "python tools/run.py train"),
@@ -73,7 +77,7 @@ def test_the_invoke_tasks_remember_invoke(monkeypatch):
 
 @pytest.mark.parametrize("used,want", [
     ("invoke train", "invoke val --weights w.pth"), ("dlenv train", "dlenv val --weights w.pth"),
-    ("python -m dlenv train", "python -m dlenv val --weights w.pth"),
+    ("python -m dlenv train", "dlenv val --weights w.pth"),  # recorded by an older dlenv
     ("python train.py", "dlenv val --weights w.pth"),  # a script of one verb cannot validate: the CLI can
     (None, "dlenv val --weights w.pth"),
 ])
@@ -83,3 +87,66 @@ def test_the_next_command_goes_through_the_same_front_door(monkeypatch, used, wa
     else:
         monkeypatch.setenv(invocation.ENV, used)
     assert invocation.command("val", "--weights w.pth") == want
+
+
+# ---------------------------------------------------------------------------------------------------
+# `python -m` puts the working folder first on sys.path (issue 43): what lies there must not run.
+
+PAYLOAD = "open(__import__('os').path.join(__import__('os').path.dirname(__file__), 'RAN'), 'w').write('x')\n"
+CONSOLE = Path(sys.executable).parent / "dlenv"
+SAFE_M = [sys.executable, "-P" if sys.version_info >= (3, 11) else "-I", "-m", "dlenv"]  # as the README says
+
+
+def _plant(folder: Path, rel: str) -> Path:
+    path = folder / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(PAYLOAD)
+    return path.parent / "RAN" if rel.endswith("__init__.py") else folder / "RAN"
+
+
+def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSAFEPATH", "PYTHONPATH")}
+    return subprocess.run([*argv, "--version"], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("planted", ["argparse.py", "yaml/__init__.py", "json/__init__.py", "typing.py",
+                                     "numpy.py", "shlex.pyc"])
+def test_python_m_refuses_a_folder_whose_modules_stand_in_for_real_ones(tmp_path, planted):
+    ran = _plant(tmp_path, planted)
+    if planted.endswith(".pyc"):  # a sourceless module: bytecode of the payload
+        import py_compile
+
+        src = tmp_path / "shlex_src.py"
+        src.write_text(PAYLOAD)
+        py_compile.compile(str(src), cfile=str(tmp_path / planted))
+        src.unlink()
+    r = _run([sys.executable, "-m", "dlenv"], tmp_path)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stdout + r.stderr
+    assert planted.split("/")[0].rsplit(".", 1)[0] in lines[0] and "dlenv VERB" in lines[0]
+    assert not ran.exists()
+    for argv in ([str(CONSOLE)], SAFE_M):  # the documented commands never look there: they run, and it does not
+        r = _run(argv, tmp_path)
+        assert r.returncode == 0 and r.stdout.startswith("dlenv "), r.stderr
+        assert not ran.exists()
+
+
+def test_a_dlenv_package_in_the_working_folder_never_runs_through_the_documented_commands(tmp_path):
+    """Plain `python -m dlenv` would import it (nothing of ours runs before it): the docs and every hint
+    therefore name the commands below, which leave the working folder out."""
+    ran = _plant(tmp_path, "dlenv/__init__.py")
+    (tmp_path / "dlenv" / "__main__.py").write_text(PAYLOAD)
+    for argv in ([str(CONSOLE)], SAFE_M):
+        r = _run(argv, tmp_path)
+        assert r.returncode == 0 and r.stdout.startswith("dlenv "), r.stderr
+        assert not ran.exists()
+
+
+@pytest.mark.parametrize("planted", ["train.py", "utils/__init__.py", "models/net.py", "a-b.py", "data/x.py"])
+def test_python_m_runs_in_a_project_folder_of_its_own(tmp_path, planted):
+    """A project's own modules (the workspace template's train.py, utils/) take no other's place: it runs,
+    without the working folder on sys.path (as the dlenv command)."""
+    _plant(tmp_path, planted)
+    r = _run([sys.executable, "-m", "dlenv"], tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith("dlenv "), r.stderr
+    assert not list(tmp_path.rglob("RAN"))

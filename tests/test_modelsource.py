@@ -72,7 +72,7 @@ def _place(project, tmp_path, where):
         with zipfile.ZipFile(zipped, "w") as z:
             for name, data in members.items():
                 z.writestr(name, data)
-        unpack(zipped, dest, progress=False)
+        unpack(zipped, dest, progress=False, keep_code=True)  # the marker rule: code a user kept
         marker = dest / rel.replace("evil.py", "RAN")
         if where == "unpacked, run from inside it":
             os.chdir(dest)

@@ -14,15 +14,17 @@ import shutil
 import stat
 import subprocess
 import sys
+import tarfile
 import textwrap
 import zipfile
 from pathlib import Path
 
 import pytest
-from test_unpack import dataset_members, make_zip, snapshot, zip_link
+from test_unpack import dataset_members, make_tar, make_zip, snapshot, tar_entry, zip_link
 
 from dlenv import cli
 from dlenv.data import unpack as archive
+from dlenv.data.unpack.names import is_code
 from dlenv.errors import EXIT_INPUT, EXIT_OK, UserError, printable
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -252,3 +254,88 @@ def test_an_archive_that_is_not_a_regular_file_is_named_without_blocking(work, k
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "a.zip" in lines[0] and expect in lines[0], r.stderr
     assert snapshot(work / "out") == before and not (work / "out" / "new").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# A dataset is data (issue 43): code is left out and listed in one line, unless --keep-code.
+
+#: code members, by kind of code; each holds a marker-writing payload in case anything ran it
+CODE_MEMBERS = {
+    "a dlenv/ package": ["dlenv/__init__.py", "dlenv/cli.py"],
+    "a stdlib module": ["argparse.py"],
+    "bytecode": ["yaml.pyc", "__pycache__/json.cpython-310.pyc", "x.pyo"],
+    "other python": ["gui.pyw", "ext.pyx", "ext.pxd", "app.pyz", "stub.pyi", "win.pyd"],
+    "shared objects": ["numpy.cpython-310-x86_64-linux-gnu.so", "lib/libevil.so.1.2", "evil.dll", "evil.dylib"],
+    "scripts": ["run.sh", "RUN.SH", "setup.bash", "go.bat", "go.cmd", "go.ps1", "tool.exe"],
+    "upper case": ["ARGPARSE.PY"],
+    "deep in a class folder": ["train/cat/sitecustomize.py"],
+}
+PAYLOAD = b"open('RAN', 'w').write('x')\n"
+
+
+def _code_archive(path: Path, fmt: str, code: list[str]) -> Path:
+    members = dataset_members() + [(f"ds/{c}", PAYLOAD) for c in code]
+    if fmt == "zip":
+        return make_zip(path.with_suffix(".zip"), members)
+    if fmt == "7z":
+        import py7zr
+
+        with py7zr.SevenZipFile(path.with_suffix(".7z"), "w") as z:
+            for name, data in members:
+                z.writestr(data, name)
+        return path.with_suffix(".7z")
+    return make_tar(path.with_suffix(".tar"), members)
+
+
+@pytest.mark.parametrize("kind", list(CODE_MEMBERS))
+@pytest.mark.parametrize("fmt", ["zip", "tar", "7z"])
+def test_code_is_left_out_and_listed_unless_kept(work, capsys, kind, fmt):
+    code = CODE_MEMBERS[kind]
+    src = _code_archive(work / "in" / "ds", fmt, code)
+    assert cli.main(["unpack", str(src), "--dest", "out/new", "--no-report"]) == EXIT_OK
+    out, err = capsys.readouterr()
+    got = snapshot(work / "out" / "new")
+    assert not [k for k in got if is_code(k)], sorted(got)
+    assert sorted(k for k in got if k.endswith(".jpg")) == ["train/cat/0.jpg", "train/cat/1.jpg", "val/dog/0.jpg",
+                                                            "val/dog/1.jpg"]
+    listed = [line for line in out.splitlines() if "code file" in line]
+    assert len(listed) == 1 and f"left out {len(code)} code file" in listed[0] and "--keep-code" in listed[0], out
+    assert f"ds/{code[0]}" in listed[0] and err == ""
+    assert cli.main(["unpack", str(src), "--dest", "out/kept", "--no-report", "--keep-code"]) == EXIT_OK
+    out, _ = capsys.readouterr()
+    kept = snapshot(work / "out" / "kept")
+    assert all(c in kept for c in code) and "code file" not in out
+
+
+@pytest.mark.parametrize("case", ["symlink named as code", "hard link to code", "hard link named as code"])
+def test_links_to_and_named_as_code_are_left_out(work, case):
+    members = dataset_members()
+    if case == "symlink named as code":
+        members.append(tar_entry("ds/argparse.py", tarfile.SYMTYPE, "train/cat/0.jpg"))
+        gone = ["argparse.py"]
+    elif case == "hard link to code":
+        members += [("ds/evil.py", PAYLOAD), tar_entry("ds/train/cat/2.jpg", tarfile.LNKTYPE, "ds/evil.py")]
+        gone = ["evil.py", "train/cat/2.jpg"]
+    else:
+        members.append(tar_entry("ds/yaml.py", tarfile.LNKTYPE, "ds/train/cat/0.jpg"))
+        gone = ["yaml.py"]
+    r = archive.unpack(make_tar(work / "in" / "a.tar", members), work / "out" / "new", progress=False)
+    assert sorted(r.code) == sorted(f"ds/{g}" for g in gone)  # as the archive names them
+    got = snapshot(work / "out" / "new")
+    assert not any(g in got for g in gone) and "train/cat/0.jpg" in got
+
+
+def test_an_archive_of_code_only_is_refused_with_the_way_to_keep_it(work, capsys):
+    src = make_zip(work / "in" / "tool.zip", [("tool/dlenv/__init__.py", PAYLOAD), ("tool/run.sh", b"rm -rf ~")])
+    refused_everywhere(work, src, ["holds only code", "dlenv/__init__.py", "--keep-code"], capsys)
+
+
+def test_python_m_dlenv_inside_an_unpacked_folder_runs_none_of_its_code(work):
+    """The issue's attack as a user meets it: unpack, cd into the folder, `python -m dlenv data-report .`."""
+    members = dataset_members("shadow/") + [(f"shadow/{c}", PAYLOAD) for c in ("dlenv/__init__.py", "argparse.py")]
+    src = make_zip(work / "in" / "shadow.zip", members)
+    archive.unpack(src, work / "data" / "shadow", progress=False)
+    r = subprocess.run([sys.executable, "-m", "dlenv", "data-report", "."], cwd=work / "data" / "shadow",
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == EXIT_OK and "Traceback" not in r.stderr, r.stderr
+    assert "cat" in r.stdout and not (work / "data" / "shadow" / "RAN").exists()

@@ -1,4 +1,4 @@
-"""`dlenv VERB [options]` and `python -m dlenv VERB [options]`.
+"""`dlenv VERB [options]` (and `python -m dlenv VERB [options]`, through dlenv.__main__).
 
 Parses flags generated from `dlenv.config`, builds the frozen config, imports the one function that
 does the work and calls it. `run_command` is the one place every verb's failures end, for `dlenv VERB`

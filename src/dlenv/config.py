@@ -239,6 +239,8 @@ class UnpackConfig:
     max_ratio: float = opt(100.0, "refuse an archive that unpacks to more than this many times its own "
                                   "size (a decompression bomb); under 64 MiB unpacked is always allowed",
                            min=1.0)
+    keep_code: bool = opt(False, "keep the code an archive holds (Python sources and bytecode, shared objects, "
+                                 "scripts); by default it is left out and listed: a dataset is data")
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 A run stopped by Ctrl-C or `docker stop` says how to resume it. That command must be the one the user
 actually ran: `python train.py --resume runs/exp/last.pth` after `python train.py`,
-`invoke train --resume ...` after invoke, `dlenv train --resume ...` after dlenv. The front doors (the
+`invoke train --resume ...` after invoke, `dlenv train --resume ...` after dlenv, and after `python -m dlenv`
+too: `python -m` puts the working folder first on sys.path, where an unpacked archive's `dlenv/` would be
+imported in place of ours, so no hint ever names it (dlenv.__main__). The front doors (the
 `dlenv` CLI and the invoke tasks) call `remember` once; the command is kept in the environment
 (DLENV_COMMAND), so the torchrun workers that `--gpus N` starts, whose own command line is dlenv's
 internal one, name the user's command too. `again` builds the suggestion. No torch here.
@@ -29,10 +31,8 @@ def describe(verb: str, argv0: str, script_picks_verb: bool = False) -> str:
         return f"invoke {verb}"
     if path.name == "dlenv":
         return f"dlenv {verb}"
-    if path.name == "__main__.py" and path.parent.name == "dlenv":
-        return f"python -m dlenv {verb}"
-    if path.parent.name == "dlenv" and path.suffix == ".py":  # python -m dlenv.cli and the like
-        return f"python -m dlenv.{path.stem} {verb}"
+    if path.parent.name == "dlenv" and path.suffix == ".py":  # python -m dlenv, python -m dlenv.cli: the command
+        return f"dlenv {verb}"
     script = f"python {shlex.quote(argv0)}"
     return script if script_picks_verb else f"{script} {verb}"
 
@@ -50,10 +50,10 @@ def again(verb: str, args: str) -> str:
 
 
 def command(verb: str, args: str) -> str:
-    """The command line that runs another `verb` through the same front door the user used (invoke,
-    dlenv or python -m dlenv; `dlenv VERB` after a script of their own, which runs one verb only)."""
+    """The command line that runs another `verb` through the same front door the user used (invoke or
+    dlenv; `dlenv VERB` after a script of their own, which runs one verb only)."""
     used = os.environ.get(ENV) or ""
-    for front in ("invoke", "python -m dlenv", "dlenv"):
+    for front in ("invoke", "dlenv"):
         if used.startswith(front + " "):
             return f"{front} {verb} {args}"
     return f"dlenv {verb} {args}"

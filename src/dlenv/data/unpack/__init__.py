@@ -7,7 +7,10 @@ Archives come from strangers, so every member is checked before a byte of it is 
   later member would be written through, device and FIFO members, a total beyond the free disk and
   a compression ratio that marks a bomb are refused with one line (tar links also pass through
   tarfile's own `data` extraction filter where this Python has it);
-- truncated and corrupt archives (CRC, early EOF, a bad header) are refused the same way.
+- truncated and corrupt archives (CRC, early EOF, a bad header) are refused the same way;
+- code (Python sources and bytecode, shared objects, scripts: `names.is_code`) is left out and listed in
+  one line, unless `--keep-code`: a dataset is data, and `python -m` run inside the folder would import
+  a `dlenv/` or `argparse.py` from it before the installed one.
 
 Everything is written into `.<dest>.unpack-<pid>-tmp` beside the destination and renamed into place
 only when complete, so a refusal, a crash, Ctrl-C or `kill` leaves the destination as it was; the
@@ -76,11 +79,14 @@ class UnpackResult:
     name_encoding: str | None = None  # the code page zip names were decoded from, when not UTF-8
     flattened: str | None = None      # the single top-level folder that was flattened
     cleaned: list[str] = field(default_factory=list)  # leftovers of interrupted runs removed first
+    code: list[str] = field(default_factory=list)  # members left out as code (none with keep_code)
 
 
 def unpack(archive: str | Path, dest: str | Path | None = None, overwrite: bool = False,
-           name_encoding: str = "auto", max_ratio: float = 100.0, progress: bool = True) -> UnpackResult:
-    """Unpack `archive` into `dest` (default data/<archive stem>/) safely and atomically.
+           name_encoding: str = "auto", max_ratio: float = 100.0, progress: bool = True,
+           keep_code: bool = False) -> UnpackResult:
+    """Unpack `archive` into `dest` (default data/<archive stem>/) safely and atomically, leaving out code
+    (listed in the result's `code`) unless `keep_code`.
 
     Returns an UnpackResult. Raises UserError for a missing, hostile, damaged or empty archive, a
     destination that is in the way, or too little disk; the destination is then exactly as before.
@@ -127,7 +133,7 @@ def unpack(archive: str | Path, dest: str | Path | None = None, overwrite: bool 
                 print(printable(line))
             _check_dest(dest, overwrite, src, mounted)
             _extract_and_swap(src, dest if mounted else parent, result, name_encoding, max_ratio, progress, tqdm,
-                              mounted)
+                              mounted, keep_code)
     except BaseException:
         for p in made:  # parents created for a destination that never came to be
             with contextlib.suppress(OSError):
@@ -137,7 +143,7 @@ def unpack(archive: str | Path, dest: str | Path | None = None, overwrite: bool 
 
 
 def _extract_and_swap(src: Path, parent: Path, result: UnpackResult, name_encoding: str, max_ratio: float,
-                      progress: bool, tqdm: Any, mounted: bool = False) -> None:
+                      progress: bool, tqdm: Any, mounted: bool = False, keep_code: bool = False) -> None:
     """Extract `src` (in `result.format`) into a temporary folder in `parent` (the destination's parent, or the
     destination itself when it is a mount point), then swap (or, into a mount point, move) it into place at
     `result.dest`."""
@@ -158,7 +164,7 @@ def _extract_and_swap(src: Path, parent: Path, result: UnpackResult, name_encodi
                                            disable=None if progress else True) as bar:  # None: not in logs
             budget = Budget(where, size, _free_bytes(parent), max_ratio, parent, bar,
                              raw if fmt.startswith("tar") else None)
-            w = Writer(tmp, where, budget)
+            w = Writer(tmp, where, budget, keep_code)
             try:
                 if fmt == "zip":
                     result.name_encoding = unpack_zip(raw, w, name_encoding)
@@ -183,9 +189,13 @@ def _extract_and_swap(src: Path, parent: Path, result: UnpackResult, name_encodi
                 raise UserError(f"{where} is encrypted; dlenv does not unpack password-protected archives: "
                                 "unpack it yourself and pass the folder") from None
         if not w.files:
+            if w.code:
+                raise UserError(f"{where} holds only code ({code_summary(w.code)}), no data; a dataset is data. If "
+                                "you trust it, unpack it with --keep-code")
             what = "only macOS/Windows junk files" if w.junk else "no files"
             raise UserError(f"{where} holds {what}; nothing to unpack")
         result.files, result.bytes, result.junk, result.links = len(w.files), budget.written, w.junk, len(w.links)
+        result.code = w.code
         top = os.listdir(tmp)
         new = tmp
         if len(top) == 1 and top[0] in w.dirs and not reaches_root:
@@ -204,6 +214,12 @@ def _extract_and_swap(src: Path, parent: Path, result: UnpackResult, name_encodi
             signal.signal(signal.SIGTERM, previous)
 
 
+def code_summary(names: list[str], shown: int = 3) -> str:
+    """'a.py, dlenv/__init__.py, run.sh and 4 more': the first few of `names`, for one line."""
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more:,} more" if more > 0 else "")
+
+
 def _os_error(e: OSError, where: str, parent: Path) -> UserError:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return UserError(f"the disk holding {parent} filled up while unpacking {where}; free some space or "
@@ -219,7 +235,7 @@ def main(cfg: Any) -> int:
     if not cfg.archive:
         raise UserError("unpack needs an archive: dlenv unpack ARCHIVE [--dest DIR]")
     r = unpack(cfg.archive, cfg.dest, overwrite=cfg.overwrite, name_encoding=cfg.name_encoding,
-               max_ratio=cfg.max_ratio)
+               max_ratio=cfg.max_ratio, keep_code=cfg.keep_code)
     # every name below came from the archive or its file name: escaped, so ESC or CR cannot act
     dest, archive = printable(r.dest), printable(cfg.archive)
     print(f"unpacked {r.files} files ({_size(r.bytes)}) from {archive} into {dest}/")
@@ -227,6 +243,9 @@ def main(cfg: Any) -> int:
         print(f"  its single top-level folder {printable(r.flattened)}/ was flattened into {dest}/")
     if r.junk:
         print(f"  dropped {r.junk} macOS/Windows junk entries (__MACOSX, ._*, .DS_Store, Thumbs.db, desktop.ini)")
+    if r.code:
+        files = f"{len(r.code)} code file{'s' if len(r.code) != 1 else ''}"
+        print(f"  left out {files} ({printable(code_summary(r.code))}): a dataset is data; --keep-code keeps them")
     if r.name_encoding and r.name_encoding != "utf-8":
         print(f"  file names decoded from {r.name_encoding} (the zip does not mark them as UTF-8); if they "
               "look wrong, try --name-encoding")

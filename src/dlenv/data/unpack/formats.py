@@ -53,6 +53,8 @@ def unpack_zip(raw: BinaryIO, w: Writer, encoding: str) -> str | None:
                 raise UserError(f"{w.where}: member {raw_name!r} is encrypted; dlenv does not unpack "
                                 "password-protected archives: unpack it yourself and pass the folder")
             is_dir = raw_name.endswith(("/", "\\")) or stat.S_ISDIR(mode)
+            if not is_dir and w.leave_out(name):
+                continue
             if not is_dir:
                 w.budget.declare(name, info.file_size, info.compress_size)
             plan.append((info, name, "link" if stat.S_ISLNK(mode) else "dir" if is_dir else "file"))
@@ -144,6 +146,8 @@ def unpack_tar(raw: BinaryIO, fmt: str, w: Writer) -> None:
             # on links. Files and folders skip it: once clean_name passed them and with links created
             # last, its realpath walk (a large share of the time on small files) finds nothing more.
             target = clean_name(m.linkname, w.where, backslashes=False) if m.islnk() else None
+            if not m.isdir() and w.leave_out(name, target):
+                continue
             if m.issym() or m.islnk():
                 _tar_filter(m, w.root, w.where)
             if m.isdir():
@@ -230,6 +234,9 @@ def unpack_7z(raw: BinaryIO, w: Writer) -> None:
             if name:
                 seen.add(name)
             kind = "dir" if f.is_directory else "link" if (f.is_symlink or f.is_junction) else "file"
+            if name and kind != "dir" and w.leave_out(name):
+                kinds[os.path.normpath(os.path.join(root, f.filename.lstrip("/")))] = (None, kind)  # not written
+                continue
             if name is None:
                 w.junk += 1
             elif name and kind == "dir":

@@ -1,6 +1,6 @@
 """The guard every member passes on its way to disk: the byte budget (free disk, decompression bombs)
-counted as it is written, and the writer that never writes through or over a link and creates
-symbolic links last, after every target was checked against every other link."""
+counted as it is written, and the writer that leaves code out (a dataset is data), never writes through
+or over a link and creates symbolic links last, after every target was checked against every other link."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from dlenv.data.unpack.names import is_code
 from dlenv.errors import UserError
 
 #: Bytes per read/write: large enough that Python's per-call overhead vanishes next to the copy.
@@ -103,15 +104,28 @@ class Writer:
     """Writes checked members under `root`; no write ever goes through or over a link.
 
     Symbolic links are created last, after every target has been checked against every other link,
-    so no member can be written through one and no chain of links can lead outside.
+    so no member can be written through one and no chain of links can lead outside. Code (files and
+    links named as code, hard links to it) is left out and listed in `code`, unless `keep_code`.
     """
 
-    def __init__(self, root: Path, where: str, budget: Budget):
+    def __init__(self, root: Path, where: str, budget: Budget, keep_code: bool = False):
         self.root, self.where, self.budget = str(root), where, budget
+        self.keep_code = keep_code
         self.files: set[str] = set()
         self.dirs: set[str] = set()
         self.links: dict[str, str] = {}
+        self.code: list[str] = []  # members left out as code, in archive order
+        self._code_set: set[str] = set()
         self.junk = 0
+
+    def leave_out(self, name: str, target: str | None = None) -> bool:
+        """Whether file or link `name` (a hard link to `target`) is code to leave out; records it if so."""
+        if self.keep_code or not (is_code(name) or target in self._code_set):
+            return False
+        if name not in self._code_set:
+            self._code_set.add(name)
+            self.code.append(name)
+        return True
 
     def _path(self, name: str) -> str:
         return os.path.join(self.root, name)

@@ -1,6 +1,7 @@
 """What an archive is and what its members are called: the format from the first bytes, the name of
 the destination, member names made safe (no `..`, no absolute paths, backslashes as folders, junk
-dropped) and zip names decoded from the code page they were stored in."""
+dropped), which members are code (left out unless --keep-code) and zip names decoded from the code page
+they were stored in."""
 
 from __future__ import annotations
 
@@ -16,6 +17,14 @@ from dlenv.errors import UserError
 _JUNK_FILES = {".ds_store", "thumbs.db", "desktop.ini"}
 #: the archive names `dlenv unpack` takes (errors.need_folder names a file of these as an archive)
 ARCHIVE_SUFFIXES = (".tar.gz", ".tar.bz2", ".tar.xz", ".tgz", ".tbz2", ".tbz", ".txz", ".tar", ".zip", ".7z")
+#: what a dataset never needs and Python or a shell would run: sources and bytecode (`python -m` in the
+#: unpacked folder imports a `dlenv/` or `argparse.py` from it before the installed one), extension
+#: modules and shared libraries, scripts and Windows executables. By name, case-folded: that is how an
+#: importer or a shell picks them. Permissions are never copied from an archive, so nothing is executable.
+CODE_SUFFIXES = (".py", ".pyc", ".pyo", ".pyw", ".pyx", ".pxd", ".pyd", ".pyz", ".pyi", ".so", ".dll", ".dylib",
+                 ".sh", ".bash", ".zsh", ".bat", ".cmd", ".ps1", ".exe")
+#: versioned shared objects (libfoo.so.1.2), which the dynamic loader opens as readily as libfoo.so
+_VERSIONED_SO = re.compile(r"\.so(\.\d+)+$")
 _LEGACY_CODECS = ("gb18030", "cp932", "big5", "cp949")
 _ZIP_UTF8_FLAG = 0x800
 _ZIP_UNICODE_PATH = 0x7075
@@ -94,6 +103,12 @@ def clean_name(raw: str, where: str, backslashes: bool) -> str | None:
     if "__MACOSX" in parts or last.startswith("._") or last.lower() in _JUNK_FILES:
         return None
     return "/".join(parts)
+
+
+def is_code(name: str) -> bool:
+    """Whether member `name` (a cleaned relative path) is code by its name: CODE_SUFFIXES or a versioned .so."""
+    last = name.rpartition("/")[2].lower()
+    return last.endswith(CODE_SUFFIXES) or bool(_VERSIONED_SO.search(last))
 
 
 def _zip_unicode_extra(info: zipfile.ZipInfo, raw: bytes) -> str | None:
