@@ -123,3 +123,74 @@ def test_worker_passes_carry_on_the_stream_and_restart_where_asked(layout, tmp_p
     cached.sampler.set_epoch(4)
     assert torch.equal(_epoch(train)[0], _epoch(cached)[0]) and len(starts) == 3
     assert (sampler.epoch, sampler.start) == (4, 0) and len(train) == 3
+
+
+# ---------------------------------------------------------------------------------------------------
+# Overlapped: the source's upload (a GPU decoder's decode) in a thread of its own, a batch ahead. The plan
+# takes it on CUDA only; the same code runs on CPU tensors, so its batches, order and failures are held here.
+
+
+def _sources(layout, bad_images="skip"):
+    """Two DeviceLoaders over the nvJPEG source (decode_jpeg on the CPU here), serial and overlapped."""
+    from dlenv.data.gpu_aug import GpuAugment
+    from dlenv.data.sources import NvjpegSource
+
+    out = []
+    for overlap in (False, True):
+        sampler = ResumableSampler(len(layout.train), seed=3)
+        src = NvjpegSource(layout.train, sampler, 4, 20, bad_images)
+        out.append(DeviceLoader(src, GpuAugment(IMG, True), "cpu", 4, sampler, seed=5, overlap=overlap))
+    return out
+
+
+def test_overlapped_loader_gives_the_serial_batches_in_order(layout):
+    serial, overlapped = _sources(layout)
+    for epoch, start in ((0, 0), (1, 0), (1, 4)):
+        for loader in (serial, overlapped):
+            loader.sampler.set_epoch(epoch, start)
+        x1, y1 = _epoch(serial)
+        x2, y2 = _epoch(overlapped)
+        assert torch.equal(x1, x2) and torch.equal(y1, y2), (epoch, start)
+        assert len(y2) == 10 - start
+
+
+def test_overlapped_loader_skips_bad_files_as_the_serial_one_and_raises_their_error(layout):
+    Path(layout.train[3][0]).write_bytes(b"\xff\xd8\xff broken")
+    serial, overlapped = _sources(layout)
+    x1, y1 = _epoch(serial)
+    x2, y2 = _epoch(overlapped)
+    assert torch.equal(x1, x2) and torch.equal(y1, y2) and len(y2) == 10
+    assert list(overlapped.bad_paths) == list(serial.bad_paths) == [layout.train[3][0]]
+    _, overlapped = _sources(layout, bad_images="error")
+    before = threading.active_count()
+    with pytest.raises(BadImageError, match=layout.train[3][0]):  # raised in the decoding thread
+        _epoch(overlapped)
+    assert threading.active_count() == before
+
+
+def test_leaving_an_overlapped_loader_early_stops_both_threads(layout):
+    _, overlapped = _sources(layout)
+    before = threading.active_count()
+    for _ in range(3):
+        for _ in overlapped:
+            break
+    assert threading.active_count() == before
+
+
+def test_a_source_failing_mid_epoch_reaches_the_training_thread_through_both_threads(layout):
+    _, overlapped = _sources(layout)
+    real = overlapped.source.upload
+    calls = []
+
+    def upload(batch, device):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("disk gone")
+        return real(batch, device)
+
+    overlapped.source.upload = upload
+    got = []
+    with pytest.raises(OSError, match="disk gone"):
+        for x, _ in overlapped:
+            got.append(x)
+    assert len(got) == 1  # the first batch arrived; the failure came in its place after it

@@ -419,3 +419,87 @@ def test_a_plan_is_decided_on_a_cpu_without_reading_data_building_a_model_or_wri
         assert sorted(tmp_path.rglob("*")) == files
     finally:
         watching[0] = False
+
+
+# ---------------------------------------------------------------------------------------------------
+# Overlap on few cores (issue 49): which path the plan takes by CPU cores, JPEG engines and torchvision.
+
+#: (cores, JPEG engines, torchvision batch-decodes on CUDA (0.19+: the 2.x profile; 0.14 on 1.13)) ->
+#: (workers auto gives, decoder auto picks (None: a CPU one), overlapped)
+PATHS_BY_CORES = [
+    (2, True, True, 2, "nvimgcodec", True), (4, True, True, 4, "nvimgcodec", True),
+    (8, True, True, 8, None, False), (16, True, True, 14, None, False),
+    (2, False, True, 2, "nvjpeg", True), (4, False, True, 4, "nvjpeg", True),
+    (8, False, True, 8, None, False), (16, False, True, 14, None, False),
+    # the image's profile: torchvision 0.14 decodes one JPEG per call, so auto never takes nvJPEG there
+    (2, True, False, 2, "nvimgcodec", True), (4, True, False, 4, "nvimgcodec", True),
+    (8, True, False, 8, None, False), (2, False, False, 2, None, False), (4, False, False, 4, None, False),
+]
+
+
+@pytest.fixture
+def cuda_box(tmp_path, monkeypatch):
+    """A CUDA box of 80 GiB as the plan sees it (on a CPU): `set(cores, engines, batch_decode)`; decoding on
+    it is not tried (the GPU decoders' checks answer as told); /dev/shm never holds the workers back."""
+    import types
+
+    from dlenv import compat
+    from dlenv.data import loaders
+
+    located = pipeline.locate(str(make_photo_layout(tmp_path / "jpegs", 12, 4, 2, lambda i: (120, 90))))
+    card = types.SimpleNamespace(total_memory=80 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: card)
+    monkeypatch.setattr(compat, "cuda_jpeg_unavailable", lambda device="cuda": None)
+    monkeypatch.setattr(hwdecode, "unavailable", lambda device: None)
+    monkeypatch.setattr(loaders.shutil, "disk_usage", lambda path: (_ for _ in ()).throw(OSError("no shm")))
+
+    def set_box(cores, engines, batch_decode):
+        monkeypatch.setattr(loaders, "usable_cpus", lambda: cores)
+        monkeypatch.setattr(hwdecode, "has_engines", lambda device: engines)
+        monkeypatch.setattr(compat, "cuda_jpeg_batch_decode", lambda: batch_decode)
+        return located
+
+    return set_box
+
+
+@pytest.mark.parametrize("cores,engines,batch_decode,workers,decoder,overlap", PATHS_BY_CORES)
+def test_the_path_auto_takes_by_cores_engines_and_torchvision(cuda_box, cores, engines, batch_decode, workers,
+                                                              decoder, overlap):
+    located = cuda_box(cores, engines, batch_decode)
+    plan = InputOptions(cache="off").decide(located, "cuda", 256, 224)
+    assert plan.on_device and plan.workers == workers
+    assert plan.decoder == decoder if decoder else plan.decoder in decode.CPU_DECODERS, plan.decoder
+    assert plan.overlap is overlap and plan.source == (decoder or "workers")
+    line = plan.describe("cuda")
+    assert ("overlapped: the GPU decodes the next batch" in line) is overlap and "\n" not in line
+    assert plan.gpu_backends == (ENGINE_BACKENDS if decoder == "nvimgcodec" else ())
+
+
+@pytest.mark.parametrize("opts,device,batch_decode,overlap,says", [
+    (dict(decoder="nvimgcodec"), "cuda", True, True, "overlapped"),   # named, at 16 cores: it overlaps too
+    (dict(decoder="nvjpeg"), "cuda", True, True, "overlapped"),
+    (dict(decoder="nvjpeg"), "cuda", False, False, "decodes one JPEG per call"),  # torchvision 0.14 (1.13)
+    (dict(decoder="nvimgcodec", cache="on"), "cuda", True, False, None),  # the cache decodes once: nothing to overlap
+    (dict(gpu_augment="on"), "cpu", True, False, None),    # a CPU device: no GPU decoder, no overlap
+    (dict(), "cpu", True, False, None),                    # the CPU-only default: the classic path, unchanged
+])
+def test_overlap_follows_the_decoder_and_says_why_not(cuda_box, opts, device, batch_decode, overlap, says):
+    located = cuda_box(16, True, batch_decode)
+    plan = InputOptions(**{"cache": "off", **opts}).decide(located, device, 256, 224)
+    assert plan.overlap is overlap
+    line = plan.describe(device)
+    if says:
+        assert says in line and says in plan.overlap_why
+    else:
+        assert plan.overlap_why == "" and "overlap" not in line and "series" not in line
+    if device == "cpu" and not opts:
+        assert not plan.on_device and plan.decoder in decode.CPU_DECODERS
+
+
+def test_decide_overlap_is_a_rule_of_decoder_device_and_cache():
+    from dlenv.data.plan import decide_overlap
+
+    assert decide_overlap("nvimgcodec", "cuda", False)[0]
+    for decoder, device, cache in (("nvimgcodec", "cpu", False), ("nvimgcodec", "cuda", True),
+                                   ("pil", "cuda", False), ("cv2", "cuda", False), ("synthetic", "cuda", False)):
+        assert decide_overlap(decoder, device, cache) == (False, ""), (decoder, device, cache)

@@ -446,3 +446,18 @@ def cuda_jpeg_batch_decode() -> bool:
     import torchvision
 
     return _version(torchvision.__version__) >= (0, 19)
+
+
+def cuda_jpeg_overlap_unavailable() -> str | None:
+    """Why decode_jpeg on CUDA cannot overlap other work on the GPU (one line), or None (torchvision 0.19+).
+
+    Before 0.19 (the image's 0.14 among them) torchvision decodes one image per call and creates and
+    destroys an nvJPEG state for each (its decode_jpeg_cuda.cpp); the state's buffers go back with cudaFree,
+    which waits for the whole GPU, so a decoding thread would stall the model once per image. Read from
+    the source, not measured. 0.19+ decodes a batch per call with a decoder it keeps."""
+    if cuda_jpeg_batch_decode():
+        return None
+    import torchvision
+
+    return (f"torchvision {torchvision.__version__} decodes one JPEG per call on the GPU, freeing its nvJPEG "
+            "state after each, which waits for the whole GPU; 0.19+ decodes batches")

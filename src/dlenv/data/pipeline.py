@@ -125,7 +125,8 @@ def make_loaders(layout: Any, plan: Any, device: Any, *, dtype: torch.dtype = to
         if train and sampler is None:
             sampler = ResumableSampler(len(samples), seed=plan.seed, batch_size=plan.batch_size)
         source = make_source(samples, sampler, plan, device, say)
-        out.append(DeviceLoader(source, augment, device, plan.batch_size, sampler, plan.seed))
+        out.append(DeviceLoader(source, augment, device, plan.batch_size, sampler, plan.seed,
+                                overlap=plan.overlap))
     return out[0], (out[1] if len(out) > 1 else None)
 
 

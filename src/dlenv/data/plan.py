@@ -6,8 +6,9 @@
 
 `InputOptions.decide` turns the input options (--decoder, --gpu-augment, --cache, --cache-mode, --cache-dir,
 --workers, --bad-images, --augment, --hflip, --crop-scale) into an `InputPlan`: where augmentation runs, the
-decoder (the auto policy and the GPU decoders' availability are here), the nvImageCodec backends, the cache
-and its mode (ram, disk or off: never auto after planning), the workers as a number, the crops and flips.
+decoder (the auto policy and the GPU decoders' availability are here), the nvImageCodec backends, whether a
+GPU decoder's decoding overlaps the augmentation (`decide_overlap`), the cache and its mode (ram, disk or off:
+never auto after planning), the workers as a number, the crops and flips.
 The trainer prints the plan and writes it to config.yaml; everything after reads it instead of deciding
 again. Deciding reads no image data beyond a few headers (and, for --decoder auto, a few timed decodes;
 for a GPU decoder, a test image decoded on the GPU), builds nothing and writes nothing.
@@ -86,6 +87,8 @@ class InputPlan:
     gpu_backends: tuple[str, ...] = ()  # nvImageCodec's backends (ENGINE_BACKENDS, or () for all)
     seed: int = 0               # the order and the crops
     epochs: int | None = None   # the run's (None: open-ended): the device path's workers decode no further
+    overlap: bool = False       # a GPU decoder decodes the next batch in a thread and stream of its own
+    overlap_why: str = ""       # why it does, or why a GPU decoder does not (`decide_overlap`)
 
     @property
     def cache(self) -> bool:
@@ -111,6 +114,7 @@ class InputPlan:
             source = f"decoder {self.decoder}"
         workers = "" if self.cache or self.decoder in GPU_DECODERS else f", {self.workers} workers"
         line = f"input: {source}, augmentation on {where} ({self.augmentation()}){workers}"
+        line = f"{line}; {self.overlap_why}" if self.overlap_why else line
         return f"{line}; {self.cache_why}" if self.cache_why else line
 
     def augmentation(self) -> str:
@@ -199,6 +203,7 @@ class InputOptions:
                 raise UserError(f"--decoder {decoder}: {why}; use --decoder auto")
             backends = engine_backends(device) if decoder == "nvimgcodec" else ()
         cpu_decoder = decoder if decoder not in GPU_DECODERS else pick_decoder(paths, size)
+        overlap, overlap_why = decide_overlap(decoder, device, cache)
         splits = (located.layout.train, located.layout.val)
         mode = decide_cache_mode(self, local_world_size, splits, size) if cache else "off"
         preset, scale, ratio = decide_augment(self, located.demo)
@@ -206,7 +211,8 @@ class InputOptions:
         return InputPlan(img_size, batch_size, on_device, decoder, cpu_decoder, workers, cache_mode=mode,
                          cache_dir=self.cache_dir, bad_images=self.bad_images, train_scale=scale, train_ratio=ratio,
                          hflip=hflip, hflip_why=hflip_why, augment=preset, norm=norm, cache_why=cache_why,
-                         interpolation=interpolation, gpu_backends=backends, seed=self.seed, epochs=self.epochs)
+                         interpolation=interpolation, gpu_backends=backends, seed=self.seed, epochs=self.epochs,
+                         overlap=overlap, overlap_why=overlap_why)
 
 
 def workers_per_process(workers: int, local_world_size: int) -> int:
@@ -323,6 +329,27 @@ def resolve_decoder(name: str, paths: Sequence[str] = (), size: int = 258, gpu: 
             raise UserError("--decoder cv2: OpenCV is not installed (pip install opencv-python-headless); "
                             "use --decoder pil") from None
     return name
+
+
+def decide_overlap(decoder: str, device: Any, cache: bool) -> tuple[bool, str]:
+    """(does the decoding of batch n+1 overlap the augmentation of batch n?, the words that say so or why not).
+
+    On wherever a GPU decoder decodes on CUDA: --decoder auto picks one only with fewer than
+    NVJPEG_BELOW_WORKERS CPU workers, where one thread decoding and then augmenting each batch in series
+    fell behind the model (4 cores, ResNet-50 on an H200: 49.7 ms decoding + 25.4 ms augmenting against a
+    55.6 ms step; docs/input-pipeline.md). The decoders wait for the GPU and their library threads without
+    the GIL, so a second thread (`fastpath.DeviceLoader`'s decoder) costs the CPU little. Not where
+    torchvision decodes one image per call (before 0.19: `compat.cuda_jpeg_overlap_unavailable`). Nothing
+    to overlap on a CPU device, from DataLoader workers (processes of their own) or from the cache."""
+    from dlenv import compat
+
+    if cache or decoder not in GPU_DECODERS or torch.device(device).type != "cuda":
+        return False, ""
+    why = compat.cuda_jpeg_overlap_unavailable() if decoder == "nvjpeg" else None
+    if why:
+        return False, f"decoding and augmentation in series ({why})"
+    return True, ("overlapped: the GPU decodes the next batch on a stream of its own while this one is "
+                  "augmented (one thread doing both in turn fell behind the model where CPU cores are few)")
 
 
 def gpu_unavailable(decoder: str, device: Any) -> str | None:
