@@ -157,7 +157,14 @@ def main(cfg: Any) -> int:
     from dlenv.cpus import usable_cpus
     from dlenv.data import pipeline
     from dlenv.data.decode import stored_size
-    from dlenv.data.plan import InputOptions, decide_cache_mode, engine_backends, prefer_engines, prefer_nvjpeg
+    from dlenv.data.plan import (
+        InputOptions,
+        decide_cache_mode,
+        decide_overlap,
+        engine_backends,
+        prefer_engines,
+        prefer_nvjpeg,
+    )
     from dlenv.devices import resolve_device
     from dlenv.precision import DTYPES, resolve_precision
 
@@ -188,6 +195,9 @@ def main(cfg: Any) -> int:
     def rate(workers: int, **change: Any) -> float:
         # the worker sweep uses the best CPU decoder: nvJPEG is measured on its own
         variant = dataclasses.replace(plan, **{"workers": workers, "decoder": plan.cpu_decoder, **change})
+        # decoding overlapped with the augmentation as training would have it: a GPU decoder's only
+        overlap, why = decide_overlap(variant.decoder, device, variant.cache)
+        variant = dataclasses.replace(variant, overlap=overlap, overlap_why=why)
         loader = pipeline.make_loaders(train_only, variant, device, dtype=DTYPES[mode], memory_format=fmt)[0]
         return measure_loader(loader, cfg.batches, device)
 
