@@ -53,7 +53,7 @@ def test_the_address_each_server_listens_on(host, environ, bound):
     assert servers.listen_host(config.build(LabConfig, host=host).host, environ) == bound
     assert lab_launch(environ, host=host).argv[4] == f"--ServerApp.ip={bound}"
     tb = servers.tensorboard_launch(config.build(TensorboardConfig, host=host), environ, python="py")
-    assert tb.argv[tb.argv.index("--host") + 1] == bound
+    assert f"--host={bound}" in tb.argv
 
 
 @pytest.mark.parametrize(("host", "url"), [
@@ -205,7 +205,7 @@ def test_dlenv_tensorboard_becomes_tensorboard_on_the_runs(execs, capsys, tmp_pa
     port = free_port()
     assert cli.main(["tensorboard", "--port", str(port)]) == 0
     (path, argv, _), = execs
-    assert argv[1:] == ["-m", "tensorboard.main", "--logdir", "runs", "--host", "127.0.0.1", "--port", str(port)]
+    assert argv[1:] == ["-c", servers.TENSORBOARD_START, "--logdir=runs", "--host=127.0.0.1", f"--port={port}"]
     out = capsys.readouterr().out
     assert f"open http://127.0.0.1:{port}/" in out and "no runs yet" in out
 
@@ -300,6 +300,9 @@ def test_tensorboard_serves_the_run_and_stops_on_sigterm(tmp_path):
             except OSError:
                 time.sleep(0.3)
         assert runs == ["exp"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/data/plugins_listing", timeout=5) as r:
+            listing = json.load(r)  # the server dlenv execs has the event-data plugins only
+        assert "scalars" in listing and set(listing) <= set(servers.EVENT_PLUGINS), sorted(listing)
         t = time.time()
         proc.send_signal(signal.SIGTERM)  # what tini passes on from `docker stop`: the exec'd server gets it
         assert proc.wait(timeout=10) in (0, -signal.SIGTERM) and time.time() - t < 10
@@ -307,3 +310,73 @@ def test_tensorboard_serves_the_run_and_stops_on_sigterm(tmp_path):
         proc.kill()
     out = proc.stdout.read()
     assert out.startswith("dlenv tensorboard: serving runs/ (1 run(s) with event files: exp)"), out
+
+
+# ---------------------------------------------------------------------------------------------------
+# TensorBoard serves event files and nothing else (issue 43): no route of any enabled plugin hands out a
+# file that a file in a run folder names
+
+SECRET = "s3cr3t-outside-runs-" * 3
+#: files a run folder can hold that name other files, each written with {secret} for the file to leak
+NAMING_FILES = {
+    "projector_config.pbtxt": 'model_checkpoint_path: "{secret}"\nembeddings {{ tensor_name: "t" tensor_path: '
+                              '"{secret}" metadata_path: "{secret}" bookmarks_path: "{secret}" sprite {{ image_path: '
+                              '"{secret}" single_image_dim: 1 single_image_dim: 1 }} }}\n',
+    "plugins/projector/projector_config.pbtxt": 'embeddings {{ tensor_name: "t" metadata_path: "{secret}" }}\n',
+    "checkpoint": 'model_checkpoint_path: "{secret}"\nall_model_checkpoint_paths: "{secret}"\n',
+    "plugins/custom_scalars/config.pbtxt": '{secret}',
+}
+
+
+def _asked_everywhere(app, runs: list[str], tags: list[str]) -> dict[str, bytes]:
+    """Every route of every enabled plugin (TensorBoard's own table of them), asked with each run and tag and
+    with none, by GET and by POST; path -> every body it answered."""
+    from werkzeug.test import Client
+
+    client = Client(app)
+    queries = [{}] + [{"run": r} for r in runs] + [{"run": r, "tag": t, "name": t, "embedding": t, "tensorName": t,
+                                                    "sample": 0, "index": 0} for r in runs for t in tags]
+    paths = list(app.exact_routes) + [p + rest for p in app.prefix_routes
+                                      for rest in ("x", "etc/passwd", "%2e%2e/%2e%2e/etc/passwd")]
+    def ask(method, path, q) -> bytes:
+        try:
+            return method(path, query_string=q, data=json.dumps({"experimentName": "", **q}),
+                          content_type="application/json").get_data()
+        except Exception:  # noqa: BLE001 (a real server answers 500 to what raises here: nothing leaks)
+            return b""
+
+    return {path: b"".join(ask(m, path, q) for q in queries for m in (client.get, client.post)) for path in paths}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("outside", ["/etc/passwd", "a file of the user's"])
+def test_tensorboard_serves_nothing_a_run_folders_files_name(tmp_path, outside):
+    program = pytest.importorskip("tensorboard.program")
+    from tensorboard import default
+    from tensorboard.backend import application
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text(SECRET + "\n")
+    target = "/etc/passwd" if outside == "/etc/passwd" else str(secret)
+    leak = Path(target).read_text().splitlines()[0].encode()  # its first line: 'root:x:0:0:...' or SECRET
+    run = tmp_path / "runs" / "exp"
+    write_events(run)
+    for name, text in NAMING_FILES.items():
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(text.format(secret=target))
+    (run / "events.out.tfevents.1.linked").symlink_to(target)  # an "event file" that is the secret
+
+    board = program.TensorBoard(plugins=servers.event_plugins(default.get_plugins()))
+    board.configure(logdir=str(tmp_path / "runs"), load_fast="false", reload_interval=0, reload_task="blocking")
+    provider, multiplexer = board._make_data_provider()  # what TensorBoard.main serves, without a socket
+    app = application.TensorBoardWSGIApp(board.flags, board.plugin_loaders, provider, board.assets_zip_provider,
+                                         multiplexer)
+    from werkzeug.test import Client
+
+    listing = json.loads(Client(app).get("/data/plugins_listing").get_data())
+    assert set(listing) <= set(servers.EVENT_PLUGINS) and {"scalars", "timeseries"} <= set(listing)
+    assert not {"projector", "debugger-v2", "profile_redirect", "wit_redirect"} & set(listing)
+    bodies = _asked_everywhere(app, ["exp", "."], ["train/loss", "t"])
+    assert any(b'"train/loss"' in b for b in bodies.values())  # the event data is served
+    leaked = sorted(p for p, b in bodies.items() if leak in b)
+    assert not leaked, f"{target} served by {leaked}"

@@ -10,7 +10,11 @@ folder (/root/workspace), with this Python as its kernel (the image's `dl` env);
 here and printed once, in the URL to open (JUPYTER_TOKEN to choose it, DLENV_LAB_PASSWORD for a password
 instead). Jupyter's own folders go to a private folder under /tmp when HOME cannot be written (`docker run
 --user` without the image's entrypoint, --read-only), and nothing asks the internet for news or updates.
-TensorBoard serves runs/ (each run's event files, written by `train --tensorboard`) on 6006.
+TensorBoard serves runs/ (each run's event files, written by `train --tensorboard`) on 6006, with no login:
+only the plugins that show what event files hold (`EVENT_PLUGINS`), none that follows a path a file names
+(the projector served any file a run folder's projector_config.pbtxt named, /etc/passwd included). It is
+started as `python -c TENSORBOARD_START`, which drops the working folder `-c` puts first on sys.path, so a
+`tensorboard/` package lying there is not the one that runs.
 """
 
 from __future__ import annotations
@@ -227,11 +231,52 @@ def _some(names: list[str], most: int = 6) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
+#: TensorBoard's plugins (by plugin_name) that show what event files hold, and nothing else: `train
+#: --tensorboard` writes scalars, and a loop of the user's may write any of these summaries. "core" serves
+#: the page and the list of runs; "timeseries" is the Time Series dashboard. Left out: projector (it reads
+#: whatever file a projector_config.pbtxt or a checkpoint in a run folder names), debugger-v2 (debug dumps,
+#: not event files), the profile and what-if-tool redirects, and every plugin another package installs
+EVENT_PLUGINS = ("core", "timeseries", "scalars", "custom_scalars", "images", "audio", "graphs", "distributions",
+                 "histograms", "text", "pr_curves", "hparams", "mesh")
+#: what `dlenv tensorboard` execs with `python -c`: -c puts the working folder first on sys.path (a
+#: `tensorboard/` or `absl/` there would be imported in place of the real one); it leaves before any import
+TENSORBOARD_START = ("import sys\n"
+                     "if sys.path[:1] == ['']: del sys.path[0]\n"
+                     "from dlenv.servers import serve_event_files\n"
+                     "serve_event_files(sys.argv[1:])\n")
+
+
+def event_plugins(loaders: list[Any]) -> list[Any]:
+    """The loaders among TensorBoard's (`tensorboard.default.get_plugins()`) whose plugin is in EVENT_PLUGINS."""
+    def name(loader: Any) -> str | None:
+        if type(loader).__name__ == "CorePluginLoader":  # the one loader object; the others are plugin classes
+            return "core"
+        return getattr(loader, "plugin_name", None)
+
+    return [p for p in loaders if name(p) in EVENT_PLUGINS]
+
+
+def serve_event_files(argv: list[str]) -> None:
+    """TensorBoard with its event-data plugins only, on TensorBoard's own flags `argv`: what `dlenv tensorboard`
+    becomes (tensorboard.main's start, with the plugins chosen). Exits as TensorBoard does."""
+    from absl import app  # TensorBoard's own dependency: only where TensorBoard runs
+    from tensorboard import default, main_lib, program
+    from tensorboard.plugins import base_plugin
+
+    main_lib.global_init()
+    board = program.TensorBoard(plugins=event_plugins(default.get_plugins()))
+    try:
+        app.run(board.main, argv=["tensorboard", *argv], flags_parser=board.configure)
+    except base_plugin.FlagsError as e:
+        print(f"dlenv tensorboard: error: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_FAULT) from None
+
+
 def tensorboard_launch(cfg: Any, environ: Mapping[str, str], *, python: str) -> Launch:
-    """The TensorBoard server `dlenv tensorboard` becomes."""
+    """The TensorBoard server `dlenv tensorboard` becomes: event data only, from `python -c TENSORBOARD_START`."""
     host = listen_host(cfg.host, environ)
     log_dir = Path(cfg.log_dir)
-    argv = [python, "-m", "tensorboard.main", "--logdir", str(log_dir), "--host", host, "--port", str(cfg.port)]
+    argv = [python, "-c", TENSORBOARD_START, f"--logdir={log_dir}", f"--host={host}", f"--port={cfg.port}"]
     lines = [f"dlenv tensorboard: serving {printable(str(log_dir))}/ ({runs_summary(log_dir)})",
              f"dlenv tensorboard: open {open_url(host, cfg.port)} ({reach_hint(host, cfg.port, environ)})"]
     return Launch(argv, dict(environ), lines)
