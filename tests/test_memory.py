@@ -63,3 +63,44 @@ def test_oom_message_lists_next_steps_in_order():
 def test_diagnose_without_gpu_says_so(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert "no CUDA GPU" in memory.diagnose()
+
+
+def test_a_failed_steps_exception_no_longer_holds_its_tensors():
+    """The trainer turns an out-of-memory into one line; the exception the user keeps (a notebook keeps
+    the last) must not keep the failed step's activations alive (they were 134 GiB of an H200)."""
+    import weakref
+
+    held = []
+
+    def step():
+        activation = torch.ones(1000)
+        held.append(weakref.ref(activation))
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    try:
+        try:
+            step()
+        except RuntimeError:
+            raise ValueError("the user's one line") from None
+    except ValueError as e:
+        kept = e
+    assert held[0]() is not None  # kept alive through kept.__context__'s traceback
+    memory.release_failed_step(kept)
+    assert held[0]() is None
+    assert str(kept) == "the user's one line"
+
+
+def test_start_clean_collects_garbage_cycles():
+    import weakref
+
+    class Cycle:
+        pass
+
+    a = Cycle()
+    a.me = a
+    a.tensor = torch.ones(10)
+    ref = weakref.ref(a.tensor)
+    del a
+    assert ref() is not None  # only the cycle collector frees it
+    assert memory.start_clean(torch.device("cpu")) == 0
+    assert ref() is None

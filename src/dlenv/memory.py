@@ -15,6 +15,8 @@ memory from the driver (slow, synchronising) and does not lower the peak a step 
 
 from __future__ import annotations
 
+import gc
+import traceback
 from typing import Any
 
 import torch
@@ -40,9 +42,12 @@ class MemoryMonitor:
     as running sums per phase, so a long run costs no memory.
     """
 
-    def __init__(self, device: Any = None):
+    def __init__(self, device: Any = None, held: int = 0):
         self.enabled = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
         self.device = _device(device) if self.enabled else torch.device("cpu")
+        # bytes the process held before the run began (a notebook's tensors): not this run's, so the
+        # peaks leave them out and a run reports the same in any process
+        self.held = held
         # phase -> [count, sum_alloc, max_alloc, min_alloc, sum_res, max_res, min_res] in bytes
         self._stats: dict[str, list[float]] = {}
 
@@ -68,8 +73,8 @@ class MemoryMonitor:
         """Peak allocated and reserved GiB since the last reset (0, 0 on CPU); optionally reset them."""
         if not self.enabled:
             return 0.0, 0.0
-        a = torch.cuda.max_memory_allocated(self.device) / GIB
-        r = torch.cuda.max_memory_reserved(self.device) / GIB
+        a = max(0, torch.cuda.max_memory_allocated(self.device) - self.held) / GIB
+        r = max(0, torch.cuda.max_memory_reserved(self.device) - self.held) / GIB
         if reset:
             torch.cuda.reset_peak_memory_stats(self.device)
         return a, r
@@ -192,3 +197,37 @@ def oom_message(batch_size: int, accum_steps: int, peak_gib: float, total_gib: f
         tries.append("a smaller --img-size or a smaller --model")
     tries.append("or --batch-size auto to find the largest batch that fits")
     return head + " Try, in order: " + "; ".join(f"{i}) {t}" for i, t in enumerate(tries, 1)) + "."
+
+
+def start_clean(device: torch.device) -> int:
+    """Before a run measures anything on `device`: collect the process's garbage, return the cached blocks,
+    and return the bytes still allocated (what the process holds that is not this run's).
+
+    Both steps matter (docs/memory.md, "A run's numbers in any process"). An exception kept alive keeps
+    the frames of the step that raised it, and their activations: a caught CUDA out-of-memory held 134 GiB
+    of an H200 until Python's cycle collector happened to run, so the next run in the process peaked at
+    the whole card and trained 30x slower. Cached free blocks are the other part: cuDNN's autotuner may
+    take the largest as workspace.
+    """
+    gc.collect()
+    if device.type != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    return int(torch.cuda.memory_allocated(device))
+
+
+def release_failed_step(exc: BaseException | None) -> None:
+    """Free what a failed step's exception keeps alive: the locals of every finished frame of its traceback
+    and of the exceptions it chains (activations, gradients), then the garbage and the cached blocks.
+
+    Call it where an out-of-memory error becomes the user's one line: the user's process (a notebook
+    keeps its last exception) then no longer holds the failed step's memory.
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)  # skips the frames still running
+        exc = exc.__cause__ or exc.__context__
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
