@@ -1,8 +1,9 @@
-"""Train a classifier: `python train.py --amp --checkpoint` (the built-in demo data, resnet18).
+"""Train a classifier: `python train.py --amp --checkpoint` (the one dataset under data/, else the demo).
 
 A starting point you can edit: the work is done by `dlenv train` (see `python train.py --help` for
-every option: --data, --model, --epochs, --batch-size, --accum-steps, --resume, ...). Runs go to
-runs/exp, runs/exp2, ...; `python train.py --resume auto` continues the newest one.
+every option: --data (to choose among several datasets under data/), --model, --epochs, --batch-size,
+--accum-steps, --resume, ...). Runs go to runs/exp, runs/exp2, ...; `python train.py --resume auto`
+continues the newest one.
 """
 
 import sys

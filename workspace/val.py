@@ -1,4 +1,4 @@
-"""Validate a checkpoint: `python val.py --weights runs/exp/best_model.pth --data ./dataset/val`.
+"""Validate a checkpoint: `python val.py --weights best_model.pth` (the newest run's; or a path).
 
 A starting point you can edit: the work is done by `dlenv val` (see `python val.py --help`); it
 prints loss, top-1, top-5 and a per-class report and writes them, the confusion matrix and the

@@ -24,7 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from dlenv import __version__, config, helptext, invocation, weights
+from dlenv import __version__, config, helptext, invocation, pathcheck, weights
 from dlenv.errors import (
     BUG_REPORT,
     EXIT_BUG,
@@ -163,7 +163,10 @@ def run_command(name: str, given: dict[str, Any], yaml_file: str | None = None) 
     loading = True
     cfg = None
     try:
+        if yaml_file is not None:
+            pathcheck.must_exist("--cfg", yaml_file, what="file")
         cfg = weights.command_line_consent(config.build(cmd.config, yaml_file, **given), given)
+        cfg = pathcheck.check(name, cfg)  # every path option, before PyTorch loads
         module, func = cmd.target.split(":")
         with _stoppable():
             if name == "train" and "torch" not in sys.modules and os.environ.get("RANK", "0") == "0":

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from dlenv import invocation
 from dlenv.atomic import check_output, write_bytes
 from dlenv.data.folder import class_key
 from dlenv.devices import resolve_device
@@ -461,11 +462,11 @@ def main(cfg: Any) -> int:
         keep = torch.tensor([p not in bad for p in paths])
         logits, targets = logits[keep], targets[keep]
         paths = [p for p in paths if p not in bad]
-        print(f"{len(bad)} unreadable image(s) left out; list them with invoke data-report {root} "
-              "--check-images")
+        print(f"{len(bad)} unreadable image(s) left out; list them with "
+              f"{invocation.command('data-report', f'{root} --check-images')}")
     if len(targets) == 0:
         raise UserError(f"none of the images in {root} could be read; check them with "
-                        f"invoke data-report {root} --check-images")
+                        f"{invocation.command('data-report', f'{root} --check-images')}")
     refuse_non_finite(logits, model, mode, weights)  # before any report: argmax of NaN is class 0
     metrics = compute_metrics(logits, targets, class_names)
     metrics.update({"weights": str(weights), "data": str(root), "img_size": int(size),

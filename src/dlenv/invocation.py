@@ -51,9 +51,25 @@ def again(verb: str, args: str) -> str:
 
 def command(verb: str, args: str) -> str:
     """The command line that runs another `verb` through the same front door the user used (invoke or
-    dlenv; `dlenv VERB` after a script of their own, which runs one verb only)."""
+    dlenv; after a script of the project template, its script for `verb`
+    (`python train.py`); `dlenv VERB` after a script of their own, which runs one verb only)."""
     used = os.environ.get(ENV) or ""
     for front in ("invoke", "dlenv"):
         if used.startswith(front + " "):
-            return f"{front} {verb} {args}"
-    return f"dlenv {verb} {args}"
+            return f"{front} {verb} {args}".rstrip()
+    script = _seed_script(used, verb)
+    return f"{script or f'dlenv {verb}'} {args}".rstrip()
+
+
+#: the project template's scripts (workspace/): each runs one verb
+SEED_SCRIPTS = {"train": "train.py", "val": "val.py", "plot": "plot_results.py", "predict": "predict.py"}
+
+
+def _seed_script(used: str, verb: str) -> str | None:
+    """`python DIR/<verb's seed script>` when `used` ran a script beside which that script lies (a project
+    made from workspace/: `python val.py` is told `python train.py`), else None."""
+    words = shlex.split(used) if used.startswith("python ") else []
+    if len(words) < 2 or not words[1].endswith(".py") or verb not in SEED_SCRIPTS:
+        return None
+    seed = Path(words[1]).parent / SEED_SCRIPTS[verb]
+    return f"python {shlex.quote(str(seed))}" if seed.is_file() else None

@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from dlenv import invocation
 from dlenv.atomic import write_atomic
 from dlenv.cfgfile import load_yaml
 from dlenv.errors import UserError, need_folder, printable
@@ -54,8 +55,9 @@ def find_runs(log_dir: str | Path) -> list[Path]:
     runs = [p.parent for p in root.rglob(RESULTS)
             if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)]
     if not runs:
-        raise UserError(f"--log-dir {root}: no {RESULTS} in it or its subfolders; train a run first "
-                        "(invoke train) or pass the folder that holds runs/<name>/results.csv")
+        raise UserError(f"--log-dir {root}: no {RESULTS} in it or its subfolders yet (a run writes it at the end "
+                        f"of its first epoch); train a run first ({invocation.command('train', '')}) or pass the "
+                        "folder that holds runs/<name>/results.csv")
     return sorted(set(runs), key=lambda p: natural_key(p.relative_to(root).as_posix()))
 
 

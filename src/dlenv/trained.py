@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from dlenv import pretrained, safeio
+from dlenv import invocation, pretrained, safeio
 from dlenv.errors import UserError, printable
 from dlenv.weights import LoadPolicy
 
@@ -128,8 +128,8 @@ def _refuse_kind(path: Path, kind: str, verb: str, what: str = "a bare state dic
     if kind == TORCHSCRIPT:
         return UserError(f"{shown} is a TorchScript export; {verb} takes the checkpoint it was exported from")
     return UserError(f"{shown} is {what}, without class names or image size; {verb} needs a checkpoint "
-                     "written by `invoke train` (best_model.pth or last.pth). Make one with "
-                     f"invoke train --weights {shown} --model NAME --data FOLDER --epochs 1")
+                     f"written by `{invocation.command('train', '')}` (best_model.pth or last.pth). Make one with "
+                     f"{invocation.command('train', f'--weights {shown} --model NAME --data FOLDER --epochs 1')}")
 
 
 def _open_torchscript(path: Path, policy: LoadPolicy, classes: tuple | None, img_size: int | None) -> Trained:

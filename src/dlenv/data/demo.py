@@ -8,6 +8,10 @@ at chance, a small CNN learns it in minutes on a CPU. The same seed gives the sa
 `ensure_demo_data` writes train/<class>/*.png and val/<class>/*.png into a temporary folder beside
 the destination and renames it into place when complete; a complete dataset with the same settings
 is reused, so `dlenv train` without --data can call it every time.
+
+`default_data` is what `dlenv train` (and a project's `python train.py`) trains on without --data: the one
+dataset under data/ when there is one (an uploaded project's), the demo when there is none; with several
+it asks for --data. No torch here: the CLI asks it before PyTorch loads.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from dlenv import invocation
 from dlenv.errors import UserError
 
 #: The demo's image size, and the default --img-size when training on it.
@@ -251,7 +256,8 @@ def main(cfg: Any) -> int:
     print(f"demo dataset {path}: {len(CLASSES)} classes ({', '.join(CLASSES)}), "
           f"{cfg.train_per_class * len(CLASSES)} train / {cfg.val_per_class * len(CLASSES)} val images, "
           f"{cfg.size}x{cfg.size} PNG; {how}")
-    print(f"train on it: invoke train (no --data), or invoke train --data {path}")
+    print(f"train on it: {invocation.command('train', '')} (no --data, where it is the only dataset under "
+          f"{DATA_HOME}/), or {invocation.command('train', f'--data {path}')}")
     return 0
 
 
@@ -289,6 +295,45 @@ def _cpu_recipe(cfg: Any, device_type: str) -> tuple[dict[str, Any], str | None]
         return TRAIN_DEFAULTS, None
     return ({k: v for k, v in CPU_RECIPE.items() if k != "img_size"},
             f"images this small ({side} px typical shorter side) take the CPU recipe")
+
+
+#: where `default_data` looks for the dataset of a run without --data (the workspace's data/)
+DATA_HOME = "data"
+
+
+def datasets_in(home: str | Path = DATA_HOME) -> list[Path]:
+    """The datasets under `home`, sorted: its folders that hold a folder (class folders, or train/ and
+    val/), not hidden (unpack's temporary folders) and not a demo dataset."""
+    def holds_folder(d: Path) -> bool:
+        with os.scandir(d) as it:
+            return any(e.is_dir() and not e.name.startswith(".") for e in it)
+
+    try:
+        entries = sorted(Path(home).iterdir())
+    except OSError:  # no data/ (or not a folder): no dataset
+        return []
+    return [d for d in entries if not d.name.startswith((".", "_")) and d.is_dir() and not is_demo_folder(d)
+            and holds_folder(d)]
+
+
+def default_data(data: str | None, synthetic: bool = False, home: str | Path = DATA_HOME) -> tuple[str | None, str]:
+    """(the dataset a run trains on, why): the one place that decides what no --data means.
+
+    --data given, or --synthetic: that. Else the one dataset under `home` (`datasets_in`); none: None, the
+    built-in demo (written on first use). Raises UserError when there are several, naming them.
+    """
+    if synthetic:
+        return data, "--synthetic"
+    if data is not None:
+        return data, f"--data {data}"
+    found = datasets_in(home)
+    if len(found) > 1:
+        shown = ", ".join(str(d) for d in found[:6]) + (", ..." if len(found) > 6 else "")
+        raise UserError(f"{len(found)} datasets under {home}/ ({shown}); choose one with --data, "
+                        f"e.g. --data {found[0]}")
+    if found:
+        return str(found[0]), f"the one dataset under {home}/; --data to choose"
+    return None, f"no dataset under {home}/: the built-in demo; --data to choose"
 
 
 def small_images(data: str, val_split: float = 0.2, seed: int = 0) -> int | None:

@@ -17,7 +17,9 @@ of one folder all the same (`--exist-ok`, or two resumes of one run): the traine
 `flock` on the folder's `.dlenv.lock` for the run's life; the lock file is removed when the run ends
 (`RunLock.release`: when the trainer lets go of it, or at exit), and a kill that leaves it behind
 leaves no lock, as the kernel releases a flock with its process. `find_resume` turns
-`--resume PATH|auto` into a run-state path: auto is the newest `last.pth` under the project folder.
+`--resume PATH|auto` into a run-state path: auto is the newest `last.pth` under the project folder;
+`find_weights` turns a bare `--weights best_model.pth` (or `last.pth`) that names no file into the newest
+run's file, for val, predict, prune and export.
 The names of a run folder's files are written here once (LAST, BEST; dlenv.runfolder.runstate writes and
 reads them). No torch here: importing any module of this package runs this one first.
 """
@@ -32,6 +34,7 @@ import re
 import weakref
 from pathlib import Path
 
+from dlenv import invocation
 from dlenv.errors import UserError
 
 LOCK_FILE = ".dlenv.lock"
@@ -163,6 +166,26 @@ def new_run_dir(project: str | Path, name: str, exist_ok: bool = False) -> Path:
         except FileExistsError:
             n += 1
             path = project / f"{stem}{sep}{n}"
+
+
+def find_weights(weights: str, project: str | Path = "runs") -> tuple[Path, str | None]:
+    """(the file `--weights` means, the line that says which when it was looked up, else None).
+
+    A path that exists is itself. A bare run-file name (best_model.pth or last.pth, no folder) that is no
+    file here is the newest project/*/<name> (by modification time), so `--weights best_model.pth` after
+    a run means that run's. Anything else is returned as given, for the reader to judge. Raises
+    UserError for a bare run-file name when no run has that file.
+    """
+    path = Path(weights)
+    if path.exists() or path.name not in (BEST, LAST) or path.parent != Path("."):
+        return path, None
+    found = sorted(Path(project).glob(f"*/{path.name}"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise UserError(f"--weights {weights}: no such file here and no run under {project}/ has one; train a "
+                        f"run first ({invocation.command('train', '')}) or pass its path "
+                        f"(e.g. {project}/exp/{path.name})")
+    others = f" of {len(found)} runs" if len(found) > 1 else ""
+    return found[-1], f"--weights {weights}: {found[-1]} (the newest run's{others})"
 
 
 def find_resume(resume: str, project: str | Path = "runs") -> Path:

@@ -262,6 +262,6 @@ def data_wait_advice(share: float, cache: bool, gpu_augment: bool, workers: int)
     if not gpu_augment:
         tips.append("--gpu-augment on (uint8 batches, augmented on the GPU)")
     tips.append(f"more --workers than {workers} if CPU cores are idle")
-    tips.append("`invoke bench-data` to measure loader and model speed apart")
+    tips.append(f"`{invocation.command('bench-data', '')}` to measure loader and model speed apart")
     return (f"the GPU waited for data {share:.0%} of this epoch: the input pipeline, not the model, sets the "
             "pace. Try: " + "; ".join(tips) + ".")

@@ -37,7 +37,7 @@ from torch import nn
 from dlenv import autobatch, compat, config, distributed, finetune, usermodel
 from dlenv.config import TrainConfig
 from dlenv.data import pipeline
-from dlenv.data.demo import train_defaults
+from dlenv.data.demo import default_data, train_defaults
 from dlenv.data.plan import InputOptions, InputPlan
 from dlenv.train import auto
 from dlenv.train.auto import Decision
@@ -175,6 +175,7 @@ class TrainPlan:
     step: StepChoice
     oom_retry: bool                 # --batch-size auto on one GPU: an OOM re-plans at half the micro-batch
     blocks: int = 0                 # the model's repeated blocks, of which --checkpoint recomputes a fraction
+    dataset: Decision = Decision(None, "")  # what --data is: the folder (None: the demo), and why
     said: tuple[str, ...] = ()      # what the user is told of the decisions, in order
 
     @property
@@ -252,7 +253,7 @@ class TrainPlan:
             "input": self.input.describe(device).removeprefix("input: "), "torch": torch.__version__,
             "precision_rule": self.precision.why, "img_size_rule": self.model.img_size.why,
             "batch_rule": self.batch.why, "channels_last_rule": self.channels_last.why,
-            "compile_rule": self.compile.why, "hflip_rule": self.input.hflip_why,
+            "compile_rule": self.compile.why, "hflip_rule": self.input.hflip_why, "data_rule": self.dataset.why,
             **({"checkpoint_rule": self.checkpoint_ratio.why} if self.checkpoint_ratio else {}),
             **({"pretrained": self.model.pretrained.notes()} if self.model.pretrained else {}),
             **({"model_source": self.model.provenance} if self.model.provenance else {})}
@@ -284,6 +285,10 @@ def decide(cfg: TrainConfig, resume: Any, dist: distributed.DistInfo, device: to
 
 def _decide(cfg: TrainConfig, resume: Any, dist: distributed.DistInfo, device: torch.device) -> TrainPlan:
     said: list[str] = []
+    dataset = _dataset(cfg, resume)
+    if cfg.data is None and not cfg.synthetic:  # said only when the user did not name it
+        said.append(f"data: {dataset.value or 'the built-in demo (data/demo)'} ({dataset.why})")
+    cfg = dataclasses.replace(cfg, data=dataset.value)
     cfg, recipe = train_defaults(cfg, device.type)  # the options left to auto; the demo's CPU recipe
     if recipe:
         said.append(recipe)
@@ -325,7 +330,15 @@ def _decide(cfg: TrainConfig, resume: Any, dist: distributed.DistInfo, device: t
     step = StepChoice(cfg.label_smoothing, cfg.clip_grad, cfg.ema_decay if cfg.ema else None, cfg.sync_bn)
     return TrainPlan(cfg, located, precision, spec, channels_last, batch, dist.world_size, input_plan,
                      batches_per_epoch, ratio, compiled, optimizer, step,
-                     oom_retry=cfg.batch_size == "auto" and dist.world_size == 1, blocks=blocks, said=tuple(said))
+                     oom_retry=cfg.batch_size == "auto" and dist.world_size == 1, blocks=blocks,
+                     dataset=dataset, said=tuple(said))
+
+
+def _dataset(cfg: TrainConfig, resume: Any) -> Decision:
+    """What --data is (dlenv.data.demo.default_data); a resumed run keeps its own, the demo included."""
+    if resume is not None:
+        return Decision(cfg.data, f"the resumed run's ({cfg.data or 'the built-in demo'})")
+    return Decision(*default_data(cfg.data, cfg.synthetic))
 
 
 def per_rank(located: pipeline.Located, micro: int, rank: int = 0, world_size: int = 1) -> int | None:

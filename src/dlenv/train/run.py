@@ -30,7 +30,6 @@ import torch
 
 from dlenv import distributed, launch, runfolder
 from dlenv.config import TrainConfig
-from dlenv.data.demo import ensure_demo_data
 from dlenv.devices import resolve_device
 from dlenv.runfolder import results, runstate, trainstate
 from dlenv.runfolder.trainstate import TrainState
@@ -86,9 +85,6 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
         # cache every process decides alike.
         torch.cuda.empty_cache()
     _seed_everything(cfg.seed + dist.rank, cfg.deterministic, device)
-    if cfg.data is None and not cfg.synthetic:
-        ensure_demo_data()  # written on first use, before the plan (which only lists what is there)
-
     decided = plan.decide(cfg, resume, dist, device)
     for line in decided.said:
         say(line)
