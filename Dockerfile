@@ -127,7 +127,11 @@ LABEL org.opencontainers.image.title="dlenv" \
 # and tini come after it. NVIDIA_*: which GPUs and driver parts the NVIDIA runtime mounts (compute for
 # CUDA, utility for nvidia-smi). DLENV_IMAGE turns on the tests marked `image`; DLENV_ENV_FILE tells
 # verify-env which profile's pins to compare with. MPLBACKEND: plots render without a display.
-ENV PATH=/opt/conda/envs/dl/bin:/opt/conda/bin:${PATH} \
+# PYTHONUSERBASE: where a project's requirements.txt installs (the entrypoint, at start, when it changed;
+# dlenv.envcheck.projectreqs): a folder of the mounted workspace, one per profile, so it outlasts the
+# container; Python finds its site-packages by itself and its scripts come last on PATH.
+ENV PATH=/opt/conda/envs/dl/bin:/opt/conda/bin:${PATH}:/root/workspace/.dlenv/cu${TORCH_CUDA}/bin \
+    PYTHONUSERBASE=/root/workspace/.dlenv/cu${TORCH_CUDA} \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     DLENV_IMAGE=1 \

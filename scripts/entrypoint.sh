@@ -21,4 +21,20 @@ if ! name=$(id -un 2>/dev/null); then
     name="user$(id -u)"
 fi
 export USER="${USER:-$name}" LOGNAME="${LOGNAME:-$name}"
+
+# The project's requirements.txt (dlenv.envcheck.projectreqs): installed into PYTHONUSERBASE, a folder of
+# the mounted workspace, under the profile's PyTorch pins, once per change of the file. The hash is
+# compared here, so a start with nothing new does not even start Python. A failed install is one line
+# (again at each start until the file changes), and the command still runs. DLENV_REQUIREMENTS=off skips it.
+req="${DLENV_WORKSPACE:-/root/workspace}/requirements.txt"
+if [ -f "$req" ] && [ -n "${PYTHONUSERBASE:-}" ] && [ "${DLENV_REQUIREMENTS:-on}" != off ]; then
+    stamp="$PYTHONUSERBASE/requirements.sha256"
+    if [ -f "$stamp" ] && [ "$(sha256sum < "$req" | cut -d' ' -f1)" = "$(cat "$stamp" 2>/dev/null)" ]; then
+        if [ -f "$PYTHONUSERBASE/requirements.failed" ]; then
+            echo "dlenv: $(head -n 1 "$PYTHONUSERBASE/requirements.failed")" >&2
+        fi
+    else
+        python -m dlenv.envcheck.projectreqs || true
+    fi
+fi
 exec "$@"

@@ -1,6 +1,6 @@
 """The facts verify-env judges, gathered once: versions, pins, driver, GPUs (with real kernel runs),
-/dev/shm, disk and CPUs. Plain data (`Facts`), so tests on a CPU can build one by hand; torch is
-imported only inside `collect()`, so a broken install is itself a fact."""
+/dev/shm, disk, CPUs and the project's requirements.txt. Plain data (`Facts`), so tests on a CPU can build
+one by hand; torch is imported only inside `collect()`, so a broken install is itself a fact."""
 
 from __future__ import annotations
 
@@ -65,6 +65,7 @@ class Facts:
     install: str = "image"             # how dlenv was installed: image, conda, venv or pip (install_kind)
     nvimgcodec: str | None = None      # nvImageCodec's version, where it loads (GPU JPEG decoding)
     nvimgcodec_fix: str = ""           # where it does not: what to install
+    requirements: Any = None           # projectreqs.Status: the workspace's requirements.txt, as the image installs it
 
 
 def cudnn_string(v: int | None) -> str | None:
@@ -227,6 +228,10 @@ def collect(workers: int | str = "auto", workspace: str | Path | None = None) ->
     facts.disk_free = shutil.disk_usage(facts.disk_path).free
     facts.in_container = Path("/.dockerenv").exists() or os.environ.get("DLENV_IMAGE") == "1"
     facts.install = install_kind(os.environ, sys.prefix, sys.base_prefix)
+    # (imported here: `python -m dlenv.envcheck.projectreqs` must not find itself imported by its package)
+    from dlenv.envcheck.projectreqs import status
+
+    facts.requirements = status()
     return facts
 
 

@@ -273,7 +273,21 @@ def checks(facts: Facts, allow_cpu: bool = False) -> list[Check]:
     out.append(Check("info", "CPUs", f"{facts.cpus} usable" + (
         f" (of {facts.host_cpus} on the host: affinity or docker --cpus)"
         if facts.host_cpus != facts.cpus else "")))
+    out += _requirements_check(facts)
     return out
+
+
+#: a project's requirements.txt (dlenv.envcheck.projectreqs) -> the status of its line
+_REQUIREMENTS = {"installed": "ok", "out-of-date": "warn", "failed": "warn"}
+
+
+def _requirements_check(facts: Facts) -> list[Check]:
+    """The workspace's requirements.txt: installed, out of date (changed since), or failed (a conflict with
+    the profile's PyTorch, or pip's error); an info line outside the image; nothing without the file."""
+    s = facts.requirements
+    if s is None or not s.file:
+        return []
+    return [Check(_REQUIREMENTS.get(s.state, "info"), "requirements", s.detail, s.fix)]
 
 
 def verdict(facts: Facts, results: list[Check], allow_cpu: bool = False) -> tuple[bool, str]:
