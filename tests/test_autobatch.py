@@ -338,3 +338,62 @@ def test_gpu_probe_fits_then_ooms_and_frees_its_memory():
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, dev)
         torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------
+# --batch-size auto: the fastest per image among the batches that fit, against fake cards.
+
+
+def _card(limit: int, rate_of):
+    """A fake GPU: batches above `limit` run out of memory; the others train at `rate_of(batch)` img/s."""
+    calls = []
+
+    def rate(b):
+        calls.append(b)
+        if b > limit:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return rate_of(b)
+
+    return rate, calls
+
+
+def test_fastest_batch_stops_doubling_where_speed_stops_rising():
+    # an H200 and ResNet-50 (scripts/bench_batch_sweep.py): img/s flattens long before memory runs out
+    measured = {8: 400, 16: 800, 32: 1500, 64: 2501, 128: 4185, 256: 4594, 512: 4865, 1024: 5019, 2048: 5068}
+    rate, calls = _card(3000, lambda b: measured[b])
+    chosen = autobatch.fastest_batch(rate, start=8)
+    assert chosen.batch == 512 and max(calls) == 1024  # 512 -> 1024 gained 3%: 512, and no try near the limit
+    assert "+3%" in chosen.why and "512" in chosen.why
+    assert measured[chosen.batch] >= 0.95 * max(measured.values())
+
+
+def test_fastest_batch_takes_the_largest_that_fits_where_memory_binds_first():
+    rate, _ = _card(100, lambda b: 30.0 * b)  # a small card: img/s still doubles when memory runs out
+    chosen = autobatch.fastest_batch(rate, start=8)
+    assert chosen.batch == autobatch.find_max_batch(lambda b: b <= 100, start=8)
+    assert 0.9 * 100 <= chosen.batch <= 100 and "memory binds first" in chosen.why
+
+
+def test_fastest_batch_respects_the_upper_bound_and_other_errors():
+    rate, calls = _card(10**6, lambda b: float(b))
+    assert autobatch.fastest_batch(rate, start=8, upper=40).batch == 40 and max(calls) == 40
+
+    def broken(b):
+        raise RuntimeError("a real bug")
+
+    with pytest.raises(RuntimeError, match="a real bug"):
+        autobatch.fastest_batch(broken)
+    with pytest.raises(autobatch.UserError):
+        autobatch.fastest_batch(_card(0, float)[0])
+
+
+def test_batch_size_option_takes_auto_max_and_numbers():
+    from dlenv import config
+
+    cfg = config.build(config.TrainConfig, batch_size="max")
+    assert cfg.batch_size == "max"
+    assert config.build(config.TrainConfig, batch_size="auto").batch_size == "auto"
+    assert config.build(config.TrainConfig, batch_size="64").batch_size == 64
+    with pytest.raises(autobatch.UserError, match="'auto' or 'max'"):
+        config.build(config.TrainConfig, batch_size="biggest")
+    assert autobatch.resolve_batch("max", 1, None, 1, lambda: 48) == (48, 1)

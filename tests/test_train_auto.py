@@ -380,7 +380,8 @@ def test_the_model_is_built_checkpointed_at_the_planned_ratio(ratio):
 
 
 @pytest.mark.parametrize("given,ratio,says", [
-    ({"batch_size": "auto"}, 1.0, "--batch-size auto fills the GPU"),
+    ({"batch_size": "auto"}, 1.0, "--batch-size auto measures the batch with every block checkpointed"),
+    ({"batch_size": "max"}, 1.0, "--batch-size max measures the batch with every block checkpointed"),
     ({"checkpoint_ratio": 0.25}, 0.25, "--checkpoint-ratio 0.25"),
 ])
 def test_checkpoint_ratio_auto_does_not_probe_when_nothing_to_decide(given, ratio, says, monkeypatch):

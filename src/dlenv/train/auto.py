@@ -108,8 +108,9 @@ def _checkpoint_ratio(cfg: Any, n: int, probe: Probe, micro_batch: int) -> Decis
         from dlenv.precision import cpu_checkpoint_ratio
 
         return Decision(*cpu_checkpoint_ratio(n))
-    if cfg.batch_size == "auto":
-        return Decision(1.0, f"auto: all {n} blocks (--batch-size auto fills the GPU with every block checkpointed)")
+    if cfg.batch_size in ("auto", "max"):
+        return Decision(1.0, f"auto: all {n} blocks (--batch-size {cfg.batch_size} measures the batch with every "
+                             "block checkpointed)")
     from dlenv.autobatch import fewest_checkpoint_blocks
 
     # what the input keeps on the GPU during training (--synthetic's batch) is held while probing
@@ -136,23 +137,30 @@ def _checkpoint_ratio(cfg: Any, n: int, probe: Probe, micro_batch: int) -> Decis
     return Decision(k / n, why)
 
 
-def auto_batch(probe: Probe, checkpoint: float | bool, upper: int, say: Callable[[str], None]) -> int:
-    """The largest micro-batch whose real training steps fit on this GPU (dlenv.autobatch), made even (when
-    over 2) so that a CUDA out-of-memory error later in the run can halve it exactly (dlenv.train.fit)."""
+def auto_batch(probe: Probe, checkpoint: float | bool, upper: int, say: Callable[[str], None],
+               mode: str = "auto") -> int:
+    """The micro-batch `--batch-size auto` (the fastest per image among those that fit) or `max` (the largest
+    that fits) measures on this GPU (dlenv.autobatch), made even (when over 2) so that a CUDA out-of-memory
+    error later in the run can halve it exactly (dlenv.train.fit)."""
     if probe.device.type != "cuda":
-        raise UserError("--batch-size auto measures GPU memory and needs a CUDA device; "
+        raise UserError(f"--batch-size {mode} measures GPU memory and needs a CUDA device; "
                         "give a number, e.g. --batch-size 32")
-    from dlenv.autobatch import find_max_batch, make_train_step_probe
+    from dlenv.autobatch import fastest_batch, find_max_batch, make_train_step_probe
 
     trial = make_train_step_probe(probe.build, probe.precision, checkpoint, probe.img_size, probe.num_classes,
                                   probe.device, channels_last=probe.channels_last)
     held = torch.empty(probe.resident, dtype=torch.uint8, device=probe.device) if probe.resident else None
     try:
-        n = find_max_batch(trial, start=8, upper=upper, what=probe.name)
+        if mode == "max":
+            n, why = find_max_batch(trial, start=8, upper=upper, what=probe.name), "the largest that fits"
+        else:
+            chosen = fastest_batch(trial.rate, start=8, upper=upper, what=probe.name)
+            n, why = chosen.batch, chosen.why
     finally:
         trial.close()
         del held
     n -= n % 2 if n > 2 else 0
-    say(f"--batch-size auto: {n} fits ({probe.precision}, checkpointing "
-        f"{'on' if checkpoint else 'off'}, {probe.img_size} px)")
+    say(f"--batch-size {mode}: {n} ({why}; {probe.precision}, checkpointing {'on' if checkpoint else 'off'}, "
+        f"{probe.img_size} px). The learning rate is not rescaled for it, except SGD's default (0.1 x batch/256)"
+        + ("" if mode == "max" else "; --batch-size max takes the largest that fits"))
     return n

@@ -330,7 +330,7 @@ def _decide(cfg: TrainConfig, resume: Any, dist: distributed.DistInfo, device: t
     step = StepChoice(cfg.label_smoothing, cfg.clip_grad, cfg.ema_decay if cfg.ema else None, cfg.sync_bn)
     return TrainPlan(cfg, located, precision, spec, channels_last, batch, dist.world_size, input_plan,
                      batches_per_epoch, ratio, compiled, optimizer, step,
-                     oom_retry=cfg.batch_size == "auto" and dist.world_size == 1, blocks=blocks,
+                     oom_retry=cfg.batch_size in ("auto", "max") and dist.world_size == 1, blocks=blocks,
                      dataset=dataset, said=tuple(said))
 
 
@@ -386,12 +386,12 @@ def _batch_split(cfg: TrainConfig, dist: distributed.DistInfo, located: pipeline
     smallest), and on a resume with another number of GPUs the saved effective batch kept if it divides."""
     def measure() -> int:
         upper = len(located.layout.train) if located.layout is not None else 4096
-        n = auto.auto_batch(probe, auto.start_ratio(cfg) if cfg.checkpoint else False, upper, say)
+        n = auto.auto_batch(probe, auto.start_ratio(cfg) if cfg.checkpoint else False, upper, say, cfg.batch_size)
         return int(distributed.agree(n, "min"))
 
     micro, accum = autobatch.resolve_batch(cfg.batch_size, cfg.accum_steps, cfg.effective_batch, dist.world_size,
                                            measure)
-    why = (f"--batch-size {cfg.batch_size}" + (" (measured)" if cfg.batch_size == "auto" else "")
+    why = (f"--batch-size {cfg.batch_size}" + (" (measured)" if cfg.batch_size in ("auto", "max") else "")
            + (f", --effective-batch {cfg.effective_batch}" if cfg.effective_batch else
               f", --accum-steps {cfg.accum_steps}"))
     if resume is not None:
