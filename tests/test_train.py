@@ -418,3 +418,18 @@ def test_a_resume_takes_the_runs_worker_count_unless_told(tmp_path, data, tiny, 
     else:
         assert len(said) == 1 and "--workers 2 (the run's 0)" in said[0], out
         assert b["config"]["workers"] == 2 and not state_equal(a["model"], b["model"])
+
+
+def test_the_decided_precision_is_what_the_run_file_keeps_and_val_uses(tmp_path, data, tiny, monkeypatch):
+    """A CPU --amp run that the plan decided to train in fp32 (bf16 was slower on that CPU) is saved as
+    fp32, not as `amp: true, amp_dtype: auto`, which val on that CPU would have read as bf16."""
+    import dlenv.precision
+    from dlenv.trained import trained_precision
+
+    monkeypatch.setattr(dlenv.precision, "decide_precision",
+                        lambda *a, **k: ("fp32", "auto: fp32, bf16 was slower for this model on this CPU"))
+    out = train_mod.train(tiny_config(tmp_path, data, amp=True, epochs=1))
+    assert out["precision"] == "fp32"
+    saved = runstate.load_state(Path(out["last"]))["config"]
+    assert saved["amp"] is False and trained_precision(saved) == "fp32"
+    assert config.build(TrainConfig, Path(out["run_dir"]) / "config.yaml").amp is False

@@ -240,6 +240,9 @@ class TrainPlan:
             cfg, batch_size=self.micro_batch, accum_steps=self.accum_steps, effective_batch=None,
             optimizer=self.optimizer.name, lr=self.optimizer.lr, weight_decay=self.optimizer.weight_decay,
             img_size=self.input.img_size, workers=self.input.workers, resume=None,
+            # the precision decided, not the flags: a CPU --amp run that trains in fp32 (bf16 was slower there)
+            # is saved as fp32, so val, predict and export on that machine use what it trained in
+            amp=self.precision.value != "fp32",
             amp_dtype=self.precision.value if self.precision.value != "fp32" else cfg.amp_dtype,
             compile="on" if self.compile.value else "off", hflip="on" if self.input.hflip else "off",
             checkpoint_ratio=self.checkpoint_ratio.value if self.checkpoint_ratio else cfg.checkpoint_ratio))
