@@ -627,10 +627,10 @@ def test_main_prints_destination_and_report(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "into data/shapes/" in out and "cat" in out and "dog" in out
     assert (tmp_path / "data/shapes/train/cat").is_dir()
-    # not a dataset layout: the unpack still succeeds and says what the report found
+    # not a dataset layout: the files are unpacked, and the verdict is the exit code (test_unpack_verdict)
     make_zip(tmp_path / "notes.zip", [("notes/a.txt", b"1")])
-    assert archive.main(config.build(config.UnpackConfig, archive="notes.zip")) == 0
-    assert "not a dataset layout" in capsys.readouterr().out
+    assert archive.main(config.build(config.UnpackConfig, archive="notes.zip")) == 2
+    assert "not a dataset layout" in capsys.readouterr().err
     assert (tmp_path / "data/notes/a.txt").exists()
 
 

@@ -37,6 +37,7 @@ import lzma
 import os
 import shutil
 import signal
+import sys
 import tarfile
 import threading
 import zipfile
@@ -59,7 +60,7 @@ from dlenv.data.unpack.swap import (
     refuse_unsafe_dest,
     write_marker,
 )
-from dlenv.errors import UserError, printable
+from dlenv.errors import EXIT_INPUT, UserError, printable
 from dlenv.safeio import open_regular
 
 __all__ = ["MARKER", "UnpackResult", "archive_stem", "clean_leftovers", "detect_format", "guess_name_codec", "main",
@@ -249,18 +250,74 @@ def main(cfg: Any) -> int:
     if r.name_encoding and r.name_encoding != "utf-8":
         print(f"  file names decoded from {r.name_encoding} (the zip does not mark them as UTF-8); if they "
               "look wrong, try --name-encoding")
-    if cfg.report:
-        _print_report(r.dest)
+    if cfg.report and not _print_report(r.dest):
+        return EXIT_INPUT  # the files stay: the line says what to change or which --data to pass
     return 0
 
 
-def _print_report(root: Path) -> None:
+def _print_report(root: Path) -> bool:
+    """Print the dataset report of `root`, or the one line that says why dlenv cannot train on it (a
+    dataset nested folders down: that, and the --data that would work); returns whether it can."""
     from dlenv.data.report import dataset_report, format_report
 
     try:
         report = dataset_report(root)
     except UserError as e:
-        print(f"not a dataset layout dlenv can train on yet: {printable(e)}")
-        return
+        nested = nested_dataset(root)
+        if nested is not None:
+            inner = nested.relative_to(root).as_posix()
+            depth = len(nested.relative_to(root).parts)
+            print(f"dlenv unpack: not a dataset layout dlenv can train on yet: the dataset sits {depth} folder"
+                  f"{'s' if depth > 1 else ''} down in {printable(root)}/ ({printable(inner)}/); train on it "
+                  f"with --data {printable(nested)}, or move {printable(inner)}/'s contents up into "
+                  f"{printable(root)}/; the files stay in {printable(root)}/", file=sys.stderr)
+        else:
+            print(f"dlenv unpack: not a dataset layout dlenv can train on yet: {printable(e)}; the files stay in "
+                  f"{printable(root)}/", file=sys.stderr)
+        return False
     print()
     print(format_report(report))
+    return True
+
+
+#: folder names of a dataset's splits: never the dataset itself
+_SPLITS = ("train", "val", "valid", "validation", "test")
+#: how deep `nested_dataset` looks below the unpacked folder, and how many folders it visits at most
+NEST_DEPTH, NEST_FOLDERS = 8, 2000
+
+
+def nested_dataset(root: Path) -> Path | None:
+    """The shallowest folder below `root` (not `root` itself) that holds a dataset layout: train/ with two
+    or more class folders, or two or more class folders with files in them; None when there is none, or
+    when `root` has a split of its own (train/, val/: its layout is what is wrong). Bounded: NEST_DEPTH
+    levels, NEST_FOLDERS folders."""
+    if any(sub.name.lower() in _SPLITS for sub in _subfolders(Path(root))):
+        return None
+    level, seen = [Path(root)], 0
+    for _ in range(NEST_DEPTH):
+        below = []
+        for d in level:
+            for sub in _subfolders(d):
+                seen += 1
+                if seen > NEST_FOLDERS:
+                    return None
+                if sub.name.lower() not in _SPLITS and _looks_like_dataset(sub):
+                    return sub
+                below.append(sub)
+        level = below
+    return None
+
+
+def _subfolders(d: Path) -> list[Path]:
+    try:
+        with os.scandir(d) as it:
+            return sorted(Path(e.path) for e in it if e.is_dir(follow_symlinks=False) and not e.name.startswith("."))
+    except OSError:
+        return []
+
+
+def _looks_like_dataset(d: Path) -> bool:
+    if (d / "train").is_dir() and len(_subfolders(d / "train")) >= 2:
+        return True
+    classes = _subfolders(d)
+    return len(classes) >= 2 and all(any(f.is_file() for f in c.iterdir()) for c in classes[:2])
