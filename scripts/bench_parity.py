@@ -22,8 +22,16 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 #: (model, bench_train.py configurations): the trainer's everyday paths
-DEFAULT = [("resnet50", ["fp32", "--amp", "--amp --checkpoint"]),
-           ("vit_b_16", ["fp32", "--amp", "--amp --checkpoint"])]
+DEFAULT = [("resnet50", ["fp32", "--amp", "--amp --checkpoint --checkpoint-ratio 1"]),
+           ("vit_b_16", ["fp32", "--amp", "--amp --checkpoint --checkpoint-ratio 1"])]
+
+
+def missing_rows(requested: list[tuple[str, list[str]]], best: dict[tuple[str, str, str], tuple[float, float]],
+                 only: str | None = None) -> list[str]:
+    """Each requested (model, configuration, tree) that produced no row: a label bench_train does not have,
+    or a run that failed. Any of them fails the comparison: a row that is missing compares nothing."""
+    return [f"{model} {cfg!r} ({side})" for model, configs in requested if not only or model == only
+            for cfg in configs for side in ("old", "new") if (model, cfg, side) not in best]
 
 
 def run_tree(src: Path, model: str, configs: list[str], steps: int, out: Path,
@@ -79,6 +87,10 @@ def main() -> int:
                      "old_peak_gib": o_peak, "new_peak_gib": peak, "memory_ratio": mem})
         lines.append(f"| {model} | {cfg} | {o_ips:,.0f} | {ips:,.0f} | {speed:.3f} | {o_peak:.2f} | {peak:.2f} | "
                      f"{mem:.3f} |")
+    missing = missing_rows(DEFAULT, best, a.only)
+    ok &= not missing
+    if missing:
+        lines += ["", f"FAIL: no row for {', '.join(missing)} (a label bench_train.py does not have, or a failed run)"]
     lines += ["", f"{'PASS' if ok and rows else 'FAIL'}: every configuration >= {a.min_ratio} of the old tree's speed "
               "and memory"]
     a.out.mkdir(parents=True, exist_ok=True)

@@ -193,6 +193,12 @@ def main() -> int:
     ap.add_argument("--no-yardstick", action="store_true", help="the trainer only (no plain loop to compare)")
     ap.add_argument("--device", default="cuda", help="cpu: a quick check of the script itself (with --no-yardstick)")
     args = ap.parse_args()
+    labels = {label for name, _, variants in CONFIGS for label, _ in variants if not args.only or name == args.only}
+    unknown = sorted(set(args.configs or ()) - labels)
+    if unknown:  # a row asked for and never run must not pass as "no difference"
+        print(f"bench_train: no configuration {', '.join(map(repr, unknown))}; the table has "
+              f"{', '.join(map(repr, sorted(labels)))}")
+        return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_train: needs a CUDA GPU")
         return 2
