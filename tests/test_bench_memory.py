@@ -94,7 +94,7 @@ def _fake_gpu_workers(monkeypatch, search: dict) -> list[dict]:
     """Replace run_worker as if on a GPU: the search answers `search`, every measurement "ok"."""
     specs = []
 
-    def run(spec, alloc_conf=None, timeout=None):
+    def run(spec, alloc_conf=None, timeout=None, log=None):
         specs.append(spec)
         if spec["mode"] == "ckpt_search":
             return dict(search, device="cuda")
@@ -187,13 +187,17 @@ def _fake_worker(monkeypatch, result: dict) -> list[dict]:
     """Replace the worker process: record each call's environment, answer `result`."""
     envs = []
 
-    def run(cmd, env, **kw):
-        envs.append(env)
-        with open(cmd[cmd.index("--result") + 1], "w") as fh:
-            json.dump(result, fh)
-        return SimpleNamespace(returncode=0, stderr="")
+    class Popen:
+        def __init__(self, cmd, env, **kw):
+            envs.append(env)
+            assert kw["start_new_session"] is True  # Ctrl-C in the terminal reaches the parent alone
+            with open(cmd[cmd.index("--result") + 1], "w") as fh:
+                json.dump(result, fh)
 
-    monkeypatch.setattr(bench.subprocess, "run", run)
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(bench.subprocess, "Popen", Popen)
     return envs
 
 
@@ -215,9 +219,16 @@ def test_run_worker_raises_the_workers_user_error(monkeypatch):
         bench.run_worker({})
 
 
-def test_worker_crash_becomes_error_row():
-    res = bench.run_worker(dict(mode="no_such_mode"))
-    assert res["status"] == "error" and "no_such_mode" in res["error"]
+def test_worker_crash_becomes_error_row(tmp_path):
+    res = bench.run_worker(dict(mode="no_such_mode"), log=tmp_path / "w.log")
+    assert res["status"] == "error" and res["error"] == "KeyError: 'no_such_mode'"  # one line for the table
+    assert "Traceback" in (tmp_path / "w.log").read_text()  # the whole story is in the log
+
+
+@pytest.mark.parametrize("code, says", [(-9, "killed by SIGKILL (out of host memory?"), (-15, "killed by SIGTERM"),
+                                        (3, "exited 3 without a result")])
+def test_a_worker_that_dies_is_one_line(code, says):
+    assert says in bench._exit_line(code)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -265,3 +276,167 @@ def test_cpu_run_checkpointing_leaves_the_loss_unchanged(cpu_run):
     # the same start and the same batch: training went somewhere (loss moved) and got to the same place
     assert float(rows["fp32"]["loss_first"]) != fp32
     assert ckpt == pytest.approx(fp32, rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The user's own model as it is: kuangliu's ResNet18 (10 classes fixed by its factory), a configuration that
+# fails, and Ctrl-C in the middle.
+
+
+def _fake_cpu_workers(monkeypatch, stop_at: int | None = None, fail: str | None = None) -> list[dict]:
+    """run_worker as on a CPU; the `stop_at`-th call raises KeyboardInterrupt (Ctrl-C), AMP rows fail with
+    `fail`."""
+    specs = []
+
+    def run(spec, alloc_conf=None, timeout=None, log=None):
+        specs.append(spec)
+        if stop_at is not None and len(specs) == stop_at:
+            raise KeyboardInterrupt
+        if fail and spec.get("amp"):
+            return dict(status="error", error=fail, device="cpu")
+        return dict(status="ok", device="cpu", precision="fp32", img_per_s=5.0, loss_last=1.0, num_classes=10)
+
+    monkeypatch.setattr(bench, "run_worker", run)
+    return specs
+
+
+def test_ctrl_c_writes_what_was_measured_and_exits_130(monkeypatch, tmp_path, capsys):
+    _fake_cpu_workers(monkeypatch, stop_at=3)
+    code = bench.main(_bench_cfg(tmp_path, device="cpu"))
+    assert code == 130
+    md = (tmp_path / "memory.md").read_text()
+    assert "Stopped by SIGINT (Ctrl-C)** after 2 configuration(s)" in md
+    with (tmp_path / "memory.csv").open() as fh:
+        assert [r["key"] for r in csv.DictReader(fh)] == ["fp32", "amp"]
+    assert "10 classes of the model's own head" in md
+
+
+def test_a_failing_configuration_is_one_line_and_the_rest_is_measured(monkeypatch, tmp_path, capsys):
+    _fake_cpu_workers(monkeypatch, fail="ValueError: boom at line 3 of bad.py")
+    assert bench.main(_bench_cfg(tmp_path, device="cpu")) == 1
+    err = capsys.readouterr().err
+    assert "[bench-memory] AMP: failed: ValueError: boom at line 3 of bad.py" in err
+    assert "[bench-memory] FP32: 5.0 img/s" in err and "Traceback" not in err
+    md = (tmp_path / "memory.md").read_text()
+    assert "| FP32 | NA | NA | — | 5.0 |" in md and "| AMP | failed: ValueError: boom at line 3 of bad.py |" in md
+
+
+BAD_LATER = '''
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3 * 16 * 16, 4)
+
+    def forward(self, x):
+        if x.shape[0] != 2:
+            raise ValueError("only pairs here")
+        return self.fc(x.flatten(1))
+
+
+def build():
+    return Net()
+'''
+
+
+def _cpu_cfg(tmp_path, model, **kw):
+    return config.build(config.BenchMemoryConfig, **dict(dict(model=model, batch_size=2, img_size=32, steps=2,
+                                                              warmup=1, channels_last=False, device="cpu",
+                                                              out=str(tmp_path / "out")), **kw))
+
+
+@pytest.mark.slow  # four worker processes on the CPU
+def test_kuangliu_resnet18_is_measured_with_its_own_10_class_head(tmp_path, monkeypatch, capsys):
+    from thirdparty import KUANGLIU_RESNET, write
+
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, "models/resnet.py", KUANGLIU_RESNET)
+    code = bench.main(_cpu_cfg(tmp_path, "models/resnet.py:ResNet18"))
+    err = capsys.readouterr().err
+    assert code == 0 and "Traceback" not in err and "1000 classes" not in err
+    with (tmp_path / "out" / "memory.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["status"] for r in rows] == ["ok"] * 4 + ["skipped"]
+    assert all(float(r["img_per_s"]) > 0 and float(r["loss_last"]) > 0 for r in rows[:4])
+    assert "10 classes of the model's own head" in (tmp_path / "out" / "memory.md").read_text()
+    log = (tmp_path / "out" / bench.WORKER_LOG).read_text()
+    assert log.count("step 3/3: loss") == 4  # each worker's steps, as they came
+
+
+@pytest.mark.slow  # worker processes on the CPU
+def test_a_class_count_the_model_does_not_give_is_one_line(tmp_path, monkeypatch):
+    from thirdparty import KUANGLIU_RESNET, write
+
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, "models/resnet.py", KUANGLIU_RESNET)
+    with pytest.raises(UserError, match="gives 10 classes, not --num-classes 1000; leave --num-classes out"):
+        bench.run_bench(_cpu_cfg(tmp_path, "models/resnet.py:ResNet18", num_classes=1000),
+                        progress=lambda m: None)
+
+
+@pytest.mark.slow  # worker processes on the CPU
+def test_a_model_failing_in_training_steps_fills_its_rows_with_one_line_each(tmp_path, monkeypatch, capsys):
+    (tmp_path / "bad.py").write_text(BAD_LATER)  # the class-count probe (2 images) passes; batches of 3 fail
+    monkeypatch.chdir(tmp_path)
+    code = bench.main(_cpu_cfg(tmp_path, "bad.py:build", batch_size=3, img_size=16))
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert err.count("failed: ValueError: only pairs here at line 12 of bad.py") == 4
+    assert "Traceback" in (tmp_path / "out" / bench.WORKER_LOG).read_text()
+
+
+SLOW_MODEL = '''
+import os
+import time
+from torch import nn
+
+open(os.environ["PID_FILE"], "a").write(f"{os.getpid()}\\n")
+
+
+class Slow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3 * 16 * 16, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls > 2:  # the class-count probe and the first step are quick; then it hangs
+            time.sleep(600)
+        return self.fc(x.flatten(1))
+
+
+def build():
+    return Slow()
+'''
+
+
+@pytest.mark.slow  # a worker process on the CPU
+@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_stop_signal_ends_the_worker_group_at_once_and_writes_the_table(tmp_path, sig, code):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "slow.py").write_text(SLOW_MODEL)
+    env = dict(os.environ, PID_FILE=str(tmp_path / "pids"))
+    proc = subprocess.Popen([sys.executable, "-m", "dlenv", "bench-memory", "--model", "slow.py:build",
+                             "--batch-size", "2", "--img-size", "16", "--steps", "2", "--warmup", "0", "--device",
+                             "cpu", "--no-channels-last", "--out", "out"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "out" / bench.WORKER_LOG
+    deadline = time.monotonic() + 300  # a safety net: the worker's first step comes in seconds
+    while not (log.exists() and "step 1/2" in log.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "step 1/2" in log.read_text()  # the worker's progress reached the log while it ran
+    proc.send_signal(getattr(signal, sig))  # to the parent alone, as Ctrl-C in a terminal would not
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    md = (tmp_path / "out" / "memory.md").read_text()
+    assert f"Stopped by {sig}" in md and "Traceback" not in err
+    worker = int((tmp_path / "pids").read_text().split()[-1])
+    with pytest.raises(ProcessLookupError):  # the worker went with its group
+        os.kill(worker, 0)

@@ -29,6 +29,7 @@ from dlenv.options import (  # noqa: F401 (BATCH_MAX, IMG_SIZE_MAX: config's bou
     IMG_SIZE_MAX,
     IMG_WHY,
     flag,  # noqa: F401 (config.flag: the spelling of an option on the command line)
+    image_channels,
     opt,
     parse_option,
     trust_pickle,
@@ -282,9 +283,14 @@ class VerifyEnvConfig:
 class BenchMemoryConfig:
     """Options of `bench-memory`."""
 
-    model: str = opt("resnet50", "torchvision model name")
+    model: str = opt("resnet50", "a torchvision or timm/ model name, or your own: FILE.py:factory, measured as "
+                                 "it is (its own head)")
     batch_size: int = opt(64, "batch size", min=1, max=BATCH_MAX, why=BATCH_WHY)
     img_size: int = opt(224, "image size", min=16, max=IMG_SIZE_MAX, why=IMG_WHY)
+    channels: int = image_channels()
+    num_classes: int | None = opt(None, "classes of the head and targets: auto (the model's own output width, "
+                                        "found by one forward; a named model gets 1000) or a number the model "
+                                        "must give", parse=auto_int, min=1)
     steps: int = opt(10, "training steps measured per configuration", min=2)
     warmup: int = opt(3, "untimed steps before the timed ones (cuDNN autotuning, allocator warm-up)", min=0)
     channels_last: bool = opt(True, "also measure channels_last variants of convolutional models")

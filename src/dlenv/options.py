@@ -108,6 +108,19 @@ IMG_SIZE_MAX = 2048
 IMG_WHY = "the largest image size dlenv trains, validates or reads from a checkpoint"
 
 
+def image_channels() -> Any:
+    """--channels, declared once for every command that feeds images to a model (train, bench-memory)."""
+    def parse(v: Any) -> int:
+        n = _PARSERS[int](v)
+        if n not in (1, 3):
+            raise ValueError("1 (grayscale) or 3 (RGB)")
+        return n
+
+    return opt(3, "image channels the model takes: 3 (RGB) or 1 (grayscale: images are converted to one "
+                  "channel, normalised with one mean and std), for a model whose first layer takes one channel "
+                  "(MNIST's)", parse=parse)
+
+
 def trust_pickle() -> Any:
     """--trust-pickle, declared once for every command that reads weights files (dlenv.weights)."""
     return opt(False, "hand torch.load(weights_only=True) a .pth that holds more than tensors and plain data, "

@@ -116,7 +116,7 @@ def shown(path: Path) -> str:
         return str(path)
 
 
-def _where(e: BaseException, file: Path | None) -> str:
+def where(e: BaseException, file: Path | None) -> str:
     """' at line N of FILE' for the deepest frame of `e` in the user's file, or ''."""
     if file is None:
         return ""
@@ -147,7 +147,7 @@ def _import_file(ref: Reference) -> tuple[Any, Path, str]:
             exec(compile(data, str(path), "exec"), module.__dict__)  # the bytes that were hashed
         except (Exception, SystemExit) as e:
             del sys.modules[name]
-            raise UserError(f"--model {ref.text}: importing {ref.target} failed{_where(e, path)}: "
+            raise UserError(f"--model {ref.text}: importing {ref.target} failed{where(e, path)}: "
                             f"{first_line(e)}") from None
     return module, path, sha
 
@@ -333,7 +333,7 @@ def build(name: str, num_classes: int, /, **kwargs: Any) -> Any:
     except Exception as e:
         fix = (f"; give {ref.factory}'s own arguments with --model-args (e.g. {how.into}=...)" if how.note and how.into
                and how.into != "**kwargs" else "")
-        raise UserError(f"--model {ref.text}: {call} failed{_where(e, loaded.file)}: {first_line(e)}{landed}{fix}"
+        raise UserError(f"--model {ref.text}: {call} failed{where(e, loaded.file)}: {first_line(e)}{landed}{fix}"
                         ) from None
     if not isinstance(model, nn.Module):
         raise UserError(f"--model {ref.text}: {call} returned a {type(model).__name__}, not a torch.nn.Module; "
@@ -341,12 +341,29 @@ def build(name: str, num_classes: int, /, **kwargs: Any) -> Any:
     return model
 
 
-def check_output(model: Any, name: str, num_classes: int, img_size: int) -> None:
-    """For a model of your own: one training-mode forward of 2 random images without gradients must give
-    logits [2, num_classes]; buffers (BatchNorm statistics) and the RNG are put back. Raises UserError
-    naming what came back, or the error and its line. Does nothing for torchvision names."""
-    if not is_reference(name):
-        return
+def first_conv_channels(model: Any) -> int | None:
+    """The input channels of the model's first 2-D convolution (in registration order), or None."""
+    from torch import nn
+
+    conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
+    return None if conv is None else int(conv.in_channels)
+
+
+def channels_hint(model: Any, channels: int) -> str:
+    """'; its first convolution takes 1 channel(s), dlenv fed 3: add --channels 1' where they differ, else ''."""
+    takes = first_conv_channels(model)
+    if takes is None or takes == channels or takes not in (1, 3):
+        return ""
+    what = "grayscale" if takes == 1 else "RGB"
+    return (f"; its first convolution takes {takes} channel(s) and dlenv fed {channels}: add --channels {takes} "
+            f"(dlenv then feeds {what} images)")
+
+
+def probe_output(model: Any, name: str, img_size: int, channels: int = 3) -> Any:
+    """One training-mode forward of 2 random images [2, channels, img_size, img_size] without gradients, the
+    model's buffers (BatchNorm statistics) and the RNG put back; returns what the model returned. Raises
+    UserError naming the error and its line in the user's file (and --channels where the first convolution
+    takes another count)."""
     import torch
 
     from dlenv import compat
@@ -354,26 +371,57 @@ def check_output(model: Any, name: str, num_classes: int, img_size: int) -> None
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     buffers = {k: b.clone() for k, b in model.named_buffers()}
-    shape = f"2 images of 3x{img_size}x{img_size}"
-    file = parse_reference(name).path() if parse_reference(name).is_file else None
+    shape = f"2 images of {channels}x{img_size}x{img_size}"
+    file = parse_reference(name).path() if is_reference(name) and parse_reference(name).is_file else None
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
         try:
-            out = model(torch.randn(2, 3, img_size, img_size, device=device))
+            return model(torch.randn(2, channels, img_size, img_size, device=device))
         except Exception as e:
             if compat.is_oom(e):
                 raise
-            raise UserError(f"--model {name}: the model's forward failed on {shape}{_where(e, file)}: "
-                            f"{first_line(e)}") from None
+            raise UserError(f"--model {name}: the model's forward failed on {shape}{where(e, file)}: "
+                            f"{first_line(e)}{channels_hint(model, channels)}") from None
         finally:
             for k, b in model.named_buffers():
                 if k in buffers:
                     b.copy_(buffers[k])
+
+
+def _logits_shape_error(out: Any, name: str, shape: str, expected: str) -> UserError:
+    import torch
+
+    what = (f"a tensor of shape [{', '.join(map(str, out.shape))}]"
+            + ("" if out.is_floating_point() else f" of {out.dtype}")) if torch.is_tensor(out) else (
+        f"a {type(out).__name__}")
+    return UserError(f"--model {name}: the model returned {what} for {shape}; its forward must "
+                     f"return logits of shape [N, num_classes] = {expected} (in training mode too)")
+
+
+def check_output(model: Any, name: str, num_classes: int, img_size: int, channels: int = 3) -> None:
+    """For a model of your own: one training-mode forward of 2 random images without gradients must give
+    logits [2, num_classes] (`probe_output`). Raises UserError naming what came back, or the error and its
+    line. Does nothing for torchvision names. (Log-probabilities, as a log_softmax output, count as logits:
+    cross-entropy of log-probabilities is their negative log-likelihood, and their argmax is the class.)"""
+    if not is_reference(name):
+        return
+    import torch
+
+    out = probe_output(model, name, img_size, channels)
     if not (torch.is_tensor(out) and out.is_floating_point() and tuple(out.shape) == (2, num_classes)):
-        what = (f"a tensor of shape [{', '.join(map(str, out.shape))}]"
-                + ("" if out.is_floating_point() else f" of {out.dtype}")) if torch.is_tensor(out) else (
-            f"a {type(out).__name__}")
-        raise UserError(f"--model {name}: the model returned {what} for {shape}; its forward must "
-                        f"return logits of shape [N, num_classes] = [2, {num_classes}] (in training mode too)")
+        raise _logits_shape_error(out, name, f"2 images of {channels}x{img_size}x{img_size}",
+                                  f"[2, {num_classes}]")
+
+
+def output_classes(model: Any, name: str, img_size: int, channels: int = 3) -> int:
+    """The class count a model's own head gives: the width of its logits for 2 random images
+    (`probe_output`), for a measurement that must use the model as it is (bench-memory). Raises
+    UserError when the output is not logits [2, K]."""
+    import torch
+
+    out = probe_output(model, name, img_size, channels)
+    if not (torch.is_tensor(out) and out.is_floating_point() and out.dim() == 2 and out.shape[0] == 2):
+        raise _logits_shape_error(out, name, f"2 images of {channels}x{img_size}x{img_size}", "[2, K]")
+    return int(out.shape[1])
 
 
 def provenance(name: str, kwargs: dict[str, Any]) -> dict[str, Any] | None:

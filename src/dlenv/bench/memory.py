@@ -20,26 +20,40 @@ fragmentation = 1 - peak allocated / peak reserved, measured rather than repeate
 Output in --out: memory.md (the tables), memory.csv, allocator.csv and memory.png. On a machine
 without a GPU it still runs (speed and loss only; the memory columns say NA).
 
+The user's model is measured as it is: with --num-classes auto its own head's width is the class count
+(a named model gets 1000, an ImageNet-sized head). A configuration that fails is one line in the table
+and on the console; the workers' own output (each step, any traceback) streams unbuffered into
+workers.log in --out as it happens. Each worker runs in a process group of its own: Ctrl-C (or SIGTERM)
+reaches this process alone, which stops the running worker's whole group at once and still writes the
+tables of what was measured so far (exit 130 / 143).
+
 The parent process (this module) never imports torch: the workers (dlenv.bench.memory_worker) do all
 the measuring, each with the trainer's own step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
 from dlenv.atomic import write_atomic, write_text
-from dlenv.errors import UserError
+from dlenv.errors import EXIT_SIGHUP, EXIT_SIGINT, EXIT_SIGTERM, UserError
 
 GIB = 1024 ** 3
-NUM_CLASSES = 1000  # an ImageNet-sized head, as in the articles' tables
+NUM_CLASSES = 1000  # a named model's head with --num-classes auto: ImageNet-sized, as in the articles' tables
+#: seconds a stopped worker's process group has after SIGTERM before SIGKILL
+STOP_GRACE_S = 2.0
+#: the workers' output, streamed into --out as it happens
+WORKER_LOG = "workers.log"
 SEED = 0
 
 #: (key, label, amp, checkpoint) of the configurations, FP32 first: it is every ratio's reference.
@@ -108,38 +122,102 @@ def _src_dir() -> str:
     return str(Path(dlenv.__file__).resolve().parent.parent)
 
 
-def run_worker(spec: dict[str, Any], alloc_conf: str | None = None, timeout: float | None = 3600) -> dict:
+class Stop(KeyboardInterrupt):
+    """SIGTERM or SIGHUP during a bench (a KeyboardInterrupt, as Ctrl-C is: no library swallows it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """End a worker and everything it started: SIGTERM to its process group, SIGKILL after STOP_GRACE_S."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=STOP_GRACE_S)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # a grandchild that outlived its parent
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _exit_line(code: int) -> str:
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
+        why = " (out of host memory? the kernel's OOM killer sends it)" if -code == signal.SIGKILL else ""
+        return f"the worker was killed by {name}{why}"
+    return f"the worker exited {code} without a result"
+
+
+def run_worker(spec: dict[str, Any], alloc_conf: str | None = None, timeout: float | None = 3600,
+               log: Path | None = None) -> dict:
     """Run one measurement in a fresh Python process and return its result dict.
 
     `alloc_conf` sets PYTORCH_CUDA_ALLOC_CONF for that process ("" unsets it; None keeps the
-    user's). A worker that crashes gives {"status": "error", "error": <its last stderr line>}; a
+    user's). The worker's stdout and stderr go unbuffered to `log` (appended as they come; else
+    discarded). It runs in a process group of its own: a KeyboardInterrupt here (Ctrl-C, `Stop`) ends
+    that group before it propagates. A worker that dies gives {"status": "error", "error": one line}; a
     UserError in the worker (an unknown model, no GPU) is raised here.
     """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_src_dir(), env.get("PYTHONPATH")) if p)
+    env["PYTHONUNBUFFERED"] = "1"  # each step's line reaches the log as it is printed
     if alloc_conf is not None:
         env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
         if alloc_conf:
             env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
     fd, result_path = tempfile.mkstemp(prefix="dlenv-bench-", suffix=".json")
     os.close(fd)
+    out = open(log, "ab", buffering=0) if log is not None else subprocess.DEVNULL  # noqa: SIM115 (closed below)
+    if log is not None:  # which worker the lines below come from
+        shown = {k: spec.get(k) for k in ("mode", "amp", "checkpoint", "channels_last") if k in spec}
+        out.write(f"--- worker {json.dumps(shown)}\n".encode())
     try:
         cmd = [sys.executable, "-m", "dlenv.bench.memory_worker", "--worker", json.dumps(spec), "--result",
                result_path]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop_group(proc)
+            return {"status": "error", "error": f"the worker took more than {timeout:.0f} s"}
+        except BaseException:
+            _stop_group(proc)
+            raise
         text = Path(result_path).read_text(encoding="utf-8")
         result = json.loads(text) if text.strip() else None
-    except subprocess.TimeoutExpired:
-        return {"status": "error", "error": f"worker took more than {timeout:.0f} s"}
     finally:
         Path(result_path).unlink(missing_ok=True)
+        if log is not None:
+            out.close()
     if result is None:
-        lines = [ln for ln in (proc.stderr or "").strip().splitlines() if ln.strip()]
-        sys.stderr.write(proc.stderr[-4000:] if proc.stderr else "")
-        return {"status": "error", "error": lines[-1] if lines else f"worker exited {proc.returncode}"}
+        return {"status": "error", "error": _exit_line(code) + (f"; its output is in {log}" if log else "")}
     if result.get("status") == "user_error":
         raise UserError(result["error"])
     return result
+
+
+@contextlib.contextmanager
+def _stoppable():
+    """SIGTERM and SIGHUP raise `Stop` in the main thread while the bench runs (Ctrl-C already raises
+    KeyboardInterrupt): the running worker is ended and the tables of what was measured are written."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise Stop(signum)
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -270,16 +348,22 @@ def _header(cfg: Any, info: dict[str, Any]) -> str:
     mem = f", {info['gpu_total_gib']:.0f} GiB" if info.get("gpu_total_gib") else ""
     if info.get("gpu_capped_gib"):
         mem += f" capped at {info['gpu_capped_gib']:g} GiB (--gpu-memory-gib)"
-    return (f"{cfg.model}, batch {cfg.batch_size}, {cfg.img_size} px, {cfg.warmup} warmup + {cfg.steps} timed "
-            f"steps (SGD, {NUM_CLASSES} classes) on {where}{mem}; PyTorch {info.get('torch')}, CUDA "
+    classes = info.get("num_classes") or cfg.num_classes or NUM_CLASSES
+    whose = "" if cfg.num_classes else " of the model's own head"
+    chans = "" if cfg.channels == 3 else f", {cfg.channels} channel(s)"
+    return (f"{cfg.model}, batch {cfg.batch_size}, {cfg.img_size} px{chans}, {cfg.warmup} warmup + {cfg.steps} "
+            f"timed steps (SGD, {classes} classes{whose}) on {where}{mem}; PyTorch {info.get('torch')}, CUDA "
             f"{info.get('cuda') or '-'}; PYTORCH_CUDA_ALLOC_CONF={info.get('alloc_conf') or '(unset)'}")
 
 
 def report(cfg: Any, rows: list[dict[str, Any]], alloc_rows: list[dict[str, Any]],
            info: dict[str, Any]) -> str:
     """The whole memory.md text: header, the configuration table, notes, the allocator table."""
-    parts = [f"# bench-memory: {cfg.model}", "", _header(cfg, info), "",
-             markdown_table(rows, cfg.warmup + cfg.steps, cfg.max_batch), ""]
+    parts = [f"# bench-memory: {cfg.model}", "", _header(cfg, info), ""]
+    if info.get("stopped"):
+        parts += [f"**Stopped by {info['stopped']}** after {len(rows)} configuration(s): the table holds what "
+                  "was measured until then.", ""]
+    parts += [markdown_table(rows, cfg.warmup + cfg.steps, cfg.max_batch), ""]
     notes = ["Peak alloc/reserved: torch.cuda.max_memory_allocated/reserved over the timed steps, each "
              "configuration in a fresh process. vs FP32: peak allocated relative to FP32.",
              f"Loss: cross-entropy at step {cfg.warmup + cfg.steps}, from the same seeded weights on the same "
@@ -321,7 +405,7 @@ def report(cfg: Any, rows: list[dict[str, Any]], alloc_rows: list[dict[str, Any]
 def _spec(cfg: Any, mode: str = "measure", **extra: Any) -> dict[str, Any]:
     spec = dict(mode=mode, model=cfg.model, batch_size=cfg.batch_size, img_size=cfg.img_size,
                 warmup=cfg.warmup, steps=cfg.steps, amp_dtype=cfg.amp_dtype, device=cfg.device,
-                seed=SEED, num_classes=NUM_CLASSES, gpu_memory_gib=cfg.gpu_memory_gib)
+                seed=SEED, num_classes=cfg.num_classes, channels=cfg.channels, gpu_memory_gib=cfg.gpu_memory_gib)
     spec.update(extra)
     return spec
 
@@ -339,20 +423,50 @@ def _search_checkpoint(cfg: Any, c: dict[str, Any], info: dict[str, Any], progre
     if info and info.get("device") != "cuda":  # known to be a CPU: no worker needed to say so
         return dict(status="skipped", error=NO_SEARCH_ON_CPU)
     progress(f"[bench-memory] {c['label']}: fewest checkpointed blocks that fit ...")
-    res = run_worker(_spec(cfg, "ckpt_search", amp=c["amp"], checkpoint=False, channels_last=c["channels_last"]))
+    res = run_worker(_spec(cfg, "ckpt_search", amp=c["amp"], checkpoint=False, channels_last=c["channels_last"]),
+                     **_log(cfg))
     if res.get("status") == "error":
         res["error"] = f"checkpoint search: {res.get('error', '?')}"
     return res
 
 
+def _log(cfg: Any) -> dict[str, Any]:
+    """run_worker's `log` argument: workers.log in --out (when the folder is there)."""
+    out = Path(cfg.out)
+    return {"log": out / WORKER_LOG} if out.is_dir() else {}
+
+
+def _said(row: dict[str, Any]) -> str:
+    """One line for a finished configuration: its speed (and peak), or why it has none."""
+    if row.get("status") == "ok":
+        peak = f", peak {row['peak_alloc_gib']:.2f} GiB" if row.get("peak_alloc_gib") is not None else ""
+        return f"{row.get('img_per_s') or 0:.1f} img/s{peak}"
+    return {"oom": "out of memory", "skipped": row.get("error", "not measured")}.get(
+        row.get("status"), f"failed: {row.get('error', '?')}")
+
+
 def run_bench(cfg: Any, progress=print) -> tuple[list[dict], list[dict], dict]:
     """Run every configuration (and the allocator settings) in fresh workers.
 
-    Returns (rows, allocator rows, environment info of the first worker). Raises UserError for an
-    unknown model or a device that is not there.
+    Returns (rows, allocator rows, environment info of the first worker). Ctrl-C or `Stop` ends the
+    running worker and returns what was measured, with info["stopped"] naming the signal. Raises
+    UserError for an unknown model or a device that is not there.
     """
     rows: list[dict[str, Any]] = []
+    alloc_rows: list[dict[str, Any]] = []
     info: dict[str, Any] = {}
+    try:
+        _run_configurations(cfg, progress, rows, info)
+        _run_allocator(cfg, progress, alloc_rows, info)
+    except KeyboardInterrupt as e:
+        info["stopped"] = signal.Signals(e.signum).name if isinstance(e, Stop) else "SIGINT (Ctrl-C)"
+        progress(f"[bench-memory] stopped by {info['stopped']}: writing what was measured")
+    add_ratios(rows)
+    return rows, alloc_rows, info
+
+
+def _run_configurations(cfg: Any, progress, rows: list[dict[str, Any]], info: dict[str, Any]) -> None:
+    """Measure each configuration in turn, appending its row to `rows` as it finishes."""
     todo = configurations(False, False)
     i = 0
     while i < len(todo):
@@ -364,10 +478,11 @@ def run_bench(cfg: Any, progress=print) -> tuple[list[dict], list[dict], dict]:
             ckpt = found.get("ckpt_ratio") if found.get("status") == "ok" else None
         # no ratio means the search did not run: the row is its answer (skipped or failed, and why)
         res = found if ckpt is None else dict(found, **run_worker(_spec(cfg, amp=c["amp"], checkpoint=ckpt,
-                                                                         channels_last=c["channels_last"])))
+                                                                         channels_last=c["channels_last"]),
+                                                                   **_log(cfg)))
         if not info and "device" in res:
-            info = {k: res.get(k) for k in ("device", "gpu", "gpu_total_gib", "gpu_capped_gib", "torch", "cuda",
-                                             "alloc_conf")}
+            info.update({k: res.get(k) for k in ("device", "gpu", "gpu_total_gib", "gpu_capped_gib", "torch",
+                                                  "cuda", "alloc_conf", "num_classes")})
             # the first worker tells whether the model is convolutional: add channels_last variants
             todo = configurations(bool(res.get("convolutional")), cfg.channels_last)
         row = dict(res, key=c["key"], configuration=c["label"],
@@ -377,40 +492,49 @@ def run_bench(cfg: Any, progress=print) -> tuple[list[dict], list[dict], dict]:
         if cfg.max_batch and info.get("device") == "cuda" and ckpt is not None:
             progress(f"[bench-memory] {c['label']}: largest batch ...")
             mb = run_worker(_spec(cfg, "max_batch", amp=c["amp"], checkpoint=ckpt,
-                                  channels_last=c["channels_last"]))
+                                  channels_last=c["channels_last"]), **_log(cfg))
             row["max_batch"] = mb.get("max_batch")
         rows.append(row)
+        progress(f"[bench-memory] {c['label']}: {_said(row)}")
         i += 1
-    add_ratios(rows)
 
-    alloc_rows: list[dict[str, Any]] = []
+
+def _run_allocator(cfg: Any, progress, alloc_rows: list[dict[str, Any]], info: dict[str, Any]) -> None:
+    """Compare the allocator settings (CUDA only), appending a row per setting."""
     if cfg.allocator and info.get("device") == "cuda":
         from dlenv.compat import HAS_EXPANDABLE_SEGMENTS  # imports torch, in this one case only
 
         for setting in allocator_settings(HAS_EXPANDABLE_SEGMENTS):
             progress(f"[bench-memory] allocator {setting or '(unset)'} ...")
             res = run_worker(_spec(cfg, "allocator", amp=True, checkpoint=False, channels_last=False,
-                                   steps=cfg.alloc_steps), alloc_conf=setting)
+                                   steps=cfg.alloc_steps), alloc_conf=setting, **_log(cfg))
             alloc_rows.append(dict(res, setting=setting))
-    return rows, alloc_rows, info
 
 
 def main(cfg: Any) -> int:
     """`dlenv bench-memory`: run, print the tables, write memory.md/.csv/.png and allocator.csv to --out.
 
-    Returns 0, or 1 when a configuration's worker failed for a reason other than out of memory.
+    Returns 0; 1 when a configuration's worker failed for a reason other than out of memory (each says
+    why in one line); 130 / 143 / 129 when Ctrl-C, SIGTERM or SIGHUP stopped it (the tables then hold
+    what was measured).
     """
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows, alloc_rows, info = run_bench(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    (out / WORKER_LOG).write_bytes(b"")  # this run's workers only
+    with _stoppable():
+        rows, alloc_rows, info = run_bench(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
     text = report(cfg, rows, alloc_rows, info)
     write_text(out / "memory.md", text)
     write_csv(rows, out / "memory.csv", CSV_COLUMNS)
     if alloc_rows:
         write_csv(alloc_rows, out / "allocator.csv", ALLOC_COLUMNS)
     bar_chart(rows, out / "memory.png", _header(cfg, info))
-    print(text)
+    print(text, flush=True)
     print(f"written: {out / 'memory.md'}, {out / 'memory.csv'}, {out / 'memory.png'}"
-          + (f", {out / 'allocator.csv'}" if alloc_rows else ""))
+          + (f", {out / 'allocator.csv'}" if alloc_rows else "") + f"; the workers' output: {out / WORKER_LOG}",
+          flush=True)
+    stopped = info.get("stopped", "")
+    if stopped:
+        return EXIT_SIGTERM if stopped == "SIGTERM" else EXIT_SIGHUP if stopped == "SIGHUP" else EXIT_SIGINT
     failed = [r for r in rows + alloc_rows if r.get("status") == "error"]
     return 1 if failed else 0

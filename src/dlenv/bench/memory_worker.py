@@ -6,15 +6,23 @@ on one seeded batch: `measure` times warm-up + N steps and reads the peaks, `mea
 searches the largest batch that fits (dlenv.autobatch), `measure_checkpoint_search` the fewest
 checkpointed blocks that fit the batch (the auto-ratio row), `measure_allocator` trains on a batch and
 image size that change every step under the PYTORCH_CUDA_ALLOC_CONF the parent set. A CUDA
-out-of-memory is a result ("oom"), not a crash; a UserError goes back to the parent as one.
+out-of-memory is a result ("oom"), not a crash; a UserError goes back to the parent as one; any other
+exception is one line for the table ("error", naming the line of the user's model file), its traceback on
+stderr, which the parent keeps in the output folder's log.
+
+The model is measured as it is: a spec without num_classes (bench-memory's auto) takes the class count
+from the model's own output (one forward of two images, `dlenv.usermodel.output_classes`), so a factory
+that fixes its head (kuangliu's `ResNet18()`: 10 classes) trains on targets in its range.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +41,34 @@ def _parts(model: Any, mode: str, dev: torch.device, fmt: torch.memory_format) -
     return Parts.plain(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), Precision(mode, dev), fmt)
 
 
-def _setup(spec: dict[str, Any]):
-    """Device, model (seeded, checkpointed, channels_last as asked) and precision mode for a spec."""
+def _build(spec: dict[str, Any]) -> Any:
+    """The spec's model, seeded (the same initial weights in every configuration), and its class count
+    written into the spec: the one asked for, or with none asked the model's own (see the docstring)."""
+    from dlenv import usermodel
+    from dlenv.models import build_model
+
+    asked = spec.get("num_classes")
+    if asked is None:  # the factory's own note ("its output must already have N classes") does not apply
+        logging.getLogger(usermodel.__name__).setLevel(logging.ERROR)
+    torch.manual_seed(spec.get("seed", SEED))
+    model = build_model(spec["model"], asked or NUM_CLASSES)
+    own = usermodel.output_classes(model, spec["model"], spec["img_size"], _channels(spec))
+    if asked is not None and own != asked:
+        raise UserError(f"--model {spec['model']} gives {own} classes, not --num-classes {asked}; leave "
+                        "--num-classes out to measure the model's own head")
+    spec["num_classes"] = own
+    return model
+
+
+def _channels(spec: dict[str, Any]) -> int:
+    return int(spec.get("channels") or 3)
+
+
+def _setup(spec: dict[str, Any], checkpoint: bool = True):
+    """Device, model (seeded, checkpointed as the spec asks unless `checkpoint` is False, channels_last as
+    asked) and precision mode for a spec; the spec's num_classes is set (`_build`)."""
     from dlenv.devices import resolve_device
-    from dlenv.models import apply_checkpointing, build_model, is_convolutional
+    from dlenv.models import apply_checkpointing, is_convolutional
     from dlenv.precision import resolve_precision
 
     dev = resolve_device(spec["device"])
@@ -44,10 +76,9 @@ def _setup(spec: dict[str, Any]):
         total = torch.cuda.get_device_properties(dev).total_memory
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         torch.cuda.set_per_process_memory_fraction(min(1.0, spec["gpu_memory_gib"] * GIB / total), index)
-    torch.manual_seed(spec.get("seed", SEED))  # the same initial weights in every configuration
-    model = build_model(spec["model"], spec.get("num_classes", NUM_CLASSES))
+    model = _build(spec)
     conv = bool(is_convolutional(model))
-    if spec.get("checkpoint"):  # True: every block; a number: that ratio (the auto-ratio row's answer)
+    if checkpoint and spec.get("checkpoint"):  # True: every block; a number: that ratio (the auto-ratio row's answer)
         apply_checkpointing(model, ratio=1.0 if spec["checkpoint"] is True else float(spec["checkpoint"]))
     fmt = torch.channels_last if spec.get("channels_last") else torch.contiguous_format
     model = model.to(dev, memory_format=fmt).train()
@@ -59,7 +90,7 @@ def _setup(spec: dict[str, Any]):
 
 def _env_info(dev, spec: dict[str, Any]) -> dict[str, Any]:
     info = {"device": dev.type, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "num_classes": spec["num_classes"]}
     if dev.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(dev)
         info["gpu_total_gib"] = torch.cuda.get_device_properties(dev).total_memory / GIB
@@ -101,8 +132,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     out = dict(_env_info(dev, spec), convolutional=conv, precision=mode, status="ok")
     b, s = spec["batch_size"], spec["img_size"]
     gen = torch.Generator().manual_seed(spec.get("seed", SEED) + 1)  # the same batch everywhere
-    x_cpu = torch.randn(b, 3, s, s, generator=gen)
-    y_cpu = torch.randint(0, spec.get("num_classes", NUM_CLASSES), (b,), generator=gen)
+    x_cpu = torch.randn(b, _channels(spec), s, s, generator=gen)
+    y_cpu = torch.randint(0, spec["num_classes"], (b,), generator=gen)
     warmup, steps = spec["warmup"], spec["steps"]
 
     def run() -> None:
@@ -117,6 +148,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
                     torch.cuda.reset_peak_memory_stats(dev)
                 t0 = time.perf_counter()
             loss, stepped = train_step(parts, x, y)
+            print(f"step {i + 1}/{warmup + steps}: loss {float(loss):.4f}", file=sys.stderr, flush=True)
             skipped += 0 if stepped else 1
             if first is None:
                 first = loss
@@ -135,7 +167,7 @@ def _factory(spec: dict[str, Any]):
 
     def factory():
         torch.manual_seed(spec.get("seed", SEED))
-        return build_model(spec["model"], spec.get("num_classes", NUM_CLASSES))
+        return build_model(spec["model"], spec["num_classes"])
 
     return factory
 
@@ -152,7 +184,7 @@ def measure_max_batch(spec: dict[str, Any]) -> dict[str, Any]:
     torch.cuda.empty_cache()
     factory = _factory(spec)
     probe = make_train_step_probe(factory, mode, spec.get("checkpoint", False), spec["img_size"],
-                                  spec.get("num_classes", NUM_CLASSES), dev,
+                                  spec["num_classes"], dev,
                                   channels_last=bool(spec.get("channels_last")))
     res = search_max_batch(probe, start=spec["batch_size"], tolerance=spec.get("tolerance", 0.01),
                            what=f"{spec['model']} at {spec['img_size']} px")
@@ -169,13 +201,13 @@ def measure_checkpoint_search(spec: dict[str, Any]) -> dict[str, Any]:
     """
     from dlenv.autobatch import fewest_checkpoint_blocks
 
-    dev, model, conv, mode, fmt = _setup(dict(spec, checkpoint=False))
+    dev, model, conv, mode, fmt = _setup(spec, checkpoint=False)
     out = dict(_env_info(dev, spec), convolutional=conv, precision=mode, status="ok")
     if dev.type != "cuda":
         return dict(out, status="skipped", error=NO_SEARCH_ON_CPU)
     del model  # the search trains a probe model of its own
     torch.cuda.empty_cache()
-    res = fewest_checkpoint_blocks(_factory(spec), mode, spec["img_size"], spec.get("num_classes", NUM_CLASSES),
+    res = fewest_checkpoint_blocks(_factory(spec), mode, spec["img_size"], spec["num_classes"],
                                    dev, spec["batch_size"], channels_last=bool(spec.get("channels_last")))
     return dict(out, ckpt_blocks=res.blocks, ckpt_n_blocks=res.n_blocks, ckpt_ratio=res.ratio,
                 ckpt_fits_all=res.fits_all, ckpt_tries=res.tries, ckpt_search_s=res.seconds)
@@ -198,8 +230,8 @@ def measure_allocator(spec: dict[str, Any]) -> dict[str, Any]:
         _sync(dev)
         t0 = time.perf_counter()
         for b, s in schedule:
-            x = torch.randn(b, 3, s, s, generator=gen).to(dev).contiguous(memory_format=fmt)
-            y = torch.randint(0, spec.get("num_classes", NUM_CLASSES), (b,), generator=gen).to(dev)
+            x = torch.randn(b, _channels(spec), s, s, generator=gen).to(dev).contiguous(memory_format=fmt)
+            y = torch.randint(0, spec["num_classes"], (b,), generator=gen).to(dev)
             train_step(parts, x, y)
             images += b
         _sync(dev)
@@ -209,6 +241,16 @@ def measure_allocator(spec: dict[str, Any]) -> dict[str, Any]:
                    img_per_s=images / (time.perf_counter() - t0))
 
     return _oom_as_status(run, out)
+
+
+def _where(e: BaseException, model: Any) -> str:
+    """' at line N of FILE' for the deepest frame of `e` in the user's model file, or ''."""
+    from dlenv import usermodel
+
+    if not (isinstance(model, str) and usermodel.is_reference(model)):
+        return ""
+    ref = usermodel.parse_reference(model)
+    return usermodel.where(e, ref.path() if ref.is_file else None)
 
 
 _MODES = {"measure": measure, "max_batch": measure_max_batch, "ckpt_search": measure_checkpoint_search,
@@ -229,6 +271,9 @@ def _worker_main(argv: list[str]) -> int:
         result = _MODES[spec.get("mode", "measure")](spec)
     except UserError as e:
         result = {"status": "user_error", "error": str(e)}
+    except Exception as e:  # one line for the table; the traceback goes to the parent's log
+        traceback.print_exc()
+        result = {"status": "error", "error": first_line(e) + _where(e, spec.get("model"))}
     Path(a.result).write_text(json.dumps(result), encoding="utf-8")
     return 0
 
