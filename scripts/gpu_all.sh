@@ -35,7 +35,9 @@ for part in $parts; do
     case $part in
     env)   run env nvidia-smi
            run env python3 -m dlenv verify-env ;;
-    tests) run tests python3 -m pytest -q -m gpu tests -p no:cacheprovider ;;
+    tests) # the whole GPU suite in one call: three workers share the card, whole_gpu tests run alone (conftest)
+           run tests python3 -m pytest -q -m gpu -n 3 --dist loadgroup --durations=30 -p no:cacheprovider \
+               --junitxml "$out/gpu-tests.xml" tests ;;
     train) run train python3 scripts/bench_train.py --steps 20 --out "$tmp/train"
            cat "$tmp"/train/*.md >> "$tmp/tables.md" 2>/dev/null ;;
     memory)

@@ -312,6 +312,7 @@ def test_fewest_checkpoint_blocks_of_a_model_without_blocks_tries_nothing(monkey
 
 
 @pytest.mark.gpu
+@pytest.mark.whole_gpu  # it runs the card out of memory
 def test_gpu_probe_fits_then_ooms_and_frees_its_memory():
     import torch
 

@@ -10,7 +10,8 @@ import pytest
 from dlenv import config
 from dlenv.bench import memory as bench
 
-pytestmark = pytest.mark.gpu
+# whole_gpu: these fill the card to an out-of-memory, cap it or compare speeds (conftest); one worker
+pytestmark = [pytest.mark.gpu, pytest.mark.whole_gpu, pytest.mark.xdist_group("bench_memory_gpu")]
 
 
 @pytest.fixture(scope="module")

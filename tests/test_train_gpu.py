@@ -16,7 +16,8 @@ from dlenv.errors import UserError
 from dlenv.runfolder import results, runstate
 from dlenv.train import loop
 
-pytestmark = pytest.mark.gpu
+# whole_gpu: these fill the card to an out-of-memory, cap it or compare speeds (conftest); one worker
+pytestmark = [pytest.mark.gpu, pytest.mark.whole_gpu, pytest.mark.xdist_group("train_gpu")]
 
 
 def run(tmp_path, **kw):

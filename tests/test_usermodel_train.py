@@ -400,6 +400,7 @@ def test_a_bad_model_is_one_line_from_the_command_line_and_writes_nothing(projec
 
 
 @pytest.mark.gpu
+@pytest.mark.whole_gpu  # --batch-size auto probes the card
 @pytest.mark.parametrize("name", ["resnet.py", "vit.py"])
 def test_gpu_amp_checkpoint_compile_and_auto_batch(project, name):
     out = train(model=f"models/{name}:build", device="cuda", img_size=32 if name == "resnet.py" else None,
