@@ -22,6 +22,15 @@ def _fresh_invocation(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _no_stop_carried_over(monkeypatch):
+    """A stop signal a test raised (dlenv.errors.stop notes it for the process) is not taken by the next
+    test for one its command swallowed."""
+    from dlenv import errors
+
+    monkeypatch.setattr(errors, "_stops", [])
+
+
+@pytest.fixture(autouse=True)
 def _own_cache_folder(tmp_path_factory, monkeypatch):
     """Tests (and the dlenv processes they start) keep dlenv's per-machine verdicts (the CPU AMP check)
     in a folder of their own, never the machine's ~/.cache."""

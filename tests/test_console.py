@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dlenv import invocation, progress
+from dlenv import errors, invocation, progress
 from dlenv.train import console
 
 ROW = {"epoch": 1, "train_loss": 1.0, "val_loss": 0.5, "top1": 90.0, "top5": 99.0, "lr": 1e-3, "img_per_s": 100.0,
@@ -85,7 +85,7 @@ def test_a_signal_while_starting_ends_the_run_at_once_in_one_line(name, monkeypa
     import signal
 
     monkeypatch.setenv(invocation.ENV, "dlenv train")
-    with pytest.raises(console.StoppedEarly) as caught, console.StartUp():
+    with pytest.raises(errors.Stopped) as caught, console.StartUp():
         signal.raise_signal(getattr(signal, name))
     assert caught.value.signum == getattr(signal, name)
     assert not isinstance(caught.value, Exception)  # no `except Exception` on the way takes it

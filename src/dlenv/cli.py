@@ -34,11 +34,15 @@ from dlenv.errors import (
     EXIT_SIGHUP,
     EXIT_SIGINT,
     EXIT_SIGTERM,
+    Stopped,
     UserError,
+    check_stop,
     environment_fault,
     host_memory_line,
     printable,
     sizes_said,
+    stop,
+    stop_received,
 )
 
 
@@ -129,27 +133,20 @@ def run_tests(gpu: bool = False, extra: list[str] | tuple[str, ...] = (), full: 
             shutil.rmtree(base, ignore_errors=True)
 
 
-class _Stopped(Exception):
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
 @contextlib.contextmanager
 def _stoppable():
     """SIGTERM or SIGHUP while PyTorch loads (seconds, before any command has handlers of its own), or
-    during a command that has none (val, prune, export), ends in one line and 143 / 129, not a silent
-    death by the default action; SIGINT already does (KeyboardInterrupt). train puts its own on."""
+    during a command that has none (val, predict, prune, export), ends in one line and 143 / 129, not a
+    silent death by the default action; SIGINT already does (KeyboardInterrupt). The handler raises
+    errors.Stopped, a BaseException, and notes the signal (errors.stop), so a library that swallows or
+    converts the exception cannot lose the stop: `run_command` looks for the note. train puts its own on."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    def stop(signum: int, frame: Any) -> None:
-        raise _Stopped(signum)
-
-    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    old = {s: signal.signal(s, lambda signum, frame: stop(signum)) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:
@@ -173,19 +170,25 @@ def run_command(name: str, given: dict[str, Any], yaml_file: str | None = None) 
                 # PyTorch and CUDA take seconds to load (7-11 s on a GPU box): say so at once, not after
                 print("dlenv train: loading PyTorch ...", flush=True)
             target = getattr(importlib.import_module(module), func)
+            check_stop()  # a stop that landed in a C extension's start-up: converted (torch 1.13) or dropped (2.x)
             loading = False
-            return int(target(cfg) or 0)  # loads take cfg's LoadPolicy; train puts its own handlers on
-    except _Stopped as e:
-        when = "while loading PyTorch; nothing was started" if loading else "before it finished"
-        print(f"dlenv {name}: stopped by {signal.Signals(e.signum).name} {when}", file=sys.stderr)
-        return EXIT_SIGHUP if e.signum == signal.SIGHUP else EXIT_SIGTERM
+            code = int(target(cfg) or 0)  # loads take cfg's LoadPolicy; train puts its own handlers on
+            if code == 0:
+                check_stop()  # a stop some library swallowed on the way: the result is not whole
+            return code
+    except Stopped as e:
+        return _stopped(name, e.signum, loading)
     except UserError as e:
+        if stop_received():  # the stop, turned into an error on the way ("truncated or corrupt", ...)
+            return _stopped(name, stop_received(), loading)
         print(f"dlenv {name}: error: {printable(e)}", file=sys.stderr)  # one line, whatever a name holds
         return e.exit_code
     except KeyboardInterrupt:
         print(f"dlenv {name}: interrupted", file=sys.stderr)
         return EXIT_SIGINT
     except Exception as e:
+        if stop_received():  # the stop, turned into an error on the way (RuntimeError("Stopped: 15 ..."))
+            return _stopped(name, stop_received(), loading)
         sizes = {k: getattr(cfg, k, None) for k in ("batch_size", "img_size", "workers")}
         oom = host_memory_line(e, accum_steps=getattr(cfg, "accum_steps", None), **sizes)
         fault = oom or environment_fault(e, at=sizes_said(**sizes))
@@ -198,7 +201,23 @@ def run_command(name: str, given: dict[str, Any], yaml_file: str | None = None) 
         return EXIT_BUG
 
 
+def _stopped(name: str | None, signum: int, loading: bool) -> int:
+    """The one line a command stopped by `signum` ends with; returns its exit status."""
+    when = "while starting (loading PyTorch); nothing was done" if loading else "before it finished"
+    print(f"dlenv{f' {name}' if name else ''}: stopped by {signal.Signals(signum).name} {when}", file=sys.stderr)
+    return {signal.SIGHUP: EXIT_SIGHUP, signal.SIGINT: EXIT_SIGINT}.get(signum, EXIT_SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`dlenv VERB ...`: its exit status. A stop signal from here on ends it in one line (`_stoppable`)."""
+    try:
+        with _stoppable():
+            return _main(argv)
+    except Stopped as e:  # while the flags are read, before run_command has a verb to name
+        return _stopped(None, e.signum, True)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     parsed, extra = parser.parse_known_args(argv)
     args = vars(parsed)

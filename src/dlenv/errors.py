@@ -5,7 +5,9 @@ tasks print it as is and exit non-zero, with no traceback. `environment_fault` t
 did wrong (a full disk, a read-only folder, a permission, a name too long: an `OSError`, or torch's
 own message for a write that failed under it) into such a line, naming the path and what to do. The
 CLI applies it to every verb in one place. Anything else is a bug and keeps its traceback, followed by
-`BUG_REPORT`. No torch here: `dlenv --help` imports this module.
+`BUG_REPORT`. A stop signal is `Stopped`, a BaseException no `except Exception` takes for a failure
+of its own, and noted by `stop` where no library can lose it (`check_stop`). No torch here: `dlenv --help`
+imports this module.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+from typing import NoReturn
 
 # Every exit status a dlenv command ends with, in this one table (docs/faults.md shows it; a test
 # checks that the two agree and that no two meanings share a value). A launcher reads them: torchrun's
@@ -313,3 +316,44 @@ def need_folder(path: str | os.PathLike, flag: str, fix: str) -> None:
         raise UserError(f"{flag} {shown} is an archive, not a folder; unpack it first (invoke unpack {shown}) "
                         "and pass the folder it makes")
     raise UserError(f"{flag} {shown} is a file, not a folder; {fix}")
+
+# ---------------------------------------------------------------------------------------------------
+# Stop signals
+
+
+class Stopped(BaseException):
+    """A stop signal (SIGTERM, SIGHUP; SIGINT in train's start-up) that ends a command where it lands. A
+    BaseException, as KeyboardInterrupt is: no `except Exception` on the way (a decoder's, a file reader's,
+    a library's) takes it for a failure of its own. `signum` is the signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+#: the stop signals `stop` was called for in this process, in order
+_stops: list[int] = []
+
+
+def stop(signum: int) -> NoReturn:
+    """What a handler that ends the command at once does: note `signum`, then raise Stopped. The note
+    outlives the exception, which a library may still turn into an error of its own or drop: a handler that
+    runs inside a C extension's start-up (torch._C's, while torch imports) raises into C++, and torch 1.13
+    reports it as RuntimeError("Stopped: 15 At: ..."); on torch 2.x an extension's start-up clears it and
+    the import goes on. `check_stop` after such a call, and `stop_received` before calling a failure the
+    input's, find it."""
+    _stops.append(signum)
+    raise Stopped(signum)
+
+
+def stop_received() -> int | None:
+    """The first stop signal `stop` noted in this process, or None."""
+    return _stops[0] if _stops else None
+
+
+def check_stop() -> None:
+    """Raise Stopped again for a stop signal that came (`stop`) but did not end the command: a library
+    swallowed it or turned it into an error of its own. Call it after a library call that may have done so,
+    and before taking an error for a bad file or image."""
+    if _stops:
+        raise Stopped(_stops[0])

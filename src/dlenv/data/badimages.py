@@ -10,6 +10,10 @@ A class folder of 30,000 empty files used to print 30,000 warning lines. Now the
 named with their reasons as they are met, the rest are counted, and a pass that skipped more ends with one
 line for all of them (`skipped_line`). Every source records its skipped files through `note_skipped`.
 
+A stop signal is never a bad image: it is a BaseException (dlenv.errors.Stopped) that the skippers'
+`except Exception` do not take, and one a decoder turned into an error of its own is raised again by
+`bad_image_reason`, which every skipper asks.
+
 No torch here.
 """
 
@@ -19,7 +23,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dlenv.errors import UserError, printable
+from dlenv.errors import UserError, check_stop, printable
 
 log = logging.getLogger("dlenv.data")
 
@@ -40,7 +44,10 @@ class BadImageError(UserError):
 def bad_image_reason(e: BaseException) -> str:
     """Why an image could not be read: its whole message on one line (the type's name if empty), for the
     one log line and the BadImageError each bad file gets, on every path alike. Pillow's "cannot identify
-    image file <_io.BufferedReader name=...>" names a Python object, not the file's problem: said plainly."""
+    image file <_io.BufferedReader name=...>" names a Python object, not the file's problem: said plainly.
+    Raises errors.Stopped instead after a stop signal: `e` may be the stop, which a decoder turned into an
+    error of its own, and the file is then not known to be bad."""
+    check_stop()
     if type(e).__name__ == "UnidentifiedImageError":
         return "not an image format Pillow can read (another kind of file, or its start is damaged)"
     return " ".join(str(e).split()) or type(e).__name__

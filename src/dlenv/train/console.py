@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dlenv import distributed, invocation, progress
-from dlenv.errors import EXIT_SIGHUP, EXIT_SIGINT, EXIT_SIGTERM
+from dlenv.errors import EXIT_SIGHUP, EXIT_SIGINT, EXIT_SIGTERM, stop
 
 #: exit status for each stop signal (128 + its number, as shells report it)
 SIGNAL_EXIT = {signal.SIGINT: EXIT_SIGINT, signal.SIGTERM: EXIT_SIGTERM, signal.SIGHUP: EXIT_SIGHUP}
@@ -152,19 +152,11 @@ class Stop(_Handlers):
 
 
 
-class StoppedEarly(BaseException):
-    """A stop signal before the training loop (a BaseException, as KeyboardInterrupt is: no `except
-    Exception` on the way may take it for a failure of its own)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
 class StartUp(_Handlers):
     """The stop signals from the start of a run to its loop (loading data, building the model, the
     --batch-size auto probe): nothing is trained yet, so a signal ends the run at once by raising
-    StoppedEarly; `stopped_early_line` says so. A context manager: the previous handlers come back at
+    errors.Stopped (errors.stop: a BaseException, and noted where no library can lose it);
+    `stopped_early_line` says so. A context manager: the previous handlers come back at
     its end. The loop's `Stop` replaces it for the epochs."""
 
     def __init__(self):
@@ -173,7 +165,7 @@ class StartUp(_Handlers):
 
     def _handle(self, signum, frame):
         if os.getpid() == self._pid:  # not in a DataLoader worker before its start-up (dlenv.data.loaders)
-            raise StoppedEarly(signum)
+            stop(signum)
 
 
 

@@ -31,6 +31,7 @@ import torch
 from dlenv import distributed, launch, runfolder
 from dlenv.config import TrainConfig
 from dlenv.devices import resolve_device
+from dlenv.errors import Stopped
 from dlenv.runfolder import results, runstate, trainstate
 from dlenv.runfolder.trainstate import TrainState
 from dlenv.train import console, parts, plan
@@ -57,7 +58,7 @@ def train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None = None)
     try:
         with console.StartUp(), _GlobalSettings():  # fit's console.Stop takes the signals for the loop
             summary = _train(cfg, on_step)
-    except console.StoppedEarly as e:  # nothing trained yet: one line, and a resumed run's files untouched
+    except Stopped as e:  # nothing trained yet: one line, and a resumed run's files untouched
         console.printer(os.environ.get("RANK", "0") == "0")(console.stopped_early_line(e.signum, cfg.resume))
         return {"run_dir": None, "status": "interrupted", "exit_code": console.SIGNAL_EXIT[e.signum]}
     distributed.cleanup()  # after a normal end only: with a dead peer, teardown could wait for it
