@@ -37,7 +37,7 @@ from tokenize import TokenError
 import numpy as np
 
 from dlenv.atomic import write_atomic, write_bytes, write_file
-from dlenv.data.badimages import bad_image_reason, first_readable, skipped_line
+from dlenv.data.badimages import KnownBad, bad_image_reason, first_readable, skipped_line
 from dlenv.data.decode import decode_stored
 from dlenv.errors import UserError
 from dlenv.safeio import SMALL_FILE, open_regular, read_regular
@@ -226,7 +226,7 @@ def _substitutes(bad: dict[int, str], samples: Sequence[tuple[str, int]], bad_im
     """`source` rows: each bad index points at the sample `badimages.first_readable` names. Raises
     BadImageError as asked."""
     source = np.arange(len(samples), dtype=np.int64)
-    known = dict(bad)
+    known = KnownBad(bad)
     for i in sorted(bad):
         source[i] = first_readable(i, samples, lambda j: j, known, bad_images)[0]
     return source

@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from dlenv.cpus import auto_workers, usable_cpus, workers_that_fit
-from dlenv.data.badimages import SKIPPED_SHOWN, BadImageError, first_readable, note_skipped, skipped_line
+from dlenv.data.badimages import SKIPPED_SHOWN, BadImageError, KnownBad, first_readable, note_skipped, skipped_line
 from dlenv.data.decode import decode_rgb, load_rgb, stored_size
 from dlenv.data.sampler import lone_last
 from dlenv.errors import UserError
@@ -108,7 +108,7 @@ class ImageDataset(Dataset):
         self.bad_images = bad_images
         #: set by this module's loaders: hand bad files to the main process instead of raising/logging
         self.report_in_main = False
-        self._known_bad: dict[int, str] = {}
+        self._known_bad = KnownBad()
         self._logged: dict[str, str] = {}
 
     def __len__(self) -> int:

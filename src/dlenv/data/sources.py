@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dlenv.data.badimages import bad_image_reason, first_readable, note_skipped
+from dlenv.data.badimages import KnownBad, bad_image_reason, first_readable, note_skipped
 from dlenv.data.cache import DecodedCache
 from dlenv.data.decode import exif_orientation, is_jpeg, load_rgb, upright
 from dlenv.errors import UserError
@@ -221,7 +221,7 @@ class _GpuSource(SampledSource):
         super().__init__(len(samples), sampler, batch_size)
         self.samples, self.size, self.bad_images = list(samples), size, bad_images
         self.bad_paths: dict[str, str] = {}
-        self._known_bad: dict[int, str] = {}
+        self._known_bad = KnownBad()
 
     def _pillow(self, index: int, device: torch.device) -> torch.Tensor:
         arr = torch.from_numpy(np.array(load_rgb(self.samples[index][0])))  # np.array: writable, for torch
