@@ -25,3 +25,22 @@ def device_or_none(name: str, script: str) -> torch.device | None:
         print(f"{script} needs a CUDA GPU (or --device cpu to check the script)", file=sys.stderr)
         return None
     return dev
+
+
+def cpu_jiffies(cpus: list[int] | None = None) -> tuple[int, int]:
+    """(busy, total) clock ticks of these CPUs (default: the ones this process may use) since boot, from
+    /proc/stat: every process on them counts, not only this one. Two readings give the share of the time
+    between them that the CPUs were busy. (0, 0) where there is no /proc/stat."""
+    want = {f"cpu{c}" for c in (sorted(os.sched_getaffinity(0)) if cpus is None else cpus)}
+    busy = total = 0
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            for line in f:
+                name, *ticks = line.split()
+                if name in want:
+                    n = [int(t) for t in ticks[:8]]  # user nice system idle iowait irq softirq steal
+                    total += sum(n)
+                    busy += sum(n) - n[3] - n[4]
+    except OSError:
+        return 0, 0
+    return busy, total

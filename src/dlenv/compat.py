@@ -145,6 +145,19 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def compile_counters() -> dict[str, int]:
+    """torch.compile's work in this process so far (zeros on 1.13): 'frames' compiled by dynamo (each
+    recompile of a frame counts once more), 'graphs' it produced, and 'cache_misses', the graphs Inductor
+    compiled afresh rather than loading from its FX-graph cache. Differences between two readings say what
+    compiled in between (scripts/bench_pipeline.py reads them per epoch)."""
+    if not HAS_COMPILE:
+        return {"frames": 0, "graphs": 0, "cache_misses": 0}
+    from torch._dynamo.utils import counters
+
+    return {"frames": int(counters["frames"]["total"]), "graphs": int(counters["stats"]["unique_graphs"]),
+            "cache_misses": int(counters["inductor"]["fxgraph_cache_miss"])}
+
+
 def cause_chain(exc: BaseException, limit: int = 8) -> list[BaseException]:
     """`exc` and what it wraps, outermost first: dynamo keeps a backend's error as `inner_exception`,
     others chain it as `__cause__` (at most `limit`, against a cycle)."""
