@@ -172,7 +172,36 @@ def freeze_scenario(args: dict) -> None:
            final=[p.detach().flatten().tolist() for p in built[-1].parameters()])
 
 
-SCENARIOS = {"collectives": collectives_scenario, "dies": dies_scenario,
+def exact_scenario(args: dict) -> None:
+    """The real trainer with random augmentation (crops, flips) and a model with dropout and BatchNorm, so each
+    rank draws its own random numbers. With `stop_at`, rank 0 sends itself SIGTERM after that optimizer step
+    (the signal reaching one rank: the ranks' vote takes it to both); `vote_s` sets the vote's period
+    (dlenv.train.console.VOTE_S: 0 votes after every step, so the stop comes at that very step)."""
+    import signal
+
+    from tinymodels import Tiny
+
+    import dlenv.models
+    from dlenv import config, train
+    from dlenv.config import TrainConfig
+    from dlenv.train import console
+
+    dlenv.models.build_model = lambda name, num_classes, weights=None, **kw: Tiny(num_classes, dropout=0.3)
+    console.VOTE_S = args.pop("vote_s", console.VOTE_S)
+    stop_at = args.pop("stop_at", None)
+
+    def on_step(st):
+        if st.step == stop_at and distributed.rank() == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    out = train.train(config.build(TrainConfig, **args), on_step=on_step)
+    result(rank=distributed.rank(), summary=out)
+    if out["exit_code"]:
+        sys.stdout.flush()
+        os._exit(out["exit_code"])  # as dlenv's CLI exits after a stop
+
+
+SCENARIOS = {"collectives": collectives_scenario, "exact": exact_scenario, "dies": dies_scenario,
              "torchrun_fail": torchrun_fail_scenario, "train": train_scenario, "freeze": freeze_scenario}
 
 if __name__ == "__main__":

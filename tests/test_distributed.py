@@ -342,3 +342,45 @@ def test_gpu_two_gpus_nccl_sync_bn_and_auto_batch(tmp_path):
     ck = torch.load(tmp_path / "exp" / "last.pth", map_location="cpu", weights_only=True)
     assert ck["world_size"] == 2
     assert not any("module." in k for k in ck["model"]), "checkpoints hold the bare model's keys"
+
+
+# ---------------------------------------------------------------------------------------------------
+# A stopped run of two ranks resumes exactly.
+
+
+def _final_weights(run: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run / "last.pth", map_location="cpu", weights_only=True)["model"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+def test_two_ranks_stopped_mid_epoch_and_resumed_end_bit_equal_to_an_uninterrupted_run(tmp_path, workers):
+    """Random crops and flips (in the main process, or in 2 DataLoader workers per rank), dropout and BatchNorm:
+    each rank draws its own random numbers. SIGTERM reaches rank 0 after optimizer step 9 (epoch 2 of 3); the
+    ranks stop there, rank 0 saves every rank's random streams, and the resume on two ranks ends with exactly
+    the weights of a run that was never stopped."""
+    from imagedata import make_train_val
+
+    from dlenv.runfolder import runstate
+
+    make_train_val(tmp_path / "ds", per_class=16, val_per_class=2)  # 32 images: 8 steps of 2 x 2 an epoch
+    base = dict(data=str(tmp_path / "ds"), img_size=16, workers=workers, epochs=3, device="cpu", deterministic=True,
+                model="tiny", batch_size=2, lr=0.1, seed=5, gpus=2, vote_s=0.0)
+    whole = start_ranks("exact", dict(base, project=str(tmp_path / "whole")))
+    cut = start_ranks("exact", dict(base, project=str(tmp_path / "cut"), stop_at=9))
+    whole_runs, cut_runs = finish(whole), finish(cut)
+    assert [rc for rc, _, _ in whole_runs] == [0, 0], [e[-1500:] for _, _, e in whole_runs]
+    assert [rc for rc, _, _ in cut_runs] == [143, 143], [e[-1500:] for _, _, e in cut_runs]
+    last = tmp_path / "cut" / "exp" / "last.pth"
+    saved = runstate.load_state(last)
+    assert (saved["epoch"], saved["step"], saved["batch_in_epoch"]) == (1, 9, 1)
+    assert len(saved["rng_ranks"]) == 2
+    assert not torch.equal(saved["rng_ranks"][0]["torch"], saved["rng_ranks"][1]["torch"])
+
+    resumed = finish(start_ranks("exact", dict(base, project=str(tmp_path / "cut"), resume=str(last))))
+    assert [rc for rc, _, _ in resumed] == [0, 0], [e[-1500:] for _, _, e in resumed]
+    want, got = _final_weights(tmp_path / "whole" / "exp"), _final_weights(tmp_path / "cut" / "exp")
+    assert set(want) == set(got)
+    diff = max((want[k].double() - got[k].double()).abs().max().item() for k in want if want[k].is_floating_point())
+    assert diff == 0.0, f"max weight difference {diff}"
+    assert all(torch.equal(want[k], got[k]) for k in want)

@@ -5,8 +5,9 @@ outside torchrun); in a run of several it joins the process group through `init_
 on GPUs, gloo on CPUs, with a timeout, so a dead or stuck rank stops the run with a clear message
 (`PeerFailure`) instead of hanging it. The rest is small glue for the trainer: `wrap_ddp`
 (optionally with SyncBatchNorm), `no_sync_context` for accumulation, `EvalShardSampler` and
-`reduce_metrics` so validation covers the whole val set exactly once, and `agree` for decisions every
-rank must share (a stop signal, an auto batch size). Every helper is a no-op in a single process, so
+`reduce_metrics` so validation covers the whole val set exactly once, `agree` and `vote` for decisions
+every rank must share (a stop signal, an auto batch size), and `gather` for what rank 0 saves of every
+rank (its random streams). Every helper is a no-op in a single process, so
 the trainer calls them unconditionally. Starting the processes is `dlenv.launch`'s job; the batch
 arithmetic for another number of GPUs is `dlenv.autobatch`'s.
 """
@@ -253,6 +254,30 @@ def agree(value: float, op: str = "max") -> float:
     return t.item()
 
 
+def vote(signum: int, period: int) -> tuple[int, int]:
+    """(the largest `signum` of any process, 0 for none; the smallest `period` any proposes): one all_reduce
+    for the stop vote and the steps to the next one (dlenv.train.console.Stop). Unchanged alone."""
+    if not _active():
+        return signum, period
+    # MAX of (signum, -period): the signal any rank heard, and the smallest period
+    t = torch.tensor([float(signum), -float(period)], dtype=torch.float64, device=_comm_device())
+    with peer_errors("voting on a stop"):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    heard, neg = t.tolist()
+    return int(heard), int(-neg)
+
+
+def gather(obj: Any) -> list[Any]:
+    """`obj` of every process, in rank order (a collective: every rank calls it at the same point);
+    `[obj]` alone. Used for each rank's RNG states, which rank 0 saves."""
+    if not _active():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    with peer_errors("gathering the ranks' random states"):
+        dist.all_gather_object(out, obj)
+    return out
+
+
 def reduce_metrics(sums: Mapping[str, float | torch.Tensor]) -> dict[str, float]:
     """Each value summed over all processes (one all_reduce); returns plain floats.
 
@@ -348,7 +373,7 @@ def shard_eval_loader(loader: Any, rank: int, world_size: int) -> Any:
     from torch.utils.data import DataLoader
 
     kwargs: dict[str, Any] = dict(batch_size=loader.batch_size, num_workers=loader.num_workers,
-                                  pin_memory=loader.pin_memory,
+                                  pin_memory=loader.pin_memory, generator=loader.generator,
                                   sampler=EvalShardSampler(len(loader.dataset), rank, world_size))
     if loader.num_workers > 0:
         kwargs.update(persistent_workers=loader.persistent_workers, prefetch_factor=loader.prefetch_factor)

@@ -12,8 +12,10 @@ Inside each worker, `dlenv.distributed` joins the process group.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dlenv import config
+from dlenv import config, runfolder, safeio
 from dlenv.errors import EXIT_PEER, UserError
 
 #: torchrun checks its workers this often (seconds): how fast a dead rank takes the job down
@@ -55,11 +57,29 @@ def check_launch(cfg: Any) -> None:
 
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if visible == 0:
-        raise UserError(f"--gpus {cfg.gpus}: no CUDA GPU is visible (run verify-env); use --gpus 1, or "
-                        f"--device cpu to try {cfg.gpus} CPU processes")
+        asked = f"--gpus {cfg.gpus}" + (f" --nnodes {cfg.nnodes}" if cfg.nnodes > 1 else "")
+        procs = f"{cfg.gpus} CPU process{'es' if cfg.gpus > 1 else ''}" + (" on each node" if cfg.nnodes > 1 else "")
+        alone = ", or leave --gpus out for one process" if cfg.gpus > 1 and cfg.nnodes == 1 else ""
+        raise UserError(f"{asked}: no CUDA GPU is visible (run verify-env); use --device cpu to run {procs}{alone}")
     if cfg.gpus > visible:
         raise UserError(f"--gpus {cfg.gpus}: only {visible} GPU(s) visible on this node; use --gpus {visible} "
                         "(or check CUDA_VISIBLE_DEVICES and nvidia-smi)")
+
+
+def run_device(cfg: Any) -> Any:
+    """`cfg` with the device of the run it resumes where the command names none (--device auto): a resume
+    goes on where the run was, a CPU run on the CPU. Read here, before any process starts (the GPU check
+    would refuse a CPU run), from the config.yaml beside the file (its `device:` line); the trainer takes
+    the same value from the file itself (dlenv.runfolder.trainstate.RESUME_FROM_RUN_UNLESS_GIVEN)."""
+    if not cfg.resume or cfg.device != "auto":
+        return cfg
+    try:
+        path = runfolder.find_resume(cfg.resume, cfg.project)
+        text = safeio.read_text(path.parent / "config.yaml", what="config.yaml")
+    except (UserError, OSError):  # no file, or none beside it: the trainer says what is wrong
+        return cfg
+    found = re.search(r"^device: ([\w:]+)$", text, re.M)
+    return dataclasses.replace(cfg, device=found[1]) if found and found[1] != "auto" else cfg
 
 
 def train_flags(cfg: Any) -> list[str]:
@@ -117,6 +137,7 @@ def launch(cfg: Any) -> int:
     the same request (dlenv.train.console): where systemd or scancel signal every process, a rank hears
     it from them and again from torchrun. Raises UserError for options that cannot launch.
     """
+    cfg = run_device(cfg)
     check_launch(cfg)
     env = dict(os.environ)
     # torchrun would set 1 and print a banner about it; a share of the cores is the better default

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 from dlenv.cpus import auto_workers, usable_cpus, workers_that_fit
 from dlenv.data.badimages import SKIPPED_SHOWN, BadImageError, KnownBad, first_readable, note_skipped, skipped_line
 from dlenv.data.decode import decode_rgb, load_rgb, stored_size
-from dlenv.data.sampler import lone_last
+from dlenv.data.sampler import ResumableSampler, SeededDraws, lone_last
 from dlenv.errors import UserError
 
 log = logging.getLogger("dlenv.data")
@@ -110,6 +110,7 @@ class ImageDataset(Dataset):
         self.report_in_main = False
         self._known_bad = KnownBad()
         self._logged: dict[str, str] = {}
+        self._seed: int | None = None
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -117,9 +118,17 @@ class ImageDataset(Dataset):
     def _load(self, index: int) -> Any:
         path, label = self.samples[index]
         img = self.load(path)
-        return (self.transform(img) if self.transform is not None else img), label
+        if self.transform is None:
+            return img, label
+        if self._seed is None:
+            return self.transform(img), label
+        with _drawn_from(self._seed):
+            return self.transform(img), label
 
     def __getitem__(self, index: int) -> Any:
+        # a Draw (dlenv.data.sampler.SeededDraws) carries its augmentation's seed; a substitute for a bad
+        # file is drawn from the same seed, so it too is the same in a resumed run
+        self._seed = getattr(index, "seed", None)
         try:
             _, item, met = first_readable(index, self.samples, self._load, self._known_bad, self.bad_images)
         except BadImageError as e:
@@ -141,6 +150,19 @@ class ImageDataset(Dataset):
         if self.report_in_main:
             return _Fatal(*args)
         raise BadImageError(*args)
+
+
+@contextlib.contextmanager
+def _drawn_from(seed: int):
+    """Draw the block's random numbers (torchvision's transforms draw from torch's CPU generator) from
+    `seed`, and give the process's own stream back at its end: in the main process (--workers 0) the
+    model's dropout draws from it too, and it must not depend on the augmentation."""
+    state = torch.default_generator.get_state()
+    torch.default_generator.manual_seed(seed)  # the CPU generator only: a GPU's stream is not touched
+    try:
+        yield
+    finally:
+        torch.default_generator.set_state(state)
 
 
 def _collate(items: list[Any]) -> Any:
@@ -167,6 +189,12 @@ class SafeLoader(DataLoader):
 
     def __init__(self, dataset: ImageDataset, **kwargs: Any):
         dataset.report_in_main = True
+        # Each pass that starts workers draws their base seed from the loader's generator, or without one
+        # from the process's own stream, which the model's dropout draws from too: a resumed run starts its
+        # persistent val workers at another point than the uninterrupted run did, and every later random
+        # number of the run would shift by that one draw. A generator of its own keeps the run's stream.
+        if kwargs.get("generator") is None:
+            kwargs["generator"] = torch.Generator().manual_seed(0)
         if kwargs.get("num_workers", 0) > 0:  # every SafeLoader's workers, copies made elsewhere too
             kwargs["worker_init_fn"] = partial(_worker_start, kwargs.get("worker_init_fn"))
         super().__init__(dataset, collate_fn=_collate, **kwargs)
@@ -381,20 +409,25 @@ def build_loaders(layout: Any, plan: Any, train_sampler: Any = None, pin_memory:
     (`build_transforms`); val_loader is None when the layout has no val.
 
     Train shuffles with a generator seeded by the plan's seed unless `train_sampler` is given (then the
-    sampler decides the order); val keeps sample order. Memory is pinned when CUDA is available
+    sampler decides the order, and a ResumableSampler's indices seed each sample's augmentation:
+    sampler.SeededDraws); val keeps sample order. Memory is pinned when CUDA is available
     (pin_memory=None); workers persist across epochs. Each loader's `bad_paths` collects skipped files.
     """
     size, batch = plan.img_size, plan.batch_size
     gen = torch.Generator()
-    gen.manual_seed(plan.seed)  # also seeds each worker's RNG, so augmentations repeat run to run
+    gen.manual_seed(plan.seed)  # also seeds each worker's RNG: the augmentation of a loader with no sampler
     augment = build_transforms(size, True, plan.train_scale, plan.train_ratio, plan.hflip, plan.norm,
                                plan.interpolation)
     train_ds = ImageDataset(layout.train, augment, plan.bad_images, _decode_fn(plan.cpu_decoder, None))
     # no sampler: the loader leaves out a last batch of one (BatchNorm cannot train on it), as
     # ResumableSampler(batch_size=) does
     drop_last = drop_last or (train_sampler is None and lone_last(len(train_ds), batch))
+    # a sampler's indices carry their augmentation's seed (sampler.SeededDraws), so each sample's crop and
+    # flip depend on (seed, epoch, index) only, not on the worker or what it drew before: a resume, another
+    # number of workers or ranks draws the same
+    draws = SeededDraws(train_sampler) if isinstance(train_sampler, ResumableSampler) else train_sampler
     train = make_loader(train_ds, batch, plan.workers, pin_memory, True, shuffle=train_sampler is None,
-                        sampler=train_sampler, generator=gen, drop_last=drop_last)
+                        sampler=draws, generator=gen, drop_last=drop_last)
     if not layout.val:
         return train, None
     val_ds = ImageDataset(layout.val, build_transforms(size, False, norm=plan.norm, interpolation=plan.interpolation),

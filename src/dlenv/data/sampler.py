@@ -15,6 +15,12 @@ arithmetic (`per_rank`, steps per epoch, the resume position) consistent.
 
 The sampler does not count what the DataLoader consumed (workers prefetch ahead of training); the
 trainer tracks the position of the batches it actually trained on and saves it in the checkpoint.
+
+`SeededDraws` hands the same indices out as `Draw`s: ints that carry the seed of their sample's random
+augmentation, `draw_seed(seed, epoch, index)`. The dataset draws a sample's crop and flip from that seed
+(dlenv.data.loaders), not from a DataLoader worker's own stream, whose state depends on every sample the
+worker drew before: so a resumed run, any number of ranks and any number of workers give each sample of
+an epoch the augmentation the uninterrupted run gave it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,36 @@ from collections.abc import Iterator
 
 import torch
 from torch.utils.data import Sampler
+
+_MASK64 = 2**64 - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: nearby inputs give unrelated 64-bit outputs."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def draw_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of sample `index`'s augmentation in `epoch` of a run seeded `seed` (below 2**63)."""
+    return _mix(_mix(_mix(seed) ^ epoch) ^ index) >> 1
+
+
+class Draw(int):
+    """A sample index that carries `seed`, the seed its augmentation is drawn from (`draw_seed`). Anything
+    that indexes with it sees a plain int; it pickles to the DataLoader workers with its seed."""
+
+    seed: int
+
+    def __new__(cls, index: int, seed: int) -> Draw:
+        out = super().__new__(cls, index)
+        out.seed = seed
+        return out
+
+    def __reduce__(self):
+        return Draw, (int(self), self.seed)
 
 
 def lone_last(n: int, batch_size: int) -> bool:
@@ -103,3 +139,19 @@ class ResumableSampler(Sampler[int]):
         self.seed = int(state["seed"])
         same_split = int(state.get("world_size", 1)) == self.world_size
         self.set_epoch(int(state["epoch"]), int(state["position"]) if same_split else 0)
+
+
+class SeededDraws(Sampler[int]):
+    """`sampler`'s indices (a ResumableSampler: its current epoch, from its start) as `Draw`s seeded by
+    (the sampler's seed, its epoch, the index). Read at each pass, so `set_epoch` on `sampler` holds."""
+
+    def __init__(self, sampler: ResumableSampler):
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[int]:
+        s = self.sampler
+        base = _mix(_mix(s.seed) ^ s.epoch)
+        return (Draw(i, _mix(base ^ i) >> 1) for i in s)
+
+    def __len__(self) -> int:
+        return len(self.sampler)

@@ -8,6 +8,11 @@ state); `save_last` and `save_best` write them (atomically, through runstate); `
 objects. The RNG states are handed back rather than set: the trainer sets them last, after
 everything that draws random numbers while it is being built (the model's initialisation).
 
+Each rank of a run draws its own random numbers (seeded `seed + rank`: dropout, augmentation on the
+device), so last.pth keeps every rank's states (`rng_ranks`, gathered to rank 0 by the trainer; `rng` is
+rank 0's, as a single process saves it), and a resume gives each rank its own. Where that cannot be exact
+(another number of ranks, a file from before `rng_ranks`), `Resume.limits` says so in one line.
+
 A kill between the two saves of an improving epoch (last.pth first, then best_model.pth) leaves a
 last.pth that records a best metric best_model.pth does not hold. Its state is then exactly the best
 one (`best_epoch` is its epoch), so `settle_best`, at the start of the resumed run, writes
@@ -35,10 +40,13 @@ from dlenv.step import NonFiniteLoss, Parts
 #: Options a resumed run takes from the new command: where it runs, not what it computes.
 RESUME_FROM_COMMAND = ("device", "workers", "gpus", "nnodes", "node_rank", "master_addr", "master_port",
                        "dist_timeout", "trust_pickle")
-#: ... except when the command leaves them at their default: then the run's own value, because it changes
-#: the numbers (augmentation in DataLoader workers draws its random stream per worker: another count, other
-#: crops; the printed resume command names no --workers, and must be exact)
-RESUME_FROM_RUN_UNLESS_GIVEN = ("workers",)
+#: ... except when the command leaves them at their default: then the run's own value (the printed resume
+#: command names neither): the run goes on where it was (a CPU run on the CPU, even where no GPU is
+#: visible) at the speed it had
+RESUME_FROM_RUN_UNLESS_GIVEN = ("workers", "device")
+#: of those, the ones whose other value changes the numbers (another device computes in other kernels;
+#: another worker count draws the same augmentation, dlenv.data.sampler.SeededDraws)
+CHANGES_NUMBERS = ("device",)
 
 
 @dataclass
@@ -65,8 +73,11 @@ class TrainState:
 # Saving.
 
 
-def payload(parts: Parts, state: TrainState, sampler: Any, meta: dict[str, Any]) -> dict[str, Any]:
-    """Everything a resume needs, now, as tensors and plain types (loads with weights_only=True)."""
+def payload(parts: Parts, state: TrainState, sampler: Any, meta: dict[str, Any],
+            rng: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Everything a resume needs, now, as tensors and plain types (loads with weights_only=True). `rng`:
+    every rank's RNG states in rank order (default: this process's, a run of one)."""
+    rng = rng or [runstate.rng_state()]
     return {
         "format": runstate.FORMAT,
         "model": parts.bare.state_dict(),
@@ -79,7 +90,8 @@ def payload(parts: Parts, state: TrainState, sampler: Any, meta: dict[str, Any])
         "ema": parts.ema.state_dict() if parts.ema is not None else None,
         "sampler": sampler.state_dict(state.position) if sampler is not None else None,
         "train_state": state.saved(),
-        "rng": runstate.rng_state(),
+        "rng": rng[0],
+        **({"rng_ranks": rng} if len(rng) > 1 else {}),
         "env": runstate.environment(),
     }
 
@@ -89,12 +101,13 @@ def weights_finite(model: nn.Module) -> bool:
     return bool(torch.stack(flags).all().item()) if flags else True
 
 
-def save_last(parts: Parts, state: TrainState, sampler: Any, meta: dict[str, Any], path: Path) -> None:
-    """Save last.pth unless the weights went non-finite (then the previous file stays the good one and
-    NonFiniteLoss is raised)."""
+def save_last(parts: Parts, state: TrainState, sampler: Any, meta: dict[str, Any], path: Path,
+              rng: list[dict[str, Any]] | None = None) -> None:
+    """Save last.pth (with `rng`, every rank's RNG states, see `payload`) unless the weights went
+    non-finite (then the previous file stays the good one and NonFiniteLoss is raised)."""
     if not weights_finite(parts.bare):
         raise NonFiniteLoss(f"the weights became non-finite (epoch {state.epoch}, step {state.step})")
-    runstate.save_state(payload(parts, state, sampler, meta), path)
+    runstate.save_state(payload(parts, state, sampler, meta, rng), path)
 
 
 #: what best_model.pth keeps of last.pth: the weights and what it takes to use them (classes, size,
@@ -184,6 +197,7 @@ class Resume:
     ignored: list[str]          # flags given that a resume cannot change
     inexact: list[str] = dataclasses.field(default_factory=list)  # given flags that make it differ from the run
     best: dict[str, Any] | None = None  # best_model.pth's content when the saved state is the best one
+    limits: list[str] = dataclasses.field(default_factory=list)  # why this resume is not exact (`restore`)
 
     @property
     def run_dir(self) -> Path:
@@ -224,7 +238,7 @@ def resume_config(ckpt: dict[str, Any], given: TrainConfig, path: Path) -> tuple
     for name in RESUME_FROM_RUN_UNLESS_GIVEN:
         if kept[name] == defaults[name]:
             kept[name] = getattr(saved, name)
-        elif kept[name] != getattr(saved, name):
+        elif kept[name] != getattr(saved, name) and name in CHANGES_NUMBERS:
             inexact.append(f"{config.flag(name)} {kept[name]} (the run's {getattr(saved, name)})")
     return dataclasses.replace(saved, resume=str(path), **kept), ignored, inexact
 
@@ -246,9 +260,11 @@ def _unsplit(saved: TrainConfig, ckpt: dict[str, Any]) -> TrainConfig:
     return dataclasses.replace(saved, batch_size=saved.batch_size // k, accum_steps=saved.accum_steps * k)
 
 
-def restore(resume: Resume, parts: Parts, state: TrainState, sampler: Any) -> dict[str, Any]:
+def restore(resume: Resume, parts: Parts, state: TrainState, sampler: Any, rank: int = 0,
+            world: int = 1) -> dict[str, Any]:
     """Load the saved model, optimizer, schedule, scaler, EMA, counters and sampler position into this
-    run; returns the saved RNG states (for the caller to set last) and frees the file's tensors.
+    run; returns this rank's saved RNG states (for the caller to set last) and frees the file's tensors.
+    What keeps the resume from being exact goes to `resume.limits`.
 
     Raises UserError when the optimizer state does not fit this model.
     """
@@ -278,4 +294,20 @@ def restore(resume: Resume, parts: Parts, state: TrainState, sampler: Any) -> di
         # an older split run counted its batches before the split (`_unsplit`)
         state.batch_in_epoch = int(ckpt["batch_in_epoch"]) * _chunks(ckpt) if state.position else 0
     resume.ckpt = None  # free its tensors
+    return _rank_rng(resume, ckpt, rank, world)
+
+
+def _rank_rng(resume: Resume, ckpt: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """This rank's saved RNG states; where there are none of its own, rank 0's, and a line in `resume.limits`."""
+    ranks = ckpt.get("rng_ranks")
+    saved_world = int(ckpt.get("world_size", 1))
+    if saved_world != world:
+        resume.limits.append(f"the run had {saved_world} process(es), this resume has {world}: the epoch it stopped "
+                             "in starts again and the ranks' random streams start anew, so it does not end "
+                             f"bit-equal to the uninterrupted run (resume with {saved_world} for that)")
+    elif world > 1 and not (isinstance(ranks, list) and len(ranks) == world):
+        resume.limits.append(f"{resume.path.name} keeps rank 0's random streams only (written by an older dlenv): "
+                             "every rank goes on from them, so it does not end bit-equal to the uninterrupted run")
+    if isinstance(ranks, list) and len(ranks) == world:
+        return ranks[rank]
     return ckpt["rng"]

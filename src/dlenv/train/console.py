@@ -2,10 +2,14 @@
 signals SIGINT (Ctrl-C), SIGTERM (docker stop, systemd, scancel, timeout) and SIGHUP (the terminal or
 SSH session closed).
 
-A signal does not stop the run where it lands: `Stop` only notes it, and the loop asks `requested()`
-after each optimizer step (and after each epoch's validation and saves), so the run stops at a step
-boundary, saves last.pth and exits 130 / 143 / 129. In a run of several processes a signal may reach
-some ranks only (or at another step), so the ranks vote at points every rank passes. A second signal
+A signal does not stop the run where it lands: `Stop` only notes it, and says at once how the run will go
+on (`way_on`: under Slurm the resubmission, in Docker the `docker run` line, else the command), before
+anything is saved, so a kill during the save still leaves the way on in the log. The loop asks
+`at_step()` after each optimizer step (and `requested()` after each epoch's validation and saves), so the
+run stops at a step boundary, says where it goes on from, saves last.pth and exits 130 / 143 / 129. In a
+run of several processes a signal may reach some ranks only (or at another step), so the ranks vote at
+points every rank passes: every k steps, k adapting to the step time so that votes come about VOTE_S
+apart (a stop is taken within about a second of the signal, plus the step under way). A second signal
 stops at once (Python's default behaviour), except the same signal again within DUPLICATE_S: that is
 one request that came twice (a shell passes its hangup on to the jobs the kernel already told; a
 cgroup-wide stop reaches a rank and also its launcher, which forwards it). Before the loop there is
@@ -36,6 +40,10 @@ SIGNAL_EXIT = {signal.SIGINT: EXIT_SIGINT, signal.SIGTERM: EXIT_SIGTERM, signal.
 DUPLICATE_S = 1.0
 #: data-wait share of an epoch above which the trainer explains the bottleneck
 WAIT_LIMIT = 0.2
+#: seconds between the ranks' stop votes, about (the vote's period in steps adapts to the step time)
+VOTE_S = 1.0
+#: the most steps between two votes (steps of microseconds: a vote every second is still cheap)
+MAX_VOTE_PERIOD = 10_000
 
 
 def printer(enabled: bool) -> Callable[[str], None]:
@@ -112,17 +120,20 @@ class _Handlers:
 class Stop(_Handlers):
     """SIGINT/SIGTERM/SIGHUP handlers that ask the loop to stop at the next optimizer step; a second
     signal stops at once (the same one within DUPLICATE_S counts once). `moment` names where the run
-    is, for the line the signal gets ("this optimizer step", "this epoch's validation"). A context
-    manager: the previous handlers come back at its end."""
+    is, for the line the signal gets ("this optimizer step", "this epoch's validation"), which also says
+    how to go on from `last` (`way_on`). A context manager: the previous handlers come back at its end."""
 
-    def __init__(self, say: Callable[[str], None], world_size: int = 1):
+    def __init__(self, say: Callable[[str], None], world_size: int = 1, last: Path | None = None):
         self.signum: int | None = None
         self.say, self.world_size = say, world_size
         self.moment = "this optimizer step"
+        self.way_on = way_on(last) if last is not None else ""  # made now: the handler only prints it
         self._pid = os.getpid()
         self._old: dict[int, Any] = {}
         self._at = 0.0
         self._order = itertools.count()
+        self._countdown, self._period, self._voted = 1, 1, 0.0  # the first vote after the first step
+        self._peers: int = 0  # the signal another rank heard, as the vote told this one
 
     def _handle(self, signum, frame):
         if os.getpid() != self._pid:
@@ -140,15 +151,39 @@ class Stop(_Handlers):
             os.kill(os.getpid(), signum)
             return
         self.signum, self._at = signum, time.monotonic()
+        on = f"; to go on afterwards: {self.way_on}" if self.way_on else ""
         self.say(f"\n{signal.Signals(signum).name}: saving last.pth at the end of {self.moment} "
-                 "(send it again to stop at once)")
+                 f"(send it again to stop at once){on}")
 
-    def requested(self, check_peers: bool = True) -> bool:
-        """Whether to stop here. With several processes the ranks agree (a collective), and only where
-        `check_peers`: at points every rank passes in the same order."""
+    @property
+    def stopped_by(self) -> int | None:
+        """The signal that stops the run: this process's, or the one another rank heard (by the votes)."""
+        return self.signum or self._peers or None
+
+    def requested(self) -> bool:
+        """Whether to stop here. With several processes the ranks agree (a collective: call it only at
+        points every rank passes in the same order)."""
         if self.world_size == 1:
             return self.signum is not None
-        return check_peers and distributed.agree(self.signum is not None, "max") > 0
+        self._peers = int(distributed.agree(self.signum or 0, "max"))
+        return self._peers > 0
+
+    def at_step(self) -> bool:
+        """After each optimizer step: whether to stop here. Alone, whether a signal came. With several
+        processes the ranks vote every `period` steps (every rank counts the same steps), and each vote
+        also sets the next period: the fewest steps any rank measured to fill VOTE_S, so a signal is
+        acted on about VOTE_S after it came (plus the step under way) however long a step takes."""
+        if self.world_size == 1:
+            return self.signum is not None
+        self._countdown -= 1
+        if self._countdown > 0:
+            return False
+        now = time.monotonic()
+        per_step = (now - self._voted) / self._period if self._voted else VOTE_S
+        proposed = max(1, min(MAX_VOTE_PERIOD, int(VOTE_S / max(per_step, 1e-9))))
+        self._peers, self._period = distributed.vote(self.signum or 0, proposed)
+        self._countdown, self._voted = self._period, time.monotonic()
+        return self._peers > 0
 
 
 
@@ -181,7 +216,35 @@ def stopped_early_line(signum: int, resume: str | None) -> str:
 def stopped_line(signum: int | None, last_path: Path | None) -> str:
     """What the run says when a signal stopped it: where it saved, and how to resume."""
     return (f"stopped by {signal.Signals(signum).name if signum else 'a signal'}; saved {last_path}. "
-            f"Resume with: {invocation.again('train', f'--resume {last_path}')}")
+            f"Resume with: {way_on(last_path)}")
+
+
+def stopping_line(epoch: int, batch_in_epoch: int, batches: int, step: int, last_path: Path | None) -> str:
+    """What a stop says before it saves (a kill during the save still leaves it): where the run goes on
+    from (`epoch` done, `batch_in_epoch` of `batches` of the next) and how."""
+    where = (f"epoch {epoch + 1}, batch {batch_in_epoch + 1} of {batches}" if batch_in_epoch
+             else f"the start of epoch {epoch + 1}")
+    return (f"stopping after optimizer step {step}; saving {last_path}, which goes on from {where}, "
+            f"with: {way_on(last_path)}")
+
+
+def way_on(last_path: Path | None) -> str:
+    """How to go on from `last_path` where this process runs. Under Slurm (SLURM_JOB_ID), the resubmission
+    scripts/slurm_train.sbatch names (DLENV_SLURM_RESUBMIT) and whether the job requeues itself
+    (DLENV_SLURM_REQUEUE); in dlenv's image under Docker (/.dockerenv), the `docker run` line; else the command."""
+    resume = invocation.again("train", f"--resume {last_path}")
+    if os.environ.get("SLURM_JOB_ID"):
+        again = os.environ.get("DLENV_SLURM_RESUBMIT")
+        if not again:  # a batch script of the user's own
+            return f"submit the job again with `{resume}` as its command"
+        if os.environ.get("DLENV_SLURM_REQUEUE") == "1":
+            return (f"Slurm job {os.environ['SLURM_JOB_ID']} requeues itself and resumes after scancel --signal=TERM "
+                    f"or its time limit; after a plain scancel, submit it again: {again}")
+        return f"Slurm job {os.environ['SLURM_JOB_ID']} does not requeue (--no-requeue); submit it again: {again}"
+    if os.environ.get("DLENV_IMAGE") and Path("/.dockerenv").exists():  # in dlenv's image (its Dockerfile sets it)
+        tag = "dlenv:cu" + os.environ.get("DLENV_TORCH_CUDA", "11.6").replace(".", "")  # the README's tags
+        return f'docker run --gpus all --ipc=host -v "$PWD":/root/workspace {tag} {resume}'
+    return resume
 
 
 class Progress:
@@ -243,17 +306,20 @@ def done_line(epochs: int, seconds: float, metric: str, best_metric: float | Non
             f"report, confusion matrix), {invocation.command('plot', f'--log-dir {run_dir}')} (curves)")
 
 
-def data_wait_advice(share: float, cache: bool, gpu_augment: bool, workers: int) -> str | None:
+def data_wait_advice(share: float, cache: bool, gpu_augment: bool, workers: int,
+                     device: str = "cuda") -> str | None:
     """The trainer's one-time explanation when `share` of an epoch was spent waiting for data, or None
-    below WAIT_LIMIT."""
+    below WAIT_LIMIT. `device`: the type of the device that trained ('cuda', 'cpu', ...)."""
     if share <= WAIT_LIMIT:
         return None
     tips = []
-    if not cache:
+    on_gpu = device == "cuda"  # caching and GPU augmentation move work onto a GPU: no help to a CPU run
+    if on_gpu and not cache:
         tips.append("--cache (decode the dataset once; crops and flips then run on the GPU)")
-    if not gpu_augment:
+    if on_gpu and not gpu_augment:
         tips.append("--gpu-augment on (uint8 batches, augmented on the GPU)")
     tips.append(f"more --workers than {workers} if CPU cores are idle")
     tips.append(f"`{invocation.command('bench-data', '')}` to measure loader and model speed apart")
-    return (f"the GPU waited for data {share:.0%} of this epoch: the input pipeline, not the model, sets the "
+    who = "the GPU" if on_gpu else "training"
+    return (f"{who} waited for data {share:.0%} of this epoch: the input pipeline, not the model, sets the "
             "pace. Try: " + "; ".join(tips) + ".")

@@ -27,7 +27,7 @@ import torch
 from dlenv import compat, distributed, finetune, memory, runfolder
 from dlenv.data import pipeline
 from dlenv.errors import EXIT_NONFINITE, EXIT_OOM, UserError, host_memory_line
-from dlenv.runfolder import results, trainstate
+from dlenv.runfolder import results, runstate, trainstate
 from dlenv.runfolder.trainstate import TrainState
 from dlenv.step import NonFiniteLoss, Parts
 from dlenv.train import console, loop
@@ -74,7 +74,7 @@ def fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Data
     epochs.eta, t_run = console.run_eta(decided.epochs, decided.batches_per_epoch, state.epoch, state.batch_in_epoch,
                                         data.val), time.perf_counter()
     # the handlers stay until the workers are shut down: a signal in that last moment is only noted
-    with console.Stop(say, decided.world_size) as stop:
+    with console.Stop(say, decided.world_size, run.last) as stop:
         try:
             while state.epoch < decided.epochs:
                 t_epoch = time.perf_counter()
@@ -85,16 +85,20 @@ def fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Data
                     epochs.replan(state, e)
                     continue
                 if stats.interrupted:
+                    stop.moment = "this save"
+                    rng = distributed.gather(runstate.rng_state())  # every rank's streams, on every rank here
                     if run.is_main:
-                        stop.moment = "this save"
-                        trainstate.save_last(parts, state, epochs.data.sampler, run.meta, run.last)
-                    return _stopped(summary, stop.signum, run.last, say)
+                        # the way on first, before the save: a kill during it still leaves it in the log
+                        say(console.stopping_line(state.epoch, state.batch_in_epoch, decided.batches_per_epoch,
+                                                  state.step, run.last))
+                        trainstate.save_last(parts, state, epochs.data.sampler, run.meta, run.last, rng)
+                    return _stopped(summary, stop.stopped_by, run.last, say)
                 row = epochs.end(state, stats, t_epoch, stop)
                 summary["compile_s"] = summary["compile_s"] + stats.compile_s
                 summary.update(img_per_s=row["img_per_s"], peak_alloc_gib=row["mem_alloc_gib"],
                                batch_size=row["batch_size"], accum_steps=row["accum_steps"])
                 if stop.requested():
-                    return _stopped(summary, stop.signum, run.last, say)
+                    return _stopped(summary, stop.stopped_by, run.last, say)
         except NonFiniteLoss as e:
             raise UserError(f"training stopped: {e}. {trainstate.last_good(run.last)} Try a lower --lr, --clip-grad "
                             "1.0, or --amp-dtype bf16 instead of fp16", exit_code=EXIT_NONFINITE) from None
@@ -198,6 +202,7 @@ class _Epochs:
                "mem_reserved_gib": peak_reserved, "batch_size": state.micro_batch,
                "accum_steps": state.accum_steps, "oom_retries": state.oom_retries}
         stop.moment = "this epoch's save"
+        rng = distributed.gather(runstate.rng_state())  # each rank's streams: a resume gives each its own
         if run.is_main:
             results.append_row(run.dir / "results.csv", row)
             if run.tb is not None:
@@ -205,7 +210,7 @@ class _Epochs:
                     if isinstance(v, (int, float)) and k != "epoch":
                         run.tb.add_scalar(k, v, state.epoch)
                 run.tb.flush()
-            trainstate.save_last(parts, state, data.sampler, run.meta, run.last)
+            trainstate.save_last(parts, state, data.sampler, run.meta, run.last, rng)
             if improved:
                 trainstate.save_best(parts, state, data.sampler, run.meta, run.best)
             self.write_memory_report()
@@ -213,7 +218,7 @@ class _Epochs:
         # the first epoch's wait includes starting the workers: judge from the second on
         if data.sampler is not None and not run.advised and (state.epoch > 1 or self.plan.epochs == 1):
             advice = console.data_wait_advice(row["data_wait"], data.plan.cache, data.plan.on_device,
-                                              data.plan.workers)
+                                              data.plan.workers, parts.device.type)
             if advice:
                 self.say(advice)
                 run.advised = True

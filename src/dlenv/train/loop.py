@@ -13,8 +13,9 @@ checks), `_Window` (the accumulation window), `Rescue` (the rare paths: CUDA out
 --batch-size auto, handed up as `Replan` from the last optimizer step, and the fall back to eager
 mode when torch.compile fails), `_CompileWatch` (the time of a step that compiled, taken out of
 img/s; only looked at for a batch shape not seen yet) and the stop signal, which is only looked at
-after an optimizer step: a stop saves the state of a step boundary as it is, so nothing has to be
-rolled back and a resume continues bit for bit.
+after an optimizer step (`Stop.at_step`: a flag alone, a vote of the ranks about every second in a run
+of several): a stop saves the state of a step boundary as it is, so nothing has to be rolled back and a
+resume continues bit for bit.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class Epoch:
 def train_one_epoch(parts: Parts, state: TrainState, epoch: Epoch, rescue: Rescue) -> EpochStats:
     """Train on `epoch.batches` until `epoch.total` loader batches of this epoch are done, or a stop signal.
 
-    Updates `state` in place. A stop (`stop.requested()`) is honoured after an optimizer step only,
+    Updates `state` in place. A stop (`stop.at_step()`) is honoured after an optimizer step only,
     so the state it leaves is a step boundary's. Raises NonFiniteLoss for a run of non-finite losses
     or skipped steps, and Replan for an out-of-memory error `rescue` takes (the state then back at the
     last optimizer step); other out-of-memory and compile errors propagate unless `rescue` takes them.
@@ -117,7 +118,7 @@ def train_one_epoch(parts: Parts, state: TrainState, epoch: Epoch, rescue: Rescu
             _step(parts, state, record, epoch.on_step)
         if tally.due(state.batch_in_epoch, total):
             tally.check(state, total)  # reads the loss from the GPU; raises NonFiniteLoss
-        if stepped and stop.requested(check_peers=tally.take_vote()):
+        if stepped and stop.at_step():
             interrupted = state.batch_in_epoch < total
             break
     return tally.finish(interrupted)
@@ -175,14 +176,14 @@ class _Window:
 
 class _Tally:
     """The epoch's running numbers: loss (kept on the device), images, time, data wait, and the checks
-    made every CHECK_EVERY micro-batches (progress, non-finite runs, the cue for a stop vote)."""
+    made every CHECK_EVERY micro-batches (progress, non-finite runs)."""
 
     def __init__(self, device: torch.device, monitor: MemoryMonitor, progress: Any):
         self.device, self.monitor, self.progress = device, monitor, progress
         self.total = torch.zeros((), device=device)
         self.finite = torch.zeros((), device=device)
         self.bad_run = torch.zeros((), device=device)
-        self.images, self.waited, self.vote_due, self.compile_s = 0, 0.0, False, 0.0
+        self.images, self.waited, self.compile_s = 0, 0.0, 0.0
         self.t0 = time.perf_counter()
 
     def wait_for(self, batches: Iterator) -> Any:
@@ -226,16 +227,9 @@ class _Tally:
         # epoch line's; a rate over the last few batches only was another number for the same thing
         ips = self.images / max(time.perf_counter() - self.t0, 1e-9)
         self.progress.update(state.batch_in_epoch, mean_loss, ips, self.monitor.peak()[0])
-        self.vote_due = True
         if bad_run >= NONFINITE_LIMIT or state.skipped_run >= NONFINITE_LIMIT:
             raise NonFiniteLoss(f"{max(bad_run, state.skipped_run)} non-finite losses or skipped "
                                 f"steps in a row (epoch {state.epoch + 1}, step {state.step})")
-
-    def take_vote(self) -> bool:
-        """Whether the ranks vote on a stop at this step boundary: the first one after each check, a
-        point every rank passes in the same order (the vote waits for the GPU, as the check does)."""
-        due, self.vote_due = self.vote_due, False
-        return due
 
     def finish(self, interrupted: bool) -> EpochStats:
         if self.device.type == "cuda":

@@ -9,8 +9,9 @@
 Each epoch validates, appends a row to results.csv, saves last.pth (and best_model.pth on
 improvement) atomically, and on a GPU writes memory.md (memory per phase of the step and the
 allocator's state, dlenv.memory). Nothing is lost: SIGINT/SIGTERM/SIGHUP end the current optimizer step,
-save last.pth (with sampler position and RNG states) and exit 130/143/129; `--resume` continues there,
-bit for bit on a CPU with --deterministic and --workers 0. CUDA out of memory stops with advice
+save last.pth (with sampler position and every rank's RNG states) and exit 130/143/129; `--resume`
+continues there, bit for bit on a CPU with --deterministic, with any number of ranks and workers (each
+sample's augmentation is drawn from its own seed, dlenv.data.sampler.SeededDraws). CUDA out of memory stops with advice
 (exit 3; with --batch-size auto the run goes on from the last optimizer step at half the micro-batch
 instead); a run of non-finite losses
 or skipped fp16 steps stops with exit 4. Neither overwrites the last good checkpoint.
@@ -73,8 +74,8 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
         say(f"--resume continues {resume.run_dir} with its saved options; ignoring {', '.join(resume.ignored)} "
             f"(to change them, start a new run from its weights: --weights {cfg.resume})")
     if resume is not None and resume.inexact:
-        say(f"--resume with {', '.join(resume.inexact)}: augmentation in DataLoader workers draws its random "
-            "stream per worker, so this resume is not exact (leave the flag out to continue with the run's)")
+        say(f"--resume with {', '.join(resume.inexact)}: another device computes other numbers, so this resume "
+            "does not end bit-equal to the uninterrupted run (leave the flag out to continue with the run's)")
     device = resolve_device(cfg.device, dist.local_rank)
     if device.type == "cuda":
         # Once, before any probe: in benchmark mode PyTorch lets a cuDNN convolution take as much
@@ -93,7 +94,10 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
     data = parts.build_data(decided, device, dist, say)
     built = parts.build_parts(decided, model, device)
     state = TrainState(micro_batch=decided.micro_batch, accum_steps=decided.accum_steps)
-    rng = trainstate.restore(resume, built, state, data.sampler) if resume is not None else None
+    rng = (trainstate.restore(resume, built, state, data.sampler, dist.rank, dist.world_size)
+           if resume is not None else None)
+    for line in resume.limits if resume is not None else ():
+        say(f"--resume: {line}")
     run = open_run(decided, resume, dist, device, state)
     say(decided.start_line(device, bool(state.epoch or state.batch_in_epoch), run.dir))
     if rng is not None:  # last: building the model drew from these streams
