@@ -24,12 +24,8 @@ Worker counts are the trainer's defaults (auto).
 
 --cores runs the bench once per CPU count, each in a process held to that many cores (as taskset), after
 generating the data once with every core; --where NAME=2,4 keeps a variant to those counts, --budget stops
-starting rows that would not finish in time. Issue 49's rows in one call (docs/input-pipeline.md):
-
-    python3 scripts/bench_pipeline.py --cores 4,2,16,8 --train-images 12000 --epochs 3 --budget 540 \\
-        --only synthetic,default,default-serial,default-long,nvimgcodec,synthetic-compiled,default-compiled \\
-        --where default-serial=2,4 --where default-long=4 --where default=2,8,16 --where nvimgcodec=8 \\
-        --where synthetic-compiled=16 --where default-compiled=16 --out "$OUT/pipeline"
+starting rows that would not finish in time. Issue 49's rows in one call: the command in
+docs/input-pipeline.md, "Overlap on few cores".
 
 Writes bench_pipeline.csv, bench_pipeline_epochs.csv and bench_pipeline.md to --out (per count: --out/cores<N>,
 and the tables of all counts together in bench_pipeline_cores.md).
