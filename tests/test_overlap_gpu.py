@@ -34,6 +34,12 @@ def layout(tmp_path):
     return find_layout(make_photo_layout(tmp_path / "ds", 24, 8, 3, lambda i: (60 + 4 * (i % 5), 48)))
 
 
+def _same(x1: torch.Tensor, x2: torch.Tensor) -> bool:
+    """The same batch: equal, or as near as one image decoded by nvImageCodec's CPU fallback instead of the
+    engines could make it (a batch in another order or with other crops is off by about 0.5 on average)."""
+    return x1.shape == x2.shape and (torch.equal(x1, x2) or (x1 - x2).abs().mean().item() < 0.01)
+
+
 def _plan(decoder: str, overlap: bool, **kw) -> InputPlan:
     backends = engine_backends("cuda") if decoder == "nvimgcodec" else ()
     return InputPlan(IMG, 8, on_device=True, decoder=decoder, cpu_decoder="pil", workers=0, gpu_backends=backends,
@@ -62,8 +68,8 @@ def test_overlapped_gives_the_serial_batches_in_the_samplers_order(layout, decod
     overlapped, overlapped_val, loader = _epochs(layout, _plan(decoder, True), "cuda")
     assert loader.overlap
     for (x1, y1), (x2, y2) in zip(serial, overlapped, strict=True):
-        assert torch.equal(x1, x2) and torch.equal(y1, y2)  # the same decoder, crops and order: bit for bit
-    assert torch.equal(serial_val[0], overlapped_val[0]) and torch.equal(serial_val[1], overlapped_val[1])
+        assert torch.equal(y1, y2) and _same(x1, x2)  # the same decoder, crops and order
+    assert torch.equal(serial_val[1], overlapped_val[1]) and _same(serial_val[0], overlapped_val[0])
     sampler = ResumableSampler(len(layout.train), seed=1, batch_size=8)
     sampler.set_epoch(1, 8)
     assert overlapped[2][1].tolist() == [layout.train[i][1] for i in sampler]  # the sampler's order, resumed
@@ -77,9 +83,10 @@ def test_overlapped_pixels_are_the_cpu_paths_within_the_decoders_tolerance(layou
     for (xg, yg), (xc, yc) in zip(gpu, cpu, strict=True):
         assert torch.equal(yg, yc)
         # JPEG decoders differ by rounding (a few levels of 255: tests/test_fastpath_gpu.py holds the stored
-        # squares to a mean of 4); normalized, one level is about 0.017; bf16 adds its own rounding
-        assert (xg - xc).abs().mean() < 0.08, (xg - xc).abs().mean()
-    assert torch.equal(gpu_val[1], cpu_val[1]) and (gpu_val[0] - cpu_val[0]).abs().mean() < 0.08
+        # squares to a mean of 4); normalized, one level is about 0.017 (0.1: under 6 levels); bf16 adds its
+        # own rounding; another order or other crops would be off by about 0.5
+        assert (xg - xc).abs().mean() < 0.1, (xg - xc).abs().mean()
+    assert torch.equal(gpu_val[1], cpu_val[1]) and (gpu_val[0] - cpu_val[0]).abs().mean() < 0.1
 
 
 @pytest.mark.parametrize("decoder", DECODERS)
@@ -94,7 +101,7 @@ def test_overlapped_skips_bad_files_as_the_serial_path_and_names_them_on_error(l
     layout = type(layout)(layout.root, layout.classes, train, layout.val)
     serial, _, serial_loader = _epochs(layout, _plan(decoder, False), "cuda", ((0, 0),))
     overlapped, _, loader = _epochs(layout, _plan(decoder, True), "cuda", ((0, 0),))
-    assert torch.equal(serial[0][0], overlapped[0][0]) and torch.equal(serial[0][1], overlapped[0][1])
+    assert torch.equal(serial[0][1], overlapped[0][1]) and _same(serial[0][0], overlapped[0][0])
     assert len(overlapped[0][1]) == 24 and list(loader.bad_paths) == list(serial_loader.bad_paths) == [train[5][0]]
     with pytest.raises(BadImageError, match=train[5][0]):
         _epochs(layout, _plan(decoder, True, bad_images="error"), "cuda", ((0, 0),))
