@@ -12,7 +12,7 @@ import pytest
 
 from dlenv import config
 from dlenv.bench import memory as bench
-from dlenv.bench import memory_worker
+from dlenv.bench import memory_worker, workers
 from dlenv.errors import UserError
 
 
@@ -197,7 +197,7 @@ def _fake_worker(monkeypatch, result: dict) -> list[dict]:
         def wait(self, timeout=None):
             return 0
 
-    monkeypatch.setattr(bench.subprocess, "Popen", Popen)
+    monkeypatch.setattr(workers.subprocess, "Popen", Popen)
     return envs
 
 
@@ -210,7 +210,7 @@ def test_run_worker_sets_or_unsets_the_allocator_setting(monkeypatch):
     assert envs[0]["PYTORCH_CUDA_ALLOC_CONF"] == "garbage_collection_threshold:0.8"
     assert "PYTORCH_CUDA_ALLOC_CONF" not in envs[1]  # "unset" really is unset
     assert envs[2]["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"  # the user's own, kept
-    assert bench._src_dir() in envs[0]["PYTHONPATH"].split(os.pathsep)  # workers find dlenv uninstalled
+    assert workers._src_dir() in envs[0]["PYTHONPATH"].split(os.pathsep)  # workers find dlenv uninstalled
 
 
 def test_run_worker_raises_the_workers_user_error(monkeypatch):
@@ -228,7 +228,7 @@ def test_worker_crash_becomes_error_row(tmp_path):
 @pytest.mark.parametrize("code, says", [(-9, "killed by SIGKILL (out of host memory?"), (-15, "killed by SIGTERM"),
                                         (3, "exited 3 without a result")])
 def test_a_worker_that_dies_is_one_line(code, says):
-    assert says in bench._exit_line(code)
+    assert says in workers._exit_line(code)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -358,12 +358,13 @@ class ExportConfig:
                                   "folder", parse=_str)
     format: str = opt("onnx", "onnx, torchscript, or safetensors (the weights alone, loadable without "
                               "running code)", choices=("onnx", "torchscript", "safetensors"))
-    quantize: str = opt("none", "int8 for CPU: dynamic (linear layers) or static (calibrated)",
-                        choices=("none", "dynamic", "static"))
+    quantize: str = opt("none", "int8 for CPU inference: int8 (calibrated on the data; for onnx by onnxruntime, QDQ), "
+                                "static (the same), or dynamic (linear layers; torchscript only)",
+                        choices=("none", "int8", "static", "dynamic"))
     half: bool = opt(False, "fp16 export for GPU inference")
     data: str | None = opt(None, "images for the output check and static calibration; default: the "
                                  "checkpoint's", parse=_str)
-    calib_batches: int = opt(8, "calibration batches for --quantize static", min=1)
+    calib_batches: int = opt(8, "calibration batches for --quantize int8/static", min=1)
     batch_size: int = opt(32, "batch size for checks and calibration", min=1, max=BATCH_MAX, why=BATCH_WHY)
     workers: int | str = opt("auto", "DataLoader worker processes, or auto",
                              parse=workers_or_auto, here=workers_here)

@@ -11,15 +11,20 @@ top-1 classes are reported, and only a file within `tolerance` is renamed into p
                  with nothing else given
     torchscript  torch.jit.load of the written file
 
-`--half` exports fp16 for GPU inference (needs CUDA). `--quantize dynamic|static` converts to int8
-for CPU inference first (see dlenv.compress.quantize) and reports top-1, size and CPU latency before
-and after; int8 models go to TorchScript only, since PyTorch's quantized modules do not export to
-ONNX reliably (quantize the float ONNX file with onnxruntime's tools instead).
+`--half` exports fp16 for GPU inference (needs CUDA). `--quantize` makes an int8 file for CPU inference
+(see dlenv.compress.quantize) and reports top-1, size and CPU latency before and after: for TorchScript,
+PyTorch's int8 modules (dynamic, or static = int8: calibrated); for ONNX, int8 (or static) is the float
+file quantized by onnxruntime itself in QDQ format, calibrated on --calib-batches batches of the data
+prepared as `dlenv val` prepares them, then run by onnxruntime's CPU provider on the check images (its
+top-1 agreement with the float model reported; a file whose outputs are not finite is not written).
+PyTorch's int8 modules do not export to ONNX reliably, and onnxruntime's dynamic int8 gives ConvInteger
+nodes its CPU provider does not run: --quantize dynamic stays TorchScript's.
 """
 
 from __future__ import annotations
 
 import io
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +47,17 @@ def _check_options(cfg: Any) -> None:
                         "drop --half/--quantize (they make inference files: --format onnx or torchscript)")
     if cfg.half and cfg.quantize != "none":
         raise UserError("--half and --quantize don't mix: fp16 is for GPU inference, int8 for CPU; pick one")
-    if cfg.quantize != "none" and cfg.format == "onnx":
-        raise UserError(f"--quantize {cfg.quantize} with --format onnx is not supported: PyTorch's int8 modules "
-                        "do not export to ONNX reliably; use --format torchscript, or export float ONNX "
-                        "and quantize it with onnxruntime.quantization")
+    if cfg.quantize == "dynamic" and cfg.format == "onnx":
+        raise UserError("--quantize dynamic with --format onnx is not supported: onnxruntime's dynamic int8 makes "
+                        "ConvInteger nodes, which its CPU provider does not run; use --quantize int8 (static, "
+                        "calibrated on your data), or --format torchscript --quantize dynamic")
+    if _onnx_int8(cfg) and cfg.opset < quantize.QDQ_MIN_OPSET:
+        raise UserError(f"--quantize {cfg.quantize} with --format onnx quantizes per channel, which needs --opset "
+                        f"{quantize.QDQ_MIN_OPSET} or newer (got {cfg.opset})")
     if cfg.half and not torch.cuda.is_available():
         raise UserError(f"--half needs a CUDA GPU (fp16 export is for GPU inference) and PyTorch "
                         f"{torch.__version__} sees none here; drop --half to export float32")
-    if cfg.quantize != "none":
+    if cfg.quantize != "none" and not _onnx_int8(cfg):
         quantize.check_available(cfg.quantize)
     if cfg.format == "onnx":
         reason = compat.onnx_export_unavailable()
@@ -62,12 +70,23 @@ def _check_options(cfg: Any) -> None:
                             "is not installed (it is in requirements.txt: pip install -r requirements.txt)")
 
 
+def _onnx_int8(cfg: Any) -> bool:
+    """Whether cfg asks for an int8 ONNX file (onnxruntime's static QDQ quantization)."""
+    return cfg.format == "onnx" and cfg.quantize in ("int8", "static")
+
+
+def _torch_mode(quantize_option: str) -> str:
+    """PyTorch's int8 mode for --quantize: int8 is the calibrated one, static."""
+    return "static" if quantize_option == "int8" else quantize_option
+
+
 def output_path(cfg: Any, src_path: Path) -> Path:
-    """--out, else <stem>[_fp16|_int8_dynamic|_int8_static].onnx / .torchscript.pt beside the checkpoint."""
+    """--out, else <stem>[_fp16|_int8|_int8_dynamic|_int8_static].onnx / .torchscript.pt beside the checkpoint."""
     if cfg.out:
         out = check_output(cfg.out, "--out")
     else:
-        tag = "_fp16" if cfg.half else (f"_int8_{cfg.quantize}" if cfg.quantize != "none" else "")
+        tag = "_fp16" if cfg.half else ("" if cfg.quantize == "none" else
+                                        "_int8" if cfg.quantize == "int8" else f"_int8_{cfg.quantize}")
         out = src_path.with_name(f"{src_path.stem}{tag}{_SUFFIX[cfg.format]}")
     if out.resolve() == src_path.resolve():
         raise UserError(f"--out {out} is the input checkpoint; write the export to another file")
@@ -114,11 +133,12 @@ def run_exported(path: Path, fmt: str, inputs: torch.Tensor, device: torch.devic
 def _quantize(cfg: Any, src: Trained, loader: Any, example: torch.Tensor) -> torch.nn.Module:
     """The int8 model, after printing the float-vs-int8 table (top-1, TorchScript size, CPU latency)."""
     model = src.model
-    if cfg.quantize == "dynamic":
+    mode = _torch_mode(cfg.quantize)
+    if mode == "dynamic":
         q = quantize.quantize_dynamic(model)
     else:
         q = quantize.quantize_static(model, quantize.calibration_batches(loader, cfg.calib_batches), example)
-    print(quantize.summary_line(cfg.quantize, compat.quant_backend(), q))
+    print(quantize.summary_line(mode, compat.quant_backend(), q))
     rows = []
     cpu = torch.device("cpu")
     if loader is not None:
@@ -130,9 +150,67 @@ def _quantize(cfg: Any, src: Trained, loader: Any, example: torch.Tensor) -> tor
     rows += [["TorchScript size", common.mib(f_raw), common.mib(q_raw)],
              ["zipped", common.mib(f_zip), common.mib(q_zip)],
              ["CPU latency, 1 image", str(lat[0]), str(lat[1])]]
-    print(common.table(["", "float32", f"int8 {cfg.quantize}"], rows))
+    print(common.table(["", "float32", f"int8 {mode}"], rows))
     print(common.latency_note(lat, src.img_size))
     return q
+
+
+def export_onnx_int8(cfg: Any, src: Trained, inputs: torch.Tensor, loader: Any, described: str, out: Path) -> int:
+    """`export --format onnx --quantize int8`: the float ONNX export quantized by onnxruntime (QDQ, calibrated,
+    dlenv.compress.quantize.onnx_int8), run by onnxruntime's CPU provider on the check images against the
+    float model, then the float-vs-int8 table (top-1 on the data, file size, CPU latency). Returns 0."""
+    from dlenv import onnxmodel
+
+    cpu = torch.device("cpu")
+    model = common.cpu_copy(src.model)
+    with torch.no_grad():
+        ref = model(inputs.float().cpu()).float()
+    checked: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="dlenv-export-") as work:
+        float_file = Path(work) / "float.onnx"
+        compat.onnx_export(model, inputs[:1].float().cpu(), float_file, cfg.opset)
+
+        def write_and_check(tmp: Path) -> None:
+            """The int8 file at `tmp`, run by onnxruntime; one whose outputs are not finite is never renamed."""
+            checked["batches"] = quantize.onnx_int8(float_file, tmp, quantize.calibration_batches(loader,
+                                                                                                 cfg.calib_batches))
+            onnxmodel.write_metadata(tmp, onnxmodel.metadata(list(src.class_names), src.img_size, src.norm,
+                                                             src.interpolation))
+            got, how = run_exported(tmp, "onnx", inputs, cpu)
+            if not bool(torch.isfinite(got).all()):
+                raise UserError(f"the int8 ONNX file gives non-finite outputs on {described} (via {how}); it was not "
+                                f"written to {out}. Export float (drop --quantize) or calibrate on other --data")
+            checked.update(how=how, diff=float((got - ref).abs().max()),
+                           agree=float((got.argmax(1) == ref.argmax(1)).float().mean() * 100))
+
+        write_atomic(out, write_and_check)
+        float_session, int8_session = onnxmodel.session(float_file, cpu), onnxmodel.session(out, cpu)
+        float_raw = float_file.stat().st_size
+        float_m, int8_m = onnxmodel.OnnxModule(float_session), onnxmodel.OnnxModule(int8_session)
+        top1 = [common.top1(m, loader, cpu, src.class_names) for m in (float_m, int8_m)]
+        lat = common.cpu_latencies([float_m, int8_m], src.img_size)
+    raw, zipped = common.file_sizes(out)
+    qdq = sum(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in _onnx_nodes(out))
+    print(f"wrote {out} (onnx, int8 QDQ by onnxruntime, calibrated on {checked['batches']} batch(es) of "
+          f"--batch-size {cfg.batch_size}, {qdq} QuantizeLinear/DequantizeLinear nodes, dynamic batch; class names, "
+          f"image size and normalisation in its metadata; {common.mib(raw)}, zipped {common.mib(zipped)})")
+    print(f"check on {described} via {checked['how']}: same top-1 class as the float model for "
+          f"{checked['agree']:.1f}%, largest |difference| {checked['diff']:.3g}")
+    print(common.table(["", "float32 ONNX", "int8 ONNX"],
+                       [["top-1 (%)", f"{top1[0]:.2f}", f"{top1[1]:.2f}"],
+                        ["file size", common.mib(float_raw), common.mib(raw)],
+                        ["CPU latency, 1 image", str(lat[0]), str(lat[1])]]))
+    print(common.latency_note(lat, src.img_size))
+    if top1[1] < top1[0] - 1.0:
+        print(f"int8 top-1 is {top1[0] - top1[1]:.1f} points below float32: calibrate on more images "
+              f"(--calib-batches, now {cfg.calib_batches}) or keep the float export")
+    return 0
+
+
+def _onnx_nodes(path: Path) -> list[Any]:
+    import onnx
+
+    return list(onnx.load(str(path), load_external_data=False).graph.node)
 
 
 def tolerance(ref: torch.Tensor, half: bool) -> float:
@@ -158,6 +236,8 @@ def main(cfg: Any) -> int:
 
         return runstate.export_safetensors(src.ckpt, src.model, out)
     inputs, loader, described = _check_inputs(cfg, src)
+    if _onnx_int8(cfg):
+        return export_onnx_int8(cfg, src, inputs, loader, described, out)
     example = inputs[:1]
 
     model: torch.nn.Module = src.model
@@ -199,7 +279,7 @@ def main(cfg: Any) -> int:
 
     write_atomic(out, write_and_check)
     raw, zipped = common.file_sizes(out)
-    dtype = "fp16" if cfg.half else (f"int8 {cfg.quantize}" if cfg.quantize != "none" else "float32")
+    dtype = "fp16" if cfg.half else (f"int8 {_torch_mode(cfg.quantize)}" if cfg.quantize != "none" else "float32")
     described_file = "class names, image size and normalisation in its metadata; " if cfg.format == "onnx" else ""
     print(f"wrote {out} ({cfg.format}, {dtype}, dynamic batch; {described_file}{common.mib(raw)}, zipped "
           f"{common.mib(zipped)})")

@@ -1,4 +1,4 @@
-"""int8 quantization for CPU inference: dynamic (linear layers) and static post-training (FX).
+"""int8 quantization for CPU inference: dynamic (linear layers), static post-training (FX), and ONNX QDQ.
 
 Dynamic: weights of `nn.Linear` layers become int8 and activations are quantized on the fly per
 batch; no calibration. For a convnet this only touches the classifier, so most compute stays float.
@@ -7,11 +7,18 @@ weights, histogram-observed activations) fuses conv+bn+relu, observes activation
 calibration batches and converts conv and linear layers to int8 kernels (x86/fbgemm on Intel/AMD,
 qnnpack on ARM). Both give CPU-only models; they are saved as TorchScript. Version differences
 (torch.ao.quantization vs the 1.13 aliases, the deprecation of 2.9+) live in dlenv.compat.
+
+ONNX (`onnx_int8`): the float ONNX file quantized by onnxruntime's own `quantize_static` in QDQ format
+(QuantizeLinear/DequantizeLinear pairs around int8 weights, per channel; onnxruntime's CPU provider
+fuses them into QLinearConv and friends), its activation ranges calibrated (MinMax) on batches of the
+run's data prepared as `dlenv val` prepares them. Not `quantize_dynamic`: on a convnet it gives
+ConvInteger, which onnxruntime's CPU provider does not run.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import re
 from collections.abc import Iterable
@@ -179,3 +186,65 @@ def calibration_batches(loader: Any, n: int) -> Iterable[torch.Tensor]:
         if i >= n:
             return
         yield images
+
+
+#: the oldest ONNX opset with per-channel QuantizeLinear/DequantizeLinear (onnx_int8 quantizes per channel)
+QDQ_MIN_OPSET = 13
+
+
+def onnx_int8(float_path: Path, out: Path, calibration: Iterable[torch.Tensor]) -> int:
+    """Write to `out` the static int8 QDQ form of the float ONNX file `float_path`, calibrated on the
+    `calibration` batches (float32 images, as the model takes them); returns how many batches calibrated.
+
+    Raises UserError when no batch is given or onnxruntime's quantizer fails (its first line).
+    """
+    try:
+        from onnxruntime.quantization import (
+            CalibrationDataReader,
+            CalibrationMethod,
+            QuantFormat,
+            QuantType,
+            quantize_static,
+        )
+    except ImportError as e:
+        raise UserError(f"--quantize int8 with --format onnx needs onnxruntime's quantization tools ({first_line(e)})"
+                        "; pip install -r requirements.txt") from None
+    import onnx
+
+    name = onnx.load(str(float_path), load_external_data=False).graph.input[0].name
+    fed = 0
+
+    class Batches(CalibrationDataReader):
+        """The calibration images, one batch per call, as onnxruntime's calibrator asks for them."""
+
+        def __init__(self) -> None:
+            self.batches = iter(calibration)
+
+        def get_next(self) -> dict[str, Any] | None:
+            nonlocal fed
+            images = next(self.batches, None)
+            if images is None:
+                return None
+            fed += 1
+            return {name: images.detach().float().cpu().numpy()}
+
+    # Its advice to pre-process first (shape inference, graph fusions) is a root-logger warning at every call;
+    # torch's exporter already folded BatchNorm and constants in eval mode, and the rest is onnxruntime's own
+    # session optimization. (Not CalibMaxIntermediateOutputs either: 1.23 drops each chunk it "merges".)
+    logging.disable(logging.WARNING)
+    try:
+        quantize_static(str(float_path), str(out), Batches(), quant_format=QuantFormat.QDQ, per_channel=True,
+                        activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+                        calibrate_method=CalibrationMethod.MinMax)
+    except Exception as e:  # onnxruntime's quantizer on the user's graph: its first line, not a dlenv bug
+        if fed == 0:
+            raise UserError("--quantize int8: no calibration images (the data gave no batch); pass --data with "
+                            "class folders of images") from None
+        raise UserError(f"onnxruntime could not quantize the model to int8 ({first_line(e)}); export float "
+                        "(drop --quantize) or try --format torchscript --quantize int8") from None
+    finally:
+        logging.disable(logging.NOTSET)
+    if fed == 0:
+        raise UserError("--quantize int8: no calibration images (the data gave no batch); pass --data with class "
+                        "folders of images")
+    return fed
