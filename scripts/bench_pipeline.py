@@ -156,6 +156,8 @@ def train_rate(name: str, opts: dict, data: str, a: argparse.Namespace, epochs: 
     row per epoch (results.csv's with EpochWatch's readings)."""
     from dlenv.train import train
 
+    # eager unless the variant compiles: a long run's --compile auto would compile the default-long row
+    opts = {"compile": "off", **opts}
     cfg = config.build(config.TrainConfig, data=None if opts.get("synthetic") else data, model=a.model,
                        amp=True, batch_size=a.batch_size, img_size=a.img_size, epochs=epochs, max_steps=steps,
                        project=project, name="run", cache_dir=cache_dir, device=a.device, **opts)
