@@ -120,8 +120,9 @@ class TinyNet(nn.Module):
 def test_amount_outside_open_interval_is_one_user_error_line(amount, tmp_path, capsys):
     with pytest.raises(UserError, match=r"--amount .* outside \(0, 1\)"):
         prune.apply_pruning(TinyNet(), amount)
-    # the CLI checks it before even looking for the checkpoint
-    code = cli_main(["prune", "--weights", str(tmp_path / "missing.pth"), "--amount", str(amount)])
+    # the CLI checks it before reading the checkpoint (a file that is there, so the path check passes)
+    (tmp_path / "unread.pth").write_bytes(b"not read")
+    code = cli_main(["prune", "--weights", str(tmp_path / "unread.pth"), "--amount", str(amount)])
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert len(err.splitlines()) == 1 and "--amount" in err and "outside (0, 1)" in err
@@ -231,7 +232,7 @@ def test_prune_finetune_keeps_the_pruned_weights_at_zero(ckpt, capsys):
 def test_prune_structured_main_removes_half_the_parameters_and_val_and_predict_load_it(ckpt, data_dir, capsys):
     assert prune.main(prune_cfg(weights=str(ckpt), amount=0.5, structured=True, data=str(data_dir / "val"))) == 0
     text = capsys.readouterr().out
-    out = ckpt.with_name("best_model_pruned.pth")
+    out = ckpt.with_name("best_model_pruned_structured.pth")
     state, src = load_state(out), load_state(ckpt)
     assert state["widths"] and state["pruning"]["structured"] is True
     model, names, size = model_from_state(state)  # rebuilt from the name and the widths
@@ -250,6 +251,37 @@ def test_prune_structured_main_removes_half_the_parameters_and_val_and_predict_l
                      "--device", "cpu", "--project", str(project)]) == 0
     rows = (project / "exp" / "predictions.csv").read_text().splitlines()
     assert len(rows) == 1 + 6 and all(r.split(",")[3] in CLASSES for r in rows[1:])
+
+
+def test_the_two_kinds_of_prune_write_two_files(ckpt, data_dir, capsys):
+    """prune, then prune --structured, on one checkpoint: two files, neither replaced by the other."""
+    assert prune.main(prune_cfg(weights=str(ckpt), amount=0.3, data=str(data_dir / "val"))) == 0
+    assert prune.main(prune_cfg(weights=str(ckpt), amount=0.3, structured=True, data=str(data_dir / "val"))) == 0
+    plain, structured = ckpt.with_name("best_model_pruned.pth"), ckpt.with_name("best_model_pruned_structured.pth")
+    assert load_state(plain)["pruning"]["structured"] is False
+    assert load_state(structured)["pruning"]["structured"] is True
+    out = capsys.readouterr().out
+    assert f"wrote {plain}" in out and f"wrote {structured}" in out
+
+
+@pytest.mark.parametrize("before, after, epochs, hint", [
+    (96.94, 74.37, 0, "top-1 fell 22.6 points (96.94% -> 74.37%); --finetune-epochs 3 retrains"),
+    (90.0, 87.5, 0, "top-1 fell 2.5 points"),
+    (90.0, 88.0, 0, None),   # two points: within the noise of a small validation set
+    (90.0, 91.0, 0, None),
+    (96.94, 74.37, 3, None),  # fine-tuned already: its own numbers say the rest
+])
+def test_a_prune_that_costs_accuracy_ends_naming_finetune_epochs(before, after, epochs, hint):
+    got = prune.finetune_hint(before, after, epochs)
+    assert (got is None) if hint is None else (hint in got and "--finetune-epochs" in got)
+
+
+def test_the_finetune_hint_is_the_last_line(ckpt, data_dir, capsys, monkeypatch):
+    tops = iter([90.0, 50.0])  # before, after: the measured top-1, made to fall far
+    monkeypatch.setattr(common, "top1", lambda *a, **k: next(tops))
+    assert prune.main(prune_cfg(weights=str(ckpt), amount=0.5, structured=True, data=str(data_dir / "val"))) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("top-1 fell 40.0 points") and "--finetune-epochs" in last
 
 
 @pytest.mark.parametrize("widths,phrase", [

@@ -142,8 +142,27 @@ def pruned_checkpoint(ckpt: dict[str, Any], model: nn.Module, info: dict[str, An
     return state
 
 
+#: a prune without fine-tuning that loses more top-1 points than this ends by naming --finetune-epochs
+FINETUNE_HINT_POINTS = 2.0
+
+
+def default_output(src_path: Path, structured: bool) -> Path:
+    """Where a prune writes without --out: <stem>_pruned.pth, <stem>_pruned_structured.pth for --structured
+    (the two kinds never replace each other)."""
+    return src_path.with_name(f"{src_path.stem}_pruned{'_structured' if structured else ''}.pth")
+
+
+def finetune_hint(top1_before: float, top1_after: float, finetune_epochs: int) -> str | None:
+    """The last line of a prune that lost more than FINETUNE_HINT_POINTS of top-1 without fine-tuning."""
+    lost = top1_before - top1_after
+    if finetune_epochs or lost <= FINETUNE_HINT_POINTS:
+        return None
+    return (f"top-1 fell {lost:.1f} points ({top1_before:.2f}% -> {top1_after:.2f}%); --finetune-epochs 3 retrains "
+            "the pruned model on the run's training data and recovers most of it (docs/compress.md)")
+
+
 def _output_path(cfg: Any, src_path: Path) -> Path:
-    out = check_output(cfg.out, "--out") if cfg.out else src_path.with_name(f"{src_path.stem}_pruned.pth")
+    out = check_output(cfg.out, "--out") if cfg.out else default_output(src_path, cfg.structured)
     if out.resolve() == src_path.resolve():
         raise UserError(f"--out {out} is the input checkpoint; write the pruned one to another file")
     return out
@@ -199,7 +218,9 @@ def _finetune(cfg: Any, src: Any, model: nn.Module, device: torch.device, masks:
 
 
 def main(cfg: Any) -> int:
-    """`dlenv prune`: prune cfg.weights, optionally fine-tune, re-validate, save <stem>_pruned.pth.
+    """`dlenv prune`: prune cfg.weights, optionally fine-tune, re-validate, save <stem>_pruned.pth
+    (<stem>_pruned_structured.pth for --structured); a loss of more than FINETUNE_HINT_POINTS without
+    fine-tuning ends by naming --finetune-epochs.
 
     Prints per-layer sparsity (unstructured) and a before/after table (top-1, parameters, sizes, CPU and
     GPU latency). Returns 0. Raises UserError for an amount outside (0, 1), a checkpoint that is missing
@@ -258,6 +279,9 @@ def main(cfg: Any) -> int:
               "dense tensors, so the file, memory and latency stay the same (only the zipped size shrinks); "
               "--structured removes whole channels")
     print(f"\nwrote {out} ({common.mib(file_raw)}, zipped {common.mib(file_zip)})")
+    hint = finetune_hint(before["top1"], after["top1"], cfg.finetune_epochs)
+    if hint:
+        print(hint)  # last: the line a user reads after a prune that cost accuracy
     return 0
 
 

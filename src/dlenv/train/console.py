@@ -216,7 +216,7 @@ def stopped_early_line(signum: int, resume: str | None) -> str:
 def stopped_line(signum: int | None, last_path: Path | None) -> str:
     """What the run says when a signal stopped it: where it saved, and how to resume."""
     return (f"stopped by {signal.Signals(signum).name if signum else 'a signal'}; saved {last_path}. "
-            f"Resume with: {way_on(last_path)}")
+            f"Resume with: {invocation.again('train', f'--resume {last_path}')}")  # where it runs: `way_on`, said first
 
 
 def stopping_line(epoch: int, batch_in_epoch: int, batches: int, step: int, last_path: Path | None) -> str:
