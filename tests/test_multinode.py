@@ -134,3 +134,76 @@ def test_the_kubernetes_manifest_runs_one_indexed_pod_per_node():
     shm = next(v for v in pod["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory")
     assert any(m["mountPath"] == "/dev/shm" and m["name"] == shm["name"] for m in container["volumeMounts"])
     assert job["spec"]["backoffLimit"] == 0  # a failed node fails the job; resume with --resume
+
+
+# ---------------------------------------------------------------------------------------------------
+# A resume goes on where the run was.
+
+
+@pytest.mark.parametrize("saved, given, want", [
+    ("cpu", "auto", "cpu"),      # a CPU run stays on the CPU without --device cpu typed again
+    ("cpu", "cuda", "cuda"),     # a device given is taken
+    ("auto", "auto", "auto"),
+    ("cuda", "auto", "cuda"),
+    (None, "auto", "auto"),      # no config.yaml beside the file: the trainer says what is wrong
+])
+def test_a_resume_takes_the_runs_device_unless_one_is_given(tmp_path, saved, given, want):
+    from dlenv import config
+    from dlenv.config import TrainConfig
+
+    run = tmp_path / "runs" / "cut"
+    run.mkdir(parents=True)
+    (run / "last.pth").write_bytes(b"")
+    if saved:
+        (run / "config.yaml").write_text(f"# dlenv train\nmodel: small_cnn\ndevice: {saved}\nepochs: 3\n")
+    cfg = config.build(TrainConfig, resume=str(run / "last.pth"), device=given, nnodes=2,
+                       project=str(tmp_path / "runs"))
+    assert launch.run_device(cfg).device == want
+    assert launch.run_device(config.build(TrainConfig, device=given)).device == given  # no resume: as given
+
+
+@pytest.mark.parametrize("opts, line", [
+    (dict(gpus=1, nnodes=2), "--gpus 1 --nnodes 2: no CUDA GPU is visible (run verify-env); use --device cpu to run "
+                             "1 CPU process on each node"),
+    (dict(gpus=2), "--gpus 2: no CUDA GPU is visible (run verify-env); use --device cpu to run 2 CPU processes, or "
+                   "leave --gpus out for one process"),
+    (dict(gpus=4, nnodes=2), "--gpus 4 --nnodes 2: no CUDA GPU is visible (run verify-env); use --device cpu to run "
+                             "4 CPU processes on each node"),
+])
+def test_without_a_gpu_the_launch_names_the_cpu_not_the_flag_that_failed(monkeypatch, opts, line):
+    import torch
+
+    from dlenv import config
+    from dlenv.config import TrainConfig
+    from dlenv.errors import UserError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError) as e:
+        launch.check_launch(config.build(TrainConfig, **opts))
+    assert str(e.value) == line
+    assert f"use --gpus {opts['gpus']}" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_two_node_launches_resume_a_cpu_run_without_device_cpu_typed_again(tmp_path, monkeypatch):
+    """The issue's case: two `--nnodes 2` launches resuming runs/cut/last.pth with no --device, where no GPU is
+    visible (CUDA_VISIBLE_DEVICES empty): they go on on the CPU, as the run was."""
+    from imagedata import make_train_val
+
+    make_train_val(tmp_path / "ds", per_class=4, val_per_class=1)
+    port = str(launch.free_port())
+    common = ["--data", str(tmp_path / "ds"), "--img-size", "32", "--model", "small_cnn", "--epochs", "1",
+              "--batch-size", "2", "--workers", "0", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+
+    def both(args: list[str], port: str) -> list[subprocess.CompletedProcess]:
+        procs = [subprocess.Popen([sys.executable, "-m", "dlenv", "train", *args, port, "--node-rank", str(r)],
+                                  cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for r in (0, 1)]
+        return [subprocess.CompletedProcess(p.args, p.wait(timeout=300), p.stdout.read(), "") for p in procs]
+
+    first = both(["--device", "cpu", "--name", "cut", *common], port)
+    assert [p.returncode for p in first] == [0, 0], first[0].stdout[-2000:]
+    again = both(["--resume", "runs/cut/last.pth", *common[-5:]], str(launch.free_port()))
+    assert [p.returncode for p in again] == [0, 0], again[0].stdout[-2000:] + again[1].stdout[-2000:]
+    assert "no CUDA GPU is visible" not in again[0].stdout

@@ -213,6 +213,14 @@ def test_a_signal_to_the_whole_group_stops_in_one_line_and_the_run_resumes(tmp_p
         return
 
     assert out.count(f"{name}: saving last.pth") == 1, out[-3000:]  # once: not once per worker
+    # the way on comes first, before the save: with the signal, and with where the run goes on from
+    lines = out.splitlines()
+    first = next(ln for ln in lines if ln.startswith(f"{name}: saving last.pth"))
+    assert "to go on afterwards: python " in first and first.endswith(f"--resume {trainer.last}"), first
+    stopping = [i for i, ln in enumerate(lines) if ln.startswith("stopping after optimizer step")]
+    if moment == "mid-epoch":
+        assert len(stopping) == 1 and "goes on from epoch 2, batch 4 of " in lines[stopping[0]], out[-3000:]
+        assert stopping[0] < next(i for i, ln in enumerate(lines) if ln.startswith(f"stopped by {name}; saved"))
     assert out.count(f"stopped by {name}; saved {trainer.last}. Resume with: ") == 1, out[-3000:]
     saved = runstate.load_state(trainer.last)
     # mid-epoch: the step boundary of epoch 2; in validation or the save: epoch 2 complete
@@ -325,3 +333,99 @@ def test_a_signal_while_pytorch_loads_is_one_line(tmp_path, signum, code):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == code, (out, err)
     assert "stopped by " + signum.name in out + err and not any(c in out + err for c in CRASH), (out, err)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The parts of a stop, one at a time.
+
+
+def test_the_ranks_vote_about_once_a_second_whatever_a_step_takes(monkeypatch):
+    """Each vote proposes the steps that fill VOTE_S at the step time measured since the last one; the ranks
+    take the smallest proposal (distributed.vote), so all of them vote at the same steps."""
+    from dlenv import distributed
+    from dlenv.train import console
+
+    clock = [100.0]
+    votes: list[tuple[int, int]] = []
+    monkeypatch.setattr(console.time, "monotonic", lambda: clock[0])
+
+    def vote(signum, period):
+        votes.append((signum, period))
+        return signum, period
+
+    monkeypatch.setattr(distributed, "vote", vote)
+    stop = console.Stop(lambda msg: None, world_size=2)
+    voted_at = []
+    for step, seconds in enumerate([0.25] * 12 + [2.0] * 3 + [0.001] * 5000, start=1):
+        clock[0] += seconds
+        if stop.at_step():
+            break
+        if votes and len(votes) > len(voted_at):
+            voted_at.append(step)
+        if step == 2014:
+            stop.signum = signal.SIGTERM  # as the handler notes it
+    assert voted_at[:6] == [1, 2, 6, 10, 14, 15]  # the first at once, then every 4 steps of 0.25 s, then each 2 s step
+    assert [p for _, p in votes[:6]] == [1, 4, 4, 4, 1, 1]
+    assert votes[-1][0] == signal.SIGTERM and stop.stopped_by == signal.SIGTERM
+    assert 2014 < step <= 2014 + 1000 + 1  # within about a second of 1 ms steps
+    assert max(p for _, p in votes) <= console.MAX_VOTE_PERIOD
+
+
+def test_a_vote_carries_the_signal_to_a_rank_that_did_not_hear_it(monkeypatch):
+    from dlenv import distributed
+    from dlenv.train import console
+
+    monkeypatch.setattr(distributed, "vote", lambda signum, period: (int(signal.SIGHUP), 1))
+    stop = console.Stop(lambda msg: None, world_size=2)
+    assert stop.signum is None and stop.at_step() and stop.stopped_by == signal.SIGHUP
+
+
+WAY_ON_CASES = [  # (environment, in dlenv's Docker image, what the way on says)
+    ({}, False, "dlenv train --resume runs/x/last.pth"),
+    ({"DLENV_IMAGE": "1", "DLENV_TORCH_CUDA": "12.8"}, True,
+     'docker run --gpus all --ipc=host -v "$PWD":/root/workspace dlenv:cu128 dlenv train --resume runs/x/last.pth'),
+    ({"DLENV_IMAGE": "1"}, False, "dlenv train --resume runs/x/last.pth"),  # the image's variable outside Docker
+    ({"SLURM_JOB_ID": "9", "DLENV_SLURM_RESUBMIT": "DLENV_RUN=x sbatch s.sbatch --amp", "DLENV_SLURM_REQUEUE": "1"},
+     True,
+     "Slurm job 9 requeues itself and resumes after scancel --signal=TERM or its time limit; after a plain scancel, "
+     "submit it again: DLENV_RUN=x sbatch s.sbatch --amp"),
+    ({"SLURM_JOB_ID": "9", "DLENV_SLURM_RESUBMIT": "DLENV_RUN=x sbatch s.sbatch", "DLENV_SLURM_REQUEUE": "0"}, False,
+     "Slurm job 9 does not requeue (--no-requeue); submit it again: DLENV_RUN=x sbatch s.sbatch"),
+    ({"SLURM_JOB_ID": "9"}, False, "submit the job again with `dlenv train --resume runs/x/last.pth` as its command"),
+]
+
+
+@pytest.mark.parametrize("env, docker, line", WAY_ON_CASES,
+                         ids=["shell", "docker", "not-docker", "slurm-requeue", "slurm-no-requeue", "own-sbatch"])
+def test_the_way_on_is_for_where_the_run_is(monkeypatch, env, docker, line):
+    from dlenv.train import console
+
+    for var in ("SLURM_JOB_ID", "DLENV_SLURM_RESUBMIT", "DLENV_SLURM_REQUEUE", "DLENV_IMAGE", "DLENV_TORCH_CUDA"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("DLENV_COMMAND", "dlenv train")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    real_exists = Path.exists
+    monkeypatch.setattr(Path, "exists", lambda p: docker if str(p) == "/.dockerenv" else real_exists(p))
+    assert console.way_on(Path("runs/x/last.pth")) == line
+
+
+def test_the_stop_says_where_it_goes_on_from_before_it_saves(monkeypatch):
+    from dlenv.train import console
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setenv("DLENV_COMMAND", "dlenv train")
+    last = Path("runs/x/last.pth")
+    assert console.stopping_line(1, 3, 20, 23, last) == (
+        "stopping after optimizer step 23; saving runs/x/last.pth, which goes on from epoch 2, batch 4 of 20, "
+        "with: dlenv train --resume runs/x/last.pth")
+    assert "goes on from the start of epoch 3," in console.stopping_line(2, 0, 20, 40, last)
+
+
+@pytest.mark.parametrize("device, who, gpu_tips", [("cuda", "the GPU waited", True), ("cpu", "training waited", False)])
+def test_the_data_wait_advice_names_the_device_that_waited(device, who, gpu_tips):
+    from dlenv.train import console
+
+    advice = console.data_wait_advice(0.4, cache=False, gpu_augment=False, workers=2, device=device)
+    assert advice.startswith(f"{who} for data 40% of this epoch")
+    assert ("--gpu-augment" in advice) == gpu_tips and ("GPU" in advice) == gpu_tips

@@ -24,7 +24,8 @@ _SCONTROL = textwrap.dedent("""\
     case "$1 $2" in
         "show hostnames") printf 'gpu-a\\ngpu-b\\n' ;;
         "show node") addr=10.0.0.2; [ "$4" = gpu-a ] && addr=10.0.0.1; echo "NodeName=$4 NodeAddr=$addr" ;;
-        "show job") echo "JobId=7 JobName=dlenv-train Requeue=$REQUEUE Restarts=0 JobState=RUNNING" ;;
+        "show job") echo "JobId=7 JobName=dlenv-train Requeue=$REQUEUE Restarts=0 JobState=RUNNING" \\
+            "Command=/home/u/proj/scripts/slurm_train.sbatch WorkDir=/home/u/proj" ;;
         "requeue "*) echo "scontrol requeue $2" >> "$LOG" ;;
         *) echo "scontrol: unexpected $*" >&2; exit 1 ;;
     esac
@@ -140,3 +141,22 @@ def test_bad_settings_stop_before_srun_in_one_line(slurm, env, args, message):
     r, tasks = _run({**slurm, **env}, *args)
     assert r.returncode == 2 and tasks == []
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("slurm_train.sbatch: ") and message in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("requeue", ["1", "0"])
+def test_each_task_knows_how_the_job_goes_on_after_a_stop(slurm, tmp_path, requeue):
+    """dlenv's stop line says it before the save (dlenv.train.console.way_on): this script again, with the
+    submission's variables and arguments, and whether the job requeues itself; docker passes both in."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "dlenv").write_text('#!/bin/bash\necho "dlenv-env $DLENV_SLURM_REQUEUE|$DLENV_SLURM_RESUBMIT"\n')
+    (venv / "bin" / "dlenv").chmod(0o755)
+    r, _ = _run({**slurm, "DLENV_VENV": str(venv), "REQUEUE": requeue}, "--device", "cpu", "--data", "my data")
+    assert r.returncode == 0, r.stderr
+    envs = [ln.split(" ", 1)[1] for ln in Path(slurm["LOG"]).read_text().splitlines() if ln.startswith("dlenv-env ")]
+    want = (f"{requeue}|DLENV_RUN=slurm-7 DLENV_VENV={venv} DLENV_PROJECT={slurm['DLENV_PROJECT']} sbatch "
+            "/home/u/proj/scripts/slurm_train.sbatch --device cpu --data my\\ data")
+    assert envs == [want, want]
+    r, tasks = _run({**slurm, "REQUEUE": requeue, "LOG": str(tmp_path / "docker-log")})
+    passed = {"-e", "SLURM_JOB_ID", "DLENV_SLURM_RESUBMIT", "DLENV_SLURM_REQUEUE"}
+    assert len(tasks) == 2 and all(passed <= set(w) for w in tasks), tasks
