@@ -358,9 +358,8 @@ class ExportConfig:
                                   "folder", parse=_str)
     format: str = opt("onnx", "onnx, torchscript, or safetensors (the weights alone, loadable without "
                               "running code)", choices=("onnx", "torchscript", "safetensors"))
-    quantize: str = opt("none", "int8 for CPU inference: int8 (calibrated on the data; for onnx by onnxruntime, QDQ), "
-                                "static (the same), or dynamic (linear layers; torchscript only)",
-                        choices=("none", "int8", "static", "dynamic"))
+    quantize: str = opt("none", "int8 for CPU: int8 (calibrated; onnx: onnxruntime's QDQ), static (the same), or "
+                                "dynamic (linear layers, torchscript)", choices=("none", "int8", "static", "dynamic"))
     half: bool = opt(False, "fp16 export for GPU inference")
     data: str | None = opt(None, "images for the output check and static calibration; default: the "
                                  "checkpoint's", parse=_str)
