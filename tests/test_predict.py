@@ -326,3 +326,46 @@ def test_classes_parse(value, expected):
 def test_classes_refuse_empty_and_repeated_names(value):
     with pytest.raises(ValueError):
         predict_options.class_list(value)
+
+
+def test_a_few_images_are_answered_on_the_terminal_and_leave_no_run_folder(trained, tmp_path, monkeypatch, capsys):
+    """One image, then two, at the default place: each answer printed, no runs/predict/expN (docs/predict.md)."""
+    monkeypatch.chdir(tmp_path)
+    images = sorted((trained / "ds" / "val").rglob("*.png"))
+    for source in (images[0], images[0], trained / "ds" / "val" / "cat"):
+        assert cli_main(["predict", "--weights", str(_best(trained)), "--source", str(source), *CPU]) == 0
+        out = capsys.readouterr().out.splitlines()
+        answers = [line for line in out if line.startswith("  ")]
+        shown = [images[0]] if source == images[0] else sorted((trained / "ds" / "val" / "cat").glob("*.png"))
+        assert len(answers) == len(shown), out
+        for line, path in zip(answers, shown, strict=True):
+            name, rest = line.split()[0], line.split()[1:]
+            assert name == str(path) and rest[0] in CLASSES and rest[1].endswith("%"), line
+        assert out[-1].startswith("no run folder for "), out[-1]
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("given, n, video, keeps", [
+    ({}, 1, False, False),
+    ({}, predict.SHOWN, False, False),
+    ({}, predict.SHOWN + 1, False, True),   # many: the CSV holds them
+    ({}, 1, True, True),                    # a video's frames
+    ({"save_images": True}, 1, False, True),
+    ({"name": "mine"}, 1, False, True),
+    ({"project": "elsewhere"}, 1, False, True),
+    ({"exist_ok": True}, 1, False, True),
+])
+def test_when_predict_keeps_a_run_folder(given, n, video, keeps):
+    cfg = config.build(predict_options.PredictConfig, **given)
+    assert predict.keeps_run(cfg, n, video) is keeps
+
+
+def test_many_images_go_to_the_csv_not_the_terminal(trained, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    source = tmp_path / "many"
+    for i, path in enumerate(sorted((trained / "ds").rglob("*.png"))[: predict.SHOWN + 1]):
+        write_file(source / f"{i}.png", path.read_bytes())
+    assert cli_main(["predict", "--weights", str(_best(trained)), "--source", str(source), *CPU]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert not [line for line in out if line.startswith("  ")]
+    assert len(_rows(tmp_path / "runs" / "predict" / "exp" / predict.CSV_NAME)) == predict.SHOWN + 1

@@ -161,7 +161,7 @@ def run_command(name: str, given: dict[str, Any], yaml_file: str | None = None) 
     cfg = None
     try:
         if yaml_file is not None:
-            pathcheck.must_exist("--cfg", yaml_file, what="file")
+            pathcheck.must_exist("--cfg", yaml_file, what="no such file")
         cfg = weights.command_line_consent(config.build(cmd.config, yaml_file, **given), given)
         cfg = pathcheck.check(name, cfg)  # every path option, before PyTorch loads
         module, func = cmd.target.split(":")

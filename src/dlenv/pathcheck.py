@@ -48,8 +48,9 @@ FIXES = {
     "source": "pass an image, a folder, a glob, a video or - (paths on stdin)",
     "log_dir": "pass the folder of your runs (e.g. runs)",
 }
-#: what each input is, for "no such ..."
-WHAT = {"data": "folder", "dir": "folder", "log_dir": "folder", "weights": "file", "resume": "checkpoint"}
+#: what a missing input is called
+WHAT = {"data": "no such folder", "dir": "no such folder", "log_dir": "no such folder", "weights": "not found",
+        "resume": "no such checkpoint"}
 #: the commands that read a trained model's file: a bare best_model.pth / last.pth is the newest run's
 RUN_FILES = ("val", "predict", "prune", "export")
 #: train's --weights names a file when it looks like one (a bare word like DEFAULT is the models' to explain)
@@ -71,11 +72,11 @@ def check(command: str, cfg: Any, say: Any = print) -> Any:
         value = getattr(cfg, name, None)
         if value is None or not _checked(command, name, str(value)):
             continue
-        must_exist(_flag(name), str(value), FIXES.get(name), what=WHAT.get(name, "file or folder"))
+        must_exist(_flag(name), str(value), FIXES.get(name), what=WHAT.get(name, "no such file or folder"))
     model = getattr(cfg, "model", None)
     if isinstance(model, str) and ":" in model and model.rpartition(":")[0].endswith(".py"):
         must_exist("--model", model.rpartition(":")[0], "pass FILE.py:factory with the file's path "
-                   "(e.g. models/net.py:build)", shown=model, tail=":" + model.rpartition(":")[2], what="file")
+                   "(e.g. models/net.py:build)", shown=model, tail=":" + model.rpartition(":")[2], what="no such file")
     for name in OUTPUTS.get(command, ()):
         value = getattr(cfg, name, None)
         if value is not None:
@@ -102,7 +103,7 @@ def _checked(command: str, name: str, value: str) -> bool:
 
 
 def must_exist(flag: str, path: str, fix: str | None = None, shown: str | None = None, tail: str = "",
-               what: str = "file or folder") -> None:
+               what: str = "no such file or folder") -> None:
     """Raise UserError unless `path` exists: "FLAG PATH: no such file or folder; did you mean NEAR?" (a near
     name of each missing part among its siblings, when every part has one), else "...; FIX"."""
     if os.path.lexists(path):
@@ -112,7 +113,7 @@ def must_exist(flag: str, path: str, fix: str | None = None, shown: str | None =
         hint = f"did you mean {printable(near + tail)}?"
     else:
         hint = fix or f"paths are relative to {printable(os.getcwd())}"
-    raise UserError(f"{flag} {printable(shown or path)}: no such {what}; {hint}")
+    raise UserError(f"{flag} {printable(shown or path)}: {what}; {hint}")
 
 
 def did_you_mean(path: str) -> str | None:

@@ -10,7 +10,9 @@ crop at the model's image size, its normalisation and resampling, in the precisi
 `--source` is an image, a folder (recursively, images only), a glob, a video (OpenCV, every
 `--vid-stride`-th frame) or `-` for paths on standard input. An unreadable image is skipped with one
 line (the first few named, then counted: dlenv.data.badimages); nothing readable at all is an error.
-The results go to runs/predict/<name>/predictions.csv, written whole or not at all (dlenv.atomic):
+Up to SHOWN images get one line each on the terminal (class and probability); at the default place a
+few images leave no run folder (`keeps_run`: one call per photo would litter runs/predict/). Otherwise
+the results go to runs/predict/<name>/predictions.csv, written whole or not at all (dlenv.atomic):
 path, frame (for a video), tta, then class_i and prob_i for i = 1..top-k. `--json` prints the same
 as JSON lines on stdout; `--save-images` writes annotated copies into <run>/images/ and, for more than
 one image, contact sheets (a grid of thumbnails, each with its top class and probability) into <run>/.
@@ -47,6 +49,9 @@ from dlenv.trained import Trained
 VIDEO_EXTS = frozenset({".mp4", ".avi", ".mov", ".mkv", ".webm", ".m4v", ".mpg", ".mpeg", ".wmv"})
 #: the file of the predictions inside the run folder
 CSV_NAME = "predictions.csv"
+#: up to this many images, predict prints each one's answer (more: the CSV holds them), and writes no
+#: run folder unless asked (`keeps_run`)
+SHOWN = 8
 
 
 @dataclass
@@ -403,17 +408,46 @@ def main(cfg: Any) -> int:
     say(f"predicting {source.what}{stride} with {printable(cfg.weights)} ({device}, {opened.img_size}px, {how}{tta})")
     with contextlib.redirect_stdout(out_stream):  # the progress bar and the loader's lines
         preds, seconds = run(opened, source, cfg, device, mode)
-    run_dir = new_run_dir(cfg.project, cfg.name, cfg.exist_ok)
-    write_csv(run_dir / CSV_NAME, preds, k, cfg.tta)
     if cfg.json:
         for p in preds:
             print(json_line(p, cfg.tta), flush=False)
         sys.stdout.flush()
-    saved, sheets = save_images(run_dir, preds, source, cfg.vid_stride) if cfg.save_images else (0, [])
+    elif len(preds) <= SHOWN and source.video is None:
+        for line in answer_lines(preds):
+            say(line)
     rate = len(preds) / seconds if seconds > 0 else float("inf")
     what = ("frame" if source.video is not None else "image") + ("s" if len(preds) != 1 else "")
     say(f"{len(preds)} {what} in {seconds:.1f} s: {rate:.1f} img/s (decoding included{', x2 for tta' if tta else ''})")
+    if not keeps_run(cfg, len(preds), source.video is not None):
+        say(f"no run folder for {len(preds)} {what} (the answers are above); --save-images, --name or --project "
+            f"writes {CSV_NAME} into {cfg.project}/<name>/")
+        return 0
+    run_dir = new_run_dir(cfg.project, cfg.name, cfg.exist_ok)
+    write_csv(run_dir / CSV_NAME, preds, k, cfg.tta)
+    saved, sheets = save_images(run_dir, preds, source, cfg.vid_stride) if cfg.save_images else (0, [])
     say(f"predictions in {run_dir / CSV_NAME}" + (f"; {saved} annotated {what} in {run_dir / 'images'}/" if saved
                                                    else "")
         + (f"; contact sheet{'s' if len(sheets) > 1 else ''} {', '.join(p.name for p in sheets)}" if sheets else ""))
     return 0
+
+
+def keeps_run(cfg: Any, n: int, video: bool) -> bool:
+    """Whether predict writes a run folder (predictions.csv): for more than SHOWN images, a video, or when
+    asked (--save-images, a --project, --name or --exist-ok of the user's). A few images, at the default
+    place, are answered on the terminal only, so that one call per photo leaves no runs/predict/expN."""
+    from dlenv.predict_options import PredictConfig
+
+    default = PredictConfig()
+    asked = cfg.save_images or cfg.exist_ok or cfg.project != default.project or cfg.name != default.name
+    return bool(asked or video or n > SHOWN)
+
+
+def answer_lines(preds: list[Prediction]) -> list[str]:
+    """One line per image: its name, its top class and probability, and the runner-up."""
+    width = max(len(printable(p.path)) for p in preds)
+    lines = []
+    for p in preds:
+        (best, q), *rest = p.top
+        second = f"  (then {rest[0][0]} {rest[0][1]:.1%})" if rest else ""
+        lines.append(f"  {printable(p.path):<{width}}  {best} {q:.1%}{second}")
+    return lines
