@@ -161,10 +161,19 @@ def test_workspace_script_runs_plot(tmp_path):
     assert (tmp_path / "runs" / "exp" / "results.png").is_file()
 
 
+#: results.csv's header before the gpu_busy column: the files below are an older version's, which plot as ever
+OLD_HEADER = ("epoch,train_loss,val_loss,top1,top5,lr,img_per_s,data_wait,epoch_s,mem_alloc_gib,mem_reserved_gib,"
+              "batch_size,accum_steps,oom_retries")
+
+
 def _write_csv(folder: Path, body: bytes) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "results.csv").write_bytes(",".join(COLUMNS).encode() + b"\n" + body)
+    (folder / "results.csv").write_bytes(OLD_HEADER.encode() + b"\n" + body)
     return folder
+
+
+def test_an_older_files_columns_are_a_prefix_of_todays():
+    assert list(COLUMNS)[:14] == OLD_HEADER.split(",")  # new columns go at the end
 
 
 @pytest.mark.parametrize("body", [

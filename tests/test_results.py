@@ -42,19 +42,21 @@ def test_truncate_after_keeps_the_epochs_a_resume_does_not_repeat(tmp_path):
 
 
 HEADER = ",".join(results.COLUMNS) + "\n"
+#: the columns after the first 14 (gpu_busy, ...), left empty in the rows below
+PAD = "," * (len(results.COLUMNS) - 14)
 
 
 def _good(epoch):
-    return f"{epoch},0.5,0.6,50,100,0.001,10,0.01,1.5,0,0,4,1,0\n"
+    return f"{epoch},0.5,0.6,50,100,0.001,10,0.01,1.5,0,0,4,1,0{PAD}\n"
 
 
 CORRUPT = {  # a line of results.csv gone wrong -> how
-    "text-epoch": b"x,0.5,0.6,50,100,0.001,10,0.01,1.5,0,0,4,1,0\n",
-    "invalid-utf8": b"2,0.5,\xff\xfe,50,100,0.001,10,0.01,1.5,0,0,4,1,0\n",
+    "text-epoch": f"x,0.5,0.6,50,100,0.001,10,0.01,1.5,0,0,4,1,0{PAD}\n".encode(),
+    "invalid-utf8": b"2,0.5,\xff\xfe,50,100,0.001,10,0.01,1.5,0,0,4,1,0" + PAD.encode() + b"\n",
     "binary": b"\x00\x00\x00\x00\x13\x37\x00\n",
     "too-few-fields": b"2,0.5,0.6\n",
     "too-many-fields": b"2," + b"1," * 20 + b"1\n",
-    "inf-epoch": b"inf,0.5,0.6,50,100,0.001,10,0.01,1.5,0,0,4,1,0\n",
+    "inf-epoch": f"inf,0.5,0.6,50,100,0.001,10,0.01,1.5,0,0,4,1,0{PAD}\n".encode(),
     "unclosed-quote": b'2,"0.5,0.6,50\n',
 }
 
@@ -103,3 +105,24 @@ def test_a_row_appended_after_a_cut_off_line_stays_whole(tmp_path):
     df = results.read_results(p)
     assert list(df["epoch"]) == [1, 2] and list(df["top1"]) == [10.0, 20.0]
     assert df.attrs["dropped"] == [3]
+
+
+OLD = ("epoch,train_loss,val_loss,top1,top5,lr,img_per_s,data_wait,epoch_s,mem_alloc_gib,mem_reserved_gib,batch_size,"
+       "accum_steps,oom_retries\n1,0.5,0.6,66,100,0.001,120,0.25,10,0,0,4,1,0\n")
+
+
+def test_a_row_appended_to_an_older_file_lines_up_with_a_new_header(tmp_path):
+    path = tmp_path / "results.csv"
+    path.write_text(OLD)  # an older version's run, resumed by this one
+    results.append_row(path, {"epoch": 2, "train_loss": 0.4, "gpu_busy": 0.875})
+    df = results.read_results(path)
+    assert list(df["epoch"]) == [1, 2] and df.attrs["dropped"] == []
+    assert df["data_wait"][0] == 0.25 and df["gpu_busy"].isna()[0] and df["gpu_busy"][1] == 0.875
+    assert path.read_text().splitlines()[0] == ",".join(results.COLUMNS)
+
+
+def test_an_older_file_reads_without_the_new_column(tmp_path):
+    path = tmp_path / "results.csv"
+    path.write_text(OLD)
+    df = results.read_results(path)
+    assert "gpu_busy" not in df.columns and df["img_per_s"][0] == 120

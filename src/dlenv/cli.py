@@ -24,7 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from dlenv import __version__, config, helptext, invocation, pathcheck, weights
+from dlenv import __version__, helptext, invocation
 from dlenv.errors import (
     BUG_REPORT,
     EXIT_BUG,
@@ -48,6 +48,8 @@ from dlenv.errors import (
 
 def _add_options(parser: argparse.ArgumentParser, cls: type, command: str) -> None:
     """The command's flags from its options, in the groups dlenv.helptext names for it (one block else)."""
+    from dlenv import config  # lazy: `dlenv --help` lists the verbs without the option declarations
+
     fields = {f.name: f for f in config.options(cls)}
     groups = helptext.GROUPS.get(command)
     for title, names in groups or ((None, (*fields, "cfg")),):
@@ -60,6 +62,8 @@ def _add_options(parser: argparse.ArgumentParser, cls: type, command: str) -> No
 
 
 def _add_option(parser: Any, f: Any) -> None:
+    from dlenv import config  # lazy: as in _add_options
+
     md = f.metadata
     default = f"(default: {f.default})" if f.default not in (None, False, ()) else ""
     help_text = f"{md['help']} {default}".strip().replace("%", "%%")
@@ -79,6 +83,9 @@ def _add_option(parser: Any, f: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every verb's parser, its flags generated from dlenv.config (`dlenv --help` is `helptext.top_help`)."""
+    from dlenv import config  # lazy: as in _add_options
+
     parser = argparse.ArgumentParser(prog="dlenv", description="GPU training environment for image "
                                      "classifiers. Each verb is also an invoke task: invoke VERB ...")
     parser.add_argument("--version", action="version", version=f"dlenv {__version__}")
@@ -156,6 +163,7 @@ def _stoppable():
 
 def run_command(name: str, given: dict[str, Any], yaml_file: str | None = None) -> int:
     """Build `name`'s config from `given` flags (and a YAML file) and run it; returns the exit code."""
+    from dlenv import config, pathcheck, weights  # lazy: as in _add_options
     cmd = config.COMMANDS[name]
     loading = True
     cfg = None
@@ -210,6 +218,10 @@ def _stopped(name: str | None, signum: int, loading: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`dlenv VERB ...`: its exit status. A stop signal from here on ends it in one line (`_stoppable`)."""
+    words = sys.argv[1:] if argv is None else list(argv)
+    if words in ([], ["-h"], ["--help"]):  # the verbs by group, from dlenv.helptext alone: at once
+        print(helptext.top_help(__version__))
+        return EXIT_INPUT if not words else 0
     try:
         with _stoppable():
             return _main(argv)
@@ -217,9 +229,20 @@ def main(argv: list[str] | None = None) -> int:
         return _stopped(None, e.signum, True)
 
 
+def _watched(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """`dlenv watch [options] -- COMMAND ...`: (watch's own arguments, the command), the command being
+    everything after the first `--` (its flags are its own, not watch's); (argv, None) for any other line."""
+    verb = next((a for a in argv if not a.startswith("-")), None)
+    if verb != "watch" or "--" not in argv:
+        return argv, None
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
-    parsed, extra = parser.parse_known_args(argv)
+    own, watched = _watched(sys.argv[1:] if argv is None else list(argv))
+    parsed, extra = parser.parse_known_args(own)
     args = vars(parsed)
     name = args.pop("command")
     if name is None:
@@ -230,6 +253,8 @@ def _main(argv: list[str] | None) -> int:
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     yaml_file = args.pop("cfg", None)
+    if watched is not None:
+        args["run"] = watched
     invocation.remember(name, script_picks_verb=argv is not None)  # for "Resume with: ..." hints
     return run_command(name, args, yaml_file)
 

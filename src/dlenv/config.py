@@ -54,6 +54,7 @@ from dlenv.values import (
     scale_range_or_auto,
     workers_or_auto,
 )
+from dlenv.watch.options import WatchConfig
 
 # Value parsers (dlenv.values): each takes the string a user typed (or a YAML value) and returns the
 # typed value, raising ValueError with a short reason.
@@ -283,14 +284,12 @@ class VerifyEnvConfig:
 class BenchMemoryConfig:
     """Options of `bench-memory`."""
 
-    model: str = opt("resnet50", "a torchvision or timm/ model name, or your own: FILE.py:factory, measured as "
-                                 "it is (its own head)")
+    model: str = opt("resnet50", "a torchvision or timm/ name, or your own FILE.py:factory (measured as it is)")
     batch_size: int = opt(64, "batch size", min=1, max=BATCH_MAX, why=BATCH_WHY)
     img_size: int = opt(224, "image size", min=16, max=IMG_SIZE_MAX, why=IMG_WHY)
     channels: int = image_channels()
-    num_classes: int | None = opt(None, "classes of the head and targets: auto (the model's own output width, "
-                                        "found by one forward; a named model gets 1000) or a number the model "
-                                        "must give", parse=auto_int, min=1)
+    num_classes: int | None = opt(None, "classes of head and targets: auto (your model's own output width, by one "
+                                        "forward; a named model gets 1000) or N", parse=auto_int, min=1)
     steps: int = opt(10, "training steps measured per configuration", min=2)
     warmup: int = opt(3, "untimed steps before the timed ones (cuDNN autotuning, allocator warm-up)", min=0)
     channels_last: bool = opt(True, "also measure channels_last variants of convolutional models")
@@ -400,6 +399,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in [
             "Measure memory and speed: FP32, AMP, checkpointing, both; allocator settings."),
     Command("bench-data", BenchDataConfig, "dlenv.bench.data:main",
             "Measure the input pipeline against the model and name the bottleneck."),
+    Command("watch", WatchConfig, "dlenv.watch.run:main", "Run a command and watch the GPU: busy, memory, advice."),
     Command("prune", PruneConfig, "dlenv.compress:prune_main",
             "Prune a checkpoint (single weights, or whole channels) and re-validate it."),
     Command("export", ExportConfig, "dlenv.compress:export_main",

@@ -36,13 +36,13 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Validation accuracy", "accuracy (%)", [("top1", "top-1"), ("top5", "top-5")]),
     ("Learning rate", "learning rate", [("lr", "lr (end of epoch)")]),
     ("Training throughput", "images / s", [("img_per_s", "images/s (all GPUs)")]),
-    ("Waiting for data", "share of epoch (%)", [("data_wait", "data wait")]),
+    ("Waiting for data", "share of epoch (%)", [("data_wait", "data wait"), ("gpu_busy", "GPU busy (NVML)")]),
     ("Peak GPU memory", "memory (GiB)", [("mem_alloc_gib", "allocated"),
                                          ("mem_reserved_gib", "reserved")]),
 ]
 
 # columns stored as a 0-1 share but shown in %
-_PERCENT_OF_SHARE = {"data_wait"}
+_PERCENT_OF_SHARE = {"data_wait", "gpu_busy"}
 
 
 def find_runs(log_dir: str | Path) -> list[Path]:

@@ -137,6 +137,20 @@ def auto_int(v: Any) -> int | None:
     return None if _is_auto(v) else parse_int(v)
 
 
+def command_words(v: Any) -> tuple[str, ...]:
+    """A command line: a list of words as given (after `--`), or one string split as a shell would."""
+    import shlex
+
+    if isinstance(v, (list, tuple)) and all(isinstance(w, str) for w in v):
+        return tuple(v)
+    if isinstance(v, str):
+        try:
+            return tuple(shlex.split(v))
+        except ValueError as e:
+            raise ValueError(f"cannot split it as a shell would ({e})") from None
+    raise ValueError("expected a command line")
+
+
 def auto_float(v: Any) -> float | None:
     """A number, or 'auto' (None: decided at run time)."""
     return None if _is_auto(v) else parse_float(v)

@@ -2,7 +2,10 @@
 
 The trainer appends one row per epoch (`append_row`); `invoke plot` and reports read the file
 (`read_results`) and never reach into a running trainer. Columns are fixed here, in this order, so a
-run in progress is always readable. No torch here: the plots import this module.
+run in progress is always readable; a new column goes at the end, and a file an older version wrote
+(fewer columns) is rewritten with today's header, its rows kept and the new columns empty, before a
+row is appended to it (a resumed run). Readers take the columns the file's header names. No torch
+here: the plots import this module.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ COLUMNS: dict[str, str] = {
     "batch_size": "micro-batch per GPU at the end of the epoch",
     "accum_steps": "micro-batches per optimizer step at the end of the epoch",
     "oom_retries": "re-plans at half the micro-batch after CUDA out of memory (--batch-size auto)",
+    "gpu_busy": "share of the epoch's training time a kernel ran on the GPU (NVML utilisation sampled each "
+                "second, as `dlenv watch` reports it), 0-1 (empty on CPU or without NVML)",
 }
 
 
@@ -51,6 +56,8 @@ def append_row(path: str | Path, row: dict[str, Any]) -> None:
         raise KeyError(f"results.csv has no column(s) {sorted(unknown)}")
     path = Path(path)
     new = not path.exists() or path.stat().st_size == 0
+    if not new:
+        _upgrade_header(path)
     try:
         with path.open("a+b") as fh:
             if not new:
@@ -67,6 +74,28 @@ def append_row(path: str | Path, row: dict[str, Any]) -> None:
             os.fsync(fh.fileno())
     except OSError as e:
         raise with_path(e, path) from None
+
+
+def _upgrade_header(path: Path) -> None:
+    """A results.csv whose header is not today's (written by an older version): rewritten atomically with
+    today's columns, its rows kept (columns it lacks left empty), so the next row lines up with the header."""
+    try:
+        with path.open("rb") as fh:
+            first = fh.readline(64 * 1024)
+    except OSError as e:
+        raise with_path(e, path) from None
+    today = ",".join(COLUMNS).encode()
+    if first.rstrip(b"\r\n") == today or not first.lstrip(b"\xef\xbb\xbf").startswith(b"epoch"):
+        return  # today's, or no header to line up with (the reader skips what it cannot read)
+    _, rows, _ = _parse(path.read_bytes())
+
+    def write(tmp: Path) -> None:
+        with tmp.open("w", newline="", encoding="utf-8") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(COLUMNS), extrasaction="ignore")
+            w.writeheader()
+            w.writerows({k: r.get(k, "") for k in COLUMNS} for r in rows)
+
+    write_atomic(path, write)
 
 
 def _fmt(v: Any) -> Any:

@@ -33,6 +33,7 @@ from dlenv.step import NonFiniteLoss, Parts
 from dlenv.train import console, loop
 from dlenv.train.loop import Replan
 from dlenv.train.plan import TrainPlan, per_rank
+from dlenv.watch.probes import GpuBusy
 
 
 @dataclass
@@ -116,6 +117,8 @@ def fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Data
             if run.tb is not None:
                 run.tb.close()
             _close_loaders(epochs.data)
+            if epochs.busy is not None:
+                epochs.busy.close()
     best = run.best if run.best is not None and run.best.is_file() else None
     summary.update(epochs=state.epoch, step=state.step, best_metric=state.best_metric,
                    best=str(best) if best else None)
@@ -151,6 +154,7 @@ class _Epochs:
     say: Callable[[str], None]
     rebuild: Callable[[TrainPlan], pipeline.Data]  # the data for another plan of this run (`replan`)
     eta: Any = None                 # progress.RunEta: the time left in the whole run
+    busy: Any = None                # dlenv.watch.probes.GpuBusy on CUDA: the epoch's gpu_busy column
 
     def train(self, state: TrainState, stop: console.Stop,
               on_step: Callable[[TrainState], None] | None) -> loop.EpochStats:
@@ -163,6 +167,10 @@ class _Epochs:
         batches = iter(data.train)
         if parts.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(parts.device)
+            if self.busy is None:  # NVML in a light thread: the share of the epoch a kernel ran
+                self.busy = GpuBusy(parts.device.index if parts.device.index is not None
+                                    else torch.cuda.current_device())
+            self.busy.start()
         progress = console.Progress(total, state.batch_in_epoch, f"epoch {state.epoch + 1}/{self.plan.epochs}",
                                     self.run.is_main, run_eta=self.eta, world=self.plan.world_size)
         rescue = loop.Rescue(parts, state, progress, self.say, retry_oom=self.plan.halves)
@@ -178,6 +186,7 @@ class _Epochs:
         that (`stop.moment` names where it came)."""
         parts, data, run, world = self.parts, self.data, self.run, self.plan.world_size
         peak_alloc, peak_reserved = self.monitor.peak()
+        busy = self.busy.stop() if self.busy is not None else None  # training only, not validation
         evaluated = parts.ema.module if parts.ema is not None else parts.bare
         t_val = time.perf_counter()
         stop.moment = "this epoch (its validation, then the save)"
@@ -200,7 +209,8 @@ class _Epochs:
                "data_wait": stats.data_wait / max(stats.seconds, 1e-9),
                "epoch_s": time.perf_counter() - t_epoch, "mem_alloc_gib": peak_alloc,
                "mem_reserved_gib": peak_reserved, "batch_size": state.micro_batch,
-               "accum_steps": state.accum_steps, "oom_retries": state.oom_retries}
+               "accum_steps": state.accum_steps, "oom_retries": state.oom_retries,
+               "gpu_busy": None if busy is None else busy / 100.0}
         stop.moment = "this epoch's save"
         rng = distributed.gather(runstate.rng_state())  # each rank's streams: a resume gives each its own
         if run.is_main:
