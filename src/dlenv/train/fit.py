@@ -46,6 +46,7 @@ class Run:
     is_main: bool
     lock: Any = None            # runfolder.RunLock: a second run in this folder is refused while it lives
     advised: bool = False       # the data-wait explanation is given once per run
+    held: int = 0               # bytes of the GPU the process held before the run (not counted in its peaks)
 
     @property
     def last(self) -> Path | None:
@@ -71,7 +72,7 @@ def fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Data
                                "accum_steps": state.accum_steps, "last": str(run.last) if run.last else None,
                                "best": str(run.best) if run.best else None, "img_per_s": None,
                                "peak_alloc_gib": None, "compile_s": 0.0}
-    epochs = _Epochs(decided, parts, data, run, memory.MemoryMonitor(parts.device), say, rebuild)
+    epochs = _Epochs(decided, parts, data, run, memory.MemoryMonitor(parts.device, run.held), say, rebuild)
     epochs.eta, t_run = console.run_eta(decided.epochs, decided.batches_per_epoch, state.epoch, state.batch_in_epoch,
                                         data.val), time.perf_counter()
     # the handlers stay until the workers are shut down: a signal in that last moment is only noted
@@ -112,7 +113,9 @@ def fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Data
                 raise distributed.peer_failure(e, "a training step") from None
             if not compat.is_oom(e):
                 raise
-            raise UserError(epochs.oom_advice(state), exit_code=EXIT_OOM) from None
+            advice = epochs.oom_advice(state)
+            memory.release_failed_step(e)  # the failed step's tensors, which a kept exception would hold
+            raise UserError(advice, exit_code=EXIT_OOM) from None
         finally:
             if run.tb is not None:
                 run.tb.close()

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from dlenv import distributed, launch, runfolder
+from dlenv import distributed, launch, memory, runfolder
 from dlenv.config import TrainConfig
 from dlenv.devices import resolve_device
 from dlenv.errors import Stopped
@@ -77,15 +77,13 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
         say(f"--resume with {', '.join(resume.inexact)}: another device computes other numbers, so this resume "
             "does not end bit-equal to the uninterrupted run (leave the flag out to continue with the run's)")
     device = resolve_device(cfg.device, dist.local_rank)
-    if device.type == "cuda":
-        # Once, before any probe: in benchmark mode PyTorch lets a cuDNN convolution take as much
-        # workspace as the allocator's largest cached free block (Conv_v8.cpp, get_available_workspace).
-        # A block left by earlier work in this process (a notebook's previous run, a --batch-size auto
-        # run at the card's largest batch, an out-of-memory attempt) lets it try algorithms of tens of
-        # GiB: in the GPU suite a ResNet-50 run that peaks at 3.2 GiB in a fresh process reported
-        # 138 GiB after the earlier tests, and --checkpoint-ratio auto measured that. From an empty
-        # cache every process decides alike.
-        torch.cuda.empty_cache()
+    # Once, before any probe or measurement: what earlier work in this process left (a notebook's previous
+    # run, a --batch-size auto probe, a caught out-of-memory whose frames still hold its step) is collected
+    # and the cache emptied, and what is still held is left out of this run's peaks (memory.start_clean)
+    held = memory.start_clean(device)
+    if held > 2**30 and dist.is_main:
+        say(f"{held / 2**30:.1f} GiB of {device} was already in use by this process before the run (earlier "
+            "work's tensors); the peaks this run reports leave it out, but it is not free for the run")
     _seed_everything(cfg.seed + dist.rank, cfg.deterministic, device)
     decided = plan.decide(cfg, resume, dist, device)
     for line in decided.said:
@@ -99,6 +97,7 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
     for line in resume.limits if resume is not None else ():
         say(f"--resume: {line}")
     run = open_run(decided, resume, dist, device, state)
+    run.held = held
     say(decided.start_line(device, bool(state.epoch or state.batch_in_epoch), run.dir))
     if rng is not None:  # last: building the model drew from these streams
         runstate.set_rng_state(rng)
