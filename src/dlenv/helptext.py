@@ -1,13 +1,72 @@
-"""How `dlenv VERB --help` presents a command's options: in named groups, then examples.
+"""How `dlenv --help` presents the verbs, and `dlenv VERB --help` a command's options.
+
+`dlenv --help` (and `dlenv` alone) is `top_help()`: the verbs in groups (data, train, evaluate, deploy,
+environment), each with what it does and one example line, written from `VERBS` alone, so that it imports
+neither the option declarations (dlenv.config) nor anything else: it answers at once. A test holds VERBS
+to the verbs dlenv.config declares.
 
 The options themselves are declared once, in dlenv.config; this module only sorts their names into the
-groups `--help` shows (a command without an entry lists its few options in one block) and holds the
+groups `VERB --help` shows (a command without an entry lists its few options in one block) and holds the
 examples its help ends with, the commands docs/training.md and docs/validation.md open with. A test holds
 every option of a grouped command in exactly one group, so a new option cannot go missing from --help.
-No torch here: `dlenv --help` imports it.
+No torch here.
 """
 
 from __future__ import annotations
+
+#: `dlenv --help`: (group, ((verb, what it does, an example), ...)), in the order shown
+VERBS: tuple[tuple[str, tuple[tuple[str, str, str], ...]], ...] = (
+    ("data", (
+        ("unpack", "unpack a dataset archive safely into data/<name>/ and report on it", "dlenv unpack pets.zip"),
+        ("data-report", "classes, counts, image sizes, bad files, train/val leaks", "dlenv data-report data/pets"),
+        ("demo-data", "write the built-in demo dataset (generated, no download)", "dlenv demo-data"),
+    )),
+    ("train", (
+        ("train", "train a classifier (AMP, activation checkpointing, accumulation, resume)",
+         "dlenv train --data data/pets --amp --checkpoint"),
+        ("bench-memory", "memory and speed: FP32, AMP, checkpointing, allocator settings",
+         "dlenv bench-memory --model resnet50"),
+        ("bench-data", "measure the input pipeline against the model; name the bottleneck",
+         "dlenv bench-data --data data/pets"),
+        ("watch", "run any command and watch the GPU: busy, memory, power, advice",
+         "dlenv watch -- python train.py"),
+    )),
+    ("evaluate", (
+        ("val", "metrics, per-class report, confusion matrix, errors of a checkpoint",
+         "dlenv val --weights best_model.pth"),
+        ("plot", "plot each run's results.csv (and compare runs)", "dlenv plot --log-dir runs"),
+        ("predict", "predict images, a folder, a glob, a video or stdin paths",
+         "dlenv predict --weights best_model.pth --source photo.jpg"),
+    )),
+    ("deploy", (
+        ("prune", "prune a checkpoint (single weights or whole channels) and re-validate it",
+         "dlenv prune --weights best_model.pth --structured --finetune-epochs 3"),
+        ("export", "export to ONNX, TorchScript or safetensors (optionally int8) and check it",
+         "dlenv export --weights best_model.pth --format onnx"),
+    )),
+    ("environment", (
+        ("verify-env", "versions, GPUs, real kernels, /dev/shm and disk; one verdict", "dlenv verify-env"),
+        ("lab", "JupyterLab on port 8888 with this Python as its kernel", "dlenv lab"),
+        ("tensorboard", "serve the runs' TensorBoard event files on port 6006", "dlenv tensorboard"),
+        ("test", "the quick tests with a progress line and an ETA", "dlenv test"),
+    )),
+)
+
+
+def top_help(version: str) -> str:
+    """`dlenv --help`: usage, the verbs by group with an example each, and where to read more."""
+    width = max(len(verb) for _, verbs in VERBS for verb, _, _ in verbs)
+    out = ["usage: dlenv VERB [options]      (dlenv VERB --help: its options and examples)", "",
+           "GPU training environment for image classifiers. Every verb is also an invoke task (invoke VERB).", ""]
+    for group, verbs in VERBS:
+        out.append(f"{group}:")
+        for verb, what, example in verbs:
+            out.append(f"  {verb:<{width}}  {what}")
+            out.append(f"  {'':<{width}}    e.g. {example}")
+        out.append("")
+    out.append(f"options: -h, --help (this), --version (dlenv {version})")
+    return "\n".join(out)
+
 
 #: command -> (group title, option names) in the order --help shows them; options keep their declared
 #: order within a group. "cfg" is the --cfg every command takes.
