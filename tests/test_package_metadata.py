@@ -34,9 +34,12 @@ def test_requirements_txt_holds_no_pytorch_and_only_plain_requirements():
 
 
 def test_the_installed_dlenv_requires_exactly_requirements_txt():
-    declared = normalized(metadata.requires("dlenv"))
-    assert declared, "dlenv's installed metadata requires nothing: reinstall it (pip install --no-deps -e .)"
-    assert declared == requirements_txt()
+    """(The metadata is written at install time: .ci/run reinstalls `-e .` at every run, as must a checkout
+    whose requirements.txt changed since.)"""
+    declared, wanted = normalized(metadata.requires("dlenv")), requirements_txt()
+    assert declared == wanted, (f"dlenv's installed metadata lacks {sorted(wanted - declared)} and has "
+                                f"{sorted(declared - wanted)} beyond requirements.txt: reinstall it (pip install "
+                                "--no-deps -e .), as .ci/run does")
 
 
 def test_a_fresh_build_reads_requirements_txt(tmp_path):
