@@ -118,6 +118,19 @@ def test_non_finite_and_wrongly_typed_values_are_refused(kwargs, message):
     (b"epochs: [1, 2]\n", "--epochs [1, 2]: expected an integer; see --help (set in config file"),
     (b"nme: x\n", "unknown option 'nme' in config file"),
     (b"[" * 5000, "config file"),  # deeply nested: YAML's own limit or ours, one line either way
+    # values PyYAML's own constructors raise ValueError on, and keys given twice (issue 43)
+    (b"seed: 2001-02-30\n", "line 1: 'seed': YAML cannot read '2001-02-30' ('day is out of range for month')"),
+    (b"lr: 0.1\nseed: 0000-01-01\n", "line 2: 'seed': YAML cannot read '0000-01-01'"),
+    (b"seed: 2001-13-01 10:00:00\n", "'seed': YAML cannot read '2001-13-01 10:00:00'"),
+    (b"seed: " + b"9" * 5000 + b"\n", "'seed': YAML cannot read '99999"),
+    (b"model_args: {depth: 2001-02-30}\n", "'depth': YAML cannot read '2001-02-30'"),
+    (b"model_args: [2001-02-30]\n", "'model_args': YAML cannot read a value in it"),
+    (b"2001-02-30\n", "a value YAML cannot read ('day is out of range for month')"),
+    (b"epochs: 3\nlr: 0.1\nepochs: 4\n", "line 3: 'epochs' is given twice (first on line 1)"),
+    (b"epochs: 3\nepochs: 3\n", "line 2: 'epochs' is given twice"),  # the same value twice is still a slip
+    (b"model_args: {depth: 1, depth: 2}\n", "'depth' is given twice"),
+    (b"batch-size: 3\nbatch_size: 4\n", "gives 'batch-size' twice ('batch-size', 'batch_size')"),
+    (b"? [a, b]\n: 1\n", "a key that is a list, not an option name"),
 ])
 def test_a_cfg_file_that_is_not_a_yaml_mapping_is_one_line(tmp_path, content, message):
     y = tmp_path / "c.yaml"
@@ -125,6 +138,26 @@ def test_a_cfg_file_that_is_not_a_yaml_mapping_is_one_line(tmp_path, content, me
     with pytest.raises(UserError) as e:
         config.build(config.TrainConfig, y)
     assert message in str(e.value) and str(y) in str(e.value) and "\n" not in str(e.value)
+
+
+EPOCHS_REFUSED = [  # (command, option, value): every count of epochs is bounded (issue 43: 10^20 was taken)
+    ("train", "epochs", str(config.EPOCHS_MAX + 1)),
+    ("train", "epochs", "100000000000000000000"),
+    ("train", "epochs", 10**20),  # as YAML gives it
+    ("train", "freeze_epochs", str(10**9)),
+    ("train", "warmup_epochs", "1e12"),
+    ("prune", "finetune_epochs", str(10**6)),
+]
+
+
+@pytest.mark.parametrize(("command", "option", "value"), EPOCHS_REFUSED)
+def test_counts_of_epochs_are_bounded(command, option, value):
+    with pytest.raises(UserError) as e:
+        config.build(config.COMMANDS[command].config, **{option: value})
+    assert f"--{option.replace('_', '-')}" in str(e.value) and "above its maximum 100,000" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert getattr(config.build(config.COMMANDS[command].config, **{option: config.EPOCHS_MAX}), option) == \
+        config.EPOCHS_MAX
 
 
 def test_a_cfg_folder_is_one_line(tmp_path):

@@ -1,13 +1,15 @@
 """The --cfg file: a YAML mapping of option: value, read as something a stranger may have written.
 
 Only a regular file of at most CONFIG_FILE_LIMIT bytes is read (`dlenv.safeio`: a FIFO or /dev/zero is
-refused at once instead of hanging or filling memory), it must be UTF-8, and YAML aliases are refused
-where they are composed, before anything expands. `dlenv.config.build` checks the values. No torch
-here: `dlenv --help` imports this module.
+refused at once instead of hanging or filling memory), it must be UTF-8, YAML aliases are refused
+where they are composed, before anything expands, a key given twice is refused (YAML would keep the last
+without a word), and a value YAML cannot build (`seed: 2001-02-30`, an int of 5,000 digits) is one line
+naming its key. `dlenv.config.build` checks the values. No torch here: `dlenv --help` imports this module.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,8 @@ YAML_NODE_LIMIT = 10_000
 
 
 def _options_loader() -> type:
-    """yaml.SafeLoader that refuses aliases (`*name`) and counts nodes.
+    """yaml.SafeLoader that refuses aliases (`*name`) and keys given twice, counts nodes, and names the key
+    of a value it cannot build.
 
     A "billion laughs" file is a few hundred bytes of anchors and aliases that expand to 10^9 nodes
     when the result is walked (`epochs: *lol9`, or `model_args: *lol9` turned into text); safe_load
@@ -44,7 +47,37 @@ def _options_loader() -> type:
                                "than a file of options holds")
             return super().compose_node(parent, index)
 
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+            if not isinstance(node, yaml.MappingNode):
+                return super().construct_mapping(node, deep=deep)  # its own one-line YAMLError
+            self.flatten_mapping(node)
+            mapping: dict = {}
+            lines: dict = {}
+            for key_node, value_node in node.value:
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in lines:
+                        raise _Refused(f"line {line}: {_shown(key)} is given twice (first on line {lines[key]}); "
+                                       "YAML would keep the last without a word: keep the one you mean")
+                except TypeError:  # an unhashable key: a list or a mapping, never an option
+                    raise _Refused(f"line {line}: a key that is a {type(key).__name__}, not an option name") from None
+                try:
+                    mapping[key] = self.construct_object(value_node, deep=True)
+                except ValueError as e:  # PyYAML's own constructors: a date that is none, a number too long
+                    what = _shown(value_node.value) if isinstance(value_node, yaml.ScalarNode) else "a value in it"
+                    raise _Refused(f"line {value_node.start_mark.line + 1}: {_shown(key)}: YAML cannot read "
+                                   f"{what} ({_shown(e)})") from None
+                lines[key] = line
+            return mapping
+
     return OptionsLoader
+
+
+def _shown(value: Any, most: int = 60) -> str:
+    """A key or value as a short quoted text for one line (a 5,000-digit number is cut)."""
+    text = repr(str(value))
+    return text if len(text) <= most else text[: most - 5] + "...'"
 
 
 class _Refused(Exception):
@@ -80,6 +113,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise UserError(f"config file {p} is not valid YAML ({str(e).splitlines()[0]})") from None
     except RecursionError:  # thousands of nested brackets
         raise UserError(f"config file {p} nests too deeply to be a file of options") from None
+    except ValueError as e:  # a constructor outside a mapping (the whole file one bad date)
+        raise UserError(f"config file {p}: a value YAML cannot read ({_shown(e, 120)})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -95,6 +130,11 @@ def options_in(yaml_file: str | Path, valid: set[str], train: set[str], keep: tu
     through `say`; a key that no command has is refused with the list of valid ones."""
     data = load_yaml(yaml_file)
     names = {key: str(key).replace("-", "_") for key in data}
+    counts = Counter(names.values())
+    twice = [key for key in data if counts[names[key]] > 1]
+    if twice:  # batch-size and batch_size: one option, and which one wins would be an accident of order
+        raise UserError(f"config file {yaml_file} gives {names[twice[0]].replace('_', '-')!r} twice ("
+                        f"{', '.join(repr(str(k)) for k in twice[:2])}); keep the one you mean")
     is_train = valid == train
     unknown = [key for key, name in names.items() if name not in valid and (is_train or name not in train)]
     if unknown:

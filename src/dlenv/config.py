@@ -26,6 +26,8 @@ from dlenv.options import (  # noqa: F401 (BATCH_MAX, IMG_SIZE_MAX: config's bou
     BATCH_MAX,
     BATCH_WHY,
     DEVICE_HELP,
+    EPOCHS_MAX,
+    EPOCHS_WHY,
     IMG_SIZE_MAX,
     IMG_WHY,
     flag,  # noqa: F401 (config.flag: the spelling of an option on the command line)
@@ -129,7 +131,8 @@ class TrainConfig:
                                        "downloaded once into .cache/ (TORCH_HOME, HF_HOME; docs/training.md)",
                                  parse=parse_pretrained, bare="DEFAULT")
     freeze_epochs: int = opt(0, "with --pretrained: train only the new head for this many epochs (the "
-                                "backbone's BatchNorm statistics frozen), then the whole model", min=0)
+                                "backbone's BatchNorm statistics frozen), then the whole model", min=0,
+                             max=EPOCHS_MAX, why=EPOCHS_WHY)
     backbone_lr: float = opt(0.1, "with --pretrained: the backbone's learning rate as a fraction of --lr "
                                   "(the new head gets --lr)", min=0.0, max=1.0)
     checkpoint: bool = opt(False, "activation checkpointing of the model's repeated blocks "
@@ -156,7 +159,7 @@ class TrainConfig:
                                       parse=_int, min=1, max=BATCH_MAX, why="2^20 images per step")
     # optimization
     epochs: int | None = opt(None, "epochs to train, or auto: 10, or the CPU recipe's on the demo data without "
-                                   "a GPU", parse=auto_int, min=1)
+                                   "a GPU", parse=auto_int, min=1, max=EPOCHS_MAX, why=EPOCHS_WHY)
     optimizer: str = opt("auto", "sgd, adamw, or auto: AdamW for runs under 10,000 optimizer steps (it "
                                  "converges faster from scratch), SGD for longer ones",
                          choices=("auto", "sgd", "adamw"))
@@ -167,7 +170,8 @@ class TrainConfig:
     weight_decay: float | None = opt(None, "weight decay (not on norms and biases); default 1e-4 for SGD, "
                                            "0.05 for AdamW", parse=_float, min=0.0)
     warmup_epochs: float | None = opt(None, "linear warmup before the cosine schedule, in epochs, or auto: 1, "
-                                            "or the CPU recipe's", parse=auto_float, min=0.0)
+                                            "or the CPU recipe's", parse=auto_float, min=0.0, max=EPOCHS_MAX,
+                                    why=EPOCHS_WHY)
     label_smoothing: float = opt(0.1, "label smoothing", min=0.0, max=1.0)
     clip_grad: float | None = opt(None, "clip the gradient norm to this value (after unscaling)",
                                   parse=_float, min=0.0)
@@ -338,7 +342,7 @@ class PruneConfig:
     data: str | None = opt(None, "validation data for top-1 before and after; default: the checkpoint's",
                            parse=_str)
     finetune_epochs: int = opt(0, "epochs of fine-tuning after pruning, on the checkpoint's training data",
-                               min=0)
+                               min=0, max=EPOCHS_MAX, why=EPOCHS_WHY)
     finetune_lr: float = opt(0.01, "SGD learning rate of the fine-tuning", min=0.0)
     batch_size: int = opt(64, "batch size", min=1, max=BATCH_MAX, why=BATCH_WHY)
     workers: int | str = opt("auto", "DataLoader worker processes, or auto",

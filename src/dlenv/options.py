@@ -106,6 +106,10 @@ BATCH_WHY = "2^20 images, far more than any GPU holds; use auto for the largest 
 #: here). 1,000,000 px used to reach the model's forward and ask torch for 24 TB
 IMG_SIZE_MAX = 2048
 IMG_WHY = "the largest image size dlenv trains, validates or reads from a checkpoint"
+#: the largest --epochs (and --freeze-epochs, --warmup-epochs, prune's --finetune-epochs): 10^20 was taken, and
+#: the schedule, the ETA and the resume state were sized by it
+EPOCHS_MAX = 100_000
+EPOCHS_WHY = "far more epochs than any run trains; for a long run on a tiny dataset, give each epoch more data"
 
 
 def image_channels() -> Any:
