@@ -392,11 +392,12 @@ def test_the_train_package_runs_nothing_of_the_trainer_for_its_loop():
     assert r.stdout.split() == ["['dlenv.train',", "'dlenv.train.loop']"]
 
 
-@pytest.mark.parametrize("resume_workers, exact", [("auto", True), (0, True), (2, False)],
-                         ids=["as printed (no --workers)", "--workers as the run", "--workers 2"])
-def test_a_resume_takes_the_runs_worker_count_unless_told(tmp_path, data, tiny, capsys, resume_workers, exact):
-    """Augmentation in DataLoader workers draws its random stream per worker: the printed resume (no
-    --workers, so 'auto') must continue with the run's count, or the resume is not exact (issue 33)."""
+@pytest.mark.parametrize("resume_workers", ["auto", 0, 2], ids=["as printed (no --workers)", "--workers as the run",
+                                                                  "--workers 2"])
+def test_a_resume_is_exact_with_any_worker_count(tmp_path, data, tiny, capsys, resume_workers):
+    """The printed resume (no --workers, so 'auto') continues with the run's count (issue 33); another count is
+    exact too: each sample's augmentation is drawn from (seed, epoch, index), not from a worker's stream
+    (dlenv.data.sampler.SeededDraws, issue 47)."""
     opts = dict(epochs=2, batch_size=2, workers=0, augment="standard")
     full = train_mod.train(tiny_config(tmp_path / "a", data, **opts))
 
@@ -413,11 +414,8 @@ def test_a_resume_takes_the_runs_worker_count_unless_told(tmp_path, data, tiny, 
     assert resumed["exit_code"] == 0
     said = [ln for ln in out.splitlines() if "not exact" in ln]
     a, b = _final(Path(full["run_dir"])), _final(Path(resumed["run_dir"]))
-    if exact:
-        assert not said and state_equal(a["model"], b["model"])
-    else:
-        assert len(said) == 1 and "--workers 2 (the run's 0)" in said[0], out
-        assert b["config"]["workers"] == 2 and not state_equal(a["model"], b["model"])
+    assert not said and state_equal(a["model"], b["model"])
+    assert b["config"]["workers"] == (0 if resume_workers == "auto" else resume_workers)
 
 
 def test_the_decided_precision_is_what_the_run_file_keeps_and_val_uses(tmp_path, data, tiny, monkeypatch):

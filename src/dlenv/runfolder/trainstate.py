@@ -300,14 +300,16 @@ def restore(resume: Resume, parts: Parts, state: TrainState, sampler: Any, rank:
 def _rank_rng(resume: Resume, ckpt: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     """This rank's saved RNG states; where there are none of its own, rank 0's, and a line in `resume.limits`."""
     ranks = ckpt.get("rng_ranks")
+    if not (isinstance(ranks, list) and all(isinstance(r, dict) and "torch" in r for r in ranks)):
+        ranks = None  # none saved (one process, an older dlenv), or not what this dlenv writes
     saved_world = int(ckpt.get("world_size", 1))
     if saved_world != world:
         resume.limits.append(f"the run had {saved_world} process(es), this resume has {world}: the epoch it stopped "
                              "in starts again and the ranks' random streams start anew, so it does not end "
                              f"bit-equal to the uninterrupted run (resume with {saved_world} for that)")
-    elif world > 1 and not (isinstance(ranks, list) and len(ranks) == world):
+    elif world > 1 and not (ranks and len(ranks) == world):
         resume.limits.append(f"{resume.path.name} keeps rank 0's random streams only (written by an older dlenv): "
                              "every rank goes on from them, so it does not end bit-equal to the uninterrupted run")
-    if isinstance(ranks, list) and len(ranks) == world:
+    if ranks and len(ranks) == world:
         return ranks[rank]
     return ckpt["rng"]
