@@ -3,7 +3,7 @@
 # (the project's H200 device machine, or any GPU host with the modern stack):
 #
 #   bash scripts/gpu_all.sh OUT [part ...]      parts: env tests train memory autobatch pipeline ddp
-#                                               (and the short re-runs: input ckpt-sgd ddp-accuracy;
+#                                               (and the short re-runs: input ckpt-sgd ddp-accuracy few-cores;
 #                                               defaults: issue 17's rows, pipeline levers, flatness;
 #                                               parity: this tree's trainer against .bench_old/src)
 #
@@ -72,6 +72,15 @@ for part in $parts; do
            else
                echo "== parity skipped: no .bench_old/src" | tee -a "$out/parity.txt"
            fi ;;
+    few-cores)  # issue 49: the overlapped GPU decoders' tests, then its rows at 4, 2, 16 and 8 cores (~8 min; carry
+                # the nvImageCodec wheels: docs/input-pipeline.md, "Overlap on few cores")
+           run few-cores python3 -m pytest -q -m gpu tests/test_overlap_gpu.py tests/test_plan.py -p no:cacheprovider
+           TORCH_LOGS=recompiles run few-cores python3 scripts/bench_pipeline.py --cores 4,2,16,8 --train-images 12000 \
+               --epochs 3 --budget 420 --where default-serial=2,4 --where default-long=4 --where default=2,8,16 \
+               --where nvimgcodec=8 --where synthetic-compiled=16 --where default-compiled=16 \
+               --only synthetic,default,default-serial,default-long,nvimgcodec,synthetic-compiled,default-compiled \
+               --out "$tmp/few-cores"
+           cat "$tmp"/few-cores/bench_pipeline_cores.md >> "$tmp/tables.md" 2>/dev/null ;;
     ddp-accuracy)
            run ddp-accuracy python3 scripts/bench_ddp.py --skip-speed --out "$tmp/ddpacc"
            cat "$tmp"/ddpacc/*.md >> "$tmp/tables.md" 2>/dev/null ;;
@@ -84,7 +93,7 @@ for part in $parts; do
            else
                echo "== ddp skipped: $gpus GPU(s)" | tee -a "$out/ddp.txt"
            fi ;;
-    *)     echo "unknown part $part (env tests train memory autobatch pipeline ddp input defaults ckpt-sgd ddp-accuracy parity)" >&2
+    *)     echo "unknown part $part (env tests train memory autobatch pipeline ddp input defaults ckpt-sgd ddp-accuracy few-cores parity)" >&2
            exit 2 ;;
     esac
 done
