@@ -158,6 +158,23 @@ def test_unknown_flag_of_a_verb_still_fails(capsys):
 # `dlenv test`: the quick tests by default, every test with --full; a progress line with the ETA.
 
 
+ABBREVIATED = [  # a flag cut short is no flag (issue 43: `--nam x` passed for --name, past the Slurm script's guard)
+    ["train", "--nam", "x"], ["train", "--proj=elsewhere"], ["train", "--epoch", "3"], ["train", "--no-am"],
+    ["unpack", "a.zip", "--keep"], ["val", "--weigh", "w.pth"], ["predict", "--sour", "x"],
+    ["tensorboard", "--log", "runs"], ["export", "--form", "onnx"], ["plot", "--log-d", "runs"],
+]
+
+
+@pytest.mark.parametrize("argv", ABBREVIATED, ids=[" ".join(a[:2]) for a in ABBREVIATED])
+def test_no_flag_is_taken_from_an_abbreviation(monkeypatch, capsys, argv):
+    ran = []
+    monkeypatch.setattr(cli, "run_command", lambda *a, **k: ran.append(a) or 0)
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and not ran and "unrecognized arguments" in err, err
+
+
 @pytest.mark.parametrize("argv,marks", [(["test"], ["not slow"]), (["test", "--full"], []),
                                         (["test", "--gpu"], ["gpu"])])
 def test_dlenv_test_runs_the_quick_tests_unless_full(monkeypatch, argv, marks):

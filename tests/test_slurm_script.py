@@ -80,6 +80,7 @@ def test_each_task_is_one_node_of_the_run_with_the_rendezvous_from_slurm(slurm):
         # the first node's address as Slurm knows it; the port from the job ID, so jobs on one node never meet
         assert flags["--master-addr"] == "10.0.0.1" and flags["--master-port"] == "20007"
         assert flags["--gpus"] == "8" and flags["--name"] == "slurm-7" and flags["--data"] == "data/pets"
+        assert flags["--project"] == "runs"  # given, so a --cfg file's project: cannot move the run folder
         assert "--amp" in words and "--resume" not in words
 
 
@@ -133,10 +134,14 @@ def test_a_job_stopped_by_sigterm_requeues_itself_only_when_it_may(slurm, requeu
 @pytest.mark.parametrize("env, args, message", [
     ({}, ["--name", "x"], "--name: the run folder is runs/$DLENV_RUN"),
     ({}, ["--project=elsewhere"], "--project=elsewhere: the run folder is runs/$DLENV_RUN"),
+    ({}, ["--amp", "--nam", "x"], "--nam: the run folder is runs/$DLENV_RUN"),  # an abbreviation (issue 43)
+    ({}, ["--proj=elsewhere"], "--proj=elsewhere: the run folder is runs/$DLENV_RUN"),
+    ({}, ["--na=x"], "--na=x: the run folder is runs/$DLENV_RUN"),
     ({"DLENV_VENV": "/venv", "DLENV_SIF": "/x.sif"}, [], "DLENV_VENV and DLENV_SIF are both set"),
     ({"DLENV_VENV": "/no/such/venv"}, [], "DLENV_VENV=/no/such/venv has no bin/dlenv"),
     ({"SLURM_JOB_ID": ""}, [], "no Slurm job here (SLURM_JOB_ID, SLURM_NTASKS unset): submit it, sbatch "),
-], ids=["name", "project", "venv-and-sif", "venv-without-dlenv", "not-in-a-job"])
+], ids=["name", "project", "abbreviated-name", "abbreviated-project", "shortest-name", "venv-and-sif",
+        "venv-without-dlenv", "not-in-a-job"])
 def test_bad_settings_stop_before_srun_in_one_line(slurm, env, args, message):
     r, tasks = _run({**slurm, **env}, *args)
     assert r.returncode == 2 and tasks == []

@@ -86,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     """Every verb's parser, its flags generated from dlenv.config (`dlenv --help` is `helptext.top_help`)."""
     from dlenv import config  # lazy: as in _add_options
 
-    parser = argparse.ArgumentParser(prog="dlenv", description="GPU training environment for image "
+    # no abbreviations anywhere: `--nam x` taken for --name got past the Slurm script's guard on --name and
+    # --project, and a flag added later would change what an abbreviation in someone's script means
+    parser = argparse.ArgumentParser(prog="dlenv", allow_abbrev=False, description="GPU training environment for image "
                                      "classifiers. Each verb is also an invoke task: invoke VERB ...")
     parser.add_argument("--version", action="version", version=f"dlenv {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="VERB")
@@ -95,9 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
         # a grouped command's usage would repeat its ~60 flags in 35 lines before the groups list them
         usage = f"dlenv {cmd.name} [options]" if cmd.name in helptext.GROUPS else None
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help, epilog=helptext.epilog(cmd.name),
-                           usage=usage, formatter_class=argparse.RawDescriptionHelpFormatter)
+                           usage=usage, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
         _add_options(p, cmd.config, cmd.name)
-    t = sub.add_parser("test", help=TEST_HELP, description=TEST_HELP + " Other arguments go to pytest.")
+    t = sub.add_parser("test", help=TEST_HELP, description=TEST_HELP + " Other arguments go to pytest.",
+                       allow_abbrev=False)
     t.add_argument("--gpu", action="store_true", help="only the GPU tests")
     t.add_argument("--full", action="store_true", help=FULL_HELP)
     return parser

@@ -262,7 +262,7 @@ def _worker_main(argv: list[str]) -> int:
     JSON to FILE."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m dlenv.bench.memory_worker")
+    p = argparse.ArgumentParser(prog="python -m dlenv.bench.memory_worker", allow_abbrev=False)
     p.add_argument("--worker", required=True, help="JSON spec of one measurement")
     p.add_argument("--result", required=True, help="file to write the JSON result to")
     a = p.parse_args(argv)

@@ -213,7 +213,7 @@ def _failed(base: Path, req: Path, line: str, say) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=RETRY, description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=RETRY, description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--if-changed", action="store_true", help="only when requirements.txt changed since the last try")
     a = p.parse_args(argv)
     if a.if_changed:
