@@ -145,10 +145,63 @@ def test_the_cache_keeps_only_the_newest_verdicts(tmp_path):
     ("", "HOME/.cache/dlenv/cpu-amp.json"),
     ("relative/cache", "HOME/.cache/dlenv/cpu-amp.json"),  # the XDG spec: a relative path is ignored
 ])
-def test_the_cache_lives_in_the_users_cache_folder(tmp_path, monkeypatch, xdg, expected):
+def test_without_a_workspace_to_write_the_cache_lives_in_the_users_cache_folder(tmp_path, monkeypatch, xdg, expected):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+    work = tmp_path / "work"
+    (work / ".dlenv").parent.mkdir()
+    (work / ".dlenv").write_text("a file where the folder would go")  # the workspace's place is taken
+    monkeypatch.chdir(work)
     assert cpu_amp_cache() == Path(expected.replace("HOME", str(tmp_path)))
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # a read-only working folder (--read-only)
+    (work / ".dlenv").unlink()
+    assert cpu_amp_cache() == Path(expected.replace("HOME", str(tmp_path)))
+
+
+def test_the_verdict_is_kept_in_the_workspace_and_survives_a_new_container(tmp_path, monkeypatch):
+    work = tmp_path / "workspace"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    stub = Stub(3.0)
+    for home in ("home1", "home2"):  # a fresh container, or --user with HOME in /tmp: a new home each time
+        monkeypatch.setenv("HOME", str(tmp_path / home))
+        monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+        assert cpu_amp_cache() == work / ".dlenv" / "cpu-amp.json"
+        decide_precision(True, "auto", "cpu", stub, cache=cpu_amp_cache())
+    assert stub.calls == 2  # measured once, in the first "container" only
+    assert (work / ".dlenv" / "cpu-amp.json").is_file()
+
+
+CPUINFO = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: X\nflags\t\t: fpu sse2 avx2 {extra}\n\n"
+
+
+@pytest.mark.parametrize("text, native", [
+    (CPUINFO.format(extra="avx512f avx512_bf16"), True),          # Cooper Lake, Zen 4
+    (CPUINFO.format(extra="amx_bf16 amx_tile"), True),            # Sapphire Rapids
+    (CPUINFO.format(extra="avx512f avx512bw"), False),            # Skylake-SP: bf16 emulated
+    (CPUINFO.format(extra=""), False),
+    ("processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n", True),     # Arm (Graviton 3)
+    ("processor\t: 0\nFeatures\t: fp asimd\n", False),             # Arm without BF16
+    ("", None),                                                   # nothing to read: measure
+])
+def test_bf16_in_hardware_is_read_from_the_cpu_flags(text, native):
+    assert precision.cpu_bf16_native(text) is native
+
+
+def test_a_cpu_without_bf16_instructions_is_decided_without_timing(tmp_path):
+    def never(mode):
+        raise AssertionError("timed on a CPU whose flags already decided")
+
+    mode, why = decide_precision(True, "auto", "cpu", never, cache=tmp_path / "c.json", native=False)
+    assert mode == "fp32" and "no bfloat16 instructions" in why and "--amp-dtype bf16 forces bf16" in why
+    assert not (tmp_path / "c.json").exists()
+    assert decide_precision(True, "bf16", "cpu", never, native=False)[0] == "bf16"  # asked for by name
+
+
+def test_the_probe_costs_about_a_second_not_the_models_steps():
+    from dlenv.precision import _CPU_PROBE_BATCH, _CPU_PROBE_STEPS
+
+    assert _CPU_PROBE_BATCH * (_CPU_PROBE_STEPS + 1) <= 32  # images of 32x32 through a small fixed network
 
 
 def test_the_cpu_name_is_a_line_of_text():

@@ -68,19 +68,40 @@ def resolve_precision(amp: bool, amp_dtype: str, device: Any) -> str:
     raise UserError(f"--amp on device {device!s}: mixed precision here supports cuda and cpu only")
 
 
-#: steps timed per mode by `decide_precision` on a CPU (after one untimed step), and images per step
-_CPU_PROBE_STEPS, _CPU_PROBE_BATCH = 2, 8
+#: steps timed per mode by `cpu_probe_seconds` (after one untimed step), and its images per step: a probe of
+#: a second or so on any CPU, not the run's model (minutes for a large one under load, as issue 45 met)
+_CPU_PROBE_STEPS, _CPU_PROBE_BATCH = 3, 4
+#: /proc/cpuinfo flags of bfloat16 arithmetic in hardware: x86's AVX-512 BF16 and AMX, Arm's BF16 extension
+_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def cpu_bf16_native(cpuinfo: str | None = None) -> bool | None:
+    """Whether this CPU computes bfloat16 in hardware, from the first CPU's flags in /proc/cpuinfo (x86
+    "flags", Arm "Features"): True with avx512_bf16, amx_bf16 or Arm's bf16; False without them (autocast
+    would emulate bf16 in fp32 and only add casts); None where there is no /proc/cpuinfo to read."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+                cpuinfo = "".join(itertools.islice(fh, 200))  # the first CPU's block holds its flags
+        except OSError:
+            return None
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            return bool(_BF16_FLAGS & set(value.split()))
+    return None
 
 
 def decide_precision(amp: bool, amp_dtype: str, device: Any,
                      step_seconds: Callable[[str], float] | None = None,
-                     cache: str | Path | None = None, what: str = "") -> tuple[str, str]:
+                     cache: str | Path | None = None, what: str = "", native: bool | None = None) -> tuple[str, str]:
     """(mode, why): the precision a run trains in, and the sentence config.yaml and the log give for it.
 
     As `resolve_precision`, except that --amp on a CPU never makes the run slower: with --amp-dtype auto,
     `step_seconds(mode)` times this model's training step in fp32 and bf16, and bf16 is kept only where
     it was faster. (Many CPUs emulate bfloat16, and autocast's casts then cost more than they save;
-    docs/training.md has the measurements.) --amp-dtype bf16 forces bf16.
+    docs/training.md has the measurements.) --amp-dtype bf16 forces bf16. `native` (`cpu_bf16_native`)
+    decides without timing where the CPU's flags say it has no bfloat16 instructions (False): fp32.
 
     `cache` (`cpu_amp_cache()`): a file that keeps the verdict per CPU model, torch version, thread
     count and `what` (the model and size step_seconds times), so the timing happens once per machine,
@@ -93,6 +114,10 @@ def decide_precision(amp: bool, amp_dtype: str, device: Any,
         return mode, "no --amp"
     if kind != "cpu" or amp_dtype != "auto" or step_seconds is None:
         return mode, f"--amp --amp-dtype {amp_dtype} on {kind}"
+    if native is False:
+        return "fp32", ("--amp on this CPU: it has no bfloat16 instructions (no avx512_bf16, amx_bf16 or bf16 in "
+                        "/proc/cpuinfo), so autocast would emulate bf16 and run slower: training in fp32; "
+                        "--amp-dtype bf16 forces bf16")
     key = _machine_key(what)
     ratio = _kept_ratio(Path(cache), key) if cache is not None else None
     if ratio is not None:
@@ -121,10 +146,20 @@ def _cpu_verdict(ratio: float, how: str) -> tuple[str, str]:
 _RATIO_RANGE, _CACHE_ENTRIES, _CACHE_BYTES = (0.01, 100.0), 64, 64 * 1024
 
 
+#: the verdicts' file in the working folder: the mounted workspace, which outlives the container and is
+#: writable for `docker run --user` where HOME (often /tmp or /) is not kept
+WORKSPACE_CACHE = Path(".dlenv") / "cpu-amp.json"
+
+
 def cpu_amp_cache() -> Path | None:
-    """Where `decide_precision` keeps its CPU verdicts: $XDG_CACHE_HOME/dlenv/cpu-amp.json, else
-    ~/.cache/dlenv/cpu-amp.json (a relative XDG_CACHE_HOME is ignored, as the XDG spec says); None
-    where there is no home folder."""
+    """Where `decide_precision` keeps its CPU verdicts: .dlenv/cpu-amp.json in the working folder (your
+    project, /root/workspace in the image) where that folder can be written; else $XDG_CACHE_HOME/dlenv/
+    cpu-amp.json, else ~/.cache/dlenv/cpu-amp.json (a relative XDG_CACHE_HOME is ignored, as the XDG spec
+    says); None where there is neither."""
+    folder = Path.cwd() / WORKSPACE_CACHE.parent
+    # a folder there to write into, or one that can be made (access() says no on a read-only mount)
+    if (folder.is_dir() and os.access(folder, os.W_OK)) or (not folder.exists() and os.access(Path.cwd(), os.W_OK)):
+        return Path.cwd() / WORKSPACE_CACHE
     base = os.environ.get("XDG_CACHE_HOME", "")
     try:
         root = Path(base) if os.path.isabs(base) else Path.home() / ".cache"
@@ -193,15 +228,20 @@ def _keep_ratio(path: Path, key: str, ratio: float) -> None:
         pass
 
 
-def cpu_step_seconds(build: Callable[[], torch.nn.Module], mode: str, img_size: int, num_classes: int) -> float:
-    """The fastest of a few training steps (forward, backward, SGD step) of a fresh `build()` model on
-    the CPU in `mode`, on _CPU_PROBE_BATCH random images; for `decide_precision`."""
+def cpu_probe_seconds(mode: str) -> float:
+    """The fastest of a few training steps of a small fixed network (two convolutions and a linear head,
+    _CPU_PROBE_BATCH images of 32x32) on the CPU in `mode`: what bf16 costs here against fp32, in about a
+    second whatever the run's model; for `decide_precision`. The caller's random streams are left alone."""
     import time
 
-    with torch.random.fork_rng(devices=[]):  # the run's random streams stay as the seed left them
-        model = build().train()
-        x = torch.randn(_CPU_PROBE_BATCH, 3, img_size, img_size)
-        y = torch.randint(0, num_classes, (_CPU_PROBE_BATCH,))
+    from torch import nn
+
+    with torch.random.fork_rng(devices=[]):
+        model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+                              nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(64 * 16, 256), nn.ReLU(),
+                              nn.Linear(256, 10)).train()
+        x = torch.randn(_CPU_PROBE_BATCH, 3, 32, 32)
+        y = torch.randint(0, 10, (_CPU_PROBE_BATCH,))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     prec, best = Precision(mode, "cpu"), float("inf")
     for i in range(_CPU_PROBE_STEPS + 1):

@@ -373,14 +373,11 @@ def _channels_last(cfg: TrainConfig, device: torch.device, convolutional: bool) 
 
 
 def _precision(cfg: TrainConfig, device: torch.device, spec: ModelSpec) -> Decision:
-    from dlenv.precision import cpu_amp_cache, cpu_step_seconds, decide_precision
+    from dlenv.precision import cpu_amp_cache, cpu_bf16_native, cpu_probe_seconds, decide_precision
 
-    def step_seconds(mode: str) -> float:  # CPU --amp: bf16 only where it is faster for this model
-        return cpu_step_seconds(lambda: spec.build(with_weights=False), mode, spec.img_size.value, spec.num_classes)
-
-    # the CPU's verdict is measured once per machine, model and size, and kept (seconds per start)
-    return Decision(*decide_precision(cfg.amp, cfg.amp_dtype, device, step_seconds, cache=cpu_amp_cache(),
-                                      what=f"{spec.name} at {spec.img_size.value} px"))
+    # CPU --amp: fp32 at once on a CPU without bf16 instructions; else a probe of a second, kept per machine
+    return Decision(*decide_precision(cfg.amp, cfg.amp_dtype, device, cpu_probe_seconds, cache=cpu_amp_cache(),
+                                      native=cpu_bf16_native() if device.type == "cpu" else None))
 
 
 def _batch_split(cfg: TrainConfig, dist: distributed.DistInfo, located: pipeline.Located, probe: auto.Probe,
