@@ -10,6 +10,7 @@ validation both use it. No torch here.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -92,33 +93,55 @@ class RunEta:
 
     `start()` at an epoch's start, `trained(n)` after n more training batches, `validated(seconds)`
     after each validation, `pause()` before time that is neither (saving, the epoch's end),
-    `seconds_left()` for the estimate. Before a rate is measured (two calls of `trained` apart), the
-    first step's time since `start()` stands in for it, so the first progress line already has an
-    estimate; None only before any batch (or without `start()`)."""
+    `seconds_left()` for the estimate, None while there is no honest one.
+
+    The first steps of an epoch are not the run's pace: the workers start and fill their queues, cuDNN
+    tries its algorithms, the allocator grows, a compile runs. Taken as the rate they made a first run's
+    ETA 5:39:31, then 4:15:20, for a run of 35 minutes. So the rate is the one measured after the first
+    WARMUP_BATCHES of each epoch, once it holds MIN_MEASURED batches; until then there is no estimate
+    ("after a few steps"), except where epochs are too short for that: once an epoch has ended (or the
+    training batches are all done) the whole time per batch, warm-ups included, stands in. The first
+    epoch's warm-up is taken as once only (cuDNN's search and a compile are); from the second epoch on, the
+    latest epoch's warm-up beyond the rate is added for each epoch still to start (`batches_per_epoch`:
+    the workers start again each epoch)."""
+
+    #: batches at the start of each epoch whose time is left out of the rate
+    WARMUP_BATCHES = 3
+    #: batches measured after the warm-up before the rate gives an estimate
+    MIN_MEASURED = 5
 
     def __init__(self, train_batches: int, validations: int, val_batches: int,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, batches_per_epoch: int = 0):
         self.train_left, self.val_left, self.val_batches = train_batches, validations, val_batches
+        self.batches_per_epoch = batches_per_epoch
         self.clock = clock
-        self.train_s, self.done = 0.0, 0
+        self.steady_s, self.steady_n = 0.0, 0  # batches past each epoch's warm-up, and their time
+        self.whole_s, self.whole_n = 0.0, 0    # every timed batch, warm-ups included
+        self.in_epoch = 0                      # batches of this epoch so far
+        self.epochs_ended = 0
+        self.warm_s = 0.0                      # this epoch's warm-up time so far
+        self.rewarm_s: float | None = None     # the latest warm-up of an epoch after the first
         self.val_s: float | None = None
         self.mark: float | None = None
-        self.begun: float | None = None  # when the epoch started, until its first batch is counted
-        self.first_s: float | None = None  # a batch's time from the first step alone, until one is measured
 
     def start(self) -> None:
-        self.begun, self.mark = self.clock(), None
+        if self.in_epoch:
+            self.epochs_ended += 1
+        # the first step's time counts, as part of the warm-up
+        self.in_epoch, self.warm_s, self.mark = 0, 0.0, self.clock()
 
     def trained(self, n: int) -> None:
         now = self.clock()
-        if self.mark is not None:
-            self.train_s += now - self.mark
-            self.done += n
-        elif self.begun is not None and n > 0:
-            # the first step's time, the workers' start-up and the first batch's wait included: a first
-            # guess, rather high than low, which the rate measured from here on replaces at the next call
-            self.first_s, self.begun = (now - self.begun) / n, None
-        self.mark = now  # the first call only starts the clock: it follows the workers' start-up
+        if self.mark is not None:  # without start(), the first call only starts the clock
+            self.whole_s, self.whole_n = self.whole_s + now - self.mark, self.whole_n + n
+            if self.in_epoch >= self.WARMUP_BATCHES:
+                self.steady_s, self.steady_n = self.steady_s + now - self.mark, self.steady_n + n
+            else:
+                self.warm_s += now - self.mark
+                if self.in_epoch + n >= self.WARMUP_BATCHES and self.epochs_ended:
+                    self.rewarm_s = self.warm_s
+        self.in_epoch += n
+        self.mark = now
         self.train_left = max(0, self.train_left - n)
 
     def pause(self) -> None:
@@ -128,17 +151,33 @@ class RunEta:
         self.val_s, self.val_left = seconds, max(0, self.val_left - 1)
         self.mark = None
 
+    def per_batch(self) -> float | None:
+        """Seconds per training batch, as measured so far (see the class); None while it is not known."""
+        if self.steady_n >= self.MIN_MEASURED:
+            return self.steady_s / self.steady_n
+        if self.whole_n and (self.epochs_ended or self.train_left == 0):
+            return self.whole_s / self.whole_n
+        return None
+
     def seconds_left(self) -> float | None:
-        if self.done:
-            per_batch = self.train_s / self.done
-        elif self.first_s is not None:
-            per_batch = self.first_s
-        else:
+        per_batch = self.per_batch()
+        if per_batch is None:
+            if self.train_left == 0 and (self.val_left == 0 or self.val_s is not None):
+                return self.val_left * (self.val_s or 0.0)
             return None
         # validation before the first one is measured: a share of the training time (see the class)
         per_val = self.val_s if self.val_s is not None else per_batch * self.val_batches / 3
-        return self.train_left * per_batch + self.val_left * per_val
+        return self.train_left * per_batch + self.val_left * per_val + self._rewarms(per_batch)
+
+    def _rewarms(self, per_batch: float) -> float:
+        """The warm-ups of the epochs still to start, beyond the rate: the latest seen after the first."""
+        if self.rewarm_s is None or not self.batches_per_epoch:
+            return 0.0
+        in_this = max(0, self.batches_per_epoch - self.in_epoch)
+        to_start = math.ceil(max(0, self.train_left - in_this) / self.batches_per_epoch)
+        return to_start * max(0.0, self.rewarm_s - self.WARMUP_BATCHES * per_batch)
 
     def text(self) -> str:
-        """'run ETA M:SS' ('?' while `seconds_left()` has no estimate)."""
-        return f"run ETA {clock_text(self.seconds_left())}"
+        """'run ETA M:SS', or 'run ETA after a few steps' while `seconds_left()` has no estimate."""
+        left = self.seconds_left()
+        return "run ETA after a few steps" if left is None else f"run ETA {clock_text(left)}"

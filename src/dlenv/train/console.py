@@ -291,7 +291,8 @@ def run_eta(epochs: int, batches_per_epoch: int, epoch: int, batch_in_epoch: int
     """The whole run's clock from where a (possibly resumed) run starts: its batches and validations left."""
     left = epochs - epoch
     val_batches = len(val) if val is not None and hasattr(val, "__len__") else 0
-    return progress.RunEta(left * batches_per_epoch - batch_in_epoch, left if val is not None else 0, val_batches)
+    return progress.RunEta(left * batches_per_epoch - batch_in_epoch, left if val is not None else 0, val_batches,
+                           batches_per_epoch=batches_per_epoch)
 
 
 def done_line(epochs: int, seconds: float, metric: str, best_metric: float | None, best: Path | None,
