@@ -191,3 +191,26 @@ def test_status_of_each_state(tmp_path):
     assert status(ws, base).state == "installed"
     (base / FAILED).write_text("requirements.txt: torch>=2 would replace torch 1.13.1\n")
     assert status(ws, base).state == "failed" and status(ws, base).detail.endswith("torch 1.13.1")
+
+
+def test_a_file_that_cannot_be_read_is_reported_not_a_crash(tmp_path, monkeypatch):
+    import errno
+
+    from dlenv.envcheck import projectreqs
+
+    ws, base = tmp_path / "ws", tmp_path / "ws" / ".dlenv" / "cu11.6"
+    base.mkdir(parents=True)
+    (ws / "requirements.txt").write_text("dlenvtiny\n")
+    (base / STAMP).write_text("0" * 64 + "\n")
+
+    def unreadable(path):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(projectreqs, "file_hash", unreadable)
+    s = status(ws, base)
+    assert s.state == "failed" and "cannot be read (Permission denied)" in s.detail and "--user" in s.fix
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: unreadable(self))
+    said = []
+    assert projectreqs.install(ws, base, say=said.append) == 1
+    assert said == [f"dlenv: cannot install {ws / 'requirements.txt'}: Permission denied; make it readable by the "
+                    "container's user"]

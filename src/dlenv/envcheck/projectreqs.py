@@ -153,13 +153,17 @@ def status(root: Path | None = None, base: Path | None = None) -> Status:
         return Status("none", f"{req}: installed by the image only (outside it: pip install -r {req} into your "
                               "own environment)", str(req))
     stamp = base / STAMP
-    if not stamp.is_file() or stamp.read_text().strip() != file_hash(req):
+    try:
+        same = stamp.is_file() and stamp.read_text().strip() == file_hash(req)
+        said = (base / FAILED).read_text(encoding="utf-8").strip() if (base / FAILED).is_file() else None
+    except OSError as e:  # e.g. a mount this --user cannot read: verify-env reports it, does not crash
+        return Status("failed", f"{e.filename or req} cannot be read ({e.strerror})", str(req),
+                      "make the workspace readable by the container's user (docker run --user $(id -u):$(id -g))")
+    if not same:
         return Status("out-of-date", f"{req} changed since it was installed (or never was)", str(req),
                       f"a new container installs it at start, or run {RETRY}")
-    failed = base / FAILED
-    if failed.is_file():
-        return Status("failed", failed.read_text(encoding="utf-8").strip(), str(req),
-                      f"fix {FILE}: a new container installs it at start, or run {RETRY}")
+    if said is not None:
+        return Status("failed", said, str(req), f"fix {FILE}: a new container installs it at start, or run {RETRY}")
     return Status("installed", f"{req} installed in {base} (under {base / CONSTRAINTS})", str(req))
 
 
@@ -175,8 +179,12 @@ def install(root: Path | None = None, base: Path | None = None, say=print) -> in
         say(f"dlenv: {req}: no PYTHONUSERBASE to install it into (the image sets one); pip install -r {req} "
             "into your own environment")
         return 1
-    text = req.read_text(encoding="utf-8", errors="replace")
     versions = protected_versions()
+    try:
+        text = req.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        say(f"dlenv: cannot install {req}: {e.strerror}; make it readable by the container's user")
+        return 1
     try:
         base.mkdir(parents=True, exist_ok=True)
         (base / CONSTRAINTS).write_text("".join(f"{c}\n" for c in constraint_lines(versions)), encoding="utf-8")
