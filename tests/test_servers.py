@@ -234,7 +234,28 @@ def test_a_port_in_use_is_one_line(execs, capsys, verb):
         port = held.getsockname()[1]
         assert cli.main([verb, "--port", str(port), "--host", "127.0.0.1"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"port {port} on 127.0.0.1 is in use" in err and f"--port {port + 1}" in err
+    holder = {"lab": "(another JupyterLab or notebook server?)", "tensorboard": "(another TensorBoard?)"}[verb]
+    assert err.count("\n") == 1 and f"port {port} on 127.0.0.1 is in use {holder}; stop it or pass --port " in err
+
+
+def test_the_port_named_instead_is_free():
+    """Two ports held side by side: the one suggested is past both, and free."""
+    with socket.socket() as first, socket.socket() as second:
+        for _ in range(50):  # two neighbours of the ephemeral range
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                second.bind(("127.0.0.1", port + 1))
+                break
+            except OSError:
+                first.close()
+                first = socket.socket()
+        first.listen()
+        second.listen()
+        with pytest.raises(UserError, match=rf"port {port} on 127.0.0.1 is in use \(another TensorBoard\?\)") as e:
+            servers.check_port("127.0.0.1", port, "another TensorBoard?")
+        suggested = int(str(e.value).split("--port ")[1].split()[0])
+        assert suggested > port + 1 and servers._bind_error("127.0.0.1", suggested) is None
 
 
 @pytest.mark.parametrize(("verb", "module", "fix"), [

@@ -91,25 +91,40 @@ def reach_hint(host: str, port: int, environ: Mapping[str, str]) -> str:
     return f"on every address of this machine at port {port}"
 
 
-def check_port(host: str, port: int, flag_hint: str) -> None:
-    """Refuse, in one line, a port another program holds or an address this machine does not have (the
-    servers' own messages for these are a page of log)."""
+#: ports past the one asked that `check_port` tries, to name a free one
+PORT_TRIES = 20
+
+
+def check_port(host: str, port: int, holder: str) -> None:
+    """Refuse, in one line, a port another program holds (naming the likely `holder`, e.g. "another
+    TensorBoard?", and a port that is free now) or an address this machine does not have: the servers' own
+    messages for these are a page of log, or, once dlenv has become the server, nothing of dlenv's."""
+    error = _bind_error(host, port)
+    if error == errno.EADDRINUSE:
+        free = next((p for p in range(port + 1, min(port + 1 + PORT_TRIES, 65536)) if _bind_error(host, p) is None),
+                    None)
+        way = f"--port {free}" if free else "another --port"
+        raise UserError(f"port {port} on {host} is in use ({holder}); stop it or pass {way} (and publish that port)")
+    if error == errno.EADDRNOTAVAIL:
+        raise UserError(f"--host {host} is not an address of this machine; leave --host out (auto) or "
+                        "pass 0.0.0.0 or 127.0.0.1")
+    if error == errno.EACCES:
+        raise UserError(f"port {port} needs privileges here; pass a port above 1023")
+    if error is not None:
+        raise UserError(f"port {port} on {host} cannot be opened: {os.strerror(error)}; pass another --port or --host")
+
+
+def _bind_error(host: str, port: int) -> int | None:
+    """The errno binding `host`:`port` fails with, as the servers bind (SO_REUSEADDR: a closed server's
+    connections in TIME_WAIT do not hold the port); None when it is free."""
     family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
-        # as the servers bind: a closed server's connections in TIME_WAIT do not hold the port
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise UserError(f"port {port} on {host} is in use (another server, or one still running); stop it or "
-                                f"pass {flag_hint} (and publish that port)") from None
-            if e.errno == errno.EADDRNOTAVAIL:
-                raise UserError(f"--host {host} is not an address of this machine; leave --host out (auto) or "
-                                "pass 0.0.0.0 or 127.0.0.1") from None
-            if e.errno == errno.EACCES:
-                raise UserError(f"port {port} needs privileges here; pass a port above 1023") from None
-            raise
+            return e.errno
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -205,7 +220,7 @@ def lab(cfg: Any) -> int:
 
     launch = lab_launch(cfg, os.environ, python=sys.executable, prefix=sys.prefix, euid=os.geteuid(),
                         uid=os.getuid(), tmp=tempfile.gettempdir(), hash_password=hash_password)
-    check_port(listen_host(cfg.host, os.environ), cfg.port, f"--port {cfg.port + 1}")
+    check_port(listen_host(cfg.host, os.environ), cfg.port, "another JupyterLab or notebook server?")
     return become(launch)
 
 
@@ -295,7 +310,7 @@ def tensorboard(cfg: Any) -> int:
         need_folder(cfg.log_dir, "--log-dir", "pass the folder your runs are in (--project of train, runs/ by "
                     "default)")
     launch = tensorboard_launch(cfg, os.environ, python=sys.executable)
-    check_port(listen_host(cfg.host, os.environ), cfg.port, f"--port {cfg.port + 1}")
+    check_port(listen_host(cfg.host, os.environ), cfg.port, "another TensorBoard?")
     return become(launch)
 
 
