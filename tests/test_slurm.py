@@ -10,9 +10,11 @@ with every epoch once, and the weights every rank ends with (equal, and equal to
 - the script as written: trains to the end, both ranks agree;
 - `scancel --signal=TERM` mid-epoch, and the time limit with `--signal=TERM@N`: every process of the step
   gets SIGTERM (the launchers, torchrun, the ranks, their DataLoader workers); rank 0 saves last.pth once,
-  every task exits 143, the job requeues itself and the requeued job resumes;
-- plain `scancel`: the same stop within Slurm's KillWait, the job is cancelled, and submitting it again with
-  DLENV_RUN resumes;
+  every task exits 143, the job requeues itself and the requeued job resumes, and (--deterministic) ends with
+  exactly the weights of the uninterrupted job (max difference 0.0);
+- plain `scancel`: the same stop within Slurm's KillWait, the job is cancelled, the log says how to go on
+  (the resubmission, and that a plain scancel does not requeue) before the save, and submitting it again
+  with DLENV_RUN resumes;
 - SIGTERM to `srun` itself (as `timeout srun` sends it): srun kills its tasks with SIGKILL, so nothing is
   saved and last.pth stays the last one saved, whole;
 - one task killed with SIGKILL (its node lost): the other rank stops with one line naming the lost peer
@@ -43,9 +45,10 @@ SCRIPT = ROOT / "scripts" / "slurm_train.sbatch"
 LANE = os.environ.get("DLENV_SLURM_LANE")
 EPOCHS = 3
 #: the demo data, 16 + 4 images a class: 20 optimizer steps an epoch at 4 images a rank (the ranks vote on a
-#: stop every 10 steps: a stop held at step 3 of epoch 2 is taken at its 10th, mid-epoch)
+#: stop about every second: a stop held at step 3 of epoch 2 is taken a few steps later, mid-epoch);
+#: --deterministic: a stopped and resumed job must end bit-equal to the uninterrupted one
 TRAIN_ARGS = ["--data", "data/demo", "--device", "cpu", "--epochs", str(EPOCHS), "--batch-size", "4",
-              "--workers", "1", "--dist-timeout", "300"]
+              "--workers", "1", "--dist-timeout", "300", "--deterministic"]
 STEPS_PER_EPOCH = 20
 #: what a crash, not a stop, looks like
 # The states a job ends in. COMPLETING is not one: the job's processes are gone but Slurm is still
@@ -251,8 +254,29 @@ def _assert_stopped_once(log: str, job: Job) -> None:
     assert not any(c in log for c in CRASH), log[-3000:]
 
 
-def test_the_script_as_written_trains_two_ranks_to_equal_weights(project):
-    job = Job.submit(project)
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, demo) -> Job:
+    """One job of the script as written, never stopped: the weights the stopped ones must end with."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    shutil.copytree(demo, folder / "data" / "demo")
+    job = Job.submit(folder)
+    job.ended()
+    return job
+
+
+def _assert_same_weights_as(job: Job, reference: Job) -> None:
+    """The job's final last.pth holds exactly the uninterrupted job's weights (and buffers)."""
+    from dlenv.runfolder import runstate
+
+    got, want = runstate.load_state(job.last)["model"], runstate.load_state(reference.last)["model"]
+    assert set(got) == set(want)
+    diff = max((got[k].double() - want[k].double()).abs().max().item() for k in want)
+    assert diff == 0.0, f"max weight difference {diff} from the uninterrupted job"
+
+
+def test_the_script_as_written_trains_two_ranks_to_equal_weights(uninterrupted):
+    job = uninterrupted
+    project = job.project
     info = job.ended()
     log = job.log()
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log[-3000:]
@@ -298,7 +322,7 @@ def _slurm_listens_on_loopback_only() -> None:
     assert all(ln[3].startswith("127.0.0.1:") for ln in ours), out
 
 
-def test_scancel_signal_term_mid_epoch_saves_once_then_the_job_requeues_and_resumes(project):
+def test_scancel_signal_term_mid_epoch_saves_once_then_the_job_requeues_and_resumes_exactly(project, uninterrupted):
     job = Job.submit(project, hold=STEPS_PER_EPOCH + 3)
     job.reach()
     _slurm_listens_on_loopback_only()
@@ -308,9 +332,11 @@ def test_scancel_signal_term_mid_epoch_saves_once_then_the_job_requeues_and_resu
     _assert_stopped_once(log, job)
     # taken mid-epoch 2, at the ranks' next vote after the held step: epoch 1's row before it, 2 and 3 after
     assert log.index("epoch 1/3:") < log.index("SIGTERM: saving last.pth") < log.index("epoch 2/3:"), log[-3000:]
+    assert "goes on from epoch 2, batch " in log, log[-3000:]
+    _assert_same_weights_as(job, uninterrupted)
 
 
-def test_the_time_limit_signal_saves_once_then_the_job_requeues_and_resumes(project):
+def test_the_time_limit_signal_saves_once_then_the_job_requeues_and_resumes(project, uninterrupted):
     # two minutes, SIGTERM 30 s before their end: Slurm checks time limits every 30 s, so the signal comes
     # 60-90 s in, long after the held step; the script's own TERM@120 would have come at once
     job = Job.submit(project, ["--time=2", "--signal=TERM@30"], hold=STEPS_PER_EPOCH + 3)
@@ -322,10 +348,12 @@ def test_the_time_limit_signal_saves_once_then_the_job_requeues_and_resumes(proj
     _slurm("scontrol", "update", f"JobId={job.id}", "TimeLimit=10")
     log = _requeued_and_finished(job)
     _assert_stopped_once(log, job)
+    _assert_same_weights_as(job, uninterrupted)
 
 
-def test_scancel_ends_the_job_after_a_save_and_a_resubmission_resumes(project):
-    """Plain scancel: the job is cancelled (no requeue); its steps get SIGTERM and KillWait's grace."""
+def test_scancel_ends_the_job_after_a_save_and_a_resubmission_resumes_exactly(project, uninterrupted):
+    """Plain scancel: the job is cancelled (no requeue); its steps get SIGTERM and KillWait's grace. The way on
+    is in the log before the save: the resubmission, as the user submitted it, with DLENV_RUN."""
     job = Job.submit(project, hold=STEPS_PER_EPOCH + 3)
     job.reach()
     _slurm("scancel", job.id)
@@ -334,7 +362,15 @@ def test_scancel_ends_the_job_after_a_save_and_a_resubmission_resumes(project):
     log = job.log()
     assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", log[-3000:]
     _assert_stopped_once(log, job)
+    again = (f"after a plain scancel, submit it again: DLENV_RUN=slurm-{job.id} DLENV_VENV="
+             f"{os.environ['DLENV_SLURM_VENV']} sbatch {SCRIPT} {' '.join(TRAIN_ARGS)}")
+    first = next(ln for ln in log.splitlines() if ln.startswith("SIGTERM: saving last.pth"))
+    assert first.endswith(again), first
+    stopping = next(ln for ln in log.splitlines() if ln.startswith("stopping after optimizer step"))
+    assert "goes on from epoch 2, batch " in stopping and stopping.endswith(again), stopping
+    assert log.index(stopping) < log.index(f"stopped by SIGTERM; saved runs/slurm-{job.id}/last.pth"), log[-3000:]
     _resubmitted_and_finished(job)
+    _assert_same_weights_as(job, uninterrupted)
 
 
 def test_srun_sent_sigterm_kills_the_tasks_and_last_pth_stays_the_last_saved(project):
