@@ -304,6 +304,45 @@ def test_the_runs_summary_names_runs_with_and_without_event_files(tmp_path):
     assert servers.runs_summary(tmp_path / "none") .startswith("no runs yet")
 
 
+def _deep(root: Path, depth: int) -> Path:
+    """root/d/d/.../d, `depth` folders below root, made one by one (os.makedirs recurses too)."""
+    here = os.getcwd()
+    root.mkdir(parents=True, exist_ok=True)
+    os.chdir(root)
+    try:
+        for _ in range(depth):
+            os.mkdir("d")
+            os.chdir("d")
+        return Path(os.getcwd())
+    finally:
+        os.chdir(here)
+
+
+TREES = ["1,500 folders deep", "1,500 deep with an event file at the bottom", "a loop of links", "a link out"]
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_the_runs_summary_of_any_tree_is_one_line(tmp_path, tree):
+    """pathlib's rglob recursed: a tree 1,500 deep ended `dlenv tensorboard` in RecursionError (issue 43)."""
+    runs = tmp_path / "runs"
+    (runs / "exp").mkdir(parents=True)
+    (runs / "exp" / "events.out.tfevents.1.host").write_bytes(b"")
+    if tree.startswith("1,500"):
+        bottom = _deep(runs / "deep", 1500)
+        if "event" in tree:
+            (bottom / "events.out.tfevents.2.host").write_bytes(b"")
+    elif tree == "a loop of links":
+        (runs / "exp" / "loop").symlink_to(runs)
+    else:
+        (tmp_path / "outside").mkdir()
+        (tmp_path / "outside" / "events.out.tfevents.3.host").write_bytes(b"")
+        (runs / "linked").symlink_to(tmp_path / "outside")
+    said = servers.runs_summary(runs)
+    n = 2 if "event" in tree else 1
+    assert said.startswith(f"{n} run(s) with event files: ") and "\n" not in said and len(said) < 300, said
+    assert ("deep/d/d" in said) == (n == 2) and "linked" not in said
+
+
 @pytest.mark.slow
 def test_tensorboard_serves_the_run_and_stops_on_sigterm(tmp_path):
     write_events(tmp_path / "runs" / "exp")

@@ -232,9 +232,10 @@ def runs_summary(log_dir: Path) -> str:
     """What TensorBoard will find in `log_dir`: its runs with event files, and runs without any."""
     if not log_dir.exists():
         return "no runs yet; they appear as `dlenv train --tensorboard` writes them"
-    with_events = sorted({str(p.parent.relative_to(log_dir)) for p in log_dir.rglob(EVENTS)})
-    without = sorted(p.parent.name for p in log_dir.glob("*/results.csv")
-                     if not any(p.parent.rglob(EVENTS)))
+    folders = _folders_with_events(log_dir)
+    with_events = sorted(str(f.relative_to(log_dir)) for f in folders)
+    top = {f.relative_to(log_dir).parts[0] for f in folders if f != log_dir}
+    without = sorted(p.parent.name for p in log_dir.glob("*/results.csv") if p.parent.name not in top)
     said = (f"{len(with_events)} run(s) with event files: {_some(with_events)}" if with_events
             else "no event files yet: train with --tensorboard")
     if without:
@@ -242,8 +243,31 @@ def runs_summary(log_dir: Path) -> str:
     return said
 
 
-def _some(names: list[str], most: int = 6) -> str:
-    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+def _folders_with_events(root: Path) -> set[Path]:
+    """The folders under `root` (itself too) holding an event file, found by a walk with a list of its own
+    (pathlib's rglob recurses: a tree 1,500 folders deep ended `dlenv tensorboard` in RecursionError); links
+    to folders are not followed, so a loop of links ends too."""
+    import fnmatch
+
+    found, todo = set(), [str(root)]
+    while todo:
+        folder = todo.pop()
+        try:
+            with os.scandir(folder) as entries:
+                for e in entries:
+                    if e.is_dir(follow_symlinks=False):
+                        todo.append(e.path)
+                    elif fnmatch.fnmatchcase(e.name, EVENTS):
+                        found.add(Path(folder))
+        except OSError:  # unreadable or gone while walked: TensorBoard will not read it either
+            continue
+    return found
+
+
+def _some(names: list[str], most: int = 6, width: int = 60) -> str:
+    """The first `most` names, each cut in the middle to `width` characters, and how many more."""
+    cut = [n if len(n) <= width else n[: width // 2 - 1] + "..." + n[-(width // 2 - 2):] for n in names[:most]]
+    return ", ".join(cut) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 #: TensorBoard's plugins (by plugin_name) that show what event files hold, and nothing else: `train
