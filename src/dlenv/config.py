@@ -116,6 +116,7 @@ class TrainConfig:
                                   parse=scale_range_or_auto)
     synthetic: bool = opt(False, "random tensors already on the device instead of a dataset "
                                  "(for speed and memory measurements)")
+    channels: int = image_channels()
     # model
     model: str = opt("auto", "a torchvision classification model name (resnet50, vit_b_16, ...), a timm "
                              "one (timm/convnext_atto), small_cnn (dlenv's own, for CPUs), or your own: "

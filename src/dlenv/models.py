@@ -297,6 +297,10 @@ def model_from_state(ckpt: Any, model_name: str | None = None, source: str = "ch
         shrink.apply_widths(model, ckpt.get("widths"), source)
     runstate.load_model_state(model, sd, source, name=name,
                               num_classes=num_classes if runstate.is_run_state(ckpt) else None)
+    if runstate.is_run_state(ckpt) and isinstance(ckpt.get("config"), dict):  # trained with --channels 1
+        from dlenv import grayscale
+
+        grayscale.apply(model, ckpt["config"].get("channels"))
     return model, class_names, img_size
 
 

@@ -58,6 +58,7 @@ class ModelSpec:
     weights: str | None = None
     pretrained: finetune.Plan | None = None  # --pretrained: the weights and the fine-tuning recipe
     load_policy: LoadPolicy = SAFE  # what --trust-pickle allows for --weights
+    channels: int = 3               # --channels: 1 puts dlenv.grayscale's hook on the model
 
     @classmethod
     def resolve(cls, cfg: TrainConfig, located: pipeline.Located, fresh: bool) -> ModelSpec:
@@ -67,11 +68,12 @@ class ModelSpec:
         size = _img_size(cfg.img_size, cfg.model, located, tune)
         args = usermodel.factory_kwargs(cfg.model, cfg.model_args, size.value)
         return cls(cfg.model, len(located.classes), args, size, usermodel.provenance(cfg.model, args),
-                   cfg.weights if fresh else None, tune, LoadPolicy.of(cfg))
+                   cfg.weights if fresh else None, tune, LoadPolicy.of(cfg), cfg.channels)
 
     def build(self, with_weights: bool = True) -> nn.Module:
         """A new model on the CPU (with --weights or --pretrained unless `with_weights` is False: the
         probes')."""
+        from dlenv import grayscale
         from dlenv.models import build_model
 
         tune = self.pretrained if with_weights else None
@@ -80,7 +82,7 @@ class ModelSpec:
                             load_policy=self.load_policy)
         if tune:
             tune.prepare(model, self.num_classes)  # the head, the backbone's learning rate, frozen epochs
-        return model
+        return grayscale.apply(model, self.channels)
 
     def probe(self, precision: str, device: torch.device, channels_last: bool) -> auto.Probe:
         """What the auto probes train: this model built afresh (without --weights), as the run builds it."""
