@@ -359,12 +359,24 @@ def test_two_ranks_stopped_mid_epoch_and_resumed_end_bit_equal_to_an_uninterrupt
     each rank draws its own random numbers. SIGTERM reaches rank 0 after optimizer step 9 (epoch 2 of 3); the
     ranks stop there, rank 0 saves every rank's random streams, and the resume on two ranks ends with exactly
     the weights of a run that was never stopped."""
+    _stopped_and_resumed_exactly(tmp_path, workers, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_gpu_two_ranks_stopped_mid_epoch_and_resumed_end_bit_equal_to_an_uninterrupted_run(tmp_path):
+    """The same on two GPUs (NCCL, --deterministic, 2 DataLoader workers a rank): the CUDA streams are each
+    rank's own too."""
+    _stopped_and_resumed_exactly(tmp_path, 2, "cuda")
+
+
+def _stopped_and_resumed_exactly(tmp_path: Path, workers: int, device: str) -> None:
     from imagedata import make_train_val
 
     from dlenv.runfolder import runstate
 
     make_train_val(tmp_path / "ds", per_class=16, val_per_class=2)  # 32 images: 8 steps of 2 x 2 an epoch
-    base = dict(data=str(tmp_path / "ds"), img_size=16, workers=workers, epochs=3, device="cpu", deterministic=True,
+    base = dict(data=str(tmp_path / "ds"), img_size=16, workers=workers, epochs=3, device=device, deterministic=True,
                 model="tiny", batch_size=2, lr=0.1, seed=5, gpus=2, vote_s=0.0)
     whole = start_ranks("exact", dict(base, project=str(tmp_path / "whole")))
     cut = start_ranks("exact", dict(base, project=str(tmp_path / "cut"), stop_at=9))
