@@ -103,11 +103,11 @@ def test_questions_before_pytorch(tmp_path, argv, expect):
 
 
 @pytest.mark.parametrize("folders, want", [
-    ([], (None, "no dataset under data/: the built-in demo; --data to choose")),
+    ([], (None, "no dataset under data/; --data to choose")),
     (["digits/train/a"], ("data/digits", "the one dataset under data/; --data to choose")),
     (["digits/a", "demo/a", ".digits.tmp-1/a", "loose"], ("data/digits", "the one dataset under data/; "
                                                                           "--data to choose")),
-    (["demo/a"], (None, "no dataset under data/: the built-in demo; --data to choose")),
+    (["demo/a"], (None, "no dataset under data/; --data to choose")),
 ])
 def test_default_data(tmp_path, monkeypatch, folders, want):
     """None, one, or one beside the demo, unpack's temporary folders and a folder without folders."""

@@ -75,7 +75,8 @@ class TrainConfig:
 
     # data
     data: str | None = opt(None, "dataset folder (train/ and val/ of class folders, or class folders "
-                                 "only); default: the built-in demo dataset", parse=_str)
+                                 "only); default: the one dataset under data/, else the built-in demo "
+                                 "dataset", parse=_str)
     val_split: float = opt(0.2, "fraction held out for validation when the data has no val/ folder",
                            min=0.0, max=0.9)
     img_size: int | None = opt(None, "training image size in pixels, or auto (the default): the training "

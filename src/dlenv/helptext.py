@@ -88,7 +88,7 @@ GROUPS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
 #: command -> the examples its --help ends with: (command line, what it does)
 EXAMPLES: dict[str, tuple[tuple[str, str], ...]] = {
     "train": (
-        ("dlenv train --amp --checkpoint", "the built-in demo data, resnet18"),
+        ("dlenv train --amp --checkpoint", "the one dataset under data/ (else the built-in demo), resnet18"),
         ("dlenv train --data data/pets --model resnet50 --epochs 30 --batch-size 64 --amp --accum-steps 4",
          "your data, a bigger model, 256 images per step"),
         ("dlenv train --data data/pets --model resnet50 --pretrained", "ImageNet weights, fine-tuned"),

@@ -333,7 +333,7 @@ def default_data(data: str | None, synthetic: bool = False, home: str | Path = D
                         f"e.g. --data {found[0]}")
     if found:
         return str(found[0]), f"the one dataset under {home}/; --data to choose"
-    return None, f"no dataset under {home}/: the built-in demo; --data to choose"
+    return None, f"no dataset under {home}/; --data to choose"
 
 
 def small_images(data: str, val_split: float = 0.2, seed: int = 0) -> int | None:

@@ -292,7 +292,7 @@ def _decide(cfg: TrainConfig, resume: Any, dist: distributed.DistInfo, device: t
     said: list[str] = []
     dataset = _dataset(cfg, resume)
     if cfg.data is None and not cfg.synthetic:  # said only when the user did not name it
-        said.append(f"data: {dataset.value or 'the built-in demo (data/demo)'} ({dataset.why})")
+        said.append(f"data: {dataset.value or 'data/demo, the built-in demo'} ({dataset.why})")
     cfg = dataclasses.replace(cfg, data=dataset.value)
     cfg, recipe = train_defaults(cfg, device.type)  # the options left to auto; the demo's CPU recipe
     if recipe:
