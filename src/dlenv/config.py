@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dlenv.bench.options import BenchMemoryConfig
 from dlenv.cfgfile import options_in
 from dlenv.errors import UserError
 from dlenv.options import (  # noqa: F401 (BATCH_MAX, IMG_SIZE_MAX: config's bounds, as tests read them)
@@ -284,29 +285,6 @@ class VerifyEnvConfig:
     allow_cpu: bool = opt(False, "pass on a machine without a GPU")
     workers: int | str = opt("auto", "DataLoader workers the trainer would use (for the /dev/shm check)",
                              parse=workers_or_auto, here=workers_here)
-
-
-@dataclass(frozen=True)
-class BenchMemoryConfig:
-    """Options of `bench-memory`."""
-
-    model: str = opt("resnet50", "a torchvision or timm/ name, or your own FILE.py:factory (measured as it is)")
-    batch_size: int = opt(64, "batch size", min=1, max=BATCH_MAX, why=BATCH_WHY)
-    img_size: int = opt(224, "image size", min=16, max=IMG_SIZE_MAX, why=IMG_WHY)
-    channels: int = image_channels()
-    num_classes: int | None = opt(None, "classes of head and targets: auto (your model's own output width, by one "
-                                        "forward; a named model gets 1000) or N", parse=auto_int, min=1)
-    steps: int = opt(10, "training steps measured per configuration", min=2)
-    warmup: int = opt(3, "untimed steps before the timed ones (cuDNN autotuning, allocator warm-up)", min=0)
-    channels_last: bool = opt(True, "also measure channels_last variants of convolutional models")
-    max_batch: bool = opt(False, "also find the largest batch that fits each configuration")
-    allocator: bool = opt(True, "also compare the allocator settings this PyTorch offers")
-    alloc_steps: int = opt(20, "steps of the shape-changing workload per allocator setting", min=2)
-    gpu_memory_gib: float | None = opt(None, "measure as if the GPU had only this many GiB (caps PyTorch's "
-                                             "allocator), to see what fits a smaller card", parse=_float, min=0.25)
-    amp_dtype: str = opt("auto", "AMP dtype", choices=("auto", "fp16", "bf16"))
-    device: str = opt("auto", DEVICE_HELP)
-    out: str = opt("runs/bench-memory", "output folder for the table, CSV and chart")
 
 
 @dataclass(frozen=True)
