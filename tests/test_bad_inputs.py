@@ -480,6 +480,35 @@ def test_real_full_and_read_only_project(ws, tmp_path, mount, expect):
     _error_lines("train", r.stdout, r.stderr, expect.format(p=project))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["full-disk", "file-size-limit"])
+def test_a_safetensors_export_that_cannot_be_written_is_one_line(ws, tmp_path, fault):
+    """safetensors writes through Rust, whose I/O error is no OSError: it was a traceback (issue 43)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    export = [sys.executable, "-m", "dlenv", "export", "--weights", "runs/exp/best_model.pth", "--format",
+              "safetensors", "--out", str(out / "w.safetensors")]
+    if fault == "full-disk":
+        prefix = _namespace_prefix()
+        if prefix is None:
+            pytest.skip("no private mount namespace here (unshare not allowed)")
+        script = 'mount -t tmpfs -o size=1m tmpfs "$1" && shift && exec "$@"'
+        r = subprocess.run([*prefix, "sh", "-c", script, "sh", str(out), *export], cwd=ws, env=env,
+                           capture_output=True, text=True, timeout=300)
+        expect = f"no space left on the device holding {out}/w.safetensors"
+    else:
+        def limit():
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
+
+        r = subprocess.run(export, cwd=ws, env=env, capture_output=True, text=True, preexec_fn=limit, timeout=300)
+        expect = f"{out}/w.safetensors would grow past the largest file allowed here"
+    assert r.returncode == 5, r.stderr
+    _error_lines("export", r.stdout, r.stderr, expect)
+    assert not list(out.iterdir())  # no half-written file, no temporary one
+
+
 # ---------------------------------------------------------------------------------------------------
 # The same handler as subprocesses and as invoke tasks.
 

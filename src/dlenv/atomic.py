@@ -52,13 +52,25 @@ def file_mode() -> int:
     return 0o666 & ~umask()
 
 
+#: how a Rust writer's I/O error carries its errno in its message: safetensors' save_file raises SafetensorError
+#: "Error while serializing: I/O error: No space left on device (os error 28)" (older: "Os { code: 28, ...")
+_OS_ERROR_IN_TEXT = re.compile(r"\(os error (\d+)\)|\bOs \{ code: (\d+)")
+
+
+def _errno_in_text(exc: BaseException) -> int | None:
+    """The errno an exception that is no OSError names in its message (a Rust library's I/O error), or None."""
+    m = _OS_ERROR_IN_TEXT.search(str(exc))
+    return int(m.group(1) or m.group(2)) if m else None
+
+
 def write_atomic(path: str | Path, write: Callable[[Path], object], durable: bool = False) -> Path:
     """Call `write(tmp_path)` for a temporary file beside `path`, then os.replace it into place.
 
     The file gets the mode a plain `open()` would give it (see `file_mode`). A failure (or Ctrl-C)
     removes the temporary file and leaves whatever was at `path` untouched. `durable`: fsync the file
     and then its folder, so the rename itself is on disk. Returns `path`. Raises OSError naming `path`
-    when the write fails (torch's RuntimeError for a write that failed under it becomes one too).
+    when the write fails (torch's RuntimeError for a write that failed under it becomes one too, and so does
+    a Rust writer's error that names an OS error: safetensors on a full disk).
     """
     path = Path(path)
     fd, tmp = temp_beside(path)
@@ -78,6 +90,12 @@ def write_atomic(path: str | Path, write: Callable[[Path], object], durable: boo
         if torch_write_failure(e):
             raise write_failure(path, e) from None
         raise
+    except Exception as e:
+        Path(tmp).unlink(missing_ok=True)
+        code = _errno_in_text(e)
+        if code is None:
+            raise
+        raise OSError(code, os.strerror(code), str(path)) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
