@@ -53,3 +53,16 @@ def test_the_three_seed_commands_on_an_uploaded_dataset(tmp_path):
     plot = _run(ws, SEED_COMMANDS[2])
     assert plot.returncode == 0, plot.stderr[-2000:]
     assert (ws / "runs" / "exp" / "results.png").is_file()
+
+
+def test_plot_before_any_epoch_names_the_projects_train_script(tmp_path):
+    """`python plot_results.py --log-dir ./runs` while the first epoch runs: one line that names
+    `python train.py`, the command the user typed, not invoke's."""
+    ws = tmp_path / "workspace"
+    shutil.copytree(ROOT / "workspace", ws, ignore=shutil.ignore_patterns("runs", "__pycache__"))
+    (ws / "runs" / "exp").mkdir(parents=True)  # a run that has not ended an epoch: no results.csv yet
+    r = _run(ws, SEED_COMMANDS[2])
+    assert r.returncode == 2, r.stderr
+    line = r.stderr.strip()
+    assert len(line.splitlines()) == 1 and "no results.csv" in line and "yet" in line
+    assert "train a run first (python train.py)" in line and "invoke" not in line
