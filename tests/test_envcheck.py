@@ -460,3 +460,15 @@ def test_collect_asks_each_working_gpu_for_jpeg_engines(monkeypatch):
     facts = gpu_facts()
     facts_mod._collect_jpeg_engines(torch, facts)
     assert facts.nvimgcodec is None and facts.nvimgcodec_fix.startswith("pip install 'nvidia-nvimgcodec-cu")
+
+
+@pytest.mark.parametrize("torch_version, says", [("1.13.1", True), ("2.11.0+cu128", False)])
+def test_the_default_profile_points_a_2x_script_to_the_modern_profile(torch_version, says):
+    facts = gpu_facts()
+    facts.versions["torch"] = torch_version
+    results, ok, _ = judge(facts)
+    found = [c for c in results if c.name == "scripts"]
+    assert bool(found) is says
+    if says:
+        assert found[0].status == "info" and "torch.accelerator" in found[0].detail
+        assert "modern profile" in found[0].fix and "docs/docker.md" in found[0].fix

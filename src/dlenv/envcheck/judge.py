@@ -105,6 +105,10 @@ def _version_checks(facts: Facts) -> list[Check]:
     if torch_v and numpy_v and torch_v.split(".")[0] == "1" and int(numpy_v.split(".")[0]) >= 2:
         out.append(Check("fail", "numpy", f"NumPy {numpy_v} with torch {torch_v}: torch 1.x is built "
                          "against NumPy 1.x (torch.from_numpy fails)", "pip install 'numpy<2'"))
+    if torch_v and torch_v.split(".")[0] == "1":  # a user's own script meets this before dlenv does
+        out.append(Check("info", "scripts", f"PyTorch {torch_v.split('+')[0]}: a script written for 2.x stops with "
+                         "AttributeError here (torch.compile, torch.accelerator: pytorch/examples' mnist)",
+                         "run it on the modern profile (dlenv:cu128, PyTorch 2.x): docs/docker.md"))
     return out
 
 
