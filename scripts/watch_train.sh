@@ -16,6 +16,9 @@ data=${2:-/tmp/jpegs-watch}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+# NVML's bindings (requirements.txt); a machine without network takes them from a carried wheel in .whl/
+python3 -c "import pynvml" 2>/dev/null || pip install -q --no-index --find-links .whl nvidia-ml-py \
+    || { echo "watch_train.sh: nvidia-ml-py is missing; pip install nvidia-ml-py (or carry its wheel in .whl/)"; exit 2; }
 python3 scripts/make_jpeg_dataset.py --out "$data" --train 10000 --val 500 > "$out/make_data.txt" 2>&1
 : > "$out/SUMMARY.md"
 runs=$(mktemp -d)  # run folders (with their .pth files) stay here: OUT gets the summary, plots and logs

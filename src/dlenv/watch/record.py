@@ -68,11 +68,13 @@ def plot(samples: Sequence[Sample], names: Sequence[str], path: Path, title: str
     ax.plot(t, [None if s.proc_cpu is None else s.proc_cpu / max(1, n_cpus)
                 for s in samples], label="the command's processes, % of those CPUs", lw=1, color="tab:orange")
     ax.set_ylabel("%")
+    ax.set_ylim(-2, 105)  # shares read against zero and a full 100, not a zoomed-in band
     ax.set_xlabel("seconds")
     ax2 = ax.twinx()
     ax2.plot(t, [None if s.disk_read is None else s.disk_read / MIB for s in samples], lw=0.8, color="tab:purple",
              label="disk reads, MiB/s")
     ax2.set_ylabel("MiB/s")
+    ax2.set_ylim(bottom=0)
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
     ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=7, loc="upper right")
