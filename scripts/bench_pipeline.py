@@ -13,9 +13,10 @@ Variants: classic (torchvision transforms in DataLoader workers, float batches) 
 and torchvision.io decoding; gpu-augment (uint8 stored-form batches from workers, crop/flip/normalize
 on the GPU); nvjpeg (torchvision.io.decode_jpeg on the GPU, where this torchvision has it); cache-ram
 and cache-disk (decoded once, then only copied); nvimgcodec (nvImageCodec on the GPU's hardware JPEG
-engines); default (every input option at auto); default-serial (the same with a GPU decoder's decoding
-and the augmentation in series, as before issue 49); default-long (the default for --long-epochs: GPU
-memory over a long run); default-compiled (the default with torch.compile, against synthetic-compiled).
+engines); default (every input option at auto); default-serial and default-overlap (the same with
+--decode-overlap off and on: a GPU decoder's decoding and the augmentation in series, or overlapped in two
+threads); default-long (the default for --long-epochs: GPU memory over a long run); default-compiled (the
+default with torch.compile, against synthetic-compiled).
 Worker counts are the trainer's defaults (auto).
 
     python3 scripts/bench_pipeline.py --out /tmp/out             # about 5-6 minutes on an H200, 16 CPUs
@@ -34,7 +35,6 @@ and the tables of all counts together in bench_pipeline_cores.md).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import gc
 import math
@@ -43,7 +43,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -55,7 +54,6 @@ import torch  # noqa: E402
 from dlenv import compat, config  # noqa: E402
 from dlenv.bench.data import measure_loader  # noqa: E402
 from dlenv.data import hwdecode, pipeline  # noqa: E402
-from dlenv.data import plan as input_plan  # noqa: E402
 from dlenv.data.decode import stored_size  # noqa: E402
 from dlenv.data.loaders import resolve_workers, usable_cpus  # noqa: E402
 from dlenv.data.plan import InputOptions, pick_decoder  # noqa: E402
@@ -64,7 +62,8 @@ from dlenv.data.plan import InputOptions, pick_decoder  # noqa: E402
 VARIANTS = {
     "synthetic": {"synthetic": True},
     "default": {},  # every input option at auto: what `invoke train --amp` does on this machine
-    "default-serial": {},  # the same, a GPU decoder's decoding and the augmentation in series (SERIAL)
+    "default-serial": {"decode_overlap": "off"},  # a GPU decoder's decoding and the augmentation in series
+    "default-overlap": {"decode_overlap": "on"},  # ... overlapped, in two threads (auto: off, measured slower)
     "default-long": {},  # the same for --long-epochs (LONG): GPU memory over a long run
     "default-nocache": {"cache": "off"},  # the same where --cache auto would decode a small dataset once
     "classic-pil": {"gpu_augment": "off", "decoder": "pil"},
@@ -84,8 +83,8 @@ VARIANTS = {
     "cache-ram": {"cache": True, "cache_mode": "ram"},
     "cache-disk": {"cache": True, "cache_mode": "disk"},
 }
-#: variants whose plan is the default's with the overlap of decoding and augmentation taken away
-SERIAL = {"default-serial"}
+#: the default with --decode-overlap off and on: run only when named
+OVERLAP_AB = {"default-serial", "default-overlap"}
 #: variants trained for --long-epochs
 LONG = {"default-long"}
 #: issue 49's targets: x synthetic at this many cores (the compiled 16-core row too)
@@ -94,17 +93,6 @@ COLUMNS = ["cores", "variant", "decoder", "overlap", "loader_img_s", "train_img_
            "epoch1_img_s", "epochs", "reserved_e2_gib", "reserved_last_gib", "seconds"]
 EPOCH_COLUMNS = ["cores", "variant", "epoch", "img_s", "data_wait", "reserved_gib", "frames", "graphs",
                  "cache_misses", "cpu_busy"]
-
-
-def _in_series(decoder: str, device: object, cache: bool) -> tuple[bool, str]:
-    """decide_overlap for the SERIAL variants: a GPU decoder decodes and augments in one thread, in turn."""
-    return False, "decoding and augmentation in series (bench_pipeline's default-serial)" if (
-        decoder in input_plan.GPU_DECODERS and not cache) else ""
-
-
-def serial_plan(name: str) -> contextlib.AbstractContextManager:
-    """For a SERIAL variant, the input plan decides without overlap for the block; otherwise nothing."""
-    return mock.patch.object(input_plan, "decide_overlap", _in_series) if name in SERIAL else contextlib.nullcontext()
 
 
 def loader_rate(opts: dict, located: pipeline.Located, batch: int, img: int, batches: int, cache_dir: str,
@@ -150,7 +138,7 @@ class EpochWatch:
         return out
 
 
-def train_rate(name: str, opts: dict, data: str, a: argparse.Namespace, epochs: int, steps: int | None,
+def train_rate(opts: dict, data: str, a: argparse.Namespace, epochs: int, steps: int | None,
                project: str, cache_dir: str) -> dict:
     """Train a.model --amp for `epochs` epochs: the last epoch's img/s and data wait, the first's img/s, and a
     row per epoch (results.csv's with EpochWatch's readings)."""
@@ -162,8 +150,7 @@ def train_rate(name: str, opts: dict, data: str, a: argparse.Namespace, epochs: 
                        amp=True, batch_size=a.batch_size, img_size=a.img_size, epochs=epochs, max_steps=steps,
                        project=project, name="run", cache_dir=cache_dir, device=a.device, **opts)
     watch = EpochWatch()
-    with serial_plan(name):
-        summary = train(cfg, on_step=watch)
+    summary = train(cfg, on_step=watch)
     watch.mark()
     with open(Path(summary["run_dir"]) / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -324,10 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loader-batches", type=int, default=20,
                    help="batches timed per loader measurement (0: no loader-alone measurement)")
     p.add_argument("--only", default=",".join(v for v in VARIANTS if not v.startswith("gpu-augment-")
-                                              and "compiled" not in v and v not in SERIAL | LONG
+                                              and "compiled" not in v and v not in OVERLAP_AB | LONG
                                               and v != "default-nocache"),
-                   help="comma-separated variants (the gpu-augment-* levers, default-serial, default-long and the "
-                        "compiled runs only when named)")
+                   help="comma-separated variants (the gpu-augment-* levers, default-serial, default-overlap, "
+                        "default-long and the compiled runs only when named)")
     p.add_argument("--where", action="append", default=[], metavar="NAME=CORES",
                    help="with --cores: run variant NAME only at these CPU counts (comma-separated); repeatable")
     p.add_argument("--model", default="resnet50")
@@ -399,11 +386,10 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         decoder, overlap, loader = "-", "-", None
         if not opts.get("synthetic"):
-            with serial_plan(name):
-                plan = InputOptions(cache_dir=cache_dir, **opts).decide(located, dev, a.batch_size, a.img_size)
-                decoder, overlap = (plan.cpu_decoder if plan.cache else plan.decoder), str(plan.overlap).lower()
-                if "compile" not in opts and a.loader_batches:  # a compiled row's loader is its eager twin's
-                    loader = loader_rate(opts, located, a.batch_size, a.img_size, a.loader_batches, cache_dir, dev)
+            plan = InputOptions(cache_dir=cache_dir, **opts).decide(located, dev, a.batch_size, a.img_size)
+            decoder, overlap = (plan.cpu_decoder if plan.cache else plan.decoder), str(plan.overlap).lower()
+            if "compile" not in opts and a.loader_batches:  # a compiled row's loader is its eager twin's
+                loader = loader_rate(opts, located, a.batch_size, a.img_size, a.loader_batches, cache_dir, dev)
         if a.loader_only:
             rows.append({"cores": a.pin or usable_cpus(), "variant": name, "decoder": decoder, "overlap": overlap,
                          "loader_img_s": loader, "seconds": time.perf_counter() - t0})
@@ -412,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         compiled = "compile" in opts
         epochs = a.compiled_epochs if compiled else a.long_epochs if name in LONG else a.epochs
-        run = train_rate(name, opts, str(a.data), a, epochs, synthetic_steps if opts.get("synthetic") else a.steps,
+        run = train_rate(opts, str(a.data), a, epochs, synthetic_steps if opts.get("synthetic") else a.steps,
                          str(work / name), cache_dir)
         if opts.get("synthetic"):
             yardstick[compiled] = run["img_s"]

@@ -39,15 +39,21 @@ def test_a_bad_where_is_one_line(spec):
         bench_pipeline.variants_at(ISSUE_49, [spec], 4)
 
 
-def test_the_serial_variant_plans_without_overlap_and_the_others_with_the_plans_own_rule():
-    from dlenv.data import plan
+@pytest.mark.parametrize("name, choice, overlap", [
+    ("default", "auto", False), ("default-serial", "off", False), ("default-overlap", "on", True),
+    ("default-long", "auto", False),
+])
+def test_the_overlap_rows_set_decode_overlap_as_train_would_take_it(name, choice, overlap):
+    """The A/B of --decode-overlap goes through the option (the trainer's config and the loader's plan), with
+    auto in series."""
+    from dlenv import config
+    from dlenv.data.plan import InputOptions, decide_overlap
 
-    with bench_pipeline.serial_plan("default-serial"):
-        assert plan.decide_overlap("nvimgcodec", "cuda", False) == (
-            False, "decoding and augmentation in series (bench_pipeline's default-serial)")
-        assert plan.decide_overlap("pil", "cuda", False) == (False, "")
-    with bench_pipeline.serial_plan("default"):
-        assert plan.decide_overlap("nvimgcodec", "cuda", False)[0]
+    opts = bench_pipeline.VARIANTS[name]
+    cfg = config.build(config.TrainConfig, **opts)
+    assert cfg.decode_overlap == choice == InputOptions.of(cfg).decode_overlap == InputOptions(**opts).decode_overlap
+    assert decide_overlap(cfg.decode_overlap, "nvimgcodec", "cuda", False)[0] is overlap
+    assert (name in bench_pipeline.OVERLAP_AB) is (choice != "auto")  # run only when named
 
 
 def test_cpu_jiffies_count_busy_time_of_the_held_cpus():

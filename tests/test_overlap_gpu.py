@@ -63,7 +63,7 @@ def _epochs(layout, plan, device, epochs=((0, 0), (1, 0), (1, 8))):
 
 @pytest.mark.parametrize("decoder", DECODERS)
 def test_overlapped_gives_the_serial_batches_in_the_samplers_order(layout, decoder):
-    assert decide_overlap(decoder, "cuda", False)[0]  # what the plan would say here
+    assert decide_overlap("on", decoder, "cuda", False)[0]  # what the plan says here under --decode-overlap on
     serial, serial_val, _ = _epochs(layout, _plan(decoder, False), "cuda")
     overlapped, overlapped_val, loader = _epochs(layout, _plan(decoder, True), "cuda")
     assert loader.overlap
@@ -128,14 +128,19 @@ def test_overlapped_passes_keep_gpu_memory_flat(layout):
     assert max(reserved[6:]) <= max(reserved[:6]), [r / 2**20 for r in reserved]
 
 
-def test_training_at_two_workers_takes_the_overlapped_engines_where_there_are_some(layout, tmp_path):
+@pytest.mark.parametrize("choice, says", [
+    ("on", "overlapped (--decode-overlap on): the GPU decodes the next batch"),
+    ("auto", "decoding and augmentation in series: overlapping them (--decode-overlap on) measured slower"),
+])
+def test_training_at_two_workers_takes_the_engines_overlapped_only_when_asked(layout, tmp_path, choice, says):
     from dlenv.train import train
 
     if engines and nvjpeg:
         pytest.skip(f"no GPU decoder: {engines}; {nvjpeg}")
     cfg = config.build(config.TrainConfig, data=str(layout.root), model="resnet18", img_size=IMG, batch_size=8,
-                       epochs=2, amp=True, workers=2, cache="off", project=str(tmp_path / "runs"))
+                       epochs=2, amp=True, workers=2, cache="off", decode_overlap=choice,
+                       project=str(tmp_path / "runs"))
     out = train(cfg)
     assert out["status"] == "done"
     saved = (Path(out["run_dir"]) / "config.yaml").read_text()
-    assert "overlapped: the GPU decodes the next batch" in saved  # said once, and kept with the run
+    assert says in saved and ("overlapped" in saved) is (choice == "on")  # said once, and kept with the run

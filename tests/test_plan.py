@@ -425,7 +425,7 @@ def test_a_plan_is_decided_on_a_cpu_without_reading_data_building_a_model_or_wri
 # Overlap on few cores (issue 49): which path the plan takes by CPU cores, JPEG engines and torchvision.
 
 #: (cores, JPEG engines, torchvision batch-decodes on CUDA (0.19+: the 2.x profile; 0.14 on 1.13)) ->
-#: (workers auto gives, decoder auto picks (None: a CPU one), overlapped)
+#: (workers auto gives, decoder auto picks (None: a CPU one), overlapped under --decode-overlap on)
 PATHS_BY_CORES = [
     (2, True, True, 2, "nvimgcodec", True), (4, True, True, 4, "nvimgcodec", True),
     (8, True, True, 8, None, False), (16, True, True, 14, None, False),
@@ -462,25 +462,39 @@ def cuda_box(tmp_path, monkeypatch):
     return set_box
 
 
+#: --decode-overlap -> the words of the input line where a GPU decoder could overlap
+OVERLAP_SAYS = {"auto": "in series: overlapping them (--decode-overlap on) measured slower on an H200 at 2 and 4 cores",
+                "on": "overlapped (--decode-overlap on): the GPU decodes the next batch",
+                "off": "in series (--decode-overlap off)"}
+
+
+@pytest.mark.parametrize("choice", ["auto", "on", "off"])
 @pytest.mark.parametrize("cores,engines,batch_decode,workers,decoder,overlap", PATHS_BY_CORES)
 def test_the_path_auto_takes_by_cores_engines_and_torchvision(cuda_box, cores, engines, batch_decode, workers,
-                                                              decoder, overlap):
+                                                              decoder, overlap, choice):
+    """auto never overlaps (measured slower at 2 and 4 cores); on overlaps where a GPU decoder decodes."""
     located = cuda_box(cores, engines, batch_decode)
-    plan = InputOptions(cache="off").decide(located, "cuda", 256, 224)
+    plan = InputOptions(cache="off", decode_overlap=choice).decide(located, "cuda", 256, 224)
     assert plan.on_device and plan.workers == workers
     assert plan.decoder == decoder if decoder else plan.decoder in decode.CPU_DECODERS, plan.decoder
-    assert plan.overlap is overlap and plan.source == (decoder or "workers")
+    assert plan.overlap is (overlap and choice == "on") and plan.source == (decoder or "workers")
     line = plan.describe("cuda")
-    assert ("overlapped: the GPU decodes the next batch" in line) is overlap and "\n" not in line
+    assert (OVERLAP_SAYS[choice] in line) is bool(decoder) and "\n" not in line
+    assert ("overlapped" in line) is plan.overlap
     assert plan.gpu_backends == (ENGINE_BACKENDS if decoder == "nvimgcodec" else ())
 
 
 @pytest.mark.parametrize("opts,device,batch_decode,overlap,says", [
-    (dict(decoder="nvimgcodec"), "cuda", True, True, "overlapped"),   # named, at 16 cores: it overlaps too
-    (dict(decoder="nvjpeg"), "cuda", True, True, "overlapped"),
-    (dict(decoder="nvjpeg"), "cuda", False, False, "decodes one JPEG per call"),  # torchvision 0.14 (1.13)
-    (dict(decoder="nvimgcodec", cache="on"), "cuda", True, False, None),  # the cache decodes once: nothing to overlap
-    (dict(gpu_augment="on"), "cpu", True, False, None),    # a CPU device: no GPU decoder, no overlap
+    (dict(decoder="nvimgcodec"), "cuda", True, False, "measured slower"),   # named, at 16 cores: auto, in series
+    (dict(decoder="nvimgcodec", decode_overlap="on"), "cuda", True, True, "overlapped"),
+    (dict(decoder="nvjpeg", decode_overlap="on"), "cuda", True, True, "overlapped"),
+    (dict(decoder="nvjpeg", decode_overlap="off"), "cuda", True, False, "--decode-overlap off"),
+    # torchvision 0.14 (1.13): in series whatever is asked
+    (dict(decoder="nvjpeg", decode_overlap="on"), "cuda", False, False, "decodes one JPEG per call"),
+    # the cache decodes once: nothing to overlap
+    (dict(decoder="nvimgcodec", cache="on", decode_overlap="on"), "cuda", True, False, None),
+    (dict(gpu_augment="on", decode_overlap="on"), "cpu", True, False, None),  # a CPU device: no GPU decoder
+    (dict(gpu_augment="on", decoder="cv2", decode_overlap="on"), "cuda", True, False, None),  # CPU decoder, workers
     (dict(), "cpu", True, False, None),                    # the CPU-only default: the classic path, unchanged
 ])
 def test_overlap_follows_the_decoder_and_says_why_not(cuda_box, opts, device, batch_decode, overlap, says):
@@ -496,10 +510,18 @@ def test_overlap_follows_the_decoder_and_says_why_not(cuda_box, opts, device, ba
         assert not plan.on_device and plan.decoder in decode.CPU_DECODERS
 
 
-def test_decide_overlap_is_a_rule_of_decoder_device_and_cache():
+@pytest.mark.parametrize("choice,decoder,device,cache,overlap", [
+    ("on", "nvimgcodec", "cuda", False, True),
+    ("auto", "nvimgcodec", "cuda", False, False), ("off", "nvimgcodec", "cuda", False, False),
+    *[(choice, decoder, device, cache, False) for choice in ("auto", "on", "off")
+      for decoder, device, cache in (("nvimgcodec", "cpu", False), ("nvimgcodec", "cuda", True), ("pil", "cuda", False),
+                                     ("cv2", "cuda", False), ("synthetic", "cuda", False))],
+])
+def test_decide_overlap_is_a_rule_of_the_option_decoder_device_and_cache(choice, decoder, device, cache, overlap):
     from dlenv.data.plan import decide_overlap
 
-    assert decide_overlap("nvimgcodec", "cuda", False)[0]
-    for decoder, device, cache in (("nvimgcodec", "cpu", False), ("nvimgcodec", "cuda", True),
-                                   ("pil", "cuda", False), ("cv2", "cuda", False), ("synthetic", "cuda", False)):
-        assert decide_overlap(decoder, device, cache) == (False, ""), (decoder, device, cache)
+    got, why = decide_overlap(choice, decoder, device, cache)
+    assert got is overlap
+    # words only where a GPU decoder decodes on CUDA, uncached: nothing to overlap says nothing
+    assert bool(why) is (decoder == "nvimgcodec" and device == "cuda" and not cache)
+    assert (OVERLAP_SAYS[choice] in why) is bool(why)

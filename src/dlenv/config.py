@@ -31,6 +31,7 @@ from dlenv.options import (  # noqa: F401 (BATCH_MAX, IMG_SIZE_MAX: config's bou
     EPOCHS_WHY,
     IMG_SIZE_MAX,
     IMG_WHY,
+    decode_overlap,
     flag,  # noqa: F401 (config.flag: the spelling of an option on the command line)
     image_channels,
     opt,
@@ -105,6 +106,7 @@ class TrainConfig:
     gpu_augment: str = opt("auto", "crop, flip and normalize uint8 batches on the GPU: auto (on when "
                                    "training on a GPU), on, or off (torchvision transforms in the workers)",
                            choices=("auto", "on", "off"))
+    decode_overlap: str = decode_overlap()
     augment: str = opt("auto", "training augmentation: standard (random crops of 8-100% of the image, "
                                "any aspect 3:4-4:3, for photos), light (crops of 50-100%, near-square), none "
                                "(the whole image), or auto (standard; light for the demo data)",
@@ -304,6 +306,7 @@ class BenchDataConfig:
     decoder: str = opt("auto", "JPEG decoder, as for train", choices=_DECODERS)
     gpu_augment: str = opt("auto", "measure the GPU-augmentation path (auto: on a GPU), or the classic "
                                    "one (off)", choices=("auto", "on", "off"))
+    decode_overlap: str = decode_overlap()
     cache: bool = opt(False, "also measure --cache (decodes the dataset once)")
     cache_mode: str = opt("auto", "where --cache keeps the decoded images", choices=("auto", "ram", "disk"))
     cache_dir: str = opt(".dlenv-cache", "folder of --cache-mode disk files")
@@ -418,7 +421,7 @@ _FROM_RUN: dict[type, tuple[str, ...]] = {
     VerifyEnvConfig: ("workers",),
     BenchMemoryConfig: ("model", "batch_size", "img_size", "channels_last", "amp_dtype", "device"),
     BenchDataConfig: ("data", "model", "batch_size", "img_size", "device", "decoder", "gpu_augment",
-                      "cache_mode", "cache_dir"),
+                      "decode_overlap", "cache_mode", "cache_dir"),
 }
 
 

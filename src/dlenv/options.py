@@ -1,6 +1,7 @@
 """Declaring an option: `opt` (its default, help line, parser and bounds), `parse_option` (a value checked
 against them, refused in one line naming the flag), and the bounds and words several commands' options
-share (--batch-size, --img-size, --device, --trust-pickle, the most --workers on this machine).
+share (--batch-size, --img-size, --device, --trust-pickle, --channels, --decode-overlap, the most --workers on
+this machine).
 
 dlenv.config declares every command's options with these (dlenv.predict_options and
 dlenv.server_options too); what a typed value means is dlenv.values. No torch here: `dlenv --help` and
@@ -123,6 +124,14 @@ def image_channels() -> Any:
     return opt(3, "image channels the model takes: 3 (RGB) or 1 (grayscale: images are converted to one "
                   "channel, normalised with one mean and std), for a model whose first layer takes one channel "
                   "(MNIST's)", parse=parse)
+
+
+def decode_overlap() -> Any:
+    """--decode-overlap, declared once for the commands that build the training loader (train, bench-data)."""
+    return opt("auto", "decode the next batch on the GPU in a thread and CUDA stream of its own while this one is "
+                       "augmented, where --decoder nvimgcodec or nvjpeg decodes: on, off, or auto (off: overlapped "
+                       "measured slower at 2 and 4 cores on an H200, docs/input-pipeline.md; on to measure it on "
+                       "yours)", choices=("auto", "on", "off"))
 
 
 def trust_pickle() -> Any:

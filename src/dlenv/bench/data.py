@@ -196,7 +196,7 @@ def main(cfg: Any) -> int:
         # the worker sweep uses the best CPU decoder: nvJPEG is measured on its own
         variant = dataclasses.replace(plan, **{"workers": workers, "decoder": plan.cpu_decoder, **change})
         # decoding overlapped with the augmentation as training would have it: a GPU decoder's only
-        overlap, why = decide_overlap(variant.decoder, device, variant.cache)
+        overlap, why = decide_overlap(opts.decode_overlap, variant.decoder, device, variant.cache)
         variant = dataclasses.replace(variant, overlap=overlap, overlap_why=why)
         loader = pipeline.make_loaders(train_only, variant, device, dtype=DTYPES[mode], memory_format=fmt)[0]
         return measure_loader(loader, cfg.batches, device)

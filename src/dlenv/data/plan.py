@@ -5,10 +5,10 @@
     data = pipeline.build(located, plan, device, dist)                            # builds what the plan says
 
 `InputOptions.decide` turns the input options (--decoder, --gpu-augment, --cache, --cache-mode, --cache-dir,
---workers, --bad-images, --augment, --hflip, --crop-scale) into an `InputPlan`: where augmentation runs, the
-decoder (the auto policy and the GPU decoders' availability are here), the nvImageCodec backends, whether a
-GPU decoder's decoding overlaps the augmentation (`decide_overlap`), the cache and its mode (ram, disk or off:
-never auto after planning), the workers as a number, the crops and flips.
+--workers, --bad-images, --augment, --hflip, --crop-scale, --decode-overlap) into an `InputPlan`: where
+augmentation runs, the decoder (the auto policy and the GPU decoders' availability are here), the nvImageCodec
+backends, whether a GPU decoder's decoding overlaps the augmentation (`decide_overlap`), the cache and its mode
+(ram, disk or off: never auto after planning), the workers as a number, the crops and flips.
 The trainer prints the plan and writes it to config.yaml; everything after reads it instead of deciding
 again. Deciding reads no image data beyond a few headers (and, for --decoder auto, a few timed decodes;
 for a GPU decoder, a test image decoded on the GPU), builds nothing and writes nothing.
@@ -137,7 +137,7 @@ class InputPlan:
 @dataclass(frozen=True)
 class InputOptions:
     """The input options as given: --decoder, --gpu-augment, --cache, --cache-mode, --cache-dir, --workers,
-    --bad-images, --augment, --hflip, --crop-scale, and the run's --seed and --epochs."""
+    --bad-images, --augment, --hflip, --crop-scale, --decode-overlap, and the run's --seed and --epochs."""
 
     decoder: str = "auto"
     gpu_augment: str = "auto"
@@ -149,6 +149,7 @@ class InputOptions:
     augment: str = "auto"
     hflip: bool | str = "auto"      # 'auto', 'on', 'off' (True/False: a config.yaml from before 'auto')
     crop_scale: Any = "auto"
+    decode_overlap: str = "auto"
     seed: int = 0
     epochs: int | None = None
 
@@ -203,7 +204,7 @@ class InputOptions:
                 raise UserError(f"--decoder {decoder}: {why}; use --decoder auto")
             backends = engine_backends(device) if decoder == "nvimgcodec" else ()
         cpu_decoder = decoder if decoder not in GPU_DECODERS else pick_decoder(paths, size)
-        overlap, overlap_why = decide_overlap(decoder, device, cache)
+        overlap, overlap_why = decide_overlap(self.decode_overlap, decoder, device, cache)
         splits = (located.layout.train, located.layout.val)
         mode = decide_cache_mode(self, local_world_size, splits, size) if cache else "off"
         preset, scale, ratio = decide_augment(self, located.demo)
@@ -331,16 +332,16 @@ def resolve_decoder(name: str, paths: Sequence[str] = (), size: int = 258, gpu: 
     return name
 
 
-def decide_overlap(decoder: str, device: Any, cache: bool) -> tuple[bool, str]:
+def decide_overlap(choice: str, decoder: str, device: Any, cache: bool) -> tuple[bool, str]:
     """(does the decoding of batch n+1 overlap the augmentation of batch n?, the words that say so or why not).
 
-    On wherever a GPU decoder decodes on CUDA: --decoder auto picks one only with fewer than
-    NVJPEG_BELOW_WORKERS CPU workers, where one thread decoding and then augmenting each batch in series
-    fell behind the model (4 cores, ResNet-50 on an H200: 49.7 ms decoding + 25.4 ms augmenting against a
-    55.6 ms step; docs/input-pipeline.md). The decoders wait for the GPU and their library threads without
-    the GIL, so a second thread (`fastpath.DeviceLoader`'s decoder) costs the CPU little. Not where
-    torchvision decodes one image per call (before 0.19: `compat.cuda_jpeg_overlap_unavailable`). Nothing
-    to overlap on a CPU device, from DataLoader workers (processes of their own) or from the cache."""
+    `choice` is --decode-overlap: auto (in series), on or off. Overlapping (`fastpath.DeviceLoader`'s
+    decoding thread) is possible only where a GPU decoder decodes on CUDA: nothing to overlap on a CPU
+    device, from DataLoader workers (processes of their own) or from the cache; nor where torchvision
+    decodes one image per call (before 0.19: `compat.cuda_jpeg_overlap_unavailable`). auto keeps decoding
+    and augmentation in series: overlapped, the step measured slower on an H200 at 2 and 4 cores, the
+    second thread's CPU time coming out of the main thread's (docs/input-pipeline.md, "Overlap on few
+    cores"); `on` is there to measure it on another machine."""
     from dlenv import compat
 
     if cache or decoder not in GPU_DECODERS or torch.device(device).type != "cuda":
@@ -348,8 +349,13 @@ def decide_overlap(decoder: str, device: Any, cache: bool) -> tuple[bool, str]:
     why = compat.cuda_jpeg_overlap_unavailable() if decoder == "nvjpeg" else None
     if why:
         return False, f"decoding and augmentation in series ({why})"
-    return True, ("overlapped: the GPU decodes the next batch on a stream of its own while this one is "
-                  "augmented (one thread doing both in turn fell behind the model where CPU cores are few)")
+    if choice == "on":
+        return True, ("overlapped (--decode-overlap on): the GPU decodes the next batch on a stream of its own "
+                      "while this one is augmented")
+    if choice == "off":
+        return False, "decoding and augmentation in series (--decode-overlap off)"
+    return False, ("decoding and augmentation in series: overlapping them (--decode-overlap on) measured slower "
+                   "on an H200 at 2 and 4 cores (0.80x/0.79x of synthetic against 0.85x; docs/input-pipeline.md)")
 
 
 def gpu_unavailable(decoder: str, device: Any) -> str | None:
