@@ -321,3 +321,17 @@ def test_invoke_watch_runs_the_string_given_to_run(tmp_path, monkeypatch, no_gpu
         tasks.ns["watch"](MockContext(), **parsed[0].as_kwargs)
     assert e.value.code == 5  # the command's own status
     assert "exit status 5" in (tmp_path / "runs" / "watch" / "exp" / "watch.md").read_text()
+
+
+def test_gpu_busy_gives_a_short_epoch_its_one_sample_and_tries_nvml_once(monkeypatch):
+    _fake_pynvml(monkeypatch, count=1, utils=(60,))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    busy = probes.GpuBusy(0, interval=3600)  # the epoch ends long before the first tick
+    assert busy.start().stop() == pytest.approx(60.0)
+    busy.close()
+    opened = []
+    monkeypatch.setattr(probes.Nvml, "open", classmethod(lambda cls, visible=None: opened.append(1) or (None, "no")))
+    idle = probes.GpuBusy(0)
+    for _ in range(3):  # three epochs
+        assert idle.start().stop() is None
+    assert opened == [1]

@@ -158,17 +158,24 @@ class GpuBusy:
     def __init__(self, cuda_index: int, interval: float = 1.0):
         self.cuda_index, self.interval = cuda_index, interval
         self._nvml: Nvml | None = None
+        self._unavailable = False       # NVML was tried and is not there: not tried again each epoch
         self._values: list[float] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> GpuBusy:
-        if self._nvml is None:
+        self.stop()  # a previous epoch's thread (one stopped by a re-plan) ends first
+        if self._nvml is None and not self._unavailable:
             nvml, _ = Nvml.open()
-            if nvml is None or self.cuda_index >= len(nvml.handles):
-                return self
-            nvml.handles = [nvml.handles[self.cuda_index]]
-            self._nvml = nvml
+            if nvml is not None and self.cuda_index < len(nvml.handles):
+                nvml.handles = [nvml.handles[self.cuda_index]]
+                self._nvml = nvml
+            else:
+                self._unavailable = True
+                if nvml is not None:
+                    nvml.close()
+        if self._nvml is None:
+            return self
         self._values, self._stop = [], threading.Event()
         self._thread = threading.Thread(target=self._run, name="dlenv-gpu-busy", daemon=True)
         self._thread.start()
@@ -176,16 +183,22 @@ class GpuBusy:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            util = self._nvml.sample()[0].util
-            if util is not None:
-                self._values.append(util)
+            self._take()
+
+    def _take(self) -> None:
+        util = self._nvml.sample()[0].util
+        if util is not None:
+            self._values.append(util)
 
     def stop(self) -> float | None:
-        """The mean utilisation (%) since start(), None without a figure; the thread ends."""
+        """The mean utilisation (%) since start(), None without a figure; the thread ends. An epoch shorter
+        than the interval gets one sample here (NVML's figure covers its last period)."""
         if self._thread is not None:
             self._stop.set()
             self._thread.join(timeout=5)
             self._thread = None
+            if not self._values:
+                self._take()
         return sum(self._values) / len(self._values) if self._values else None
 
     def close(self) -> None:
