@@ -73,7 +73,8 @@ def top_help(version: str) -> str:
 GROUPS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "train": (
         ("data", ("data", "val_split", "img_size", "workers", "bad_images", "cache", "cache_mode", "cache_dir",
-                  "decoder", "gpu_augment", "augment", "hflip", "crop_scale", "synthetic", "channels")),
+                  "decoder", "gpu_augment", "decode_overlap", "augment", "hflip", "crop_scale", "synthetic",
+                  "channels")),
         ("model", ("model", "model_args", "weights", "trust_pickle", "pretrained", "freeze_epochs", "backbone_lr",
                    "sync_bn")),
         ("optimisation", ("epochs", "optimizer", "lr", "momentum", "nesterov", "weight_decay", "warmup_epochs",
