@@ -440,3 +440,17 @@ def test_a_stop_signal_ends_the_worker_group_at_once_and_writes_the_table(tmp_pa
     worker = int((tmp_path / "pids").read_text().split()[-1])
     with pytest.raises(ProcessLookupError):  # the worker went with its group
         os.kill(worker, 0)
+
+
+@pytest.mark.slow  # four worker processes on the CPU
+def test_mnists_one_channel_net_is_measured_with_channels_1(tmp_path, monkeypatch):
+    from thirdparty import MNIST_NET, write
+
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path, "net.py", MNIST_NET)
+    assert bench.main(_cpu_cfg(tmp_path, "net.py:Net", img_size=28, channels=1)) == 0
+    with (tmp_path / "out" / "memory.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["status"] for r in rows] == ["ok"] * 4 + ["skipped"]
+    md = (tmp_path / "out" / "memory.md").read_text()
+    assert "28 px, 1 channel(s)" in md and "10 classes of the model's own head" in md
