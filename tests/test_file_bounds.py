@@ -3,17 +3,25 @@ bounded as a dlenv checkpoint's num_classes is (1 to 100,000, dlenv.runfolder.ru
 from a tensor whose every element is stored: a stride of 0 (expand) or overlapping strides give a shape
 that costs no bytes. Each refusal is one line naming the file, the tensor and the bound. A key is as
 long as the file's bytes allow: prefixes are stripped in time linear in it, and messages cut it short.
+And the work a weights file describes (issue 43, item 4): shared containers, keys that hash alike or cost
+their weight at every use, nesting, each refused while the pickle is played, before the work.
 (A dlenv checkpoint's own entries: test_bad_inputs.py and test_runstate.py.)"""
 
 from __future__ import annotations
 
+import io
+import pickle
+import pickletools
+import re
+import struct
 import time
+import zipfile
 
 import pytest
 import torch
 from torchvision.models import resnet18
 
-from dlenv import cli, models
+from dlenv import cli, models, pickleguard, weights
 from dlenv.errors import UserError
 from dlenv.runfolder import runstate
 
@@ -114,3 +122,142 @@ def test_a_state_dict_that_does_not_fit_names_its_keys_in_one_short_line(key):
     with pytest.raises(UserError) as err:
         models._load_state(model, sd, "resnet18", 10, "--weights w.pth")  # train --weights
     assert "\n" not in str(err.value) and len(str(err.value)) < 600
+
+
+# ---------------------------------------------------------------------------------------------------
+# Work (issue 43, item 4): a few KB of allowed pickle describe work without bound. Each file is refused
+# while its pickle is played, before the work: one line, --trust-pickle or not, and the work counted
+# (pickleguard.Budget) stays within the budget plus the one charge that broke it.
+
+
+def _u(text: str) -> bytes:  # SHORT_BINUNICODE
+    data = text.encode()
+    return b"\x8c" + bytes([len(data)]) + data
+
+
+def _put(i: int) -> bytes:  # LONG_BINPUT
+    return b"r" + struct.pack("<I", i)
+
+
+def _get(i: int) -> bytes:  # LONG_BINGET
+    return b"j" + struct.pack("<I", i)
+
+
+def _long(n: int) -> bytes:  # LONG1
+    data = pickle.encode_long(n)
+    return b"\x8a" + bytes([len(data)]) + data
+
+
+def _float(x: float) -> bytes:  # BINFLOAT
+    return b"G" + struct.pack(">d", x)
+
+
+def _pkl(*ops: bytes) -> bytes:
+    return b"\x80\x02" + b"".join(ops) + b"."
+
+
+def _dag(levels: int, node: bytes, top: bytes = b"") -> bytes:
+    """Memo 0 an empty container of `node`'s kind; memo i+1 made of memo i twice by `node` (its opcodes
+    around two GETs, @); then `top`."""
+    ops = [{b"}": b"}", b"(": b"]", b"@": b")"}[node[:1]] + _put(0)]
+    for i in range(levels):
+        ops.append(node.replace(b"@", _get(i)) + _put(i + 1))
+    return b"".join(ops) + top
+
+
+#: 2**61 - 1: the modulus of Python's hash of numbers; ints (and floats) a multiple of it apart hash alike
+_P = 2**61 - 1
+
+WORK = [
+    ("a 50-level DAG of dicts (the decoder walked 2**50 paths)",
+     _pkl(_dag(50, b"}(" + _u("a") + b"@" + _u("b") + b"@u")), "a walk through them visits more than"),
+    ("a 60-level DAG of lists", _pkl(_dag(60, b"(@@l")), "a walk through them visits more than"),
+    ("a DAG of tuples as a dict key (hashed in C, SIGTERM had no effect)",
+     _pkl(_dag(50, b"@@\x86", b"}" + _get(50) + b"Ns")), "a key of more than 16,777,216 values"),
+    ("a key of 2**20 values inserted 64 times",
+     _pkl(_dag(19, b"@@\x86", b"}" + b"".join(_get(19) + _long(i) + b"s" for i in range(64)))),
+     "keys of 1,048,575 values each, hashed at every use"),
+    ("150,000 int keys that hash alike, one SETITEMS",
+     _pkl(b"}(" + b"".join(_long(7 + i * _P) + b"N" for i in range(150_000)) + b"u"), "hash alike"),
+    ("int keys that hash alike, one SETITEM each",
+     _pkl(b"}" + b"".join(_long(7 + i * _P) + b"Ns" for i in range(1000))), "hash alike"),
+    ("floats that hash alike (2.0 ** (61 k))",
+     _pkl(b"}" + b"".join(_float(2.0 ** (61 * k)) + b"Ns" for k in range(17))), "hash alike"),
+    ("negative ints that hash alike", _pkl(b"(" + b"".join(_long(-7 - i * _P) for i in range(100)) + b"\x91"),
+     "hash alike"),
+    ("a tuple 300,000 deep as a key (crashed: rc 139)", _pkl(b"})" + b"\x85" * 300_000 + b"Ns"),
+     "nested more than 64 deep"),
+    ("lists 20,000 deep", _pkl(b"]" * 20_000 + b"a" * 19_999), "nested more than 64 deep"),
+    ("dicts 20,000 deep", _pkl(b"}" + (_u("k") + b"}") * 20_000 + b"s" * 20_000), "nested more than 64 deep"),
+    ("a text PUT of an index that hashes like 0", _pkl(b"Np" + str(_P).encode() + b"\n"), "memo index past 2**32"),
+]
+
+
+
+@pytest.mark.parametrize("pkl, reason", [w[1:] for w in WORK], ids=[w[0] for w in WORK])
+def test_a_pickle_that_describes_unbounded_work_is_refused_before_the_work(pkl, reason):
+    budget = pickleguard.Budget()
+    with pytest.raises(pickleguard.Refused, match=re.escape(reason)):
+        pickleguard.play(io.BytesIO(pkl), None, budget=budget)
+    opcodes = sum(1 for _ in pickletools.genops(pkl))
+    # the work done: the opcodes, their values, and at most the one charge that went past the budget
+    assert budget.spent <= 4 * opcodes + pickleguard.MAX_WORK + 1, budget.spent
+
+
+def _torch_zip(path, data_pkl: bytes):
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr("archive/data.pkl", data_pkl)
+        zf.writestr("archive/version", "3\n")
+    return path
+
+
+@pytest.mark.parametrize("trust", [False, True], ids=["safe", "trust-pickle"])
+@pytest.mark.parametrize("pkl", [WORK[0][1], WORK[2][1], WORK[4][1]], ids=["dict-DAG", "tuple-DAG-key", "alike"])
+def test_every_reader_says_so_in_one_line_and_trust_does_not_open_it(tmp_path, pkl, trust):
+    path = _torch_zip(tmp_path / "f.pth", pkl)
+    with pytest.raises(UserError) as err:
+        runstate.load_state(path, weights.LoadPolicy(trust_pickle=trust))
+    line = str(err.value)
+    assert "\n" not in line and "corrupt" not in line, line
+    assert line.startswith(f"refusing to unpickle {path}: reading it would take work without bound ("), line
+    assert "--trust-pickle does not open it" in line
+
+
+def test_a_real_checkpoint_costs_a_small_part_of_the_budget(tmp_path):
+    """A model, its optimizer (whose param groups share one betas tuple) and a dlenv-like config: well
+    within the budget, and what it loads is what was saved."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    opt = torch.optim.Adam([{"params": list(model.parameters())[:2]}, {"params": list(model.parameters())[2:]}])
+    model(torch.zeros(2, 4)).sum().backward()
+    opt.step()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "config": {"lr": 0.1, "size": (3, 4)}},
+               tmp_path / "c.pth")
+    with open(tmp_path / "c.pth", "rb") as fh, zipfile.ZipFile(fh) as zf:
+        data = zf.read(next(n for n in zf.namelist() if n.endswith("data.pkl")))
+    budget = pickleguard.Budget()
+    pickleguard.play(io.BytesIO(data), lambda pid: pickleguard.Storage(2**40), budget=budget)
+    assert budget.spent < pickleguard.MAX_WORK // 100, budget.spent
+    got = weights.load(tmp_path / "c.pth", weights.SAFE)
+    assert got["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999) and got["config"]["size"] == (3, 4)
+
+
+def test_the_decoder_visits_a_shared_container_once(monkeypatch):
+    """runstate._decode (floats back from their hex) on a 60-level DAG of dicts and lists, as torch.load
+    under --trust-pickle may return it: each container once, not each of its 2**60 paths."""
+    node: object = {"x": {"__float__": (0.5).hex()}}
+    for _ in range(60):
+        node = {"a": [node, node], "b": node}
+    calls = []
+    real = runstate._decode
+
+    def counted(obj, seen=None):
+        calls.append(1)
+        return real(obj, seen)
+
+    monkeypatch.setattr(runstate, "_decode", counted)
+    out = runstate._decode(node)
+    assert len(calls) <= 6 * 60 + 10, len(calls)
+    for _ in range(60):
+        assert out["a"][0] is out["a"][1] is out["b"]  # still shared, decoded once
+        out = out["b"]
+    assert out == {"x": 0.5}

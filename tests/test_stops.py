@@ -222,7 +222,7 @@ def _run(cmd: list[str], delay: float | None, signum: int = signal.SIGTERM) -> t
     return ("signalled" if sent else "finished"), proc.returncode, out
 
 
-@pytest.mark.slow  # ~40 dlenv processes on a CPU
+@pytest.mark.slow  # 30 dlenv processes on a CPU
 @pytest.mark.parametrize("verb", ["train", "val", "predict"])
 def test_a_signal_after_any_delay_ends_the_command_in_one_line(verb, trained):
     root, best = trained
@@ -235,7 +235,7 @@ def test_a_signal_after_any_delay_ends_the_command_in_one_line(verb, trained):
     done = out.strip().splitlines()[-1]
     outcomes = []
     # delays over the command's own run time on this machine now: start-up, imports, the weights, the pass
-    for fraction in (0.03, 0.08, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95):
+    for fraction in (0.03, 0.1, 0.2, 0.3, 0.45, 0.55, 0.7, 0.85, 0.95):
         signum = signal.SIGHUP if fraction == 0.55 else signal.SIGTERM
         how, code, out = _run(cmd, whole * fraction, signum)
         lines = out.strip().splitlines()
@@ -249,7 +249,7 @@ def test_a_signal_after_any_delay_ends_the_command_in_one_line(verb, trained):
         if code == -signum:
             # the signal's default action: before dlenv's start (nothing printed) or once the command's work
             # was done and said (the interpreter shutting down): the process ends by the signal all the same
-            assert not lines or lines[-1] == done, case
+            assert not lines or lines[-1].split()[:2] == done.split()[:2], case
         else:
             assert code == 128 + signum, case
             assert f"stopped by {name}" in lines[-1], case

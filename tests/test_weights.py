@@ -218,7 +218,6 @@ DAMAGED = [
     ("a cut zip", lambda t: (t / "f.pth").write_bytes((t / "good.pth").read_bytes()[:-300])),
     ("a cut legacy file", lambda t: (t / "f.pth").write_bytes((t / "legacy.pth").read_bytes()[:-5])),
     ("a pickle without its end", lambda t: _zip(t / "f.pth", b"\x80\x02}q\x00")),
-    ("a memo entry never stored", lambda t: _zip(t / "f.pth", _p2(b"h\x07"))),
     ("a storage record missing", lambda t: _zip(t / "f.pth", _data_pkl(t / "good.pth"))),
 ]
 
@@ -231,6 +230,28 @@ def test_a_damaged_file_is_named_as_damaged(tmp_path, make):
     with pytest.raises(UserError, match="truncated or corrupt") as e:
         runstate.load_state(tmp_path / "f.pth", SAFE)
     assert "\n" not in str(e.value)
+
+
+# whole files whose pickle pickle never writes: crafted (or bytes changed in place), not cut short, so not
+# "truncated or corrupt" (a user would fetch the same file again): refused as built, even with --trust-pickle
+MALFORMED = [
+    ("a memo entry never stored", _p2(b"h\x07")),
+    ("a stack that runs dry", _p2(b"}0" + b"0")),
+    ("APPENDS without a mark", _p2(b"]e")),
+    ("an odd DICT", _p2(b"(Nd")),
+    ("a list as a key", _p2(b"}]Ns")),
+    ("a dict in a frozenset", _p2(b"(}\x91")),
+]
+
+
+@pytest.mark.parametrize("pkl", [m[1] for m in MALFORMED], ids=[m[0] for m in MALFORMED])
+@pytest.mark.parametrize("policy", [SAFE, TRUST], ids=["safe", "trust-pickle"])
+def test_a_malformed_pickle_is_refused_as_built_not_called_truncated(tmp_path, pkl, policy):
+    with pytest.raises(UserError) as e:
+        runstate.load_state(_zip(tmp_path / "f.pth", pkl), policy)
+    line = str(e.value)
+    assert "built in a way torch.save never writes (a malformed pickle" in line and "corrupt" not in line, line
+    assert "\n" not in line
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -184,16 +184,29 @@ def worker_killed(exc: BaseException) -> bool:
 
 
 def first_line(e: BaseException | str, limit: int = 200, named: bool = True) -> str:
-    """The first line of an exception's message (at most `limit` characters), for a one-line report:
-    'Type: line', or the line alone with `named=False`; the type's name where the message is empty. A
-    str (a warning's text) gives its own first line, or ''. The one copy of this rule in dlenv."""
+    """The first line of an exception's message (at most `limit` characters, cut at a word with "..."), for
+    a one-line report: 'Type: line', or the line alone with `named=False`; the type's name where the message
+    is empty. A str (a warning's text) gives its own first line, or ''. The one copy of this rule in dlenv."""
     lines = str(e).strip().splitlines()
-    line = lines[0][:limit] if lines else ""
+    line = cut_at_word(lines[0], limit) if lines else ""
     if isinstance(e, str):
         return line
     if not line:
         return type(e).__name__
     return f"{type(e).__name__}: {line}" if named else line
+
+
+def cut_at_word(text: str, limit: int) -> str:
+    """`text` in at most `limit` characters: whole, or cut after its last whole word that fits, then "..."
+    (a line cut mid-word, "... could not be lo", reads as a typo); a word longer than half the room is cut."""
+    if len(text) <= limit:
+        return text
+    room = max(limit - 3, 1)
+    cut = text[:room]
+    space = cut.rfind(" ")
+    if text[room] != " " and space > room // 2:
+        cut = cut[:space]
+    return cut.rstrip(" ,;:") + "..."
 
 
 # PyTorch's CPU allocator refusing an allocation (a RuntimeError: "[enforce fail at alloc_cpu.cpp:75] err == 0.

@@ -246,11 +246,12 @@ def _check_legacy(fh: BinaryIO, build: pickleguard.Builder) -> Any:
     end = fh.seek(0, io.SEEK_END)
     fh.seek(start)
     pickles = _Bounded(fh, pickleguard.PICKLE_LIMIT)
-    if play(pickles, None, allow_globals=False) != _LEGACY_MAGIC:
+    budget = pickleguard.Budget()  # one for the file's five pickles
+    if play(pickles, None, allow_globals=False, budget=budget) != _LEGACY_MAGIC:
         raise Refused("a pickle that is not a torch.save file")
-    if play(pickles, None, allow_globals=False) != _LEGACY_PROTOCOL:
+    if play(pickles, None, allow_globals=False, budget=budget) != _LEGACY_PROTOCOL:
         raise Refused("a torch.save file of an unknown protocol")
-    sys_info = play(pickles, None, allow_globals=False)
+    sys_info = play(pickles, None, allow_globals=False, budget=budget)
     if not isinstance(sys_info, dict):
         raise Refused("a torch.save file without its sys_info")
     if sys_info.get("little_endian", True) is not True:
@@ -280,8 +281,8 @@ def _check_legacy(fh: BinaryIO, build: pickleguard.Builder) -> Any:
         views.append((key, view[1], view[2]))
         return build.view(root, view[1], view[2])
 
-    obj = play(pickles, persistent, build=build)
-    keys = play(pickles, None, allow_globals=False)
+    obj = play(pickles, persistent, build=build, budget=budget)
+    keys = play(pickles, None, allow_globals=False, budget=budget)
     if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)) or set(keys) != set(storages) \
             or len(keys) != len(set(keys)):
         raise Refused("storage keys that do not match its storages")

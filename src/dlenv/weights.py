@@ -13,7 +13,9 @@ pickle (`.pth`, `.pt`, anything but .safetensors)
     Anything else stops before the first byte is unpickled, with one line naming what the file holds,
     unless the user consents for this one command with --trust-pickle (never from a YAML file): then
     torch.load(weights_only=True) reads it, and refuses arbitrary objects itself. A file made to be read
-    two ways (pickleguard.Forged) is refused even then.
+    two ways or built as pickle never writes (pickleguard.Forged), or one whose reading would take work
+    without bound (pickleguard.Unbounded: shared containers, keys that hash alike, deep nesting), is
+    refused even then. Only a file cut short is called "truncated or corrupt" (pickleguard.Damaged).
 
 safetensors (`*.safetensors`)
     A JSON header of names, dtypes and shapes, then raw tensor bytes: reading it runs no code, on any
@@ -33,7 +35,7 @@ from typing import Any
 
 from dlenv import pickleguard, safeio, torchfile
 from dlenv.atomic import write_atomic
-from dlenv.errors import UserError, printable
+from dlenv.errors import UserError, check_stop, first_line, printable
 
 SUFFIX = ".safetensors"
 
@@ -109,12 +111,18 @@ def load(path: str | Path, policy: LoadPolicy) -> Any:
         try:
             return torchfile.load(fh)
         except pickleguard.Damaged as e:
+            check_stop()  # a stop signal torch's reader turned into an error of its own is not damage
             raise UserError(f"{shown} is truncated or corrupt ({e}); nothing in it was run. Use another copy "
                             "(a download or copy that did not finish?)") from None
         except pickleguard.Forged as e:
             raise UserError(f"refusing to unpickle {shown}: it is built in a way torch.save never writes ({e}); "
                             "nothing in it was run, and --trust-pickle does not open it. Get the weights again "
                             "from where they came from") from None
+        except pickleguard.Unbounded as e:
+            raise UserError(f"refusing to unpickle {shown}: reading it would take work without bound ({e}); "
+                            "nothing in it was run, and --trust-pickle does not open it (torch.load would hang or "
+                            "crash on it too). Get the weights again from where they came from, or as "
+                            ".safetensors") from None
         except pickleguard.Refused as e:
             if not policy.trust_pickle:
                 raise UserError(refusal(path, str(e))) from None
@@ -136,7 +144,7 @@ def read_safetensors(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
             meta = f.metadata() or {}
             state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no mapping)
     except Exception as e:  # SafetensorError, OSError, a bad header: all mean "cannot read this file"
-        first = (str(e).strip().splitlines() or [e.__class__.__name__])[0][:160]
+        first = first_line(e, 160, named=False)
         raise UserError(f"{printable(str(path))} is not a readable safetensors file ({printable(first)}); "
                         "export it again, or check that the download finished") from None
     return state, {str(k): str(v) for k, v in meta.items()}

@@ -33,7 +33,7 @@ import torch
 from dlenv import compat
 from dlenv.atomic import check_output, write_atomic
 from dlenv.compress import common, quantize
-from dlenv.errors import UserError
+from dlenv.errors import UserError, first_line
 from dlenv.trained import Trained
 from dlenv.weights import LoadPolicy
 
@@ -124,7 +124,7 @@ def run_exported(path: Path, fmt: str, inputs: torch.Tensor, device: torch.devic
         with torch.no_grad():
             out = onnxmodel.OnnxModule(sess)(inputs)
     except Exception as e:  # e.g. an fp16 graph on a CPU provider without fp16 kernels
-        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        first = first_line(e, 160, named=False)
         raise UserError(f"onnxruntime {ort.__version__} could not run the exported file ({first}), so it is not "
                         "checked and was not written; export float32 (drop --half), or another --opset") from None
     return out.float().cpu(), f"onnxruntime {ort.__version__} ({sess.get_providers()[0]})"

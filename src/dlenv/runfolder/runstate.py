@@ -55,7 +55,7 @@ import torch
 
 from dlenv import safeio, weights
 from dlenv.atomic import write_file
-from dlenv.errors import UserError, printable, with_path
+from dlenv.errors import UserError, cut_at_word, first_line, printable, with_path
 from dlenv.runfolder import BEST, LAST
 
 FORMAT = "dlenv/1"
@@ -85,19 +85,28 @@ def _encode(obj: Any) -> Any:
     return obj
 
 
-def _decode(obj: Any) -> Any:
-    """Undo `_encode`."""
+def _decode(obj: Any, seen: dict[int, tuple[Any, Any]] | None = None) -> Any:
+    """Undo `_encode`. Each container is decoded once however often the file shares it (`seen`: id -> (it,
+    what it became)): a walk down every path of 50 dicts each holding the next twice is 2**50 steps long."""
+    seen = {} if seen is None else seen
+    if not isinstance(obj, (dict, list, tuple)):
+        return obj
+    if id(obj) in seen:
+        return seen[id(obj)][1]
     if isinstance(obj, dict):
         if len(obj) == 1 and _FLOAT in obj and isinstance(obj[_FLOAT], str):
-            return float.fromhex(obj[_FLOAT])
-        for k, v in obj.items():
-            obj[k] = _decode(v)
-        return obj
-    if isinstance(obj, list):
-        return [_decode(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_decode(v) for v in obj)
-    return obj
+            out: Any = float.fromhex(obj[_FLOAT])
+        else:
+            seen[id(obj)] = (obj, obj)  # decoded in place
+            for k, v in obj.items():
+                obj[k] = _decode(v, seen)
+            return obj
+    elif isinstance(obj, list):
+        out = [_decode(v, seen) for v in obj]
+    else:
+        out = tuple(_decode(v, seen) for v in obj)
+    seen[id(obj)] = (obj, out)
+    return out
 
 
 class _KeepFirstError:
@@ -243,16 +252,18 @@ def load_state(path: str | Path, policy: weights.LoadPolicy = weights.SAFE) -> A
     except pickle.UnpicklingError as e:
         # weights_only refuses any global it does not know: the file wants to run code or rebuild
         # arbitrary objects. Nothing from it was executed.
-        reason = str(e).strip().splitlines()[-1][:160] if str(e).strip() else "unsupported object"
+        reason = cut_at_word(str(e).strip().splitlines()[-1], 160) if str(e).strip() else "unsupported object"
         raise UserError(f"refusing to load {path}: it is not a plain-weights checkpoint ({reason}); "
                         "nothing in it was run. Re-save it as a state dict with torch.save(model.state_dict())"
                         ) from None
     except Exception as e:  # any other failure of the loader on these bytes: the file is what's wrong
         if isinstance(e, OSError) and e.errno in (errno.EIO, errno.EACCES, errno.EPERM, errno.EMFILE):
             raise with_path(e, path) from None  # the disk or the system, not the file: the CLI says so
-        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else e.__class__.__name__
-        raise UserError(f"checkpoint {path} is truncated or corrupt ({first}); use another checkpoint "
-                        f"({LAST} and {BEST} are written atomically)") from None
+        # torch's reader failing on these bytes: not known to be cut short (pickleguard.Damaged says that,
+        # through weights), so not called "truncated"
+        raise UserError(f"checkpoint {path} could not be read ({first_line(e, 160, named=False)}): it is damaged "
+                        f"or not a file torch.save wrote; use another checkpoint ({LAST} and {BEST} are written "
+                        "atomically)") from None
     check_entries(obj, path)
     return obj
 
