@@ -8,7 +8,7 @@ import os
 import pytest
 
 from dlenv import cli, errors
-from dlenv.errors import environment_fault, first_line, printable, torch_write_failure, with_path
+from dlenv.errors import cut_at_word, environment_fault, first_line, printable, torch_write_failure, with_path
 
 # errno -> words the line must hold besides the path
 FAULTS = [
@@ -220,11 +220,28 @@ def test_a_dead_worker_through_the_cli_is_one_line_and_exit_5(monkeypatch, capsy
     assert expect in err
 
 
+CUTS = [  # (text, limit, the line): cut after a whole word, never in one (issue 43: "... could not be lo")
+    ("short enough", 20, "short enough"),
+    ("exactly twenty chars", 20, "exactly twenty chars"),
+    ("the model could not be loaded from this file", 30, "the model could not be..."),
+    ("the model could not be loaded", 26, "the model could not be..."),   # the cut falls on a space
+    ("a, b; c: d e", 9, "a, b..."),                                        # no comma or colon before the dots
+    ("averyveryverylongwordwithoutspaces then more", 20, "averyveryverylong..."),  # one word longer than half
+    ("x" * 300, 10, "x" * 7 + "..."),
+]
+
+
+@pytest.mark.parametrize(("text", "limit", "line"), CUTS)
+def test_a_long_line_is_cut_at_a_word_with_dots(text, limit, line):
+    assert cut_at_word(text, limit) == line and len(line) <= limit
+    assert first_line(RuntimeError(text), limit, named=False) == line
+
+
 def test_first_line_is_the_one_rule_for_a_one_line_report():
     e = RuntimeError("  first\nsecond  ")
     assert first_line(e) == "RuntimeError: first"
     assert first_line(e, named=False) == "first"
-    assert first_line(RuntimeError("x" * 300), 10, named=False) == "x" * 10
+    assert first_line(RuntimeError("x" * 300), 10, named=False) == "x" * 7 + "..."
     assert first_line(ValueError()) == first_line(ValueError(), named=False) == "ValueError"
     assert first_line("a warning\nits detail") == "a warning" and first_line("") == ""
 
