@@ -323,4 +323,10 @@ def _torchrun(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":  # `python -m dlenv.launch <torchrun options> ...`, as launch() runs it
-    raise SystemExit(_torchrun(sys.argv[1:]))
+    status = _torchrun(sys.argv[1:])
+    # The workers have ended and torchrun has shut its agent down: nothing here is left to tidy, and PyTorch
+    # 2.x's interpreter teardown took 5 s on a loaded 2-core machine, time a scheduler's KillWait counts
+    # after a stop (the batch script that says how to resume comes after it)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
