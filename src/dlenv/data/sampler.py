@@ -150,8 +150,7 @@ class SeededDraws(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         s = self.sampler
-        base = _mix(_mix(s.seed) ^ s.epoch)
-        return (Draw(i, _mix(base ^ i) >> 1) for i in s)
+        return (Draw(i, draw_seed(s.seed, s.epoch, i)) for i in s)
 
     def __len__(self) -> int:
         return len(self.sampler)
