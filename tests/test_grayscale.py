@@ -58,8 +58,8 @@ TRAIN = ["train", "--model", "net.py:Net", "--img-size", "28", "--data", "digits
          "8", "--device", "cpu", "--workers", "0", "--lr", "0.01"]
 
 
-@pytest.mark.slow  # a training run, val and predict on the CPU
-def test_mnists_net_trains_validates_and_predicts_with_channels_1(digits, capsys):
+@pytest.mark.slow  # a training run, val, predict and an ONNX export on the CPU
+def test_mnists_net_trains_validates_predicts_and_exports_with_channels_1(digits, capsys):
     assert cli.main([*TRAIN, "--channels", "1"]) == 0
     run = digits / "runs" / "exp"
     with (run / "results.csv").open() as fh:
@@ -72,6 +72,9 @@ def test_mnists_net_trains_validates_and_predicts_with_channels_1(digits, capsys
     assert cli.main(["val", "--weights", str(run / "best_model.pth"), "--device", "cpu", "--workers", "0"]) == 0
     assert cli.main(["predict", "--weights", str(run / "best_model.pth"), "--source", "digits/val/class3",
                      "--device", "cpu"]) == 0
+    # an export takes RGB like every dlenv model: the hook is traced into the graph, which onnxruntime runs
+    assert cli.main(["export", "--weights", str(run / "best_model.pth"), "--format", "onnx", "--workers", "0"]) == 0
+    assert "TracerWarning" not in capsys.readouterr().err
 
 
 @pytest.mark.slow  # the model's import and one forward

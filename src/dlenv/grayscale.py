@@ -33,10 +33,10 @@ def luma_weights(std: tuple[float, float, float] = IMAGENET_STD) -> tuple[float,
 
 def to_gray(x: torch.Tensor) -> torch.Tensor:
     """[N, 3, H, W] normalised RGB -> [N, 1, H, W] normalised luma; any other shape as it is."""
-    if x.dim() != 4 or x.shape[1] != 3:
+    if x.dim() != 4 or (not torch.jit.is_tracing() and x.shape[1] != 3):  # an export traces RGB batches
         return x
-    w = torch.tensor(luma_weights(), dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
-    return (x * w).sum(dim=1, keepdim=True)
+    r, g, b = luma_weights()  # Python numbers: an export records them as the graph's constants, silently
+    return x[:, 0:1] * r + x[:, 1:2] * g + x[:, 2:3] * b
 
 
 def _hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
