@@ -56,3 +56,50 @@ def test_a_different_world_size_restarts_the_epoch():
 def test_unshuffled_keeps_order():
     s = ResumableSampler(6, shuffle=False)
     assert list(s) == list(range(6))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Each sample's augmentation seed (issue 47).
+
+
+def test_draws_carry_the_seed_of_their_sample_and_epoch_and_pickle_with_it():
+    import pickle
+
+    from dlenv.data.sampler import Draw, SeededDraws, draw_seed
+
+    s = ResumableSampler(10, seed=3)
+    s.set_epoch(2, start=4)
+    draws = list(SeededDraws(s))
+    assert draws == list(s) and len(SeededDraws(s)) == len(s)
+    assert all(isinstance(d, Draw) and d.seed == draw_seed(3, 2, d) for d in draws)
+    back = pickle.loads(pickle.dumps(draws))  # as the DataLoader hands them to its workers
+    assert [(int(d), d.seed) for d in back] == [(int(d), d.seed) for d in draws]
+    # another epoch, another seed, or another sample: another draw
+    assert len({draw_seed(3, 2, 5), draw_seed(3, 1, 5), draw_seed(4, 2, 5), draw_seed(3, 2, 6)}) == 4
+
+
+def test_a_sample_is_augmented_alike_whatever_was_drawn_before_and_the_process_stream_is_kept():
+    import torch
+
+    from dlenv.data.loaders import ImageDataset, build_transforms
+    from dlenv.data.sampler import Draw
+
+    ds = ImageDataset([("x.png", 0)], build_transforms(16, True), load=lambda path: _image())
+    torch.manual_seed(0)
+    first = ds[Draw(0, 1234)][0]
+    before = torch.get_rng_state()
+    torch.rand(100)  # a worker that drew other samples first
+    again = ds[Draw(0, 1234)][0]
+    other = ds[Draw(0, 99)][0]
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    after = torch.rand(1)
+    torch.set_rng_state(before)
+    torch.rand(100)
+    assert torch.equal(after, torch.rand(1)), "the augmentation must not draw from the process's own stream"
+
+
+def _image():
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray((np.arange(48 * 40 * 3) % 251).astype(np.uint8).reshape(40, 48, 3))
