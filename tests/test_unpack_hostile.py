@@ -332,7 +332,8 @@ def test_an_archive_of_code_only_is_refused_with_the_way_to_keep_it(work, capsys
 
 def test_python_m_dlenv_inside_an_unpacked_folder_runs_none_of_its_code(work):
     """The issue's attack as a user meets it: unpack, cd into the folder, `python -m dlenv data-report .`."""
-    members = dataset_members("shadow/") + [(f"shadow/{c}", PAYLOAD) for c in ("dlenv/__init__.py", "argparse.py")]
+    members = dataset_members("shadow/") + [(f"shadow/{d}/0.jpg", b"x" * 300) for d in ("train/dog", "val/cat")]
+    members += [(f"shadow/{c}", PAYLOAD) for c in ("dlenv/__init__.py", "argparse.py")]
     src = make_zip(work / "in" / "shadow.zip", members)
     archive.unpack(src, work / "data" / "shadow", progress=False)
     r = subprocess.run([sys.executable, "-m", "dlenv", "data-report", "."], cwd=work / "data" / "shadow",

@@ -92,8 +92,6 @@ def unpack(archive: str | Path, dest: str | Path | None = None, overwrite: bool 
     Returns an UnpackResult. Raises UserError for a missing, hostile, damaged or empty archive, a
     destination that is in the way, or too little disk; the destination is then exactly as before.
     """
-    from tqdm import tqdm
-
     src = Path(archive)
     if not src.is_file():
         if not src.exists():
@@ -133,7 +131,7 @@ def unpack(archive: str | Path, dest: str | Path | None = None, overwrite: bool 
             for line in result.cleaned:
                 print(printable(line))
             _check_dest(dest, overwrite, src, mounted)
-            _extract_and_swap(src, dest if mounted else parent, result, name_encoding, max_ratio, progress, tqdm,
+            _extract_and_swap(src, dest if mounted else parent, result, name_encoding, max_ratio, progress,
                               mounted, keep_code)
     except BaseException:
         for p in made:  # parents created for a destination that never came to be
@@ -144,10 +142,12 @@ def unpack(archive: str | Path, dest: str | Path | None = None, overwrite: bool 
 
 
 def _extract_and_swap(src: Path, parent: Path, result: UnpackResult, name_encoding: str, max_ratio: float,
-                      progress: bool, tqdm: Any, mounted: bool = False, keep_code: bool = False) -> None:
+                      progress: bool, mounted: bool = False, keep_code: bool = False) -> None:
     """Extract `src` (in `result.format`) into a temporary folder in `parent` (the destination's parent, or the
     destination itself when it is a mount point), then swap (or, into a mount point, move) it into place at
     `result.dest`."""
+    from tqdm import tqdm  # lazy: only an unpack draws a bar
+
     fmt, dest = result.format, result.dest
     tmp = parent / f".{dest.name}.unpack-{os.getpid()}-tmp"
     where = str(src)
