@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from dlenv import cli, config
-from dlenv.watch import advice, probes, record, run
 from dlenv.errors import UserError
+from dlenv.watch import advice, probes, run
 
 GIB = 1024 ** 3
 
