@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `dlenv watch` over `dlenv train` on real JPEGs at 4 and at 16 cores, on a CUDA box (the project's H200):
 #
-#   bash scripts/watch_train.sh OUT [DATA]
+#   bash scripts/watch_train.sh OUT [DATA]          (CORES="4" or "16" for one of the two runs)
 #
 # Writes (or reuses) a photo-like JPEG dataset (scripts/make_jpeg_dataset.py: 10,000 train + 500 val,
 # 500x375) in DATA (default /tmp/jpegs-watch), then for CORES in 4 16: `taskset -c 0-(CORES-1) dlenv watch
@@ -22,7 +22,7 @@ python3 -c "import pynvml" 2>/dev/null || pip install -q --no-index --find-links
 python3 scripts/make_jpeg_dataset.py --out "$data" --train 10000 --val 500 > "$out/make_data.txt" 2>&1
 : > "$out/SUMMARY.md"
 runs=$(mktemp -d)  # run folders (with their .pth files) stay here: OUT gets the summary, plots and logs
-for cores in 4 16; do
+for cores in ${CORES:-4 16}; do  # CORES="4" or CORES="16": one run per call
     name=cores$cores
     taskset -c 0-$((cores - 1)) python3 -m dlenv watch --project "$runs/watch" --name "$name" --exist-ok -- \
         python3 -m dlenv train --data "$data" --model resnet50 --amp --epochs 2 --batch-size 256 --cache off \
