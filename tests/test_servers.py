@@ -318,6 +318,22 @@ def _deep(root: Path, depth: int) -> Path:
         os.chdir(here)
 
 
+def _remove(top: Path) -> None:
+    """Remove a tree of any depth: shutil.rmtree (and pytest's clean-up of old temporary folders) recurse."""
+    folders, todo = [], [str(top)]
+    while todo:
+        folder = todo.pop()
+        folders.append(folder)
+        with os.scandir(folder) as entries:
+            for e in entries:
+                if e.is_dir(follow_symlinks=False):
+                    todo.append(e.path)
+                else:
+                    os.unlink(e.path)
+    for folder in reversed(folders):
+        os.rmdir(folder)
+
+
 TREES = ["1,500 folders deep", "1,500 deep with an event file at the bottom", "a loop of links", "a link out"]
 
 
@@ -337,7 +353,10 @@ def test_the_runs_summary_of_any_tree_is_one_line(tmp_path, tree):
         (tmp_path / "outside").mkdir()
         (tmp_path / "outside" / "events.out.tfevents.3.host").write_bytes(b"")
         (runs / "linked").symlink_to(tmp_path / "outside")
-    said = servers.runs_summary(runs)
+    try:
+        said = servers.runs_summary(runs)
+    finally:
+        _remove(runs)
     n = 2 if "event" in tree else 1
     assert said.startswith(f"{n} run(s) with event files: ") and "\n" not in said and len(said) < 300, said
     assert ("deep/d/d" in said) == (n == 2) and "linked" not in said
