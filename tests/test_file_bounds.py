@@ -21,7 +21,7 @@ import pytest
 import torch
 from torchvision.models import resnet18
 
-from dlenv import cli, models, pickleguard, weights
+from dlenv import cli, models, pickleguard, picklework, weights
 from dlenv.errors import UserError
 from dlenv.runfolder import runstate
 
@@ -127,7 +127,7 @@ def test_a_state_dict_that_does_not_fit_names_its_keys_in_one_short_line(key):
 # ---------------------------------------------------------------------------------------------------
 # Work (issue 43, item 4): a few KB of allowed pickle describe work without bound. Each file is refused
 # while its pickle is played, before the work: one line, --trust-pickle or not, and the work counted
-# (pickleguard.Budget) stays within the budget plus the one charge that broke it.
+# (picklework.Budget) stays within the budget plus the one charge that broke it.
 
 
 def _u(text: str) -> bytes:  # SHORT_BINUNICODE
@@ -196,9 +196,9 @@ WORK = [
 
 @pytest.mark.parametrize("pkl, reason", [w[1:] for w in WORK], ids=[w[0] for w in WORK])
 def test_a_pickle_that_describes_unbounded_work_is_refused_before_the_work(pkl, reason):
-    budget = pickleguard.Budget()
+    budget = picklework.Budget()
     with pytest.raises(pickleguard.Refused, match=re.escape(reason)):
-        pickleguard.play(io.BytesIO(pkl), None, budget=budget)
+        picklework.play(io.BytesIO(pkl), None, budget=budget)
     opcodes = sum(1 for _ in pickletools.genops(pkl))
     # the work done: the opcodes, their values, and at most the one charge that went past the budget
     assert budget.spent <= 4 * opcodes + pickleguard.MAX_WORK + 1, budget.spent
@@ -234,8 +234,8 @@ def test_a_real_checkpoint_costs_a_small_part_of_the_budget(tmp_path):
                tmp_path / "c.pth")
     with open(tmp_path / "c.pth", "rb") as fh, zipfile.ZipFile(fh) as zf:
         data = zf.read(next(n for n in zf.namelist() if n.endswith("data.pkl")))
-    budget = pickleguard.Budget()
-    pickleguard.play(io.BytesIO(data), lambda pid: pickleguard.Storage(2**40), budget=budget)
+    budget = picklework.Budget()
+    picklework.play(io.BytesIO(data), lambda pid: pickleguard.Storage(2**40), budget=budget)
     assert budget.spent < pickleguard.MAX_WORK // 100, budget.spent
     got = weights.load(tmp_path / "c.pth", weights.SAFE)
     assert got["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999) and got["config"]["size"] == (3, 4)

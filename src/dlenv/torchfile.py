@@ -28,7 +28,8 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from dlenv import pickleguard
-from dlenv.pickleguard import Damaged, Forged, Refused, Storage, StorageType, is_count, play, storage_pid
+from dlenv.pickleguard import Damaged, Forged, Refused, Storage, StorageType, is_count, storage_pid
+from dlenv.picklework import Budget, play
 
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_PROTOCOL = 1001
@@ -246,7 +247,7 @@ def _check_legacy(fh: BinaryIO, build: pickleguard.Builder) -> Any:
     end = fh.seek(0, io.SEEK_END)
     fh.seek(start)
     pickles = _Bounded(fh, pickleguard.PICKLE_LIMIT)
-    budget = pickleguard.Budget()  # one for the file's five pickles
+    budget = Budget()  # one for the file's five pickles
     if play(pickles, None, allow_globals=False, budget=budget) != _LEGACY_MAGIC:
         raise Refused("a pickle that is not a torch.save file")
     if play(pickles, None, allow_globals=False, budget=budget) != _LEGACY_PROTOCOL:
