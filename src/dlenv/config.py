@@ -44,9 +44,9 @@ from dlenv.server_options import LabConfig, TensorboardConfig
 from dlenv.values import (
     auto_float,
     auto_int,
+    batch_or_auto,
     folder_name,
     int_list,
-    int_or_auto,
     model_args_text,
     on_off_auto,
     parse_bool,
@@ -156,8 +156,9 @@ class TrainConfig:
     amp: bool = opt(False, "automatic mixed precision")
     amp_dtype: str = opt("auto", "AMP dtype: auto (bf16 where supported, else fp16), fp16 or bf16",
                          choices=("auto", "fp16", "bf16"))
-    batch_size: int | str = opt(32, "micro-batch per GPU (at most 2^20), or auto: the largest that fits",
-                                parse=int_or_auto, max=BATCH_MAX, why=BATCH_WHY)
+    batch_size: int | str = opt(32, "micro-batch per GPU (at most 2^20); auto: the one that trains fastest per "
+                                    "image among those that fit; max: the largest that fits",
+                                parse=batch_or_auto, max=BATCH_MAX, why=BATCH_WHY)
     accum_steps: int = opt(1, "micro-batches per optimizer step (gradient accumulation)", min=1,
                            max=BATCH_MAX, why="2^20 micro-batches per step")
     effective_batch: int | None = opt(None, "images per optimizer step over all GPUs; sets --accum-steps",

@@ -104,9 +104,11 @@ def ratio_or_auto(v: Any) -> float | str:
     return _auto_or(v, parse_float, lambda f: 0.0 <= f <= 1.0, "expected 'auto' or a fraction between 0 and 1")
 
 
-def int_or_auto(v: Any) -> int | str:
-    """An integer >= 1, or the word 'auto'."""
-    return _auto_or(v, parse_int, lambda n: n >= 1, "expected 'auto' or an integer >= 1")
+def batch_or_auto(v: Any) -> int | str:
+    """A batch size: an integer >= 1, 'auto' (the fastest per image that fits) or 'max' (the largest that fits)."""
+    if isinstance(v, str) and v.strip().lower() == "max":
+        return "max"
+    return _auto_or(v, parse_int, lambda n: n >= 1, "expected an integer >= 1, 'auto' or 'max'")
 
 
 def workers_or_auto(v: Any) -> int | str:
