@@ -6,6 +6,7 @@ through conftest's `tiny` fixture, so each run takes a fraction of a second; one
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -431,3 +432,22 @@ def test_the_decided_precision_is_what_the_run_file_keeps_and_val_uses(tmp_path,
     saved = runstate.load_state(Path(out["last"]))["config"]
     assert saved["amp"] is False and trained_precision(saved) == "fp32"
     assert config.build(TrainConfig, Path(out["run_dir"]) / "config.yaml").amp is False
+
+
+def test_a_stop_a_library_swallowed_during_start_up_is_honoured_before_the_epochs(tmp_path, data, tiny, monkeypatch):
+    """SIGTERM while the run starts, inside a library's `except Exception` (torch's import, a decoder): the
+    signal was noted (errors.stop) and the exception dropped. The run must stop before its first step."""
+    from dlenv import errors
+    from dlenv.train import plan
+
+    real = plan.decide
+
+    def decide(*a):
+        with contextlib.suppress(BaseException):  # what a library that swallows everything does
+            errors.stop(signal.SIGTERM)
+        return real(*a)
+
+    monkeypatch.setattr(plan, "decide", decide)
+    steps = []
+    out = train_mod.train(tiny_config(tmp_path, data, epochs=1), on_step=steps.append)
+    assert out["status"] == "interrupted" and out["exit_code"] == 143 and steps == []

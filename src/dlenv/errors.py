@@ -330,6 +330,7 @@ def need_folder(path: str | os.PathLike, flag: str, fix: str) -> None:
                         "and pass the folder it makes")
     raise UserError(f"{flag} {shown} is a file, not a folder; {fix}")
 
+
 # ---------------------------------------------------------------------------------------------------
 # Stop signals
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dlenv import compat, distributed, finetune, memory, runfolder
+from dlenv import compat, distributed, errors, finetune, memory, runfolder
 from dlenv.data import pipeline
 from dlenv.errors import EXIT_NONFINITE, EXIT_OOM, UserError, host_memory_line
 from dlenv.runfolder import results, runstate, trainstate
@@ -76,6 +76,9 @@ def fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Data
     epochs.eta, t_run = console.run_eta(decided.epochs, decided.batches_per_epoch, state.epoch, state.batch_in_epoch,
                                         data.val), time.perf_counter()
     # the handlers stay until the workers are shut down: a signal in that last moment is only noted
+    # a stop signal during start-up that a library swallowed (errors.stop noted it): honoured here, before the
+    # epochs' own handlers take over, not lost
+    errors.check_stop()
     with console.Stop(say, decided.world_size, run.last) as stop:
         try:
             while state.epoch < decided.epochs:
