@@ -1,6 +1,6 @@
 """invoke tasks for dlenv: `invoke --list`, `invoke train --amp --checkpoint`, ...
 
-Thin on purpose: the tasks are generated from the options declared in dlenv/config.py and each is
+Thin on purpose: the tasks are generated from the options declared in dlenv/options/config.py and each is
 one call into the dlenv package.
 """
 

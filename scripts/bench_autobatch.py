@@ -30,8 +30,8 @@ FITS, OOM = 0, 3  # exit codes of a --try worker
 def _setup(a: argparse.Namespace):
     import torch
 
-    from dlenv.models import build_model
-    from dlenv.precision import resolve_precision
+    from dlenv.engine.precision import resolve_precision
+    from dlenv.model.models import build_model
 
     dev = torch.device("cuda", 0)
     torch.backends.cudnn.benchmark = True  # as the trainer sets it
@@ -50,8 +50,8 @@ def train_steps(a: argparse.Namespace, batch: int) -> int:
     import torch.nn.functional as F
 
     from dlenv.compat import is_oom
-    from dlenv.models import apply_checkpointing
-    from dlenv.precision import Precision
+    from dlenv.engine.precision import Precision
+    from dlenv.model.models import apply_checkpointing
 
     dev, mode, factory = _setup(a)
     model = factory()
@@ -127,7 +127,7 @@ def main() -> int:
     p.add_argument("--try-batch", type=int, help=argparse.SUPPRESS)
     a = p.parse_args()
 
-    from dlenv.autobatch import find_max_batch, make_train_step_probe
+    from dlenv.engine.autobatch import find_max_batch, make_train_step_probe
 
     if a.try_batch:
         return train_steps(a, a.try_batch)

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from dlenv.cpus import usable_cpus  # noqa: E402
 from dlenv.data.report import dataset_report  # noqa: E402
+from dlenv.options.cpus import usable_cpus  # noqa: E402
 
 
 def write_jpegs(root: Path, n: int, size: int) -> None:

@@ -44,8 +44,8 @@ def train_demo(args: argparse.Namespace) -> Path:
     """Train args.model on the demo data (written on first use); returns best_model.pth."""
     import torch
 
-    from dlenv import config
     from dlenv.data.demo import DEMO_IMG_SIZE, ensure_demo_data
+    from dlenv.options import config
     from dlenv.train import train
 
     out = Path(args.out)
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     threads = args.threads or torch.get_num_threads()
     weights = Path(args.weights) if args.weights else train_demo(args)
     torch.set_num_threads(threads)  # as asked, or as before training (which may change it)
-    src = common.open_checkpoint(str(weights), "benchmark")
+    src = common.open_weights(str(weights), "benchmark")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     root, loader = common.eval_loader(args.data, src, args.batch_size, args.workers)
     example = common.first_batch(loader)[:1]

@@ -51,12 +51,13 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import benchhost  # noqa: E402
 import torch  # noqa: E402
 
-from dlenv import compat, config  # noqa: E402
+from dlenv import compat  # noqa: E402
 from dlenv.bench.data import measure_loader  # noqa: E402
 from dlenv.data import hwdecode, pipeline  # noqa: E402
 from dlenv.data.decode import stored_size  # noqa: E402
 from dlenv.data.loaders import resolve_workers, usable_cpus  # noqa: E402
 from dlenv.data.plan import InputOptions, pick_decoder  # noqa: E402
+from dlenv.options import config  # noqa: E402
 
 #: name -> train options (synthetic data has no loader to measure alone)
 VARIANTS = {

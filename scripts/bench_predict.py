@@ -22,10 +22,10 @@ def main() -> int:
     import torch
     from PIL import Image
 
-    from dlenv import config
     from dlenv.cli import main as cli_main
-    from dlenv.models import build_model
-    from dlenv.runfolder.runstate import FORMAT, environment, save_state
+    from dlenv.files.runstate import FORMAT, environment, save_state
+    from dlenv.model.models import build_model
+    from dlenv.options import config
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="auto")

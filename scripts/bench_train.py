@@ -133,8 +133,8 @@ def ours(name: str, batch: int, img: int, steps: int, options: dict,
     seconds it compiled, and what config.yaml says its auto options chose."""
     import signal
 
-    from dlenv import config
-    from dlenv.config import TrainConfig
+    from dlenv.options import config
+    from dlenv.options.config import TrainConfig
     try:
         from dlenv.runfolder import results
         from dlenv.runfolder.trainstate import read_config_notes

@@ -58,8 +58,8 @@ class Annotations:
         self._stamps: dict[int, tuple[float, float]] = {}
 
     def __enter__(self) -> Annotations:
-        from dlenv import precision
         from dlenv.data import gpu_aug, sources
+        from dlenv.engine import precision
         from dlenv.train import loop
 
         timed = self._timed
@@ -439,7 +439,7 @@ def measure(parts: Any, batches: Any, warm: int, steps: int, prof_steps: int, tr
             stack: bool) -> dict[str, Any]:
     """Train `warm` steps, then time `steps` (between two device synchronisations), then profile
     `prof_steps` (plus a warm-up step); the rest of the pass is drained untrained."""
-    from dlenv.step import train_step
+    from dlenv.engine.step import train_step
 
     it = iter(batches)
     cuda = parts.device.type == "cuda"
@@ -493,10 +493,10 @@ def mirror(a: Any, dev: torch.device, located: Any, feeds: list[str], modes: lis
     synthetic first and again last in each mode; `earlier` rows may hold the default mode's synthetic."""
     from torch import nn
 
-    from dlenv.models import build_model
-    from dlenv.optim import build_optimizer
-    from dlenv.precision import Precision
-    from dlenv.step import Parts
+    from dlenv.engine.optim import build_optimizer
+    from dlenv.engine.precision import Precision
+    from dlenv.engine.step import Parts
+    from dlenv.model.models import build_model
 
     cuda = dev.type == "cuda"
     fmt = torch.channels_last if cuda else torch.contiguous_format

@@ -15,7 +15,7 @@ dynamic=None, the call before 0f3bfda). The default dataset has no
 short last batch (46 x 256); `--train-images 12000` is the issue's set-up, whose short batch makes
 torch.compile compile again with a dynamic batch size.
 
-Part 2, the candidates (--feeds, --modes): a mirror of the trainer's step (`dlenv.step.train_step` on
+Part 2, the candidates (--feeds, --modes): a mirror of the trainer's step (`dlenv.engine.step.train_step` on
 the trainer's model, AdamW and autocast, the loss read every 10 steps as the trainer's check does) fed
 in several ways from the same data, each against synthetic data in the same process and mode:
 
@@ -71,9 +71,9 @@ import benchhost  # noqa: E402
 import feed_variants as fv  # noqa: E402
 import torch  # noqa: E402
 
-from dlenv import config  # noqa: E402
-from dlenv.cpus import usable_cpus  # noqa: E402
 from dlenv.data import pipeline  # noqa: E402
+from dlenv.options import config  # noqa: E402
+from dlenv.options.cpus import usable_cpus  # noqa: E402
 
 #: product rows: train options (synthetic data has no loader)
 ROWS = {
@@ -269,7 +269,7 @@ def report(result: dict) -> str:
         else:
             out.extend([f"The trainer held to {n} CPUs: no result", ""])
     if result.get("feeds"):
-        out.extend(["Part 2: the mirror loop (dlenv.step.train_step) by feed and compile mode", "",
+        out.extend(["Part 2: the mirror loop (dlenv.engine.step.train_step) by feed and compile mode", "",
                     "| mode | feed | img/s | x synthetic (same mode) | x synthetic compiled default "
                     "| GPU idle ms/step |",
                     "| --- | --- | ---: | ---: | ---: | ---: |"])
@@ -291,7 +291,7 @@ def report(result: dict) -> str:
 def machine_info(dev: torch.device, a: Any) -> dict[str, Any]:
     import datetime
 
-    from dlenv.cpus import usable_cpus
+    from dlenv.options.cpus import usable_cpus
 
     info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,

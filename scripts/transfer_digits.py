@@ -58,9 +58,9 @@ def digits_folder(root: Path, per_class: int, val_per_class: int = 60, size: int
 
 def _train(out: Path, name: str, data: Path, epochs: int, model: str, weights: str | None = None,
            **extra) -> float:
-    from dlenv import config
     from dlenv import train as train_mod
-    from dlenv.config import TrainConfig
+    from dlenv.options import config
+    from dlenv.options.config import TrainConfig
 
     # the demo's CPU recipe (dlenv.data.demo.CPU_RECIPE: lr 3e-3, half an epoch of warmup) for every run
     cfg = config.build(TrainConfig, data=str(data), project=str(out), name=name, exist_ok=True, model=model,

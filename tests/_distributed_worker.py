@@ -14,7 +14,7 @@ import time
 import torch
 from torch import nn
 
-from dlenv import distributed
+from dlenv.cluster import distributed
 from dlenv.errors import UserError
 
 
@@ -113,15 +113,17 @@ def train_scenario(args: dict) -> None:
     from tinymodels import Tiny
 
     import dlenv.data.loaders as loaders
-    import dlenv.models
-    from dlenv import config, train
-    from dlenv.config import TrainConfig
+    import dlenv.model.models
+    from dlenv import train
+    from dlenv.options import config
+    from dlenv.options.config import TrainConfig
 
     eval_transforms = loaders.build_transforms
     # every call gets the eval transforms, whatever augmentation options the trainer passes on
     loaders.build_transforms = lambda img_size, train, *a, **kw: eval_transforms(img_size, False)
     # no BatchNorm, no dropout: a run's result depends only on the data order and the gradients
-    dlenv.models.build_model = lambda name, num_classes, weights=None, **kw: Tiny(num_classes, norm=False, dropout=0)
+    dlenv.model.models.build_model = lambda name, num_classes, weights=None, **kw: Tiny(num_classes, norm=False,
+                                                                                        dropout=0)
     out = train.train(config.build(TrainConfig, **args))
     result(rank=distributed.rank(), summary=out)
 
@@ -133,9 +135,11 @@ def freeze_scenario(args: dict) -> None:
     from tinymodels import Tiny
 
     import dlenv.data.loaders as loaders
-    import dlenv.models
-    from dlenv import config, finetune, pretrained, train
-    from dlenv.config import TrainConfig
+    import dlenv.model.models
+    from dlenv import train
+    from dlenv.model import finetune, pretrained
+    from dlenv.options import config
+    from dlenv.options.config import TrainConfig
 
     eval_transforms = loaders.build_transforms
     loaders.build_transforms = lambda img_size, train, *a, **kw: eval_transforms(img_size, False)
@@ -153,7 +157,7 @@ def freeze_scenario(args: dict) -> None:
         built.append(model)
         return model
 
-    dlenv.models.build_model = build_model
+    dlenv.model.models.build_model = build_model
     weights = pretrained.Weights(model="tiny", name="Tiny_Weights.TEST", source="torchvision", file="tiny.pth",
                                  url="http://127.0.0.1/none", num_classes=5, img_size=16)
     pretrained.resolve = lambda model, name: weights
@@ -181,12 +185,13 @@ def exact_scenario(args: dict) -> None:
 
     from tinymodels import Tiny
 
-    import dlenv.models
-    from dlenv import config, train
-    from dlenv.config import TrainConfig
+    import dlenv.model.models
+    from dlenv import train
+    from dlenv.options import config
+    from dlenv.options.config import TrainConfig
     from dlenv.train import console
 
-    dlenv.models.build_model = lambda name, num_classes, weights=None, **kw: Tiny(num_classes, dropout=0.3)
+    dlenv.model.models.build_model = lambda name, num_classes, weights=None, **kw: Tiny(num_classes, dropout=0.3)
     console.VOTE_S = args.pop("vote_s", console.VOTE_S)
     stop_at = args.pop("stop_at", None)
 

@@ -16,7 +16,7 @@ from imagedata import make_image_folder
 @pytest.fixture(autouse=True)
 def _fresh_invocation(monkeypatch):
     """Forget how a previous test started dlenv (dlenv.invocation keeps it in the environment). No
-    consent to unpickle is given here: loads take an explicit dlenv.weights.LoadPolicy, and the files the
+    consent to unpickle is given here: loads take an explicit dlenv.files.weights.LoadPolicy, and the files the
     tests write (state dicts, dlenv checkpoints) pass its allowlist as users' files do."""
     monkeypatch.setenv("DLENV_COMMAND", "")
 
@@ -127,10 +127,10 @@ def image_folder(tmp_path):
 
 @pytest.fixture
 def tiny(monkeypatch):
-    """dlenv.models.build_model builds tinymodels.Tiny (`build_tiny`); returns the list of models built."""
+    """dlenv.model.models.build_model builds tinymodels.Tiny (`build_tiny`); returns the list of models built."""
     from tinymodels import build_tiny
 
-    import dlenv.models
+    import dlenv.model.models
 
     built = []
 
@@ -138,18 +138,18 @@ def tiny(monkeypatch):
         built.append(build_tiny(name, num_classes))
         return built[-1]
 
-    monkeypatch.setattr(dlenv.models, "build_model", build)
+    monkeypatch.setattr(dlenv.model.models, "build_model", build)
     return built
 
 
 @pytest.fixture
 def wide(monkeypatch):
-    """dlenv.models.build_model builds tinymodels.Wide."""
+    """dlenv.model.models.build_model builds tinymodels.Wide."""
     from tinymodels import build_wide
 
-    import dlenv.models
+    import dlenv.model.models
 
-    monkeypatch.setattr(dlenv.models, "build_model", build_wide)
+    monkeypatch.setattr(dlenv.model.models, "build_model", build_wide)
 
 
 @pytest.fixture

@@ -104,8 +104,8 @@ class FillsUpAfter:
 def train_config(tmp_path: Path, data: Path, /, **kw):
     """A TrainConfig for a short deterministic CPU run on `data` (16 px, batch 4, no workers, two
     epochs) into tmp_path/runs; `kw` overrides any of it."""
-    from dlenv import config
-    from dlenv.config import TrainConfig
+    from dlenv.options import config
+    from dlenv.options.config import TrainConfig
 
     base = dict(data=str(data), project=str(Path(tmp_path) / "runs"), img_size=16, batch_size=4, workers=0,
                 epochs=2, device="cpu", deterministic=True)

@@ -1,10 +1,10 @@
-"""dlenv.atomic: a file is replaced whole or left as it was."""
+"""dlenv.files.atomic: a file is replaced whole or left as it was."""
 
 from __future__ import annotations
 
 import pytest
 
-from dlenv.atomic import write_atomic, write_bytes, write_text
+from dlenv.files.atomic import write_atomic, write_bytes, write_text
 
 
 def test_writes_and_replaces(tmp_path):
@@ -58,8 +58,8 @@ def test_torchs_failed_write_becomes_an_oserror_naming_the_file(tmp_path):
     ("dir", False, "--out {p}/dir is a folder; pass a file path"),
 ])
 def test_check_output_refuses_what_cannot_be_written(tmp_path, out, folder, message):
-    from dlenv.atomic import check_output
     from dlenv.errors import UserError
+    from dlenv.files.atomic import check_output
 
     (tmp_path / "afile").write_text("x")
     (tmp_path / "dir").mkdir()
@@ -69,7 +69,7 @@ def test_check_output_refuses_what_cannot_be_written(tmp_path, out, folder, mess
 
 
 def test_check_output_accepts_new_paths(tmp_path):
-    from dlenv.atomic import check_output
+    from dlenv.files.atomic import check_output
 
     assert check_output(tmp_path / "new" / "deeper", "--out", folder=True) == tmp_path / "new" / "deeper"
     assert check_output(tmp_path / "m.onnx", "--out") == tmp_path / "m.onnx"
@@ -91,8 +91,7 @@ def set_umask():
 def _writers():
     import torch
 
-    from dlenv import weights
-    from dlenv.runfolder import runstate
+    from dlenv.files import runstate, weights
 
     def replaced(tmp):  # a writer that makes a new file instead of filling the temporary one (ONNX, savefig)
         tmp.unlink()
@@ -121,7 +120,7 @@ def test_files_get_the_mode_open_would_give(tmp_path, set_umask, writer, mask, m
 def test_umask_is_read_without_changing_it(set_umask):
     import os
 
-    from dlenv.atomic import file_mode, umask
+    from dlenv.files.atomic import file_mode, umask
 
     set_umask(0o037)
     assert umask() == 0o037 and file_mode() == 0o640

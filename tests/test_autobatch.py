@@ -1,4 +1,4 @@
-"""dlenv.autobatch: batch search against a fake memory limit, and the micro-batch x accumulation x GPUs
+"""dlenv.engine.autobatch: batch search against a fake memory limit, and the micro-batch x accumulation x GPUs
 arithmetic (for the options, and for a resume on another number of GPUs)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from dlenv import autobatch
-from dlenv.autobatch import find_max_batch, plan_accumulation, search_max_batch
+from dlenv.engine import autobatch
+from dlenv.engine.autobatch import find_max_batch, plan_accumulation, search_max_batch
 from dlenv.errors import UserError
 
 
@@ -108,7 +108,7 @@ def test_plan_accumulation_exact(effective, micro, world, expected):
 
 
 def test_plan_accumulation_inexact_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="dlenv.autobatch"):
+    with caplog.at_level(logging.WARNING, logger="dlenv.engine.autobatch"):
         m, a = plan_accumulation(254, 100, 1)  # 254 = 2 x 127: exact would need 127 steps of 2
     assert m <= 100 and a == 3
     assert abs(m * a - 254) <= a
@@ -237,7 +237,7 @@ def test_checkpoint_search_lets_other_errors_through():
 def _fake_oom_below(monkeypatch, need: int) -> tuple[list, list]:
     """Make TrainStepProbe's step raise a fake OOM while fewer than `need` blocks are checkpointed
     (and run the real step on the CPU otherwise). Returns (tries as (batch, wrapped flags), probes)."""
-    from dlenv.models import find_blocks, is_checkpointed
+    from dlenv.model.models import find_blocks, is_checkpointed
 
     real, tries, probes = autobatch.TrainStepProbe._train, [], []
 
@@ -316,9 +316,9 @@ def test_fewest_checkpoint_blocks_of_a_model_without_blocks_tries_nothing(monkey
 def test_gpu_probe_fits_then_ooms_and_frees_its_memory():
     import torch
 
-    from dlenv.autobatch import make_train_step_probe
     from dlenv.compat import is_oom
-    from dlenv.models import build_model
+    from dlenv.engine.autobatch import make_train_step_probe
+    from dlenv.model.models import build_model
 
     dev = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(dev).total_memory
@@ -389,7 +389,7 @@ def test_fastest_batch_respects_the_upper_bound_and_other_errors():
 
 
 def test_batch_size_option_takes_auto_max_and_numbers():
-    from dlenv import config
+    from dlenv.options import config
 
     cfg = config.build(config.TrainConfig, batch_size="max")
     assert cfg.batch_size == "max"

@@ -35,8 +35,9 @@ import pytest
 import torch
 from imagedata import FillsUpAfter, make_image_folder
 
-from dlenv import cli, config
-from dlenv.runfolder import runstate
+from dlenv import cli
+from dlenv.files import runstate
+from dlenv.options import config
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ["--data", "ds", "--img-size", "32", "--device", "cpu", "--workers", "0"]  # fast train flags
@@ -93,7 +94,7 @@ def ws(tmp_path_factory):
     }.items():
         runstate.save_state({**good, **change}, bad / name)
     _weights_attacks(root, bad, good)
-    from dlenv.models import build_model
+    from dlenv.model.models import build_model
 
     five = build_model("resnet18", 5).state_dict()  # a head of 5 while the data has 2 classes
     runstate.save_state({**good, "model": five, "num_classes": 5, "class_names": list("abcde")},
@@ -291,7 +292,7 @@ ENTRIES = [
     ("epoch_x.pth", "its 'epoch' is 'x', not a count of epochs"),
     ("cfg_bad.pth", "its saved training options are not valid (--lr 'fast'"),
 ]
-#: the verbs that open a trained model (all through dlenv.trained.open_trained): the same file, the same line
+#: the verbs that open a trained model (all through dlenv.runfolder.trained.open_trained): the same file, the same line
 READERS = {"val": ["val", "--device", "cpu"], "prune": ["prune", "--device", "cpu"], "export": ["export"],
            "predict": ["predict", "--device", "cpu", "--workers", "0", "--source", "ds"]}
 
@@ -376,7 +377,7 @@ def test_outputs_that_cannot_be_written(ws, argv, expect, capsys, monkeypatch):
 @pytest.mark.slow
 def test_full_disk_during_a_checkpoint_write_keeps_the_old_file(ws, capsys, monkeypatch):
     """ENOSPC after 64 KiB of prune's checkpoint write: one line naming it, the old file intact."""
-    from dlenv import atomic
+    from dlenv.files import atomic
 
     real_open = open
 

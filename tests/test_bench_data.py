@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from dlenv import config
 from dlenv.bench import data as bench
 from dlenv.bench.data import measure_loader, prefetched, verdict
+from dlenv.options import config
 from dlenv.train.console import data_wait_advice
 
 

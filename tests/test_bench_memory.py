@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from dlenv import config
 from dlenv.bench import memory as bench
 from dlenv.bench import memory_worker, workers
 from dlenv.errors import UserError
+from dlenv.options import config
 
 
 def _row(key, label, alloc, reserved, speed, loss, status="ok", **kw):

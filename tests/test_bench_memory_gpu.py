@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from dlenv import config
 from dlenv.bench import memory as bench
+from dlenv.options import config
 
 # whole_gpu: these fill the card to an out-of-memory, cap it or compare speeds (conftest); one worker
 pytestmark = [pytest.mark.gpu, pytest.mark.whole_gpu, pytest.mark.xdist_group("bench_memory_gpu")]

@@ -46,8 +46,8 @@ def test_a_bad_where_is_one_line(spec):
 def test_the_overlap_rows_set_decode_overlap_as_train_would_take_it(name, choice, overlap):
     """The A/B of --decode-overlap goes through the option (the trainer's config and the loader's plan), with
     auto in series."""
-    from dlenv import config
     from dlenv.data.plan import InputOptions, decide_overlap
+    from dlenv.options import config
 
     opts = bench_pipeline.VARIANTS[name]
     cfg = config.build(config.TrainConfig, **opts)

@@ -20,7 +20,7 @@ from imagedata import make_train_val, train_config
 
 from dlenv import train as train_mod
 from dlenv.cli import main as cli_main
-from dlenv.runfolder import runstate
+from dlenv.files import runstate
 from dlenv.train import loop
 
 TESTS = Path(__file__).resolve().parent
@@ -72,12 +72,12 @@ _SCRIPT = """
 import os, signal, sys
 from pathlib import Path
 sys.path.insert(0, {tests!r})
-import dlenv.models
-from dlenv import atomic
-from dlenv.runfolder import runstate
+import dlenv.model.models
+from dlenv.files import atomic
+from dlenv.files import runstate
 from dlenv.train import loop
 from tinymodels import build_wide
-dlenv.models.build_model = build_wide
+dlenv.model.models.build_model = build_wide
 values = iter([10.0, 20.0, 30.0])
 loop.validate = lambda *a, **k: loop.Scores(1.0, next(values), 100.0)
 KILL_AT = int(os.environ["KILL_AT"])

@@ -1,4 +1,4 @@
-"""Exactness of dlenv.models.apply_checkpointing on every torchvision classification family.
+"""Exactness of dlenv.model.models.apply_checkpointing on every torchvision classification family.
 
 Each test trains one step of the same model (same weights, input and seed) without and with
 checkpointing and compares outputs, gradients and every buffer (BatchNorm running statistics and
@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlenv import models
-from dlenv.models import apply_checkpointing, build_model, find_blocks, is_checkpointed
+from dlenv.model import models
+from dlenv.model.models import apply_checkpointing, build_model, find_blocks, is_checkpointed
 
 # name -> (builder kwargs, image size): the smallest input each family takes, randomness turned up.
 FAMILIES = {
@@ -148,7 +148,7 @@ def test_gradient_accumulation_is_exact():
 
 def test_cpu_bf16_autocast_recomputes_in_bf16():
     """PyTorch 1.13's checkpoint ignores CPU autocast in the recompute; ours re-enters it."""
-    from dlenv.precision import Precision
+    from dlenv.engine.precision import Precision
 
     torch.manual_seed(0)
     model = build_model("efficientnet_b0", num_classes=5, stochastic_depth_prob=0.5)

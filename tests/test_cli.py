@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dlenv import cli, config
+from dlenv import cli
+from dlenv.options import config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -195,11 +196,11 @@ def test_dlenv_test_prints_a_progress_line_with_an_eta(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
-# `dlenv train --help`: options in named groups (dlenv.helptext), then examples that really parse.
+# `dlenv train --help`: options in named groups (dlenv.options.helptext), then examples that really parse.
 
 
 def test_every_train_option_is_in_exactly_one_help_group():
-    from dlenv import helptext
+    from dlenv.options import helptext
 
     groups = helptext.GROUPS["train"]
     assert [title for title, _ in groups] == ["data", "model", "optimisation", "precision and memory", "run"]
@@ -228,7 +229,7 @@ def test_train_help_shows_the_groups_in_order_and_ends_with_examples():
 def test_the_help_examples_are_real_commands(verb):
     import shlex
 
-    from dlenv import helptext
+    from dlenv.options import helptext
 
     parser = cli.build_parser()
     examples = helptext.EXAMPLES[verb]

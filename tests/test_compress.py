@@ -14,12 +14,13 @@ import torch
 from imagedata import make_image_folder
 from torch import nn
 
-from dlenv import compat, config
+from dlenv import compat
 from dlenv.cli import main as cli_main
 from dlenv.compress import common, export, prune, quantize
 from dlenv.errors import UserError
-from dlenv.models import model_from_state
-from dlenv.runfolder.runstate import FORMAT, load_state, save_state
+from dlenv.files.runstate import FORMAT, load_state, save_state
+from dlenv.model.models import model_from_state
+from dlenv.options import config
 
 CLASSES = ["cat", "dog"]
 IMG = 32
@@ -39,8 +40,8 @@ def _calibrated(model: nn.Module) -> nn.Module:
 
 def save_ckpt(path: Path, data: Path | str | None, model_name: str = "mobilenet_v3_small", **override) -> Path:
     """A dlenv checkpoint of an untrained torchvision model, in the format `dlenv train` writes."""
-    from dlenv.models import build_model
-    from dlenv.runfolder.runstate import environment
+    from dlenv.files.runstate import environment
+    from dlenv.model.models import build_model
 
     torch.manual_seed(0)
     model = _calibrated(build_model(model_name, len(CLASSES)))
@@ -156,8 +157,8 @@ def test_global_unstructured_sparsity_is_exact_and_permanent(amount):
 
 @pytest.mark.parametrize("amount", [0.3, 0.5])
 def test_structured_pruning_removes_channels_to_the_share_of_parameters_asked(amount):
-    from dlenv import shrink
     from dlenv.compress import channels
+    from dlenv.model import shrink
 
     torch.manual_seed(0)
     model = _calibrated(TinyNet())
@@ -449,7 +450,7 @@ def test_export_onnx_checked_with_dynamic_batch(ckpt, capsys):
 
 @pytest.mark.skipif(NO_ONNX is not None, reason=str(NO_ONNX))
 def test_export_onnx_describes_itself_for_predict(ckpt):
-    from dlenv import onnxmodel
+    from dlenv.files import onnxmodel
 
     assert export.main(export_cfg(weights=str(ckpt), format="onnx")) == 0
     opened = onnxmodel.open_file(ckpt.with_name("best_model.onnx"), None)

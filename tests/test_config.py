@@ -1,4 +1,4 @@
-"""dlenv.config: options declared once, defaults < YAML < flags, clear errors."""
+"""dlenv.options.config: options declared once, defaults < YAML < flags, clear errors."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import dataclasses
 
 import pytest
 
-from dlenv import config, options
 from dlenv.errors import UserError
+from dlenv.options import config
+from dlenv.options import declare as options
 
 
 def test_defaults_and_flags_parse_strings():
@@ -322,7 +323,7 @@ def test_image_sizes_at_most_2048(name, option, value):
 
 
 def test_the_img_size_bound_is_the_one_checkpoints_have():
-    from dlenv.runfolder import runstate
+    from dlenv.files import runstate
 
     assert config.IMG_SIZE_MAX == runstate.MAX_IMG_SIZE
 

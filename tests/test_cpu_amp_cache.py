@@ -1,4 +1,4 @@
-"""--amp on a CPU: the bf16-or-fp32 verdict is measured once per machine and kept (dlenv.precision).
+"""--amp on a CPU: the bf16-or-fp32 verdict is measured once per machine and kept (dlenv.engine.precision).
 
 The measurement is a stub that counts its calls: a kept verdict means no call. A cache that is missing,
 damaged, hostile or unwritable only means measuring again, never an error.
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlenv import precision
-from dlenv.precision import cpu_amp_cache, decide_precision
+from dlenv.engine import precision
+from dlenv.engine.precision import cpu_amp_cache, decide_precision
 
 
 class Stub:
@@ -199,7 +199,7 @@ def test_a_cpu_without_bf16_instructions_is_decided_without_timing(tmp_path):
 
 
 def test_the_probe_costs_about_a_second_not_the_models_steps():
-    from dlenv.precision import _CPU_PROBE_BATCH, _CPU_PROBE_STEPS
+    from dlenv.engine.precision import _CPU_PROBE_BATCH, _CPU_PROBE_STEPS
 
     assert _CPU_PROBE_BATCH * (_CPU_PROBE_STEPS + 1) <= 32  # images of 32x32 through a small fixed network
 

@@ -1,4 +1,4 @@
-"""dlenv.cpus: the CPUs a container really gives us, and the DataLoader workers auto starts on them."""
+"""dlenv.options.cpus: the CPUs a container really gives us, and the DataLoader workers auto starts on them."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from dlenv import cpus
+from dlenv.options import cpus
 
 
 def test_usable_cpus_is_the_affinity_mask_capped_by_the_quota(monkeypatch, tmp_path):

@@ -231,7 +231,7 @@ def test_a_demo_folder_given_as_data_trains_like_the_built_in_demo(tmp_path):
 
 
 def _train_cfg(**given):
-    from dlenv import config
+    from dlenv.options import config
 
     return config.build(config.TrainConfig, **given)
 

@@ -1,11 +1,11 @@
-"""dlenv.devices: --device names, and one clear line for a device that is not there."""
+"""dlenv.cluster.devices: --device names, and one clear line for a device that is not there."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dlenv.devices import resolve_device
+from dlenv.cluster.devices import resolve_device
 from dlenv.errors import UserError
 
 

@@ -1,4 +1,4 @@
-"""dlenv.distributed on a CPU: real 2-process gloo runs of the collectives and of the trainer.
+"""dlenv.cluster.distributed on a CPU: real 2-process gloo runs of the collectives and of the trainer.
 
 Multi-process scenarios run tests/_distributed_worker.py once per rank with the environment torchrun
 would set, so each check is a real process group (a few seconds each on a small machine).
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlenv import distributed, launch
+from dlenv.cluster import distributed, launch
 from dlenv.errors import UserError
 
 TESTS = Path(__file__).resolve().parent
@@ -373,7 +373,7 @@ def test_gpu_two_ranks_stopped_mid_epoch_and_resumed_end_bit_equal_to_an_uninter
 def _stopped_and_resumed_exactly(tmp_path: Path, workers: int, device: str) -> None:
     from imagedata import make_train_val
 
-    from dlenv.runfolder import runstate
+    from dlenv.files import runstate
 
     make_train_val(tmp_path / "ds", per_class=16, val_per_class=2)  # 32 images: 8 steps of 2 x 2 an epoch
     base = dict(data=str(tmp_path / "ds"), img_size=16, workers=workers, epochs=3, device=device, deterministic=True,

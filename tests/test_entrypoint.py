@@ -89,7 +89,8 @@ def test_stop_with_dataloader_workers_saves_once_and_resumes(tmp_path, dataset, 
 def stop_and_resume(entry_cmd: list[str], tmp_path: Path, dataset: Path, target: str, signum: int,
                     code: int) -> None:
     """Train with 2 workers under `entry_cmd`, stop as `target` receives `signum`, check, resume."""
-    from dlenv.runfolder import results, runstate
+    from dlenv.files import runstate
+    from dlenv.runfolder import results
 
     project = tmp_path / "runs"
     last = project / "exp" / "last.pth"

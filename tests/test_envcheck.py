@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from dlenv import envcheck
-from dlenv.config import VerifyEnvConfig, build
 from dlenv.envcheck import Facts, Gpu, Kernel, kernels
+from dlenv.options.config import VerifyEnvConfig, build
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB, GiB = 2**20, 2**30
@@ -120,9 +120,9 @@ def test_shm_verdict_says_the_workers_the_trainer_starts(monkeypatch, gpu, cpus,
     uint8 stored squares with a GPU (the default path there), float32 crops without one."""
     from collections import namedtuple
 
-    from dlenv.cpus import auto_workers
     from dlenv.data import loaders
     from dlenv.envcheck.facts import TRAIN_BATCH, TRAIN_IMG, _shm_per_worker
+    from dlenv.options.cpus import auto_workers
 
     auto = auto_workers(cpus)
     facts = gpu_facts(workers=auto, workers_auto=True, shm_per_worker=_shm_per_worker(gpu), shm_total=shm_mib * MiB,

@@ -90,7 +90,8 @@ def _boom(exc):
 
 
 def test_a_fault_is_one_line_with_exit_1(monkeypatch, capsys):
-    monkeypatch.setattr("dlenv.plots.main", _boom(OSError(errno.EROFS, "Read-only file system", "runs/a.png")))
+    monkeypatch.setattr("dlenv.runfolder.plots.main",
+                        _boom(OSError(errno.EROFS, "Read-only file system", "runs/a.png")))
     assert cli.main(["plot"]) == 5
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
@@ -98,7 +99,7 @@ def test_a_fault_is_one_line_with_exit_1(monkeypatch, capsys):
 
 
 def test_a_bug_keeps_its_traceback_and_says_it_is_a_bug(monkeypatch, capsys):
-    monkeypatch.setattr("dlenv.plots.main", _boom(ZeroDivisionError("division by zero")))
+    monkeypatch.setattr("dlenv.runfolder.plots.main", _boom(ZeroDivisionError("division by zero")))
     assert cli.main(["plot"]) == 1
     err = capsys.readouterr().err
     assert "Traceback" in err and "ZeroDivisionError" in err
@@ -107,7 +108,7 @@ def test_a_bug_keeps_its_traceback_and_says_it_is_a_bug(monkeypatch, capsys):
 
 def test_dlenv_traceback_shows_a_faults_traceback_too(monkeypatch, capsys):
     monkeypatch.setenv("DLENV_TRACEBACK", "1")
-    monkeypatch.setattr("dlenv.plots.main", _boom(OSError(errno.ENOSPC, "No space left on device", "x")))
+    monkeypatch.setattr("dlenv.runfolder.plots.main", _boom(OSError(errno.ENOSPC, "No space left on device", "x")))
     assert cli.main(["plot"]) == 5
     err = capsys.readouterr().err
     assert "Traceback" in err and err.splitlines()[-1].startswith("dlenv plot: error: no space left")
@@ -116,7 +117,7 @@ def test_dlenv_traceback_shows_a_faults_traceback_too(monkeypatch, capsys):
 def test_a_user_error_naming_a_hostile_file_stays_one_line(monkeypatch, capsys):
     from dlenv.errors import UserError
 
-    monkeypatch.setattr("dlenv.plots.main", _boom(UserError("bad file a\nfake line\x1b[2J")))
+    monkeypatch.setattr("dlenv.runfolder.plots.main", _boom(UserError("bad file a\nfake line\x1b[2J")))
     assert cli.main(["plot"]) == 2
     assert capsys.readouterr().err == "dlenv plot: error: bad file a\\nfake line\\x1b[2J\n"
 
@@ -135,7 +136,7 @@ def test_exit_codes_are_one_table_of_distinct_values():
 
 
 @pytest.mark.parametrize(("where", "name"), [
-    ("dlenv.launch", "EXIT_PEER"),
+    ("dlenv.cluster.launch", "EXIT_PEER"),
     ("dlenv.train", "EXIT_OOM"),
     ("dlenv.train", "EXIT_NONFINITE"),
 ])
@@ -150,7 +151,7 @@ def test_every_module_takes_its_exit_codes_from_the_table(where, name):
 def test_a_peer_failure_exits_differently_from_a_fault_of_the_machine():
     pytest.importorskip("torch")
     from dlenv import errors
-    from dlenv.distributed import PeerFailure
+    from dlenv.cluster.distributed import PeerFailure
 
     assert PeerFailure("x").exit_code == errors.EXIT_PEER != errors.EXIT_FAULT
 
@@ -213,7 +214,7 @@ def test_a_dead_worker_through_the_cli_is_one_line_and_exit_5(monkeypatch, capsy
 
     outer = RuntimeError(_DIED)
     outer.__cause__ = RuntimeError(message)
-    monkeypatch.setattr("dlenv.plots.main", _boom(outer))
+    monkeypatch.setattr("dlenv.runfolder.plots.main", _boom(outer))
     assert cli.main(["plot"]) == EXIT_FAULT
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err and "bug in dlenv" not in err

@@ -17,7 +17,7 @@ from imagedata import make_image_folder
 from dlenv import evaluate
 from dlenv.cli import main as cli_main
 from dlenv.errors import UserError
-from dlenv.runfolder.runstate import FORMAT, save_state
+from dlenv.files.runstate import FORMAT, save_state
 
 ROOT = Path(__file__).resolve().parents[1]
 CLASSES = ["cat", "dog", "fox"]
@@ -134,7 +134,7 @@ def test_predict_keeps_order_and_returns_float32_cpu():
 
 @pytest.mark.gpu
 def test_predict_on_cuda_with_amp_matches_fp32_cpu():
-    from dlenv.models import build_model
+    from dlenv.model.models import build_model
 
     torch.manual_seed(0)
     model = build_model("resnet18", 4).eval()
@@ -156,7 +156,7 @@ BIAS = torch.tensor([3.0, 0.0, 1.0])  # constant logits: always "cat", with a kn
 
 
 def _forced_model(num_classes=3):
-    from dlenv.models import build_model
+    from dlenv.model.models import build_model
 
     model = build_model("resnet18", num_classes)
     with torch.no_grad():
@@ -330,7 +330,7 @@ def test_workspace_val_script_is_dlenv_val():
     r = subprocess.run([sys.executable, str(ROOT / "workspace" / "val.py"), "--help"],
                        capture_output=True, text=True, cwd=ROOT / "workspace")
     assert r.returncode == 0, r.stderr
-    assert "Validate a checkpoint" in r.stdout and "--weights" in r.stdout and "--model" in r.stdout
+    assert "Validate a weights file" in r.stdout and "--weights" in r.stdout and "--model" in r.stdout
 
 
 @pytest.mark.parametrize("asked,amp,trained,probe,mode,why", [
@@ -404,7 +404,7 @@ def test_val_of_non_finite_weights_is_refused_with_exit_4(tmp_path, val_data, ca
     from dlenv.errors import EXIT_NONFINITE
 
     weights = _dlenv_ckpt(tmp_path / "runs" / "exp" / "best_model.pth")
-    from dlenv.runfolder.runstate import load_state
+    from dlenv.files.runstate import load_state
 
     state = dict(load_state(weights))
     state["model"] = _poison(state["model"], how)

@@ -11,12 +11,12 @@ import pytest
 import torch
 from test_compress import CLASSES, IMG, NO_ONNX, save_ckpt
 
-from dlenv import config
 from dlenv.cli import main as cli_main
 from dlenv.compress import common, export
 from dlenv.errors import UserError
-from dlenv.models import model_from_state
-from dlenv.runfolder.runstate import load_state
+from dlenv.files.runstate import load_state
+from dlenv.model.models import model_from_state
+from dlenv.options import config
 
 pytestmark = pytest.mark.skipif(NO_ONNX is not None, reason=str(NO_ONNX))
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from imagedata import make_photo_layout
 
-from dlenv import compat, config
+from dlenv import compat
 from dlenv.data import hwdecode
 from dlenv.data.badimages import BadImageError
 from dlenv.data.decode import decode_stored
@@ -20,6 +20,7 @@ from dlenv.data.pipeline import make_loaders
 from dlenv.data.plan import InputOptions, InputPlan, engine_backends
 from dlenv.data.sampler import ResumableSampler
 from dlenv.data.sources import NvimgcodecSource, NvjpegSource
+from dlenv.options import config
 
 pytestmark = pytest.mark.gpu
 IMG = 32

@@ -1,5 +1,5 @@
 """Numbers a bare state dict gives (issue 34, item 5): the class count val reads from a head's shape is
-bounded as a dlenv checkpoint's num_classes is (1 to 100,000, dlenv.runfolder.runstate.MAX_CLASSES), and read only
+bounded as a dlenv checkpoint's num_classes is (1 to 100,000, dlenv.files.runstate.MAX_CLASSES), and read only
 from a tensor whose every element is stored: a stride of 0 (expand) or overlapping strides give a shape
 that costs no bytes. Each refusal is one line naming the file, the tensor and the bound. A key is as
 long as the file's bytes allow: prefixes are stripped in time linear in it, and messages cut it short.
@@ -21,9 +21,10 @@ import pytest
 import torch
 from torchvision.models import resnet18
 
-from dlenv import cli, models, pickleguard, picklework, weights
+from dlenv import cli
 from dlenv.errors import UserError
-from dlenv.runfolder import runstate
+from dlenv.files import pickleguard, picklework, runstate, weights
+from dlenv.model import models
 
 #: fc.weight of a bare state dict -> the class count read from it, or the line that refuses it
 HEADS = [

@@ -1,6 +1,6 @@
 """--channels 1: pytorch/examples' MNIST `Net` (1 channel in, log_softmax out, its 10 classes fixed by a
 factory without arguments) trains, validates and predicts on dlenv's RGB input paths; without the option
-the refusal names it; the luma arithmetic of dlenv.grayscale."""
+the refusal names it; the luma arithmetic of dlenv.model.grayscale."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import csv
 import pytest
 import torch
 
-from dlenv import cli, grayscale
+from dlenv import cli
 from dlenv.data.loaders import IMAGENET_MEAN, IMAGENET_STD
+from dlenv.model import grayscale
 
 
 def test_the_luma_of_normalised_rgb_is_the_normalised_luma():

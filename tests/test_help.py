@@ -1,5 +1,5 @@
-"""`dlenv --help`: the verbs in groups with an example each (dlenv.helptext.top_help), printed without
-importing the option declarations (dlenv.config) or torch; every verb there, every example parses."""
+"""`dlenv --help`: the verbs in groups with an example each (dlenv.options.helptext.top_help), printed without
+importing the option declarations (dlenv.options.config) or torch; every verb there, every example parses."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dlenv import cli, config, helptext
+from dlenv import cli
+from dlenv.options import config, helptext
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 GROUPS = ("data", "train", "evaluate", "deploy", "environment")
@@ -35,7 +36,8 @@ def test_each_example_is_a_command_line_that_parses(verb, example):
 def test_top_help_imports_neither_config_nor_torch(argv, code):
     probe = ("import sys, runpy\nsys.argv = ['dlenv', *sys.argv[1:]]\n"
              "try:\n    runpy.run_module('dlenv', run_name='__main__')\nexcept SystemExit as e:\n    rc = e.code\n"
-             "print('LOADED', sorted(m for m in ('torch', 'dlenv.config', 'dlenv.weights') if m in sys.modules))\n"
+             "print('LOADED', sorted(m for m in ('torch', 'dlenv.options.config', 'dlenv.files.weights')\n"
+             "                       if m in sys.modules))\n"
              "sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": str(SRC)})

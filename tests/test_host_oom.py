@@ -160,7 +160,7 @@ def test_train_says_the_host_ran_out_at_its_micro_batch(tmp_path, data, tiny, mo
 
 def test_a_peer_error_is_not_confused_with_the_host_out_of_memory():
     pytest.importorskip("torch")
-    from dlenv import distributed
+    from dlenv.cluster import distributed
 
     assert not distributed.is_peer_error(RuntimeError(ALLOC_2X))  # both say "[enforce fail at"
     assert distributed.is_peer_error(RuntimeError("[enforce fail at ProcessGroupGloo.cpp:1] Connection closed by peer"))

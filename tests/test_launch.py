@@ -1,4 +1,4 @@
-"""dlenv.launch: the torchrun command a --gpus N run starts, the options it refuses, and the one line
+"""dlenv.cluster.launch: the torchrun command a --gpus N run starts, the options it refuses, and the one line
 that names a failed rank instead of torchrun's traceback."""
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlenv import cli, config, launch
-from dlenv.config import TrainConfig
+from dlenv import cli
+from dlenv.cluster import launch
 from dlenv.errors import UserError
+from dlenv.options import config
+from dlenv.options.config import TrainConfig
 
 WORKER = Path(__file__).resolve().parent / "_distributed_worker.py"
 
@@ -23,7 +25,7 @@ WORKER = Path(__file__).resolve().parent / "_distributed_worker.py"
 @pytest.mark.slow
 def test_torchrun_wrapper_names_the_failed_rank_and_its_status(tmp_path):
     port = launch.free_port()
-    cmd = [sys.executable, "-m", "dlenv.launch", "--nproc_per_node", "2", "--nnodes", "1",
+    cmd = [sys.executable, "-m", "dlenv.cluster.launch", "--nproc_per_node", "2", "--nnodes", "1",
            "--node_rank", "0", "--master_addr", "127.0.0.1", "--master_port", str(port), "--max_restarts", "0",
            "--monitor_interval", "1", str(WORKER), "torchrun_fail"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
@@ -167,7 +169,7 @@ def test_train_flags_rebuild_the_same_config():
 def test_launch_command_single_node_uses_a_private_port():
     cfg = config.build(TrainConfig, gpus=4, amp=True, master_port=1234)
     cmd = launch.launch_command(cfg, port=4321)
-    assert cmd[:3] == [sys.executable, "-m", "dlenv.launch"]
+    assert cmd[:3] == [sys.executable, "-m", "dlenv.cluster.launch"]
     opts = dict(zip(cmd[3:-5:2], cmd[4:-4:2], strict=False))
     assert opts["--nproc_per_node"] == "4" and opts["--master_port"] == "4321"
     assert opts["--master_addr"] == "127.0.0.1" and opts["--max_restarts"] == "0"

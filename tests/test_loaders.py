@@ -13,7 +13,6 @@ import torch
 from imagedata import make_image_folder
 from PIL import Image
 
-from dlenv import cpus
 from dlenv.data import loaders
 from dlenv.data.badimages import BadImageError
 from dlenv.data.folder import find_layout
@@ -26,6 +25,7 @@ from dlenv.data.loaders import (
 )
 from dlenv.data.plan import InputPlan
 from dlenv.errors import UserError
+from dlenv.options import cpus
 
 # --------------------------------------------------------------------------------------------- transforms
 

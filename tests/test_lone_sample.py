@@ -17,7 +17,7 @@ from torch import nn
 
 from dlenv import train as train_mod
 from dlenv.data.sampler import ResumableSampler
-from dlenv.runfolder import runstate
+from dlenv.files import runstate
 
 
 class Recorder(nn.Module):
@@ -39,10 +39,10 @@ class Recorder(nn.Module):
 
 @pytest.fixture
 def recorder(monkeypatch):
-    import dlenv.models
+    import dlenv.model.models
 
     Recorder.sizes = []
-    monkeypatch.setattr(dlenv.models, "build_model", lambda name, num_classes, **kw: Recorder(num_classes))
+    monkeypatch.setattr(dlenv.model.models, "build_model", lambda name, num_classes, **kw: Recorder(num_classes))
     return Recorder.sizes
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dlenv import memory
+from dlenv.engine import memory
 
 
 def test_cpu_readings_are_zero_and_still_reported():

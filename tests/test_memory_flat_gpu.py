@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from imagedata import make_photo_layout, make_train_val
 
-from dlenv import config
+from dlenv.options import config
 
 pytestmark = pytest.mark.gpu
 EPOCHS = 20

@@ -1,4 +1,4 @@
-"""dlenv.models: models by name, heads sized to the data, local weights only, convolutional or not."""
+"""dlenv.model.models: models by name, heads sized to the data, local weights only, convolutional or not."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from dlenv import models
 from dlenv.errors import UserError
-from dlenv.models import build_model, is_convolutional, list_model_names, model_from_state
+from dlenv.model import models
+from dlenv.model.models import build_model, is_convolutional, list_model_names, model_from_state
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +62,7 @@ def test_unknown_name_without_neighbours_says_where_to_look():
     with pytest.raises(UserError, match="'zzzz' is not a torchvision classification model") as err:
         build_model("zzzz", num_classes=2)
     # the hint names something that exists: the function that lists the names this accepts
-    assert "from dlenv.models import list_model_names" in str(err.value) and "dlenv models" not in str(err.value)
+    assert "from dlenv.model.models import list_model_names" in str(err.value) and "dlenv models" not in str(err.value)
 
 
 @pytest.mark.parametrize("name", ["ResNet50_Weights.DEFAULT", "resnet50_pretrained", "resnet50.pretrained"])
@@ -116,7 +116,7 @@ def test_fine_tuning_skips_a_head_of_another_class_count(tmp_path, caplog, name,
     src = build_model(name, num_classes=1000)  # as torchvision's ImageNet weights
     path = tmp_path / "imagenet.pth"
     torch.save(src.state_dict(), path)
-    with caplog.at_level(logging.WARNING, logger="dlenv.models"):
+    with caplog.at_level(logging.WARNING, logger="dlenv.model.models"):
         model = build_model(name, num_classes=3, weights=path)
     assert _same_params(model, src, skip=(head,))
     assert next(v for k, v in model.state_dict().items() if k.startswith(head)).shape[0] == 3
@@ -191,7 +191,7 @@ def test_bare_googlenet_state_dict_with_aux_heads_loads(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------
-# torchvision ViTs at the image size asked (dlenv.tvargs): built at --img-size, --model-args image_size.
+# torchvision ViTs at the image size asked (dlenv.model.tvargs): built at --img-size, --model-args image_size.
 
 
 @pytest.mark.parametrize("name,model_args,img_size,expect", [
@@ -209,7 +209,7 @@ def test_bare_googlenet_state_dict_with_aux_heads_loads(tmp_path):
     ("resnet18", "image_size=32", 32, "--model-args is for models of your own.*resnet18 takes none"),
 ])
 def test_a_torchvision_builders_arguments(name, model_args, img_size, expect):
-    from dlenv.usermodel import factory_kwargs
+    from dlenv.model.usermodel import factory_kwargs
 
     if isinstance(expect, dict):
         assert factory_kwargs(name, model_args, img_size) == expect
@@ -222,8 +222,8 @@ def test_a_torchvision_builders_arguments(name, model_args, img_size, expect):
 def test_vit_b_16_at_32_px_trains_forward_and_rebuilds_from_its_checkpoint():
     """--model vit_b_16 --img-size 32 once ended in 'Wrong image height': the trainer's path (the plan's
     factory_kwargs, then build_model) now builds it at 32 px, and val rebuilds it at the checkpoint's size."""
-    from dlenv.runfolder.runstate import FORMAT
-    from dlenv.usermodel import factory_kwargs
+    from dlenv.files.runstate import FORMAT
+    from dlenv.model.usermodel import factory_kwargs
 
     torch.manual_seed(0)
     model = build_model("vit_b_16", 3, model_args=factory_kwargs("vit_b_16", "", 32)).eval()

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from dlenv import compat
-from dlenv.models import apply_checkpointing, build_model, is_convolutional
-from dlenv.precision import Precision
+from dlenv.engine.precision import Precision
+from dlenv.model.models import apply_checkpointing, build_model, is_convolutional
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""dlenv.modelsource: code a weights file names is imported only when the user named it (--model) or it
+"""dlenv.model.modelsource: code a weights file names is imported only when the user named it (--model) or it
 is the project's own model, as recorded; the factory arguments a file gives are bounded. Each attack
 places a model file whose import would leave a marker, and asserts the marker is not there.
 (The commands val, prune and export: test_weights.py and test_bad_inputs.py.)"""
@@ -13,9 +13,9 @@ import zipfile
 import pytest
 from usermodels import isolated_imports, one_line, write, write_project
 
-from dlenv import modelsource
 from dlenv.data.unpack import MARKER, unpack
 from dlenv.errors import UserError
+from dlenv.model import modelsource
 
 
 @pytest.fixture
@@ -184,7 +184,7 @@ def test_named_again_with_model_it_is_the_users_choice(project, tmp_path, caplog
     with pytest.raises(UserError, match="an absolute path"):
         modelsource.check_resume(saved, "models/vit.py:build", "--resume x")
     inside.write_text(inside.read_text() + "\n# tuned\n")  # changed, and named: built as it is, with a warning
-    with caplog.at_level(logging.WARNING, logger="dlenv.modelsource"):
+    with caplog.at_level(logging.WARNING, logger="dlenv.model.modelsource"):
         modelsource.check_source(_source("models/resnet.py:build", tmp_path / "proj" / "models" / "vit.py"),
                                "models/resnet.py:build", "ck")
     assert "differs from the file this checkpoint was trained with" in caplog.messages[0]

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dlenv import launch
+from dlenv import runfolder
+from dlenv.cluster import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -57,7 +58,7 @@ def test_two_nodes_one_process_each_train_together_to_identical_weights(tmp_path
     import torch
     from imagedata import make_train_val
 
-    from dlenv.runfolder import runstate
+    from dlenv.files import runstate
 
     data = tmp_path / "ds"
     make_train_val(data, per_class=8, size=(32, 32))
@@ -148,8 +149,8 @@ def test_the_kubernetes_manifest_runs_one_indexed_pod_per_node():
     (None, "auto", "auto"),      # no config.yaml beside the file: the trainer says what is wrong
 ])
 def test_a_resume_takes_the_runs_device_unless_one_is_given(tmp_path, saved, given, want):
-    from dlenv import config
-    from dlenv.config import TrainConfig
+    from dlenv.options import config
+    from dlenv.options.config import TrainConfig
 
     run = tmp_path / "runs" / "cut"
     run.mkdir(parents=True)
@@ -158,8 +159,8 @@ def test_a_resume_takes_the_runs_device_unless_one_is_given(tmp_path, saved, giv
         (run / "config.yaml").write_text(f"# dlenv train\nmodel: small_cnn\ndevice: {saved}\nepochs: 3\n")
     cfg = config.build(TrainConfig, resume=str(run / "last.pth"), device=given, nnodes=2,
                        project=str(tmp_path / "runs"))
-    assert launch.run_device(cfg).device == want
-    assert launch.run_device(config.build(TrainConfig, device=given)).device == given  # no resume: as given
+    assert runfolder.resumed_device(cfg).device == want
+    assert runfolder.resumed_device(config.build(TrainConfig, device=given)).device == given  # no resume: as given
 
 
 @pytest.mark.parametrize("opts, line", [
@@ -173,9 +174,9 @@ def test_a_resume_takes_the_runs_device_unless_one_is_given(tmp_path, saved, giv
 def test_without_a_gpu_the_launch_names_the_cpu_not_the_flag_that_failed(monkeypatch, opts, line):
     import torch
 
-    from dlenv import config
-    from dlenv.config import TrainConfig
     from dlenv.errors import UserError
+    from dlenv.options import config
+    from dlenv.options.config import TrainConfig
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(UserError) as e:

@@ -21,8 +21,8 @@ def test_a_kernel_trains_twice_after_an_out_of_memory_with_the_same_peak(tmp_pat
     pytest.importorskip("ipykernel")
     setup = """
 import json, torch
-from dlenv import config
-from dlenv.config import TrainConfig
+from dlenv.options import config
+from dlenv.options.config import TrainConfig
 from dlenv.train import train
 base = dict(synthetic=True, device="cuda", workers=0, epochs=1, max_steps=6, project="runs", amp=True)
 huge = int(torch.cuda.get_device_properties(0).total_memory / 2**30 / 21 * 256 * 2)  # twice the card, fp32

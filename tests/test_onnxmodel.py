@@ -1,4 +1,4 @@
-"""dlenv.onnxmodel: the description dlenv writes into an ONNX file, read back bounded; the file run by
+"""dlenv.files.onnxmodel: the description dlenv writes into an ONNX file, read back bounded; the file run by
 onnxruntime as a torch module; and each file it cannot take (damaged metadata, another input size, not
 ONNX at all) as one line. A tiny convnet at 32 px. And files from elsewhere, built with onnx.helper: control flow
 that repeats work (a Loop of 2**62 trips), inputs and outputs of another kind, sizes out of bounds, metadata
@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from dlenv import compat, onnxmodel
+from dlenv import compat
 from dlenv.errors import UserError
+from dlenv.files import onnxmodel
 
 NO_ONNX = compat.onnx_export_unavailable()
 pytestmark = pytest.mark.skipif(NO_ONNX is not None, reason=str(NO_ONNX))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from dlenv import optim
+from dlenv.engine import optim
 
 
 class Net(nn.Module):

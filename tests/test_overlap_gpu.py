@@ -11,13 +11,14 @@ import pytest
 import torch
 from imagedata import make_photo_layout
 
-from dlenv import compat, config
+from dlenv import compat
 from dlenv.data import hwdecode
 from dlenv.data.badimages import BadImageError
 from dlenv.data.folder import find_layout
 from dlenv.data.pipeline import make_loaders
 from dlenv.data.plan import InputPlan, decide_overlap, engine_backends
 from dlenv.data.sampler import ResumableSampler
+from dlenv.options import config
 
 pytestmark = pytest.mark.gpu
 IMG = 32

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dlenv.runfolder.runstate import load_state
+from dlenv.files.runstate import load_state
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,5 +45,5 @@ def test_the_loop_runs_as_written(tmp_path):
     state = load_state(tmp_path / "runs" / "own-loop" / "last.pth")  # weights_only, floats restored
     assert state["iter"] == 12 and "layer1.0.conv1.weight" in state["model"]
     assert isinstance(state["optimizer"]["param_groups"][0]["lr"], float)
-    # the file and its MAC sidecar (dlenv.weights): no temporary file left behind
+    # the file and its MAC sidecar (dlenv.files.weights): no temporary file left behind
     assert sorted(p.name for p in tmp_path.joinpath("runs", "own-loop").iterdir()) == ["last.pth"]

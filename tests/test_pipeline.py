@@ -9,11 +9,11 @@ import pytest
 import torch
 from imagedata import make_image_folder, make_photo_layout
 
+from dlenv.cluster.distributed import DistInfo
 from dlenv.data import pipeline
 from dlenv.data.fastpath import DeviceLoader
 from dlenv.data.loaders import SafeLoader
 from dlenv.data.plan import InputOptions
-from dlenv.distributed import DistInfo
 from dlenv.errors import UserError
 
 

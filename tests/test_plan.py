@@ -45,7 +45,7 @@ def test_input_options_pick_the_path():
 
 
 def test_input_options_of_a_config_takes_the_fields_it_has():
-    from dlenv import config
+    from dlenv.options import config
 
     cfg = config.build(config.TrainConfig, decoder="pil", cache=True, workers=3, bad_images="error")
     assert InputOptions.of(cfg) == InputOptions(decoder="pil", cache="on", workers=3, bad_images="error")
@@ -166,15 +166,15 @@ def test_hflip_auto_turns_flips_off_for_digits_in_the_plan_and_its_line(tmp_path
     (["--hflip", "auto"], "auto"), (["--hflip", "on"], "on"), (["--hflip", "false"], "off"),
 ])
 def test_hflip_spellings_on_the_command_line(argv, want):
-    from dlenv import config
     from dlenv.cli import build_parser
+    from dlenv.options import config
 
     ns = vars(build_parser().parse_args(["train", *argv]))
     assert config.build(config.TrainConfig, **{k: v for k, v in ns.items() if k == "hflip"}).hflip == want
 
 
 def test_a_bad_hflip_is_one_line_naming_the_flag():
-    from dlenv import config
+    from dlenv.options import config
 
     with pytest.raises(UserError, match="--hflip 'sometimes': expected auto, on or off") as e:
         config.build(config.TrainConfig, hflip="sometimes")
@@ -226,13 +226,13 @@ def test_plan_says_why_it_decodes_once(photos, monkeypatch):
                                         ({"cache": "off"}, "off"), ({"cache": False}, "off"),
                                         ({"cache": "auto"}, "auto")])
 def test_cache_option_reads_old_and_new_spellings(given, want):
-    from dlenv import config
+    from dlenv.options import config
 
     assert config.build(config.TrainConfig, **given).cache == want
 
 
 def test_cache_option_refuses_other_values():
-    from dlenv import config
+    from dlenv.options import config
 
     with pytest.raises(UserError, match="--cache"):
         config.build(config.TrainConfig, cache="sometimes")

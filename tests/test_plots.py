@@ -1,4 +1,4 @@
-"""dlenv.plots: results.png per run and compare.png from results.csv alone; no torch imported."""
+"""dlenv.runfolder.plots: results.png per run and compare.png from results.csv alone; no torch imported."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from dlenv import plots
 from dlenv.cli import main as cli_main
 from dlenv.errors import UserError
+from dlenv.runfolder import plots
 from dlenv.runfolder.results import COLUMNS, append_row, read_results
 
 ROOT = Path(__file__).resolve().parents[1]

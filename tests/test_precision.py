@@ -1,4 +1,4 @@
-"""dlenv.precision: choosing the mode, and the one AMP path's behaviour (CPU here, CUDA under gpu)."""
+"""dlenv.engine.precision: choosing the mode, and the one AMP path's behaviour (CPU here, CUDA under gpu)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from dlenv import compat
+from dlenv.engine.precision import Precision, resolve_precision
 from dlenv.errors import UserError
-from dlenv.precision import Precision, resolve_precision
 
 # ---------------------------------------------------------------------------------------------------
 # resolve_precision
@@ -205,7 +205,7 @@ def test_fp16_scaler_state_round_trips():
 
 
 def test_cpu_amp_falls_back_to_fp32_where_bf16_is_slower():
-    from dlenv.precision import decide_precision
+    from dlenv.engine.precision import decide_precision
 
     timed = []
 
@@ -221,7 +221,7 @@ def test_cpu_amp_falls_back_to_fp32_where_bf16_is_slower():
 
 
 def test_cpu_amp_decision_measures_only_when_it_has_a_choice():
-    from dlenv.precision import decide_precision
+    from dlenv.engine.precision import decide_precision
 
     def never(mode):
         raise AssertionError("measured without a choice to make")
@@ -231,7 +231,7 @@ def test_cpu_amp_decision_measures_only_when_it_has_a_choice():
 
 
 def test_cpu_probe_seconds_times_a_real_step_and_leaves_the_seed_alone():
-    from dlenv.precision import cpu_probe_seconds
+    from dlenv.engine.precision import cpu_probe_seconds
 
     torch.manual_seed(5)
     expected = torch.rand(1)
@@ -242,14 +242,14 @@ def test_cpu_probe_seconds_times_a_real_step_and_leaves_the_seed_alone():
 
 
 def test_cpu_checkpoint_auto_recomputes_nothing_and_says_what_it_would_cost():
-    from dlenv.precision import cpu_checkpoint_ratio
+    from dlenv.engine.precision import cpu_checkpoint_ratio
 
     ratio, why = cpu_checkpoint_ratio(4)
     assert ratio == 0.0 and "forward again" in why and "--checkpoint-ratio 1" in why
 
 
 def test_cpu_amp_falls_back_to_fp32_where_a_bf16_step_fails():
-    from dlenv.precision import decide_precision
+    from dlenv.engine.precision import decide_precision
 
     def no_bf16_kernel(mode):
         if mode == "bf16":

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from imagedata import make_train_val, write_file
 
-from dlenv import config, predict, predict_options
+from dlenv import predict
 from dlenv.cli import main as cli_main
+from dlenv.options import config, predict_options
 
 CLASSES = ["cat", "dog", "fox"]
 SIZE = 32
@@ -256,7 +257,7 @@ def _bad_case(name: str, trained: Path, tmp: Path, monkeypatch) -> tuple[list[st
         return ["--weights", best, "--source", "-"], "standard input held no paths"
     if name == "weights of another kind":
         write_file(tmp / "results.csv", b"epoch,loss\n1,0.5\n")
-        return ["--weights", tmp / "results.csv", "--source", val], "not a PyTorch checkpoint"
+        return ["--weights", tmp / "results.csv", "--source", val], "not a PyTorch weights file"
     if name == "missing weights":
         return ["--weights", tmp / "none.pth", "--source", val], "not found"
     if name == "onnx file that is none":

@@ -1,4 +1,4 @@
-"""dlenv.pretrained without the internet: the real download code against a weights server on 127.0.0.1.
+"""dlenv.model.pretrained without the internet: the real download code against a weights server on 127.0.0.1.
 
 torchvision's files are served under their real names by pointing the weights enum's URL at a file the
 test made (its own sha256 prefix in the name), through DLENV_TORCHVISION_URL, the mirror setting; timm's
@@ -15,8 +15,9 @@ import torch
 import torchvision
 from weightserver import hub_file, isolated_cache, serve, torchvision_file
 
-from dlenv import finetune, models, pretrained, values
 from dlenv.errors import UserError
+from dlenv.model import finetune, models, pretrained
+from dlenv.options import values
 
 
 @pytest.fixture
@@ -66,7 +67,7 @@ def test_a_miss_downloads_once_then_hits_without_a_request(resnet18_server, cwd,
     assert pretrained.fetch(w) == got and len(requests) == 1  # the hit asks nobody
     monkeypatch.setenv(pretrained.OFFLINE_ENV, "1")
     assert pretrained.fetch(w) == got  # and needs no connection
-    sd = pretrained.load_state(w, got)  # through dlenv.weights' allowlist: no --trust-pickle
+    sd = pretrained.load_state(w, got)  # through dlenv.files.weights' allowlist: no --trust-pickle
     assert all(torch.equal(sd[k], v) for k, v in state.items())
 
 
@@ -258,7 +259,7 @@ def test_timm_arguments_that_would_fetch_weights_are_refused(cwd):
 def test_a_timm_checkpoint_rebuilds_with_its_arguments_and_size(cwd):
     """val, prune and export rebuild a timm model with the run's --model-args and, for a ViT, its size."""
     pytest.importorskip("timm")
-    from dlenv.runfolder import runstate
+    from dlenv.files import runstate
 
     name = "timm/vit_tiny_patch16_224"
     model = models.build_model(name, 3, model_args={"img_size": 32, "depth": 2})
@@ -341,7 +342,7 @@ def _as_plain_file(path: Path) -> Path:
     ("a plain file nothing vouches for", False, False, False, "nothing in the cache records"),
 ])
 def test_a_hub_file_that_is_a_plain_file_is_still_checked(timm_server, cwd, case, keep_blob, record, change, want):
-    from dlenv import hubcache
+    from dlenv.model import hubcache
 
     w = pretrained.resolve("timm/resnet18", "DEFAULT")
     path = pretrained.fetch(w)

@@ -18,9 +18,10 @@ import yaml
 from imagedata import make_train_val, train_config
 from weightserver import hub_file, isolated_cache, serve, torchvision_file
 
-from dlenv import cli, pretrained
+from dlenv import cli
 from dlenv import train as train_mod
-from dlenv.runfolder import runstate
+from dlenv.files import runstate
+from dlenv.model import pretrained
 
 
 @pytest.fixture

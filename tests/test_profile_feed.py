@@ -162,8 +162,8 @@ def test_threaded_iter_raises_in_the_consumer():
 
 
 def test_annotations_put_the_trainer_back():
-    from dlenv import precision
     from dlenv.data import gpu_aug, sources
+    from dlenv.engine import precision
     from dlenv.train import loop
 
     before = (loop.forward_backward, loop.optimizer_step, precision.Precision.backward, gpu_aug.GpuAugment.__call__,

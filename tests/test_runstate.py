@@ -1,4 +1,4 @@
-"""dlenv.runfolder.runstate, the run-state files: atomic writes, safe loading, exact floats on both PyTorch
+"""dlenv.files.runstate, the run-state files: atomic writes, safe loading, exact floats on both PyTorch
 lines, RNG state."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from imagedata import FillsUpAfter
 from torch import nn
 
 from dlenv.errors import UserError
-from dlenv.runfolder import runstate
+from dlenv.files import runstate
 
 
 def test_save_is_atomic_when_the_write_crashes(tmp_path, monkeypatch):
@@ -108,7 +108,7 @@ def test_environment_is_plain_strings():
 
 @pytest.mark.parametrize("limit", [0, 100, 64 * 1024], ids=["at-once", "in-the-header", "mid-tensors"])
 def test_full_disk_mid_write_raises_oserror_naming_the_file_and_keeps_the_old_one(tmp_path, monkeypatch, limit):
-    from dlenv import atomic
+    from dlenv.files import atomic
 
     path = tmp_path / "last.pth"
     runstate.save_state({"epoch": 1, "w": torch.ones(3)}, path)
@@ -139,7 +139,7 @@ def _wrong_files(tmp: Path) -> dict[str, tuple[Path, str]]:
             "text": (tmp / "notes.txt", "is a text file (it starts 'hello')"),
             "yaml": (tmp / "cfg.yaml", "is a text file (it starts 'lr: 0.1')"),
             "empty": (tmp / "empty.pth", "is an empty file (0 bytes)"),
-            "folder": (tmp / "folder", "is a folder, not a PyTorch checkpoint; pass the .pth file inside it"),
+            "folder": (tmp / "folder", "is a folder, not a PyTorch weights file; pass the .pth file inside it"),
             "zip": (tmp / "a.zip", "is a zip archive of 1 file(s) (a.txt)"),
             "binary": (tmp / "image.png", "is another kind of file (it starts with bytes 89 50 4e 47)")}
 
@@ -199,7 +199,7 @@ def test_a_good_checkpoint_and_a_bare_state_dict_pass(tmp_path):
 
 
 def test_metadata_that_disagrees_with_the_head_is_named(tmp_path):
-    from dlenv.models import build_model, model_from_state
+    from dlenv.model.models import build_model, model_from_state
 
     sd = build_model("resnet18", 10).state_dict()
     ckpt = _dlenv(model=sd, num_classes=5, class_names=list("abcde"))

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dlenv import cli, config, servers
+from dlenv import cli, servers
 from dlenv.errors import UserError
-from dlenv.server_options import LabConfig, TensorboardConfig
+from dlenv.options import config
+from dlenv.options.server_options import LabConfig, TensorboardConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "t0k3n" * 8

@@ -101,7 +101,8 @@ def run_in_64m_shm(argv: list[str], cwd: Path, timeout: float = 300) -> subproce
 LOADER_VERB = textwrap.dedent('''
     import os, signal, sys
     import torch
-    from dlenv import cli, plots
+    from dlenv import cli
+    from dlenv.runfolder import plots
     from dlenv.data.loaders import ImageDataset, make_loader
 
     class Crops(ImageDataset):

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from dlenv.runfolder import results, runstate
+from dlenv.files import runstate
+from dlenv.runfolder import results
 
 REPO = Path(__file__).resolve().parents[1]
 EPOCHS = 3
@@ -35,9 +36,9 @@ _SCRIPT = """
 import os, sys, time
 from pathlib import Path
 sys.path.insert(0, {tests!r})
-import dlenv.models
+import dlenv.model.models
 from tinymodels import build_tiny
-dlenv.models.build_model = build_tiny
+dlenv.model.models.build_model = build_tiny
 
 moment, marks = os.environ.get("DLENV_TEST_MOMENT"), Path(os.environ.get("DLENV_TEST_MARKS", "."))
 
@@ -79,7 +80,7 @@ elif moment == "validation":  # epoch 2's validation, after its first batch (the
         return real_validate(model, hooked(), *a, **k)
     loop.validate = validate
 elif moment == "save":  # epoch 2's last.pth: its temporary file written, not yet renamed into place
-    from dlenv.runfolder import runstate
+    from dlenv.files import runstate
     real_write, saves = runstate.write_file, []
     def write_file(path, write, durable=False):
         if Path(path).name != "last.pth":
@@ -342,7 +343,7 @@ def test_a_signal_while_pytorch_loads_is_one_line(tmp_path, signum, code):
 def test_the_ranks_vote_about_once_a_second_whatever_a_step_takes(monkeypatch):
     """Each vote proposes the steps that fill VOTE_S at the step time measured since the last one; the ranks
     take the smallest proposal (distributed.vote), so all of them vote at the same steps."""
-    from dlenv import distributed
+    from dlenv.cluster import distributed
     from dlenv.train import console
 
     clock = [100.0]
@@ -372,7 +373,7 @@ def test_the_ranks_vote_about_once_a_second_whatever_a_step_takes(monkeypatch):
 
 
 def test_a_vote_carries_the_signal_to_a_rank_that_did_not_hear_it(monkeypatch):
-    from dlenv import distributed
+    from dlenv.cluster import distributed
     from dlenv.train import console
 
     monkeypatch.setattr(distributed, "vote", lambda signum, period: (int(signal.SIGHUP), 1))

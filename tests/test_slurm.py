@@ -222,7 +222,7 @@ def _assert_ranks_agree(job: Job) -> None:
     statistics are each rank's own: DDP broadcasts rank 0's at each forward, and the last one updates them.)"""
     import torch
 
-    from dlenv.runfolder import runstate
+    from dlenv.files import runstate
 
     saved = runstate.load_state(job.last)
     assert saved["world_size"] == 2 and saved["epoch"] == EPOCHS
@@ -266,7 +266,7 @@ def uninterrupted(tmp_path_factory, demo) -> Job:
 
 def _assert_same_weights_as(job: Job, reference: Job) -> None:
     """The job's final last.pth holds exactly the uninterrupted job's weights (and buffers)."""
-    from dlenv.runfolder import runstate
+    from dlenv.files import runstate
 
     got, want = runstate.load_state(job.last)["model"], runstate.load_state(reference.last)["model"]
     assert set(got) == set(want)
@@ -376,7 +376,7 @@ def test_scancel_ends_the_job_after_a_save_and_a_resubmission_resumes_exactly(pr
 def test_srun_sent_sigterm_kills_the_tasks_and_last_pth_stays_the_last_saved(project):
     """SIGTERM to srun itself (`timeout srun ...`, a closed terminal) makes srun kill its tasks with SIGKILL at
     once (Slurm's design): nothing is saved, and nothing saved is lost."""
-    from dlenv.runfolder import runstate
+    from dlenv.files import runstate
 
     job = Job.submit(project, hold=STEPS_PER_EPOCH + 3)
     job.reach()
@@ -402,7 +402,7 @@ def test_a_task_killed_stops_the_other_rank_in_one_line_and_a_resubmission_resum
     for pid in pids:  # its node lost: every process of the task at once
         os.kill(pid, signal.SIGKILL)
     job.release()
-    info = job.ended(timeout=120)  # not torchrun's 300 s exit barrier of PyTorch 1.13 (dlenv.launch)
+    info = job.ended(timeout=120)  # not torchrun's 300 s exit barrier of PyTorch 1.13 (dlenv.cluster.launch)
     log = job.log()
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", log[-3000:]
     lost = [ln for ln in log.splitlines() if "another process of this run stopped" in ln]

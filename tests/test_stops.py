@@ -152,7 +152,7 @@ def test_a_stop_while_decoding_is_never_a_broken_image(verb, what, trained, tmp_
 
 @pytest.mark.parametrize("what", list(LIBRARY))
 def test_a_stop_while_reading_weights_is_never_a_corrupt_file(what, trained, tmp_path, monkeypatch, capsys):
-    from dlenv import torchfile
+    from dlenv.files import torchfile
 
     root, best = trained
     real = torchfile.load

@@ -1,4 +1,4 @@
-"""dlenv.torchfile: a .pth file is judged and loaded from the same bytes, through torch's own zip reader.
+"""dlenv.files.torchfile: a .pth file is judged and loaded from the same bytes, through torch's own zip reader.
 
 The files here are built as an attacker builds them: one archive shown to Python's zipfile (a plain state
 dict) and another to torch's reader (a TorchScript archive whose __setstate__ prints a marker), in both
@@ -20,9 +20,9 @@ from typing import Tuple  # noqa: UP035 (TorchScript on 1.13 reads typing.Tuple)
 import pytest
 import torch
 
-from dlenv import compat, pickleguard, torchfile, weights
+from dlenv import compat
 from dlenv.errors import UserError
-from dlenv.runfolder import runstate
+from dlenv.files import pickleguard, runstate, torchfile, weights
 
 MARKER = "PAYLOAD-RAN-7f3a"
 
@@ -308,7 +308,7 @@ def test_a_huge_legacy_storage_is_refused_before_it_is_allocated(tmp_path, monke
 
 
 def _weights(prefix: str):
-    from dlenv import pretrained
+    from dlenv.model import pretrained
 
     return pretrained.Weights(model="resnet18", name="ResNet18_Weights.IMAGENET1K_V1", source="torchvision",
                               file=f"resnet18-{prefix}.pth", url=f"http://127.0.0.1:9/resnet18-{prefix}.pth",
@@ -318,7 +318,7 @@ def _weights(prefix: str):
 def test_a_pretrained_file_with_a_matching_hash_prefix_is_judged_like_any_other(tmp_path, monkeypatch, capfd):
     """torchvision's file names carry 8 hex digits of the sha256: no proof. A cached file that fools the two
     readers, named with its own prefix so the prefix check passes, is refused, not run."""
-    from dlenv import pretrained
+    from dlenv.model import pretrained
 
     blob = two_directories_by_concatenation(BENIGN)
     import hashlib
@@ -337,7 +337,7 @@ def test_a_pretrained_file_with_a_matching_hash_prefix_is_judged_like_any_other(
 
 def test_a_refused_download_does_not_stay_in_the_cache(tmp_path, monkeypatch):
     """From a mirror: judged before it is moved into the cache; refused, nothing is left there."""
-    from dlenv import pretrained
+    from dlenv.model import pretrained
 
     blob = two_directories_by_zip64(BENIGN)
     import hashlib

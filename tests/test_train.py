@@ -20,11 +20,12 @@ import pytest
 import torch
 from tinymodels import Tiny, tiny_config
 
-from dlenv import config
 from dlenv import train as train_mod
-from dlenv.config import TrainConfig
 from dlenv.errors import UserError
-from dlenv.runfolder import results, runstate
+from dlenv.files import runstate
+from dlenv.options import config
+from dlenv.options.config import TrainConfig
+from dlenv.runfolder import results
 from dlenv.train import loop
 
 REPO = Path(__file__).resolve().parents[1]
@@ -289,9 +290,9 @@ _SCRIPT = """
 import sys, torch
 from torch import nn
 sys.path.insert(0, {tests!r})
-import dlenv.models
+import dlenv.model.models
 from tinymodels import build_tiny
-dlenv.models.build_model = build_tiny
+dlenv.model.models.build_model = build_tiny
 from dlenv.cli import main
 raise SystemExit(main(["train", *sys.argv[1:]]))
 """
@@ -384,9 +385,9 @@ def test_config_yaml_records_each_setup_decision_and_why(tmp_path, data, tiny):
 
 
 def test_the_train_package_runs_nothing_of_the_trainer_for_its_loop():
-    """`from dlenv.train.loop import ...` (and dlenv.step, which autobatch and bench train with) loads the
+    """`from dlenv.train.loop import ...` (and dlenv.engine.step, which autobatch and bench train with) loads the
     loop alone: the package's face hands train/main on only when they are asked for."""
-    code = ("import sys, dlenv.train.loop, dlenv.step; "
+    code = ("import sys, dlenv.train.loop, dlenv.engine.step; "
             "print(sorted(m for m in sys.modules if m.startswith('dlenv.train')))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -422,10 +423,10 @@ def test_a_resume_is_exact_with_any_worker_count(tmp_path, data, tiny, capsys, r
 def test_the_decided_precision_is_what_the_run_file_keeps_and_val_uses(tmp_path, data, tiny, monkeypatch):
     """A CPU --amp run that the plan decided to train in fp32 (bf16 was slower on that CPU) is saved as
     fp32, not as `amp: true, amp_dtype: auto`, which val on that CPU would have read as bf16."""
-    import dlenv.precision
-    from dlenv.trained import trained_precision
+    import dlenv.engine.precision
+    from dlenv.runfolder.trained import trained_precision
 
-    monkeypatch.setattr(dlenv.precision, "decide_precision",
+    monkeypatch.setattr(dlenv.engine.precision, "decide_precision",
                         lambda *a, **k: ("fp32", "auto: fp32, bf16 was slower for this model on this CPU"))
     out = train_mod.train(tiny_config(tmp_path, data, amp=True, epochs=1))
     assert out["precision"] == "fp32"

@@ -13,20 +13,21 @@ import torch
 import yaml
 from tinymodels import Tiny, tiny_config
 
-from dlenv import compat, config
+from dlenv import compat
 from dlenv import train as train_mod
-from dlenv.config import TrainConfig
+from dlenv.options import config
+from dlenv.options.config import TrainConfig
+from dlenv.options.values import on_off_auto, ratio_or_auto
 from dlenv.runfolder import results
 from dlenv.runfolder.trainstate import read_config_notes
 from dlenv.train import auto
-from dlenv.values import on_off_auto, ratio_or_auto
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
 
 def _probe(precision: str = "bf16", channels_last: bool = True) -> auto.Probe:
     """What --checkpoint-ratio auto probes with: resnet18 of 4 classes at 32 px on a (fake) GPU."""
-    from dlenv.models import build_model
+    from dlenv.model.models import build_model
 
     return auto.Probe("resnet18", lambda: build_model("resnet18", 4), 4, 32, precision, CUDA, channels_last)
 MIN = auto.COMPILE_MIN_BATCHES
@@ -251,7 +252,7 @@ def test_cause_chain_follows_inner_exception_and_cause_and_stops_on_a_cycle():
     pytest.param({"checkpoint_ratio": "0"}, 0.0, "--checkpoint-ratio 0", marks=pytest.mark.slow),
 ])
 def test_checkpoint_ratio_off_the_gpu(tmp_path, data, given, want_ratio, says, capsys):
-    import dlenv.models
+    import dlenv.model.models
 
     out = train_mod.train(tiny_config(tmp_path, data, epochs=1, max_steps=1, model="resnet18", checkpoint=True,
                               deterministic=False, **given))
@@ -262,7 +263,7 @@ def test_checkpoint_ratio_off_the_gpu(tmp_path, data, given, want_ratio, says, c
     assert len(start) == 1 and ("checkpointing" in start[0]) == (want_ratio > 0)
     if want_ratio:
         assert f" checkpointing {round(want_ratio * 8)} of 8 blocks |" in start[0]
-    blocks = dlenv.models.find_blocks(dlenv.models.build_model("resnet18", 2))
+    blocks = dlenv.model.models.find_blocks(dlenv.model.models.build_model("resnet18", 2))
     assert len(blocks) == 8  # resnet18's BasicBlocks: the ratio's denominator
 
 
@@ -333,7 +334,7 @@ def test_no_checkpoint_leaves_no_checkpoint_rule(tmp_path, data, tiny):
 
 
 def _search(blocks, n, fits_all=True):
-    from dlenv.autobatch import CheckpointSearch
+    from dlenv.engine.autobatch import CheckpointSearch
 
     return lambda *a, **k: CheckpointSearch(blocks, n, fits_all)
 
@@ -354,9 +355,9 @@ def _broken(*a, **k):
     (_oom, 1.0, "may still not fit"),
 ])
 def test_checkpoint_ratio_auto_takes_the_probes_answer(probe, ratio, says, monkeypatch):
-    import dlenv.autobatch
+    import dlenv.engine.autobatch
 
-    monkeypatch.setattr(dlenv.autobatch, "fewest_checkpoint_blocks", probe)
+    monkeypatch.setattr(dlenv.engine.autobatch, "fewest_checkpoint_blocks", probe)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Fake GPU")
     said: list = []
     c = config.build(TrainConfig, checkpoint=True, batch_size=64, model="resnet18")
@@ -369,7 +370,7 @@ def test_the_model_is_built_checkpointed_at_the_planned_ratio(ratio):
     """dlenv.train.parts wraps the first round(ratio x blocks) blocks, exactly as the plan counts them."""
     from types import SimpleNamespace
 
-    from dlenv.models import build_model, find_blocks, is_checkpointed
+    from dlenv.model.models import build_model, find_blocks, is_checkpointed
     from dlenv.train import parts
 
     plan = SimpleNamespace(model=SimpleNamespace(build=lambda: build_model("resnet18", 4), check=lambda m: None),
@@ -385,18 +386,18 @@ def test_the_model_is_built_checkpointed_at_the_planned_ratio(ratio):
     ({"checkpoint_ratio": 0.25}, 0.25, "--checkpoint-ratio 0.25"),
 ])
 def test_checkpoint_ratio_auto_does_not_probe_when_nothing_to_decide(given, ratio, says, monkeypatch):
-    import dlenv.autobatch
+    import dlenv.engine.autobatch
 
-    monkeypatch.setattr(dlenv.autobatch, "fewest_checkpoint_blocks", _broken)  # never called
+    monkeypatch.setattr(dlenv.engine.autobatch, "fewest_checkpoint_blocks", _broken)  # never called
     c = config.build(TrainConfig, checkpoint=True, model="resnet18", **given)
     got, why = auto.checkpoint_ratio(c, 8, _probe(), 64, print)
     assert got == ratio and says in why
 
 
 def test_checkpoint_ratio_auto_lets_a_real_error_through(monkeypatch):
-    import dlenv.autobatch
+    import dlenv.engine.autobatch
 
-    monkeypatch.setattr(dlenv.autobatch, "fewest_checkpoint_blocks", _broken)
+    monkeypatch.setattr(dlenv.engine.autobatch, "fewest_checkpoint_blocks", _broken)
     c = config.build(TrainConfig, checkpoint=True, batch_size=64, model="resnet18")
     with pytest.raises(RuntimeError, match="own bug"):
         auto.checkpoint_ratio(c, 8, _probe(), 64, print)

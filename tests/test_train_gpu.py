@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlenv import config, memory
 from dlenv import train as train_mod
-from dlenv.config import TrainConfig
+from dlenv.engine import memory
 from dlenv.errors import UserError
-from dlenv.runfolder import results, runstate
+from dlenv.files import runstate
+from dlenv.options import config
+from dlenv.options.config import TrainConfig
+from dlenv.runfolder import results
 from dlenv.train import loop
 
 # whole_gpu: these fill the card to an out-of-memory, cap it or compare speeds (conftest); one worker
@@ -77,7 +79,7 @@ def test_oom_during_training_is_retried_with_auto(tmp_path, monkeypatch):
     calls = {"n": 0}
 
     def fb(parts, images, targets, weight, **k):
-        # the training loop's calls only: the --batch-size auto probe steps through dlenv.step directly
+        # the training loop's calls only: the --batch-size auto probe steps through dlenv.engine.step directly
         calls["n"] += 1
         if calls["n"] == 2:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
@@ -104,7 +106,8 @@ def test_monitor_and_diagnose_on_the_gpu():
 @pytest.mark.parametrize("name", ["adamw", "sgd"])
 def test_cuda_optimizers_step_in_few_kernels_and_resume_exactly(name):
     """Fused AdamW (foreach SGD) on CUDA; a step after save + load equals the uninterrupted one."""
-    from dlenv import compat, optim
+    from dlenv import compat
+    from dlenv.engine import optim
 
     def make():
         torch.manual_seed(0)
@@ -151,7 +154,7 @@ def test_checkpoint_ratio_auto_recomputes_only_what_the_card_needs(tmp_path):
     """Uncapped, a ResNet-50 batch of 128 at 160 px fits without recompute: no block is checkpointed.
     With the card capped below that run's peak, auto checkpoints some blocks, the run fits, and its
     peak is under the cap."""
-    from dlenv.models import build_model, find_blocks
+    from dlenv.model.models import build_model, find_blocks
 
     n = len(find_blocks(build_model("resnet50", 10)))
     kw = dict(model="resnet50", img_size=160, batch_size=128, amp=True, checkpoint=True, max_steps=3)

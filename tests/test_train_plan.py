@@ -15,7 +15,8 @@ import math
 import pytest
 import torch
 
-from dlenv import compat, distributed
+from dlenv import compat
+from dlenv.cluster import distributed
 from dlenv.train import plan
 
 CPU = torch.device("cpu")
@@ -37,7 +38,7 @@ def watched(monkeypatch):
     import dlenv.data.imagesize
     import dlenv.data.loaders
     import dlenv.data.pipeline
-    import dlenv.models
+    import dlenv.model.models
 
     calls: list = []
     _forbid(monkeypatch, dlenv.data.pipeline, "build", calls)
@@ -52,7 +53,7 @@ def watched(monkeypatch):
         calls.append(("model", weights, torch.empty(0).device.type))  # where tensors are made: meta or cpu
         return _Blocks(num_classes)
 
-    monkeypatch.setattr(dlenv.models, "build_model", build)
+    monkeypatch.setattr(dlenv.model.models, "build_model", build)
     return calls
 
 

@@ -1,4 +1,4 @@
-"""dlenv.trained: the one way a trained model is opened (val, predict, prune, export): what it returns for
+"""dlenv.runfolder.trained: the one way a trained model is opened (val, predict, prune, export): what it returns for
 each kind of file, the kinds a command refuses, --classes and --img-size, the precision a run trained in,
 and the saved options it checks. small_cnn at 32 px, CPU only."""
 
@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dlenv import compat, config
+from dlenv import compat
 from dlenv.errors import UserError
-from dlenv.models import build_model
-from dlenv.runfolder.runstate import FORMAT, save_state
-from dlenv.trained import CHECKPOINT, STATE_DICT, TORCHSCRIPT, open_trained, trained_precision
-from dlenv.weights import SAFE, LoadPolicy
+from dlenv.files.runstate import FORMAT, save_state
+from dlenv.files.weights import SAFE, LoadPolicy
+from dlenv.model.models import build_model
+from dlenv.options import config
+from dlenv.runfolder.trained import CHECKPOINT, STATE_DICT, TORCHSCRIPT, open_trained, trained_precision
 
 CLASSES = ["cat", "dog", "fox"]
 SIZE = 32

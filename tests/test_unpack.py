@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from dlenv import cli, config
+from dlenv import cli
 from dlenv.data import unpack as archive
 from dlenv.data.unpack import MARKER, guard
 from dlenv.errors import UserError
+from dlenv.options import config
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -261,7 +262,7 @@ def test_links_inside_are_kept(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The marker: unpack's own record that a folder came out of an archive (dlenv.modelsource reads it).
+# The marker: unpack's own record that a folder came out of an archive (dlenv.model.modelsource reads it).
 
 MARKER_CASES = {  # what the archive holds at the marker's name, besides a dataset
     "nothing there": ("zip", []),

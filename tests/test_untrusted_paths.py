@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 from imagedata import make_image_folder
 
-from dlenv import cfgfile, config
 from dlenv.errors import EXIT_INPUT, EXIT_OK, UserError
+from dlenv.options import cfgfile, config
 
 ROOT = Path(__file__).resolve().parents[1]
 #: seconds a row may take before it counts as hung (imports on a loaded 2-core machine take a few)

@@ -1,4 +1,4 @@
-"""dlenv.usermodel: references, model arguments, importing a user's file, the checks on what its
+"""dlenv.model.usermodel: references, model arguments, importing a user's file, the checks on what its
 factory returns, provenance, and blocks a model names itself. (When code a weights file names is
 imported: test_modelsource.py.)"""
 
@@ -11,10 +11,11 @@ import torch
 from torch import nn
 from usermodels import isolated_imports, one_line, write, write_project
 
-from dlenv import config, modelsource, usermodel, values
-from dlenv.config import TrainConfig
 from dlenv.errors import UserError
-from dlenv.models import apply_checkpointing, build_model, find_blocks
+from dlenv.model import modelsource, usermodel
+from dlenv.model.models import apply_checkpointing, build_model, find_blocks
+from dlenv.options import config, values
+from dlenv.options.config import TrainConfig
 
 
 @pytest.fixture

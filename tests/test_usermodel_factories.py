@@ -1,4 +1,4 @@
-"""Factories called the way their authors wrote them (dlenv.usermodel._class_call): the class count by
+"""Factories called the way their authors wrote them (dlenv.model.usermodel._class_call): the class count by
 keyword where the signature names it, into **kwargs for timm-style entrypoints, and a guess shown in one
 line otherwise; kuangliu/pytorch-cifar-shaped classes train without a wrapper or fail with the fix."""
 
@@ -10,9 +10,9 @@ import pytest
 from imagedata import make_train_val, train_config
 from usermodels import isolated_imports, write_cifar
 
-from dlenv import models
 from dlenv import train as train_mod
 from dlenv.errors import UserError
+from dlenv.model import models
 
 
 @pytest.fixture

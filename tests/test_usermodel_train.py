@@ -24,14 +24,16 @@ from imagedata import make_train_val
 from test_checkpointing import _assert_same, _compare_plain_and_checkpointed, _train_step
 from usermodels import MODELS, RESNET, isolated_imports, write_project
 
-from dlenv import cli, compat, config, models, usermodel, values
+from dlenv import cli, compat
 from dlenv import train as train_mod
 from dlenv.compress import export_main, prune_main
-from dlenv.config import ExportConfig, PruneConfig, TrainConfig, ValConfig
+from dlenv.engine.precision import Precision
 from dlenv.errors import UserError
 from dlenv.evaluate import main as val_main
-from dlenv.precision import Precision
-from dlenv.runfolder import runstate
+from dlenv.files import runstate
+from dlenv.model import models, usermodel
+from dlenv.options import config, values
+from dlenv.options.config import ExportConfig, PruneConfig, TrainConfig, ValConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -248,7 +250,7 @@ def test_a_changed_file_is_refused_and_named_again_warns_in_one_line(trained, pr
     path.write_text(path.read_text() + "\n# a comment changes the hash, not the weights\n")
     with pytest.raises(UserError, match="is not the file it was trained with"):
         _val(trained)  # not the code the run recorded: not imported unless the user names it
-    with caplog.at_level(logging.WARNING, logger="dlenv.modelsource"):
+    with caplog.at_level(logging.WARNING, logger="dlenv.model.modelsource"):
         assert _val(trained, model="models/resnet.py:build") == 0
     assert [m for m in caplog.messages if "differs from the file this checkpoint was trained with" in m] == [
         m for m in caplog.messages if "models/resnet.py" in m] and len(caplog.messages) == 1
@@ -307,7 +309,7 @@ def test_resume_with_ema_is_bit_exact(project):
 def test_batch_size_auto_probes_the_same_model(project, monkeypatch):
     """The probe builds the model as the run does: the factory with its arguments (a GPU measures it:
     tests/test_usermodel_train.py::test_gpu_...)."""
-    import dlenv.autobatch as autobatch
+    import dlenv.engine.autobatch as autobatch
     from dlenv.train import auto
 
     built = []

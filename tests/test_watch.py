@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from dlenv import cli, config
+from dlenv import cli
 from dlenv.errors import UserError
+from dlenv.options import config
 from dlenv.watch import advice, probes, run
 
 GIB = 1024 ** 3

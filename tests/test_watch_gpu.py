@@ -11,9 +11,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dlenv import config  # noqa: E402
 from dlenv import train as train_mod  # noqa: E402
-from dlenv.config import TrainConfig  # noqa: E402
+from dlenv.options import config  # noqa: E402
+from dlenv.options.config import TrainConfig  # noqa: E402
 from dlenv.runfolder import results  # noqa: E402
 from dlenv.watch import run as watch_run  # noqa: E402
 

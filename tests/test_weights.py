@@ -1,5 +1,5 @@
-"""Weights files from elsewhere (dlenv.weights, dlenv.pickleguard, dlenv.runfolder.runstate's loading): what loads
-without consent, what is refused before any of it runs, what --trust-pickle opens, safetensors of any
+"""Weights files from elsewhere (dlenv.files.weights, dlenv.files.pickleguard, dlenv.files.runstate's loading): what
+loads without consent, what is refused before any of it runs, what --trust-pickle opens, safetensors of any
 origin, and the code a weights file names.
 
 Every table runs on both lanes (torch 1.13.1 and 2.x): the allowlist does not depend on torch's own
@@ -26,12 +26,12 @@ import pytest
 import torch
 
 import dlenv
-from dlenv import compat, pickleguard, torchfile, weights
+from dlenv import compat
 from dlenv.cli import main as cli_main
 from dlenv.errors import UserError
-from dlenv.models import build_model
-from dlenv.runfolder import runstate
-from dlenv.weights import SAFE, LoadPolicy
+from dlenv.files import pickleguard, runstate, torchfile, weights
+from dlenv.files.weights import SAFE, LoadPolicy
+from dlenv.model.models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZE = 32
@@ -364,7 +364,7 @@ def test_consent_opens_what_torch_allows_and_only_from_the_command_line(trained,
 @pytest.mark.parametrize("typed, in_yaml, want", [(None, True, False), (True, False, True), ("true", True, True),
                                                   (None, False, False)])
 def test_only_the_command_line_can_consent(typed, in_yaml, want):
-    from dlenv import config
+    from dlenv.options import config
 
     cfg = config.build(config.ValConfig, trust_pickle=in_yaml)  # as a --cfg file would set it
     given = {} if typed is None else {"trust_pickle": typed}

@@ -1,6 +1,6 @@
 """Tiny models that stand in for torchvision's in tests, so a run of the real trainer takes a blink
 (importable as `tinymodels` from any test module, and from the scripts tests run with tests/ on
-sys.path). tests/conftest.py's `tiny` and `wide` fixtures patch dlenv.models.build_model with them.
+sys.path). tests/conftest.py's `tiny` and `wide` fixtures patch dlenv.model.models.build_model with them.
 """
 
 from __future__ import annotations
@@ -45,13 +45,13 @@ class Wide(nn.Module):
 
 
 def build_tiny(name: str, num_classes: int, weights: Any = None, **kw: Any) -> Tiny:
-    """dlenv.models.build_model's stand-in: "tiny-nonorm" is Tiny without BatchNorm and dropout, any
+    """dlenv.model.models.build_model's stand-in: "tiny-nonorm" is Tiny without BatchNorm and dropout, any
     other name the plain Tiny."""
     return Tiny(num_classes, norm=False, dropout=0.0) if name == "tiny-nonorm" else Tiny(num_classes)
 
 
 def build_wide(name: str, num_classes: int, weights: Any = None, **kw: Any) -> Wide:
-    """dlenv.models.build_model's stand-in that builds Wide."""
+    """dlenv.model.models.build_model's stand-in that builds Wide."""
     return Wide(num_classes)
 
 

@@ -94,7 +94,7 @@ def serve(root: Path):
 def isolated_cache(monkeypatch, folder: Path) -> Path:
     """`folder` as the working folder, with no cache, offline or mirror setting of this machine's
     environment reaching the code under test; returns `folder`."""
-    from dlenv import pretrained
+    from dlenv.model import pretrained
 
     monkeypatch.chdir(folder)
     for k in ("TORCH_HOME", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", pretrained.OFFLINE_ENV,

@@ -12,10 +12,10 @@ __version__ = "0.1.0"
 
 # name -> module that defines it; resolved lazily by __getattr__ below.
 _LAZY = {
-    "Precision": "dlenv.precision",
-    "apply_checkpointing": "dlenv.models",
-    "build_model": "dlenv.models",
-    "MemoryMonitor": "dlenv.memory",
+    "Precision": "dlenv.engine.precision",
+    "apply_checkpointing": "dlenv.model.models",
+    "build_model": "dlenv.model.models",
+    "MemoryMonitor": "dlenv.engine.memory",
     "train": "dlenv.train",
 }
 

@@ -1,6 +1,6 @@
 """`dlenv VERB [options]` (and `python -m dlenv VERB [options]`, through dlenv.__main__).
 
-Parses flags generated from `dlenv.config`, builds the frozen config, imports the one function that
+Parses flags generated from `dlenv.options.config`, builds the frozen config, imports the one function that
 does the work and calls it. `run_command` is the one place every verb's failures end, for `dlenv VERB`
 and the invoke tasks alike: a `UserError`, or a fault of the machine (full disk, read-only folder,
 permission, ...: `dlenv.errors.environment_fault`) or the host out of RAM (`host_memory_line`, naming the
@@ -24,7 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from dlenv import __version__, helptext, invocation
+from dlenv import __version__, invocation
 from dlenv.errors import (
     BUG_REPORT,
     EXIT_BUG,
@@ -44,11 +44,12 @@ from dlenv.errors import (
     stop,
     stop_received,
 )
+from dlenv.options import helptext
 
 
 def _add_options(parser: argparse.ArgumentParser, cls: type, command: str) -> None:
-    """The command's flags from its options, in the groups dlenv.helptext names for it (one block else)."""
-    from dlenv import config  # lazy: `dlenv --help` lists the verbs without the option declarations
+    """The command's flags from its options, in the groups dlenv.options.helptext names for it (one block else)."""
+    from dlenv.options import config  # lazy: `dlenv --help` lists the verbs without the option declarations
 
     fields = {f.name: f for f in config.options(cls)}
     groups = helptext.GROUPS.get(command)
@@ -62,7 +63,7 @@ def _add_options(parser: argparse.ArgumentParser, cls: type, command: str) -> No
 
 
 def _add_option(parser: Any, f: Any) -> None:
-    from dlenv import config  # lazy: as in _add_options
+    from dlenv.options import config  # lazy: as in _add_options
 
     md = f.metadata
     default = f"(default: {f.default})" if f.default not in (None, False, ()) else ""
@@ -83,8 +84,8 @@ def _add_option(parser: Any, f: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Every verb's parser, its flags generated from dlenv.config (`dlenv --help` is `helptext.top_help`)."""
-    from dlenv import config  # lazy: as in _add_options
+    """Every verb's parser, its flags generated from dlenv.options.config (`dlenv --help` is `helptext.top_help`)."""
+    from dlenv.options import config  # lazy: as in _add_options
 
     # no abbreviations anywhere: `--nam x` taken for --name got past the Slurm script's guard on --name and
     # --project, and a flag added later would change what an abbreviation in someone's script means
@@ -166,7 +167,9 @@ def _stoppable():
 
 def run_command(name: str, given: dict[str, Any], yaml_file: str | None = None) -> int:
     """Build `name`'s config from `given` flags (and a YAML file) and run it; returns the exit code."""
-    from dlenv import config, pathcheck, weights  # lazy: as in _add_options
+    from dlenv import pathcheck  # lazy: as in _add_options
+    from dlenv.files import weights
+    from dlenv.options import config
     cmd = config.COMMANDS[name]
     loading = True
     cfg = None
@@ -222,7 +225,7 @@ def _stopped(name: str | None, signum: int, loading: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     """`dlenv VERB ...`: its exit status. A stop signal from here on ends it in one line (`_stoppable`)."""
     words = sys.argv[1:] if argv is None else list(argv)
-    if words in ([], ["-h"], ["--help"]):  # the verbs by group, from dlenv.helptext alone: at once
+    if words in ([], ["-h"], ["--help"]):  # the verbs by group, from dlenv.options.helptext alone: at once
         print(helptext.top_help(__version__))
         return EXIT_INPUT if not words else 0
     try:

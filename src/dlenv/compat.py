@@ -98,7 +98,7 @@ def is_compiling() -> bool:
 
 
 #: torch.load(weights_only=True) can be trusted with a file from anyone: before 2.10 a crafted file can
-#: run code through it (CVE-2025-32434, fixed in 2.6; CVE-2026-24747, fixed in 2.10). dlenv.weights
+#: run code through it (CVE-2025-32434, fixed in 2.6; CVE-2026-24747, fixed in 2.10). dlenv.files.weights
 #: asks for consent (or its own signature) before unpickling where this is False.
 WEIGHTS_ONLY_TRUSTED = TORCH_VERSION >= (2, 10)
 

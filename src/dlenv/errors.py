@@ -19,7 +19,7 @@ from typing import NoReturn
 
 # Every exit status a dlenv command ends with, in this one table (docs/faults.md shows it; a test
 # checks that the two agree and that no two meanings share a value). A launcher reads them: torchrun's
-# wrapper (dlenv.launch) must tell the rank that failed (a full disk: EXIT_FAULT) from the ranks that
+# wrapper (dlenv.cluster.launch) must tell the rank that failed (a full disk: EXIT_FAULT) from the ranks that
 # only saw it go (EXIT_PEER), so no two meanings may share a number.
 EXIT_OK = 0
 EXIT_BUG = 1             #: an error dlenv did not expect: traceback, then BUG_REPORT
@@ -248,7 +248,7 @@ def sizes_said(batch_size: object = None, img_size: object = None, workers: obje
 def host_memory_line(exc: BaseException, batch_size: object = None, img_size: object = None,
                      workers: object = None, accum_steps: object = None) -> str | None:
     """The one line for the host running out of RAM (`host_memory_short`), as CUDA's out-of-memory has
-    (dlenv.memory.oom_message): what failed, at which sizes, and what to try in order; None when `exc` is
+    (dlenv.engine.memory.oom_message): what failed, at which sizes, and what to try in order; None when `exc` is
     not that. The suggestions use the flags the command has (those given here, not None)."""
     what = host_memory_short(exc)
     if what is None:

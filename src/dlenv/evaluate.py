@@ -29,10 +29,10 @@ from typing import Any
 import torch
 
 from dlenv import invocation
-from dlenv.atomic import check_output, write_bytes
+from dlenv.cluster.devices import resolve_device
 from dlenv.data.folder import class_key
-from dlenv.devices import resolve_device
 from dlenv.errors import EXIT_NONFINITE, UserError, need_folder
+from dlenv.files.atomic import check_output, write_bytes
 
 #: the report files `main` writes, in the order it writes them
 REPORT_FILES = ("metrics.json", "per_class.csv", "confusion_matrix.csv", "confusion_matrix.png", "errors.csv")
@@ -47,11 +47,11 @@ def predict(model: torch.nn.Module, loader: Any, device: torch.device | str, amp
     """Run `model` (moved to `device`, in eval mode) over `loader`'s (images, labels) batches.
 
     `mode` ("fp32", "fp16", "bf16") is the precision of the forward, through the toolkit's one
-    mixed-precision path; without it `amp` picks bf16/fp16 as `dlenv.precision` chooses for the device.
+    mixed-precision path; without it `amp` picks bf16/fp16 as `dlenv.engine.precision` chooses for the device.
     `progress` shows a time-based bar (a line every few seconds in a log) named `what`. Returns (logits, targets):
     a float32 CPU tensor [N, num_classes] and an int64 CPU tensor [N], in the loader's order.
     """
-    from dlenv.precision import Precision, resolve_precision
+    from dlenv.engine.precision import Precision, resolve_precision
     from dlenv.progress import Progress
 
     device = torch.device(device)
@@ -91,12 +91,12 @@ def _cpu_bf16_autocast_works() -> bool:
 def val_precision(asked: str, amp: bool, trained: str | None, device: torch.device) -> tuple[str, str]:
     """(mode, why) to validate in: `asked` unless "auto", else the precision the model trained in.
 
-    `trained` is dlenv.trained.Trained.precision: fp32, amp (the device's dtype), fp16 or bf16, None when
+    `trained` is dlenv.runfolder.trained.Trained.precision: fp32, amp (the device's dtype), fp16 or bf16, None when
     the file does not say (fp32). A dtype this device lacks falls back (fp16 on a CPU -> bf16; bf16 on a
     GPU without it -> fp16; no CPU bf16 -> fp32) and `why` says so. Raises UserError for an explicit
     dtype this device cannot run.
     """
-    from dlenv.precision import resolve_precision
+    from dlenv.engine.precision import resolve_precision
 
     if asked != "auto":
         mode = "fp32" if asked == "fp32" else resolve_precision(True, asked, device)
@@ -311,7 +311,7 @@ def plot_confusion(cm: list[list[int]], class_names: list[str], title: str | Non
 
 def write_reports(out: Path, metrics: dict[str, Any], errors: list[dict[str, Any]]) -> list[Path]:
     """Write the five report files into `out` (created if needed), each atomically; returns their paths."""
-    from dlenv.plots import save_figure
+    from dlenv.runfolder.plots import save_figure
 
     out.mkdir(parents=True, exist_ok=True)
     names = metrics["class_names"]
@@ -444,8 +444,8 @@ def main(cfg: Any) -> int:
     that is missing or has other classes than the checkpoint, or a bad --device.
     """
     from dlenv.data.loaders import build_eval_loader
-    from dlenv.trained import CHECKPOINT, STATE_DICT, open_trained
-    from dlenv.weights import LoadPolicy
+    from dlenv.files.weights import LoadPolicy
+    from dlenv.runfolder.trained import CHECKPOINT, STATE_DICT, open_trained
 
     if not cfg.weights:
         raise UserError("--weights is required: the checkpoint to validate (e.g. runs/exp/best_model.pth)")

@@ -1,6 +1,6 @@
 """Predictions on unlabelled images: `dlenv predict --weights best_model.pth --source photos/`.
 
-The model is opened by dlenv.trained.open_trained, as `dlenv val` opens it (the guarded load under the
+The model is opened by dlenv.runfolder.trained.open_trained, as `dlenv val` opens it (the guarded load under the
 command's --trust-pickle, the check of the saved options, the rebuild with the rule for a model of your
 own), so a file val refuses is refused here in the same words; predict also takes an ONNX export (run
 by onnxruntime) and, with consent, a TorchScript one. Its preprocessing is val's too: resize and centre
@@ -12,14 +12,14 @@ crop at the model's image size, its normalisation and resampling, in the precisi
 line (the first few named, then counted: dlenv.data.badimages); nothing readable at all is an error.
 Up to SHOWN images get one line each on the terminal (class and probability); at the default place a
 few images leave no run folder (`keeps_run`: one call per photo would litter runs/predict/). Otherwise
-the results go to runs/predict/<name>/predictions.csv, written whole or not at all (dlenv.atomic):
+the results go to runs/predict/<name>/predictions.csv, written whole or not at all (dlenv.files.atomic):
 path, frame (for a video), tta, then class_i and prob_i for i = 1..top-k. `--json` prints the same
 as JSON lines on stdout; `--save-images` writes annotated copies into <run>/images/ and, for more than
 one image, contact sheets (a grid of thumbnails, each with its top class and probability) into <run>/.
 
 A TorchScript export is a program: torch.jit.load runs the code it holds, so it opens only with
 --trust-pickle, and since it stores neither class names nor image size, with --classes and --img-size.
-An ONNX export carries both in its metadata (dlenv.onnxmodel).
+An ONNX export carries both in its metadata (dlenv.files.onnxmodel).
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ from typing import Any
 
 import torch
 
-from dlenv import safeio
-from dlenv.atomic import write_atomic, write_file
 from dlenv.data.folder import IMAGE_EXTS, is_image
 from dlenv.errors import UserError, printable
 from dlenv.evaluate import csv_cell
-from dlenv.trained import Trained
+from dlenv.files import safeio
+from dlenv.files.atomic import write_atomic, write_file
+from dlenv.runfolder.trained import Trained
 
 #: file name endings `--source FILE` reads as a video (anything else named alone is read as an image)
 VIDEO_EXTS = frozenset({".mp4", ".avi", ".mov", ".mkv", ".webm", ".m4v", ".mpg", ".mpeg", ".wmv"})
@@ -69,9 +69,9 @@ class Source:
 
 
 def open_model(cfg: Any, device: torch.device, say: Any = print) -> Trained:
-    """The model cfg.weights holds (any kind dlenv.trained opens), with --classes and --img-size."""
-    from dlenv.trained import open_trained
-    from dlenv.weights import LoadPolicy
+    """The model cfg.weights holds (any kind dlenv.runfolder.trained opens), with --classes and --img-size."""
+    from dlenv.files.weights import LoadPolicy
+    from dlenv.runfolder.trained import open_trained
 
     return open_trained(cfg.weights, LoadPolicy.of(cfg), cfg.model, verb="predict", classes=cfg.classes,
                         img_size=cfg.img_size, device=device, say=say)
@@ -387,7 +387,7 @@ def main(cfg: Any) -> int:
     Raises UserError for a missing or unreadable source or model (see `find_source`, `open_model`), a
     source with nothing readable in it, and NaN or inf outputs.
     """
-    from dlenv.devices import resolve_device
+    from dlenv.cluster.devices import resolve_device
     from dlenv.evaluate import val_precision
     from dlenv.runfolder import BEST, new_run_dir
 
@@ -438,7 +438,7 @@ def keeps_run(cfg: Any, n: int, video: bool) -> bool:
     """Whether predict writes a run folder (predictions.csv): for more than SHOWN images, a video, or when
     asked (--save-images, a --project, --name or --exist-ok of the user's). A few images, at the default
     place, are answered on the terminal only, so that one call per photo leaves no runs/predict/expN."""
-    from dlenv.predict_options import PredictConfig
+    from dlenv.options.predict_options import PredictConfig
 
     default = PredictConfig()
     asked = cfg.save_images or cfg.exist_ok or cfg.project != default.project or cfg.name != default.name

@@ -323,7 +323,7 @@ def tensorboard_launch(cfg: Any, environ: Mapping[str, str], *, python: str) -> 
 
 def tensorboard(cfg: Any) -> int:
     """`dlenv tensorboard`: becomes TensorBoard on cfg.log_dir (returns only by raising UserError)."""
-    from dlenv.server_options import TensorboardConfig
+    from dlenv.options.server_options import TensorboardConfig
 
     if not installed("tensorboard"):
         raise UserError(f"TensorBoard is not installed in this Python ({sys.executable}); the dlenv image has it, "

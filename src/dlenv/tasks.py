@@ -1,10 +1,10 @@
-"""The invoke tasks, generated from `dlenv.config` so each flag is declared once.
+"""The invoke tasks, generated from `dlenv.options.config` so each flag is declared once.
 
 `tasks.py` at the project root only does `from dlenv.tasks import ns`. In the image, /etc/invoke.yaml
 (docker/etc/invoke.yaml here) sets invoke's search root to /opt/dlenv, so `invoke VERB` reaches these
 tasks from any folder, whatever is mounted there and whatever tasks.py or tasks/ a project has; the
 project's own tasks run with `invoke -r . TASK`. Every task is one call into
-`dlenv.cli.run_command`; `invoke --list` imports this module and `dlenv.config`, never torch.
+`dlenv.cli.run_command`; `invoke --list` imports this module and `dlenv.options.config`, never torch.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from typing import Any
 from invoke import Argument, Collection, Task, task
 from invoke.exceptions import Exit
 
-from dlenv import config, invocation
+from dlenv import invocation
 from dlenv.cli import FULL_HELP, run_command, run_tests
+from dlenv.options import config
 
 
 class NotGiven:

@@ -1,4 +1,4 @@
-"""The bench commands, each over the trainer's own step (dlenv.step.train_step).
+"""The bench commands, each over the trainer's own step (dlenv.engine.step.train_step).
 
     memory.py         `dlenv bench-memory`: FP32 / AMP / checkpointing / both, each in a fresh worker process
     memory_worker.py  the measuring inside one such process

@@ -87,12 +87,12 @@ def measure_loader(loader: Iterable, batches: int, device: Any = None, warmup: i
 def measure_model(model_name: str, num_classes: int, batch_size: int, img_size: int, device: Any,
                   precision_mode: str, batches: int, warmup: int = 3) -> float:
     """Training images/s of a torchvision model on one random batch kept on `device` (no loader), with
-    the trainer's own step (dlenv.step.train_step)."""
+    the trainer's own step (dlenv.engine.step.train_step)."""
     import torch
 
-    from dlenv.models import build_model, is_convolutional
-    from dlenv.precision import Precision
-    from dlenv.step import Parts, train_step
+    from dlenv.engine.precision import Precision
+    from dlenv.engine.step import Parts, train_step
+    from dlenv.model.models import build_model, is_convolutional
 
     device = torch.device(device)
     torch.backends.cudnn.benchmark = device.type == "cuda"
@@ -154,7 +154,7 @@ def main(cfg: Any) -> int:
 
     import torch
 
-    from dlenv.cpus import usable_cpus
+    from dlenv.cluster.devices import resolve_device
     from dlenv.data import pipeline
     from dlenv.data.decode import stored_size
     from dlenv.data.plan import (
@@ -165,8 +165,8 @@ def main(cfg: Any) -> int:
         prefer_engines,
         prefer_nvjpeg,
     )
-    from dlenv.devices import resolve_device
-    from dlenv.precision import DTYPES, resolve_precision
+    from dlenv.engine.precision import DTYPES, resolve_precision
+    from dlenv.options.cpus import usable_cpus
 
     device = resolve_device(cfg.device)
     located = pipeline.locate(cfg.data)

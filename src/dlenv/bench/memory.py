@@ -8,12 +8,12 @@ starts from the same seeded weights and trains on the same seeded batch, so the 
 N steps shows what AMP and checkpointing cost in accuracy (nothing measurable, or they are wrong).
 
 The auto-ratio row is AMP with only as many of the model's repeated blocks checkpointed as this
-GPU needs for the batch: a worker first searches the fewest that fit (dlenv.autobatch.
+GPU needs for the batch: a worker first searches the fewest that fit (dlenv.engine.autobatch.
 fewest_checkpoint_blocks, as `--checkpoint-ratio auto` does), then another measures AMP with those.
 
 Per configuration: peak memory allocated and reserved over the timed steps, images/s, both as
 ratios to FP32, the loss at step N, and with --max-batch the largest batch that fits (real training
-steps, doubling then bisection, see dlenv.autobatch). A second table compares the allocator
+steps, doubling then bisection, see dlenv.engine.autobatch). A second table compares the allocator
 settings this PyTorch offers on a workload that fragments (batch and image size change every step):
 fragmentation = 1 - peak allocated / peak reserved, measured rather than repeated from articles.
 
@@ -39,9 +39,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dlenv.atomic import write_atomic, write_text
 from dlenv.bench.workers import Stop, run_worker, stoppable
 from dlenv.errors import EXIT_SIGHUP, EXIT_SIGINT, EXIT_SIGTERM
+from dlenv.files.atomic import write_atomic, write_text
 
 GIB = 1024 ** 3
 NUM_CLASSES = 1000  # a named model's head with --num-classes auto: ImageNet-sized, as in the articles' tables

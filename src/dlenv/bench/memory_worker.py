@@ -1,9 +1,9 @@
 """Inside a bench-memory worker process: one configuration measured, written as JSON for the parent.
 
 `python -m dlenv.bench.memory_worker --worker SPEC --result FILE` (dlenv.bench.memory.run_worker
-starts it) builds the seeded model of SPEC and runs the trainer's own step (dlenv.step.train_step)
+starts it) builds the seeded model of SPEC and runs the trainer's own step (dlenv.engine.step.train_step)
 on one seeded batch: `measure` times warm-up + N steps and reads the peaks, `measure_max_batch`
-searches the largest batch that fits (dlenv.autobatch), `measure_checkpoint_search` the fewest
+searches the largest batch that fits (dlenv.engine.autobatch), `measure_checkpoint_search` the fewest
 checkpointed blocks that fit the batch (the auto-ratio row), `measure_allocator` trains on a batch and
 image size that change every step under the PYTORCH_CUDA_ALLOC_CONF the parent set. A CUDA
 out-of-memory is a result ("oom"), not a crash; a UserError goes back to the parent as one; any other
@@ -11,7 +11,7 @@ exception is one line for the table ("error", naming the line of the user's mode
 stderr, which the parent keeps in the output folder's log.
 
 The model is measured as it is: a spec without num_classes (bench-memory's auto) takes the class count
-from the model's own output (one forward of two images, `dlenv.usermodel.output_classes`), so a factory
+from the model's own output (one forward of two images, `dlenv.model.usermodel.output_classes`), so a factory
 that fixes its head (kuangliu's `ResNet18()`: 10 classes) trains on targets in its range.
 """
 
@@ -30,13 +30,13 @@ import torch
 
 from dlenv.bench.memory import GIB, NO_SEARCH_ON_CPU, NUM_CLASSES, SEED, fragmentation_schedule
 from dlenv.compat import is_oom
+from dlenv.engine.step import Parts, train_step
 from dlenv.errors import UserError, first_line, host_memory_short
-from dlenv.step import Parts, train_step
 
 
 def _parts(model: Any, mode: str, dev: torch.device, fmt: torch.memory_format) -> Parts:
     """The trainer's step around `model`: SGD with momentum, one Precision for `mode`."""
-    from dlenv.precision import Precision
+    from dlenv.engine.precision import Precision
 
     return Parts.plain(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), Precision(mode, dev), fmt)
 
@@ -44,8 +44,8 @@ def _parts(model: Any, mode: str, dev: torch.device, fmt: torch.memory_format) -
 def _build(spec: dict[str, Any]) -> Any:
     """The spec's model, seeded (the same initial weights in every configuration), and its class count
     written into the spec: the one asked for, or with none asked the model's own (see the docstring)."""
-    from dlenv import usermodel
-    from dlenv.models import build_model
+    from dlenv.model import usermodel
+    from dlenv.model.models import build_model
 
     asked = spec.get("num_classes")
     if asked is None:  # the factory's own note ("its output must already have N classes") does not apply
@@ -67,9 +67,9 @@ def _channels(spec: dict[str, Any]) -> int:
 def _setup(spec: dict[str, Any], checkpoint: bool = True):
     """Device, model (seeded, checkpointed as the spec asks unless `checkpoint` is False, channels_last as
     asked) and precision mode for a spec; the spec's num_classes is set (`_build`)."""
-    from dlenv.devices import resolve_device
-    from dlenv.models import apply_checkpointing, is_convolutional
-    from dlenv.precision import resolve_precision
+    from dlenv.cluster.devices import resolve_device
+    from dlenv.engine.precision import resolve_precision
+    from dlenv.model.models import apply_checkpointing, is_convolutional
 
     dev = resolve_device(spec["device"])
     if spec.get("gpu_memory_gib") and dev.type == "cuda":
@@ -163,7 +163,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _factory(spec: dict[str, Any]):
     """A model factory for the probes: the spec's seeded model, built afresh."""
-    from dlenv.models import build_model
+    from dlenv.model.models import build_model
 
     def factory():
         torch.manual_seed(spec.get("seed", SEED))
@@ -174,7 +174,7 @@ def _factory(spec: dict[str, Any]):
 
 def measure_max_batch(spec: dict[str, Any]) -> dict[str, Any]:
     """The largest batch whose real training steps fit this configuration (run inside a worker; CUDA only)."""
-    from dlenv.autobatch import make_train_step_probe, search_max_batch
+    from dlenv.engine.autobatch import make_train_step_probe, search_max_batch
 
     dev, model, conv, mode, fmt = _setup(spec)
     out = dict(_env_info(dev, spec), convolutional=conv, precision=mode, status="ok")
@@ -195,11 +195,11 @@ def measure_max_batch(spec: dict[str, Any]) -> dict[str, Any]:
 def measure_checkpoint_search(spec: dict[str, Any]) -> dict[str, Any]:
     """The fewest of the model's repeated blocks to checkpoint for the spec's batch to fit (in a worker).
 
-    Runs `dlenv.autobatch.fewest_checkpoint_blocks` at the spec's precision: status "ok" with
+    Runs `dlenv.engine.autobatch.fewest_checkpoint_blocks` at the spec's precision: status "ok" with
     ckpt_blocks, ckpt_n_blocks, ckpt_ratio, ckpt_fits_all, ckpt_tries and ckpt_search_s; status
     "skipped" with the reason on a CPU.
     """
-    from dlenv.autobatch import fewest_checkpoint_blocks
+    from dlenv.engine.autobatch import fewest_checkpoint_blocks
 
     dev, model, conv, mode, fmt = _setup(spec, checkpoint=False)
     out = dict(_env_info(dev, spec), convolutional=conv, precision=mode, status="ok")
@@ -245,7 +245,7 @@ def measure_allocator(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _where(e: BaseException, model: Any) -> str:
     """' at line N of FILE' for the deepest frame of `e` in the user's model file, or ''."""
-    from dlenv import usermodel
+    from dlenv.model import usermodel
 
     if not (isinstance(model, str) and usermodel.is_reference(model)):
         return ""

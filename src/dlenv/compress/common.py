@@ -1,6 +1,6 @@
 """What dlenv.compress works on and how it measures it.
 
-A command starts from a dlenv checkpoint opened by dlenv.trained.open_trained (`open_checkpoint`): the
+A command starts from a dlenv checkpoint opened by dlenv.runfolder.trained.open_trained (`open_weights`): the
 model rebuilt from it, its class names, image size and preprocessing. Data for re-validation comes
 from `--data` or the data the checkpoint was trained on (the same rules as `dlenv val`). The
 measurements are the ones every compress report prints: top-1 on that data, parameters, serialized
@@ -23,12 +23,12 @@ import torch
 
 from dlenv import compat
 from dlenv.errors import UserError
-from dlenv.trained import Trained
-from dlenv.weights import SAFE, LoadPolicy
+from dlenv.files.weights import SAFE, LoadPolicy
+from dlenv.runfolder.trained import Trained
 
 
-def open_checkpoint(weights: str | None, verb: str, policy: LoadPolicy = SAFE, model: str | None = None) -> Trained:
-    """The dlenv checkpoint `weights` (--weights) names, opened by dlenv.trained.open_trained (model on the
+def open_weights(weights: str | None, verb: str, policy: LoadPolicy = SAFE, model: str | None = None) -> Trained:
+    """The dlenv checkpoint `weights` (--weights) names, opened by dlenv.runfolder.trained.open_trained (model on the
     CPU, in eval mode) under `policy` (--trust-pickle); `model` is --model (a model of your own named again).
 
     Raises UserError when --weights is missing, the file is missing/corrupt/unsafe, it is not a dlenv
@@ -36,7 +36,7 @@ def open_checkpoint(weights: str | None, verb: str, policy: LoadPolicy = SAFE, m
     weights don't fit the architecture.
     """
     from dlenv.runfolder import BEST
-    from dlenv.trained import CHECKPOINT, open_trained
+    from dlenv.runfolder.trained import CHECKPOINT, open_trained
 
     if not weights:
         raise UserError(f"--weights is required: the checkpoint to {verb} (e.g. runs/exp/{BEST})")

@@ -7,7 +7,7 @@ and the report says so); the largest absolute difference from PyTorch's output a
 top-1 classes are reported, and only a file within `tolerance` is renamed into place:
 
     onnx         onnxruntime (in requirements.txt); the file also carries the class names, image size,
-                 normalisation and resampling as metadata (dlenv.onnxmodel), so `dlenv predict` runs it
+                 normalisation and resampling as metadata (dlenv.files.onnxmodel), so `dlenv predict` runs it
                  with nothing else given
     torchscript  torch.jit.load of the written file
 
@@ -31,11 +31,11 @@ from typing import Any
 import torch
 
 from dlenv import compat
-from dlenv.atomic import check_output, write_atomic
 from dlenv.compress import common, quantize
 from dlenv.errors import UserError, first_line
-from dlenv.trained import Trained
-from dlenv.weights import LoadPolicy
+from dlenv.files.atomic import check_output, write_atomic
+from dlenv.files.weights import LoadPolicy
+from dlenv.runfolder.trained import Trained
 
 _SUFFIX = {"onnx": ".onnx", "torchscript": ".torchscript.pt", "safetensors": ".safetensors"}
 
@@ -117,7 +117,7 @@ def run_exported(path: Path, fmt: str, inputs: torch.Tensor, device: torch.devic
             return loaded(inputs).float().cpu(), "TorchScript (torch.jit.load of the file)"
     import onnxruntime as ort
 
-    from dlenv import onnxmodel
+    from dlenv.files import onnxmodel
 
     try:
         sess = onnxmodel.session(path, device)
@@ -159,7 +159,7 @@ def export_onnx_int8(cfg: Any, src: Trained, inputs: torch.Tensor, loader: Any, 
     """`export --format onnx --quantize int8`: the float ONNX export quantized by onnxruntime (QDQ, calibrated,
     dlenv.compress.quantize.onnx_int8), run by onnxruntime's CPU provider on the check images against the
     float model, then the float-vs-int8 table (top-1 on the data, file size, CPU latency). Returns 0."""
-    from dlenv import onnxmodel
+    from dlenv.files import onnxmodel
 
     cpu = torch.device("cpu")
     model = common.cpu_copy(src.model)
@@ -229,10 +229,10 @@ def main(cfg: Any) -> int:
     (then nothing is written: whatever was at the output path stays).
     """
     _check_options(cfg)
-    src = common.open_checkpoint(cfg.weights, "export", LoadPolicy.of(cfg), cfg.model)
+    src = common.open_weights(cfg.weights, "export", LoadPolicy.of(cfg), cfg.model)
     out = output_path(cfg, src.path)
-    if cfg.format == "safetensors":  # weights, not a program: written, read back, compared (dlenv.runfolder.runstate)
-        from dlenv.runfolder import runstate
+    if cfg.format == "safetensors":  # weights, not a program: written, read back, compared (dlenv.files.runstate)
+        from dlenv.files import runstate
 
         return runstate.export_safetensors(src.ckpt, src.model, out)
     inputs, loader, described = _check_inputs(cfg, src)
@@ -262,7 +262,7 @@ def main(cfg: Any) -> int:
             compat.jit_save(compat.jit_trace(model, example), buf)
             tmp.write_bytes(buf.getvalue())
         else:
-            from dlenv import onnxmodel
+            from dlenv.files import onnxmodel
 
             compat.onnx_export(model, example, tmp, cfg.opset)
             onnxmodel.write_metadata(tmp, onnxmodel.metadata(list(src.class_names), src.img_size, src.norm,

@@ -8,12 +8,12 @@ shrinks. The report says so in one line.
 
 Structured (`--structured`): whole channels are removed, following the model's dependencies
 (dlenv.compress.channels, Torch-Pruning), until about `amount` of the parameters are gone. The model
-really is smaller and faster; its checkpoint records the new layer widths (dlenv.shrink), so `val`,
+really is smaller and faster; its checkpoint records the new layer widths (dlenv.model.shrink), so `val`,
 `predict` and `export` rebuild it from the architecture's name and those numbers (never from code in the
 file). Before writing, the checkpoint is rebuilt that way and must give the pruned model's outputs.
 
 `--finetune-epochs N` trains the pruned model on the checkpoint's training data through the trainer's
-own step (dlenv.step.train_step). Unstructured pruning keeps its masks attached meanwhile (the weight is
+own step (dlenv.engine.step.train_step). Unstructured pruning keeps its masks attached meanwhile (the weight is
 weight_orig * mask on every forward, so pruned weights stay exactly zero), then makes them permanent.
 
 The report: top-1, parameters, file size (raw and zipped), CPU latency (median, p10-p90) and, on a
@@ -29,10 +29,10 @@ import torch
 from torch import nn
 from torch.nn.utils import prune as tprune
 
-from dlenv.atomic import check_output
 from dlenv.compress import common
 from dlenv.errors import UserError
-from dlenv.weights import LoadPolicy
+from dlenv.files.atomic import check_output
+from dlenv.files.weights import LoadPolicy
 
 #: Layer types whose `weight` is pruned.
 PRUNABLE = (nn.modules.conv._ConvNd, nn.Linear)
@@ -95,8 +95,8 @@ def finetune(model: nn.Module, loader: Any, device: torch.device, epochs: int, l
     """Train `model` for `epochs` with SGD (momentum 0.9, cosine to 0) through the trainer's step; returns
     the mean loss of each epoch. Masked weights (unstructured pruning) stay zero: their gradient is zero and
     the forward multiplies by the mask anyway."""
-    from dlenv.precision import Precision
-    from dlenv.step import Parts, train_step
+    from dlenv.engine.precision import Precision
+    from dlenv.engine.step import Parts, train_step
 
     model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -122,12 +122,12 @@ def finetune(model: nn.Module, loader: Any, device: torch.device, epochs: int, l
 def pruned_checkpoint(ckpt: dict[str, Any], model: nn.Module, info: dict[str, Any],
                       widths: dict[str, list[int]] | None = None) -> dict[str, Any]:
     """The input checkpoint with the pruned weights: same format, config and class names, and for a
-    channel-pruned model the layer `widths` it is rebuilt at (dlenv.shrink).
+    channel-pruned model the layer `widths` it is rebuilt at (dlenv.model.shrink).
 
     Optimizer, scaler, scheduler and EMA states described the dense weights, so they are dropped
     (None): the result is for validation, prediction and export.
     """
-    from dlenv.runfolder.runstate import environment
+    from dlenv.files.runstate import environment
 
     state = dict(ckpt)
     state["model"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
@@ -169,9 +169,9 @@ def _output_path(cfg: Any, src_path: Path) -> Path:
 
 
 def _check_rebuilt(state: dict[str, Any], pruned: nn.Module, example: torch.Tensor, source: str) -> None:
-    """Rebuild the channel-pruned checkpoint as val and predict will (dlenv.models from the name and the
+    """Rebuild the channel-pruned checkpoint as val and predict will (dlenv.model.models from the name and the
     widths) and compare its outputs with the pruned model's; raise UserError when they differ."""
-    from dlenv.models import model_from_state
+    from dlenv.model.models import model_from_state
 
     rebuilt = model_from_state(state, source=source)[0].eval()
     with torch.no_grad():
@@ -183,8 +183,8 @@ def _check_rebuilt(state: dict[str, Any], pruned: nn.Module, example: torch.Tens
 
 def _structured(src: Any, amount: float) -> tuple[nn.Module, dict[str, Any], dict[str, list[int]]]:
     """(the channel-pruned copy of src.model, report fields, the widths to record)."""
-    from dlenv import shrink
     from dlenv.compress import channels
+    from dlenv.model import shrink
 
     example = torch.randn(1, 3, src.img_size, src.img_size)
     dense = src.model.cpu().eval()
@@ -227,11 +227,11 @@ def main(cfg: Any) -> int:
     or has no class names, data that is missing or has other classes, a model whose channels cannot be
     removed or rebuilt, or a bad --device.
     """
-    from dlenv.devices import resolve_device
-    from dlenv.runfolder.runstate import save_state
+    from dlenv.cluster.devices import resolve_device
+    from dlenv.files.runstate import save_state
 
     amount = check_amount(cfg.amount)
-    src = common.open_checkpoint(cfg.weights, "prune", LoadPolicy.of(cfg), cfg.model)
+    src = common.open_weights(cfg.weights, "prune", LoadPolicy.of(cfg), cfg.model)
     out = _output_path(cfg, src.path)
     device = resolve_device(cfg.device)
     root, loader = common.eval_loader(cfg.data, src, cfg.batch_size, cfg.workers)

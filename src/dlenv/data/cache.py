@@ -36,11 +36,11 @@ from tokenize import TokenError
 
 import numpy as np
 
-from dlenv.atomic import write_atomic, write_bytes, write_file
 from dlenv.data.badimages import KnownBad, bad_image_reason, first_readable, skipped_line
 from dlenv.data.decode import decode_stored
 from dlenv.errors import UserError
-from dlenv.safeio import SMALL_FILE, open_regular, read_regular
+from dlenv.files.atomic import write_atomic, write_bytes, write_file
+from dlenv.files.safeio import SMALL_FILE, open_regular, read_regular
 
 log = logging.getLogger("dlenv.data")
 

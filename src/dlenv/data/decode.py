@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from dlenv.safeio import IMAGE_FILE, open_regular
+from dlenv.files.safeio import IMAGE_FILE, open_regular
 
 #: the CPU decoders `decode_rgb` and `decode_stored` know
 CPU_DECODERS = ("pil", "cv2", "tvio")

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dlenv.data.loaders import IMAGENET_MEAN, IMAGENET_STD
-from dlenv.pretrained import INTERPOLATIONS
+from dlenv.model.pretrained import IMAGENET_MEAN, IMAGENET_STD, INTERPOLATIONS
 
 #: eval crops this fraction of the shorter side (torchvision: Resize(256) then CenterCrop(224))
 EVAL_CROP = 224 / 256

@@ -25,7 +25,7 @@ def _header_size(path: str) -> tuple[int, int] | None:
 
     from PIL import Image
 
-    from dlenv.safeio import IMAGE_FILE, open_regular
+    from dlenv.files.safeio import IMAGE_FILE, open_regular
 
     try:
         with warnings.catch_warnings():

@@ -23,17 +23,16 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from dlenv.cpus import auto_workers, usable_cpus, workers_that_fit
 from dlenv.data.badimages import SKIPPED_SHOWN, BadImageError, KnownBad, first_readable, note_skipped, skipped_line
 from dlenv.data.decode import decode_rgb, load_rgb, stored_size
 from dlenv.data.sampler import ResumableSampler, SeededDraws, lone_last
 from dlenv.errors import UserError
+from dlenv.model.pretrained import IMAGENET_MEAN, IMAGENET_STD
+from dlenv.options.cpus import auto_workers, usable_cpus, workers_that_fit
 
 log = logging.getLogger("dlenv.data")
 
 #: ImageNet channel statistics, the normalization every torchvision model expects.
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 #: batches each worker prepares ahead; also used to size the /dev/shm check.
 PREFETCH_FACTOR = 4
 

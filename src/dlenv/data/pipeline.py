@@ -153,7 +153,7 @@ def build(located: Located, plan: Any, device: Any, dist: Any, *, dtype: torch.d
     dataset trains on this rank's share of a resumable sampler and validates on its own shard, without
     padding (the trainer's validation sums the shards); `say` prints what the cache decodes.
     """
-    from dlenv import distributed
+    from dlenv.cluster import distributed
     from dlenv.data.sampler import ResumableSampler
 
     device = torch.device(device)

@@ -178,7 +178,7 @@ class InputOptions:
         `decide_cache_mode`. The decoder: `resolve_decoder` (GPU decoders only when batches are augmented
         on a GPU and not cached), checked to run here (`gpu_unavailable`), and the best CPU decoder for
         what the GPU cannot decode. `norm`: the (mean, std) pretrained weights were trained with
-        (dlenv.pretrained), else ImageNet's; `interpolation`: their resampling, else bilinear.
+        (dlenv.model.pretrained), else ImageNet's; `interpolation`: their resampling, else bilinear.
         Raises UserError for an unknown or missing decoder, or a GPU decoder that cannot run on `device`.
         """
         device = torch.device(device)
@@ -427,7 +427,7 @@ def mean_pixels(paths: Sequence[str]) -> float:
     """Mean width x height of these images, from their headers (no decoding); unreadable ones skipped."""
     from PIL import Image
 
-    from dlenv.safeio import IMAGE_FILE, open_regular
+    from dlenv.files.safeio import IMAGE_FILE, open_regular
 
     sizes = []
     for p in paths:

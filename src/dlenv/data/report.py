@@ -21,10 +21,10 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from dlenv.cpus import usable_cpus
 from dlenv.data.folder import _scan, similar_classes, special_line
 from dlenv.errors import UserError, printable
-from dlenv.safeio import IMAGE_FILE, open_regular
+from dlenv.files.safeio import IMAGE_FILE, open_regular
+from dlenv.options.cpus import usable_cpus
 
 # ---------------------------------------------------------------------------------------------------
 # Cheap per-file checks: size, magic bytes, and a format's end marker (a truncated file lacks it).

@@ -32,7 +32,7 @@ from dlenv.data.badimages import KnownBad, bad_image_reason, first_readable, not
 from dlenv.data.cache import DecodedCache
 from dlenv.data.decode import exif_orientation, is_jpeg, load_rgb, upright
 from dlenv.errors import UserError
-from dlenv.safeio import IMAGE_FILE, open_regular
+from dlenv.files.safeio import IMAGE_FILE, open_regular
 
 #: nvImageCodec's CPU threads (parsing, and its CPU fallback)
 NVIMGCODEC_THREADS = 2
@@ -396,9 +396,9 @@ def squash(images: list[torch.Tensor], size: int, channels_last: bool = False) -
 
 def _cache(samples: Sequence[tuple[str, int]], sampler: Any, plan: Any, device: torch.device,
            say: Callable[[str], None]) -> Source:
-    from dlenv.cpus import usable_cpus
     from dlenv.data.cache import build_cache
     from dlenv.data.decode import stored_size
+    from dlenv.options.cpus import usable_cpus
 
     # decoding threads of this process: every core helps, /dev/shm plays no part
     decoded = build_cache(samples, stored_size(plan.img_size), plan.cpu_decoder, plan.cache_mode, plan.cache_dir,

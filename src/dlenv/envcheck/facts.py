@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from dlenv import __version__
-from dlenv.cpus import auto_workers, usable_cpus
 from dlenv.envcheck.kernels import Kernel
 from dlenv.errors import first_line
+from dlenv.options.cpus import auto_workers, usable_cpus
 
 #: The trainer's default batch and image size, to size the /dev/shm the DataLoader workers need.
 TRAIN_BATCH, TRAIN_IMG = 32, 224

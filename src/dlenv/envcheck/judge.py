@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dlenv.cpus import SMALL_SHM, workers_that_fit
 from dlenv.envcheck.facts import Facts, Gpu
 from dlenv.envcheck.kernels import TOLERANCE
 from dlenv.envcheck.pins import MODERN_ENV_FILE, pin_matches
+from dlenv.options.cpus import SMALL_SHM, workers_that_fit
 
 #: Oldest Linux driver per CUDA major version (CUDA's minor version compatibility covers the rest).
 MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}

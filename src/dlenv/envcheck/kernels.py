@@ -56,7 +56,7 @@ def kernel_check(device: str, op: str, dtype: str) -> Kernel:
     """
     import torch
 
-    from dlenv.precision import DTYPES
+    from dlenv.engine.precision import DTYPES
 
     dt = DTYPES[dtype]
     shape_a, shape_b, fn = cases()[op]

@@ -2,7 +2,7 @@
 
     dlenv.runfolder             the folder: its name, its lock, `--resume auto`, the names of its files
     dlenv.runfolder.results     results.csv, one row per epoch (no torch: the plots read it)
-    dlenv.runfolder.runstate    the run-state files (last.pth, best_model.pth): their format,
+    dlenv.files.runstate    the run-state files (last.pth, best_model.pth): their format,
                                 `save_state` and `load_state`, atomic and safe
     dlenv.runfolder.trainstate  what the trainer keeps in them: its counters (TrainState), the saves of
                                 an epoch, config.yaml, and a --resume put back into a new run
@@ -20,22 +20,25 @@ leaves no lock, as the kernel releases a flock with its process. `find_resume` t
 `--resume PATH|auto` into a run-state path: auto is the newest `last.pth` under the project folder;
 `find_weights` turns a bare `--weights best_model.pth` (or `last.pth`) that names no file into the newest
 run's file, for val, predict, prune and export.
-The names of a run folder's files are written here once (LAST, BEST; dlenv.runfolder.runstate writes and
+The names of a run folder's files are written here once (LAST, BEST; dlenv.files.runstate writes and
 reads them). No torch here: importing any module of this package runs this one first.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import errno
 import fcntl
 import os
 import re
 import weakref
 from pathlib import Path
+from typing import Any
 
 from dlenv import invocation
 from dlenv.errors import UserError
+from dlenv.files import safeio
 
 LOCK_FILE = ".dlenv.lock"
 #: the run state a run saves each epoch (optimizer, RNG, position: what --resume needs)
@@ -206,3 +209,19 @@ def find_resume(resume: str, project: str | Path = "runs") -> Path:
         raise UserError(f"--resume {resume}: no such checkpoint; pass a {LAST} path "
                         f"(e.g. {project}/exp/{LAST}) or --resume auto")
     return path
+
+
+def resumed_device(cfg: Any) -> Any:
+    """`cfg` with the device of the run it resumes where the command names none (--device auto): a resume
+    goes on where the run was, a CPU run on the CPU. Read here, before any process starts (the GPU check
+    would refuse a CPU run), from the config.yaml beside the file (its `device:` line); the trainer takes
+    the same value from the file itself (dlenv.runfolder.trainstate.RESUME_FROM_RUN_UNLESS_GIVEN)."""
+    if not cfg.resume or cfg.device != "auto":
+        return cfg
+    try:
+        path = find_resume(cfg.resume, cfg.project)
+        text = safeio.read_text(path.parent / "config.yaml", what="config.yaml")
+    except (UserError, OSError):  # no file, or none beside it: the trainer says what is wrong
+        return cfg
+    found = re.search(r"^device: ([\w:]+)$", text, re.M)
+    return dataclasses.replace(cfg, device=found[1]) if found and found[1] != "auto" else cfg

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dlenv.atomic import write_atomic
 from dlenv.errors import with_path
+from dlenv.files.atomic import write_atomic
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """What the trainer keeps in a run's files, saved and restored side by side: its counters (`TrainState`),
 the saves of an epoch, config.yaml, and a --resume put back into a new run.
 
-`payload` is what last.pth holds (the format: dlenv.runfolder.runstate), `slim` the part of it best_model.pth
+`payload` is what last.pth holds (the format: dlenv.files.runstate), `slim` the part of it best_model.pth
 keeps (the weights people share, with the classes and the config: no optimizer, schedule or RNG
 state); `save_last` and `save_best` write them (atomically, through runstate); `open_resume` reads a
 --resume file and the options it was trained with, and `restore` puts its state into the new run's
@@ -30,12 +30,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlenv import config, modelsource, runfolder, weights
-from dlenv.atomic import remove_leftover_temps, write_text
-from dlenv.config import TrainConfig
+from dlenv import runfolder
+from dlenv.engine.step import NonFiniteLoss, Parts
 from dlenv.errors import UserError
-from dlenv.runfolder import runstate
-from dlenv.step import NonFiniteLoss, Parts
+from dlenv.files import runstate, weights
+from dlenv.files.atomic import remove_leftover_temps, write_text
+from dlenv.model import modelsource
+from dlenv.options import config
+from dlenv.options.config import TrainConfig
 
 #: Options a resumed run takes from the new command: where it runs, not what it computes.
 RESUME_FROM_COMMAND = ("device", "workers", "gpus", "nnodes", "node_rank", "master_addr", "master_port",
@@ -268,7 +270,7 @@ def restore(resume: Resume, parts: Parts, state: TrainState, sampler: Any, rank:
 
     Raises UserError when the optimizer state does not fit this model.
     """
-    from dlenv.optim import load_optimizer_state
+    from dlenv.engine.optim import load_optimizer_state
 
     ckpt = resume.ckpt
     runstate.load_model_state(parts.bare, ckpt["model"], resume.path)

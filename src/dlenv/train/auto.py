@@ -13,9 +13,9 @@ more; on a CPU the generated code gains little and the compile takes longest; Py
 torch.compile at all.
 
 --checkpoint-ratio auto recomputes the fewest of the repeated blocks that let the run's micro-batch
-fit on this GPU, found by real training steps (dlenv.autobatch.fewest_checkpoint_blocks). With
+fit on this GPU, found by real training steps (dlenv.engine.autobatch.fewest_checkpoint_blocks). With
 --batch-size auto the batch is chosen to fill the card with every block checkpointed, so all are;
-on a CPU none are (dlenv.precision.cpu_checkpoint_ratio: recomputing costs time there, to save memory
+on a CPU none are (dlenv.engine.precision.cpu_checkpoint_ratio: recomputing costs time there, to save memory
 a CPU run rarely lacks), and the start line names no checkpointing.
 """
 
@@ -28,7 +28,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from dlenv import compat, distributed
+from dlenv import compat
+from dlenv.cluster import distributed
 from dlenv.errors import UserError
 
 #: micro-batches per GPU from which --compile auto compiles: above the steps in which ResNet-50 --amp
@@ -105,13 +106,13 @@ def _checkpoint_ratio(cfg: Any, n: int, probe: Probe, micro_batch: int) -> Decis
         return Decision(1.0, "auto: the model has no repeated blocks")
     device = probe.device
     if device.type == "cpu":
-        from dlenv.precision import cpu_checkpoint_ratio
+        from dlenv.engine.precision import cpu_checkpoint_ratio
 
         return Decision(*cpu_checkpoint_ratio(n))
     if cfg.batch_size in ("auto", "max"):
         return Decision(1.0, f"auto: all {n} blocks (--batch-size {cfg.batch_size} measures the batch with every "
                              "block checkpointed)")
-    from dlenv.autobatch import fewest_checkpoint_blocks
+    from dlenv.engine.autobatch import fewest_checkpoint_blocks
 
     # what the input keeps on the GPU during training (--synthetic's batch) is held while probing
     held = torch.empty(probe.resident, dtype=torch.uint8, device=device) if probe.resident else None
@@ -140,12 +141,12 @@ def _checkpoint_ratio(cfg: Any, n: int, probe: Probe, micro_batch: int) -> Decis
 def auto_batch(probe: Probe, checkpoint: float | bool, upper: int, say: Callable[[str], None],
                mode: str = "auto") -> int:
     """The micro-batch `--batch-size auto` (the fastest per image among those that fit) or `max` (the largest
-    that fits) measures on this GPU (dlenv.autobatch), made even (when over 2) so that a CUDA out-of-memory
+    that fits) measures on this GPU (dlenv.engine.autobatch), made even (when over 2) so that a CUDA out-of-memory
     error later in the run can halve it exactly (dlenv.train.fit)."""
     if probe.device.type != "cuda":
         raise UserError(f"--batch-size {mode} measures GPU memory and needs a CUDA device; "
                         "give a number, e.g. --batch-size 32")
-    from dlenv.autobatch import fastest_batch, find_max_batch, make_train_step_probe
+    from dlenv.engine.autobatch import fastest_batch, find_max_batch, make_train_step_probe
 
     trial = make_train_step_probe(probe.build, probe.precision, checkpoint, probe.img_size, probe.num_classes,
                                   probe.device, channels_last=probe.channels_last)

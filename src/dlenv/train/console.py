@@ -31,7 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dlenv import distributed, invocation, progress
+from dlenv import invocation, progress
+from dlenv.cluster import distributed
 from dlenv.errors import EXIT_SIGHUP, EXIT_SIGINT, EXIT_SIGTERM, stop
 
 #: exit status for each stop signal (128 + its number, as shells report it)

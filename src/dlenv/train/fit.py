@@ -24,12 +24,16 @@ from typing import Any
 
 import torch
 
-from dlenv import compat, distributed, errors, finetune, memory, runfolder
+from dlenv import compat, errors, runfolder
+from dlenv.cluster import distributed
 from dlenv.data import pipeline
+from dlenv.engine import memory
+from dlenv.engine.step import NonFiniteLoss, Parts
 from dlenv.errors import EXIT_NONFINITE, EXIT_OOM, UserError, host_memory_line
-from dlenv.runfolder import results, runstate, trainstate
+from dlenv.files import runstate
+from dlenv.model import finetune
+from dlenv.runfolder import results, trainstate
 from dlenv.runfolder.trainstate import TrainState
-from dlenv.step import NonFiniteLoss, Parts
 from dlenv.train import console, loop
 from dlenv.train.loop import Replan
 from dlenv.train.plan import TrainPlan, per_rank
@@ -65,7 +69,7 @@ def fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Data
     A stop saves last.pth at the step boundary the loop stopped at. Non-finite losses and CUDA or host out
     of memory become one UserError each (exit 4 and 3) naming the last good checkpoint (an OOM under
     --batch-size auto re-plans instead, the data built again by `rebuild`, see the module doc); a
-    failed peer becomes dlenv.distributed.PeerFailure.
+    failed peer becomes dlenv.cluster.distributed.PeerFailure.
     """
     summary: dict[str, Any] = {"run_dir": str(run.dir) if run.dir else None, "status": "done", "exit_code": 0,
                                "precision": parts.precision.mode, "batch_size": state.micro_batch,
@@ -269,14 +273,14 @@ class _Epochs:
     def write_memory_report(self) -> None:
         """memory.md in the run folder (GPU runs): memory per phase of the step, and the allocator's state."""
         if self.run.is_main and self.monitor.enabled:
-            from dlenv.atomic import write_text
+            from dlenv.files.atomic import write_text
 
             # a report is a help, never a reason to fail: a run that just ran out of memory writes it too
             with contextlib.suppress(OSError, RuntimeError):
                 write_text(self.run.dir / "memory.md", memory.run_report(self.monitor))
 
     def oom_advice(self, state: TrainState) -> str:
-        """The CUDA out-of-memory message (dlenv.memory.oom_message); memory.md then holds the allocator's
+        """The CUDA out-of-memory message (dlenv.engine.memory.oom_message); memory.md then holds the allocator's
         state."""
         device = self.parts.device
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0

@@ -3,7 +3,7 @@ each accumulation window) and `validate`.
 
 Each micro-batch is an autocast forward and a backward of loss / (micro-batches in the accumulation
 window); at the window's end the optimizer steps through the one `Precision` object (unscale, clip,
-step or skip on fp16 overflow), then the schedule and the EMA. The step itself is dlenv.step's, the
+step or skip on fp16 overflow), then the schedule and the EMA. The step itself is dlenv.engine.step's, the
 one the --batch-size auto probe, bench-memory, bench-data and prune's fine-tuning train with too.
 The loop reads the GPU's numbers (loss, finiteness) only every CHECK_EVERY micro-batches, so the CPU
 stays ahead of the GPU as in a plain loop.
@@ -30,11 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlenv import compat, distributed
+from dlenv import compat
+from dlenv.cluster import distributed
+from dlenv.engine.memory import MemoryMonitor
+from dlenv.engine.step import NonFiniteLoss, Parts, forward_backward, optimizer_step
 from dlenv.errors import first_line
-from dlenv.memory import MemoryMonitor
 from dlenv.runfolder.trainstate import TrainState
-from dlenv.step import NonFiniteLoss, Parts, forward_backward, optimizer_step
 
 #: consecutive non-finite losses (or skipped fp16 steps) that stop a run
 NONFINITE_LIMIT = 20

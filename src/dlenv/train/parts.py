@@ -13,10 +13,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from dlenv import compat, distributed, finetune
+from dlenv import compat
+from dlenv.cluster import distributed
 from dlenv.data import pipeline
-from dlenv.precision import Precision
-from dlenv.step import Parts
+from dlenv.engine.precision import Precision
+from dlenv.engine.step import Parts
+from dlenv.model import finetune
 from dlenv.train.plan import TrainPlan
 
 
@@ -24,7 +26,7 @@ def build_model(decided: TrainPlan, device: torch.device) -> nn.Module:
     """The model on `device` in the planned memory format, with --weights or --pretrained, checkpointed at
     the planned ratio. Raises UserError for weights that do not fit or a model of your own whose output
     is not logits [N, classes]."""
-    from dlenv.models import apply_checkpointing
+    from dlenv.model.models import apply_checkpointing
 
     model = decided.model.build().to(device, memory_format=decided.memory_format)
     decided.model.check(model)  # logits [N, classes]? (own models)
@@ -43,7 +45,7 @@ def build_data(decided: TrainPlan, device: torch.device, dist: distributed.DistI
 
 def build_parts(decided: TrainPlan, model: nn.Module, device: torch.device) -> Parts:
     """Optimizer, warmup-cosine schedule, DDP, EMA, compile and one Precision around `model`, as planned."""
-    from dlenv.optim import ModelEma, build_optimizer, warmup_cosine
+    from dlenv.engine.optim import ModelEma, build_optimizer, warmup_cosine
 
     chosen, step = decided.optimizer, decided.step
     optimizer = build_optimizer(model, chosen.name, chosen.lr, chosen.weight_decay, chosen.momentum, chosen.nesterov,

@@ -16,7 +16,7 @@ What it reads and measures, and only when an option asks: the data folder's list
 headers for --img-size auto and the CPU recipe); the model's structure for --checkpoint and on a GPU
 (a copy built without weights, on PyTorch's meta device where it has one); real training steps for
 --batch-size auto and --checkpoint-ratio auto on a GPU and for --amp on a CPU (kept per machine,
-dlenv.precision); one forward of a model of your own, built without weights, to check it gives
+dlenv.engine.precision); one forward of a model of your own, built without weights, to check it gives
 logits before anything is probed. The run's random streams are left as the seed set them.
 
 A new decision is a field of `TrainPlan` holding an `auto.Decision` (value, why), made in `decide`
@@ -34,14 +34,18 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from dlenv import autobatch, compat, config, distributed, finetune, usermodel
-from dlenv.config import TrainConfig
+from dlenv import compat
+from dlenv.cluster import distributed
 from dlenv.data import pipeline
 from dlenv.data.demo import default_data, train_defaults
 from dlenv.data.plan import InputOptions, InputPlan
+from dlenv.engine import autobatch
+from dlenv.files.weights import SAFE, LoadPolicy
+from dlenv.model import finetune, usermodel
+from dlenv.options import config
+from dlenv.options.config import TrainConfig
 from dlenv.train import auto
 from dlenv.train.auto import Decision
-from dlenv.weights import SAFE, LoadPolicy
 
 
 @dataclass(frozen=True)
@@ -58,11 +62,11 @@ class ModelSpec:
     weights: str | None = None
     pretrained: finetune.Plan | None = None  # --pretrained: the weights and the fine-tuning recipe
     load_policy: LoadPolicy = SAFE  # what --trust-pickle allows for --weights
-    channels: int = 3               # --channels: 1 puts dlenv.grayscale's hook on the model
+    channels: int = 3               # --channels: 1 puts dlenv.model.grayscale's hook on the model
 
     @classmethod
     def resolve(cls, cfg: TrainConfig, located: pipeline.Located, fresh: bool) -> ModelSpec:
-        """The spec for `cfg`'s model on `located` data: the one place the trainer asks dlenv.usermodel
+        """The spec for `cfg`'s model on `located` data: the one place the trainer asks dlenv.model.usermodel
         about a model of your own. Raises UserError for arguments or a size the model refuses."""
         tune = finetune.Plan.of(cfg, fresh)
         size = _img_size(cfg.img_size, cfg.model, located, tune)
@@ -73,8 +77,8 @@ class ModelSpec:
     def build(self, with_weights: bool = True) -> nn.Module:
         """A new model on the CPU (with --weights or --pretrained unless `with_weights` is False: the
         probes')."""
-        from dlenv import grayscale
-        from dlenv.models import build_model
+        from dlenv.model import grayscale
+        from dlenv.model.models import build_model
 
         tune = self.pretrained if with_weights else None
         model = build_model(self.name, self.num_classes, weights=self.weights if with_weights else None,
@@ -93,7 +97,7 @@ class ModelSpec:
         """(whether the model is convolutional, its repeated blocks, the bytes of its weights and buffers):
         read from a copy built without weights, on the meta device where PyTorch has one (no memory, no
         initialisation)."""
-        from dlenv.models import find_blocks, is_convolutional
+        from dlenv.model.models import find_blocks, is_convolutional
 
         model = compat.build_on_meta(lambda: self.build(with_weights=False))
         size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
@@ -111,7 +115,7 @@ class ModelSpec:
         return self.pretrained.weights.interpolation if self.pretrained else "bilinear"
 
     def check(self, model: nn.Module) -> None:
-        """A model of your own must return logits [N, classes] (dlenv.usermodel.check_output)."""
+        """A model of your own must return logits [N, classes] (dlenv.model.usermodel.check_output)."""
         usermodel.check_output(model, self.name, self.num_classes, self.img_size.value)
 
 
@@ -203,7 +207,7 @@ class TrainPlan:
     @property
     def dtype(self) -> torch.dtype:
         """The dtype of the batches on the device path: the precision's compute dtype."""
-        from dlenv.precision import DTYPES
+        from dlenv.engine.precision import DTYPES
 
         return DTYPES[self.precision.value]
 
@@ -214,7 +218,7 @@ class TrainPlan:
     @property
     def recomputed_blocks(self) -> int:
         """How many blocks --checkpoint recomputes: the first round(ratio x blocks), as
-        dlenv.models.apply_checkpointing wraps them; 0 without --checkpoint, on a CPU's auto, or for a
+        dlenv.model.models.apply_checkpointing wraps them; 0 without --checkpoint, on a CPU's auto, or for a
         model without repeated blocks."""
         return int(round(self.checkpoint_ratio.value * self.blocks)) if self.checkpoint_ratio else 0
 
@@ -375,7 +379,7 @@ def _channels_last(cfg: TrainConfig, device: torch.device, convolutional: bool) 
 
 
 def _precision(cfg: TrainConfig, device: torch.device, spec: ModelSpec) -> Decision:
-    from dlenv.precision import cpu_amp_cache, cpu_bf16_native, cpu_probe_seconds, decide_precision
+    from dlenv.engine.precision import cpu_amp_cache, cpu_bf16_native, cpu_probe_seconds, decide_precision
 
     # CPU --amp: fp32 at once on a CPU without bf16 instructions; else a probe of a second, kept per machine
     return Decision(*decide_precision(cfg.amp, cfg.amp_dtype, device, cpu_probe_seconds, cache=cpu_amp_cache(),
@@ -405,7 +409,7 @@ def _batch_split(cfg: TrainConfig, dist: distributed.DistInfo, located: pipeline
 
 
 def _optimizer(cfg: TrainConfig, effective_batch: int, steps_per_epoch: int) -> OptimizerChoice:
-    from dlenv.optim import default_lr, default_weight_decay, resolve_optimizer
+    from dlenv.engine.optim import default_lr, default_weight_decay, resolve_optimizer
 
     total = cfg.epochs * steps_per_epoch
     name = resolve_optimizer(cfg.optimizer, total)

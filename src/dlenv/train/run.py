@@ -8,7 +8,7 @@
 
 Each epoch validates, appends a row to results.csv, saves last.pth (and best_model.pth on
 improvement) atomically, and on a GPU writes memory.md (memory per phase of the step and the
-allocator's state, dlenv.memory). Nothing is lost: SIGINT/SIGTERM/SIGHUP end the current optimizer step,
+allocator's state, dlenv.engine.memory). Nothing is lost: SIGINT/SIGTERM/SIGHUP end the current optimizer step,
 save last.pth (with sampler position and every rank's RNG states) and exit 130/143/129; `--resume`
 continues there, bit for bit on a CPU with --deterministic, with any number of ranks and workers (each
 sample's augmentation is drawn from its own seed, dlenv.data.sampler.SeededDraws). CUDA out of memory stops with advice
@@ -16,8 +16,8 @@ sample's augmentation is drawn from its own seed, dlenv.data.sampler.SeededDraws
 instead); a run of non-finite losses
 or skipped fp16 steps stops with exit 4. Neither overwrites the last good checkpoint.
 
-With --gpus N, `main` launches N processes through torchrun (dlenv.launch): each trains its share
-under DDP (dlenv.distributed), validation sums are reduced over all of them, and only rank 0 writes.
+With --gpus N, `main` launches N processes through torchrun (dlenv.cluster.launch): each trains its share
+under DDP (dlenv.cluster.distributed), validation sums are reduced over all of them, and only rank 0 writes.
 """
 
 from __future__ import annotations
@@ -29,11 +29,14 @@ from typing import Any
 
 import torch
 
-from dlenv import distributed, launch, memory, runfolder
-from dlenv.config import TrainConfig
-from dlenv.devices import resolve_device
+from dlenv import runfolder
+from dlenv.cluster import distributed, launch
+from dlenv.cluster.devices import resolve_device
+from dlenv.engine import memory
 from dlenv.errors import Stopped
-from dlenv.runfolder import results, runstate, trainstate
+from dlenv.files import runstate
+from dlenv.options.config import TrainConfig
+from dlenv.runfolder import results, trainstate
 from dlenv.runfolder.trainstate import TrainState
 from dlenv.train import console, parts, plan
 from dlenv.train.fit import Run, fit
@@ -43,7 +46,7 @@ def main(cfg: TrainConfig) -> int:
     """`dlenv train`: run `train(cfg)`, or with --gpus N launch N of them through torchrun; return the
     exit code (UserError propagates to the CLI)."""
     if launch.needs_launch(cfg):
-        return launch.launch(cfg)
+        return launch.launch(runfolder.resumed_device(cfg))
     return int(train(cfg)["exit_code"])
 
 

@@ -38,7 +38,7 @@ def plot(samples: Sequence[Sample], names: Sequence[str], path: Path, title: str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from dlenv.atomic import write_atomic
+    from dlenv.files.atomic import write_atomic
 
     t = [s.t for s in samples]
     panels = 3 if names else 1

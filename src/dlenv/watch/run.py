@@ -103,7 +103,7 @@ def watch(command: Sequence[str], out: Path, interval: float = 1.0, say=print) -
                                      signal.Signals._value2member_map_ else "")
     md = (f"# dlenv watch: {' '.join(command)}\n\n{len(samples)} samples every {interval:g} s over {seconds:.0f} s; "
           f"the command ended with {how}.\n\n{text}\n")
-    from dlenv.atomic import write_text
+    from dlenv.files.atomic import write_text
 
     write_text(out / "watch.md", md)
     if samples:

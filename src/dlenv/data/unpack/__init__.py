@@ -17,7 +17,7 @@ only when complete, so a refusal, a crash, Ctrl-C or `kill` leaves the destinati
 next run removes what an interrupted one left behind. `--overwrite` swaps the old folder out only
 after the new one is complete. The folder arrives with a `.dlenv-unpacked` file in its root (`MARKER`,
 written by unpack itself, whatever the archive held at that name): code anywhere under it never counts
-as the project's own model when a weights file names it (dlenv.modelsource), wherever it was unpacked.
+as the project's own model when a weights file names it (dlenv.model.modelsource), wherever it was unpacked.
 
 Real-world archives come out right: zip names stored in a Windows code page (GBK and others) are
 decoded to their real characters, backslash separators become folders, macOS/Windows junk
@@ -61,7 +61,7 @@ from dlenv.data.unpack.swap import (
     write_marker,
 )
 from dlenv.errors import EXIT_INPUT, UserError, printable
-from dlenv.safeio import open_regular
+from dlenv.files.safeio import open_regular
 
 __all__ = ["MARKER", "UnpackResult", "archive_stem", "clean_leftovers", "detect_format", "guess_name_codec", "main",
            "unpack"]

@@ -16,12 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from dlenv.errors import UserError
+from dlenv.files.safeio import UNPACKED_MARKER
 
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.unpack-(?P<pid>\d+)-(?P<kind>tmp|old)$")
-#: the file unpack leaves in the root of every folder it makes: what lies under it came from an archive,
-#: so no code in it counts as the project's own model (dlenv.modelsource); a hidden name the dataset
-#: scan skips
-MARKER = ".dlenv-unpacked"
+MARKER = UNPACKED_MARKER  # the file unpack leaves in the root of every folder it makes (dlenv.files.safeio)
 
 
 def write_marker(folder: Path, archive: Path) -> None:

@@ -1,0 +1,2 @@
+"""Where the processes run: the device and cores of each process, launching with torchrun, and DDP.
+"""
