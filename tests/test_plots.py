@@ -145,7 +145,7 @@ def test_find_runs_nested_and_itself(tmp_path):
 
 def test_plots_never_imports_torch(tmp_path):
     _make_run(tmp_path / "exp", epochs=2)
-    code = ("import sys\nfrom dlenv import plots\nplots.plot_log_dir(sys.argv[1])\n"
+    code = ("import sys\nfrom dlenv.runfolder import plots\nplots.plot_log_dir(sys.argv[1])\n"
             "print('TORCH' if 'torch' in sys.modules else 'CLEAN')")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "exp")], capture_output=True, text=True,
                        cwd=ROOT)

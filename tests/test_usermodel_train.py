@@ -219,8 +219,9 @@ def test_a_factory_taking_img_size_is_rebuilt_by_every_command(project, verb, im
 @pytest.mark.parametrize("verb", ["val", pytest.param("prune", marks=pytest.mark.slow), "export"])
 @pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
 def test_code_from_an_unpacked_archive_is_not_the_projects_model(trained, project, tmp_path, verb, suffix):
-    """Issue 34's case: `dlenv unpack pets.zip --dest datasets/pets` keeps net.py; a weights file in the
-    archive names it with its sha256. val, prune and export import it only when --model names it."""
+    """Issue 34's case: `dlenv unpack pets.zip --dest datasets/pets --keep-code` keeps net.py (without the
+    flag unpack leaves code out); a weights file in the archive names it with its sha256. val, prune and
+    export import it only when --model names it."""
     net = "import pathlib\npathlib.Path(__file__).with_name('RAN').touch()\n" + RESNET
     ref = "datasets/pets/net.py:build"
     ckpt = runstate.load_state(trained)
@@ -232,7 +233,8 @@ def test_code_from_an_unpacked_archive_is_not_the_projects_model(trained, projec
         z.writestr("pets/train/cat/0.jpg", b"jpg")
         z.writestr("pets/net.py", net)
         z.write(weights, f"pets/w{suffix}")
-    assert cli.main(["unpack", str(tmp_path / "pets.zip"), "--dest", "datasets/pets", "--no-report"]) == 0
+    assert cli.main(["unpack", str(tmp_path / "pets.zip"), "--dest", "datasets/pets", "--no-report",
+                     "--keep-code"]) == 0
     unpacked = project / "datasets" / "pets" / f"w{suffix}"
     with pytest.raises(UserError, match=r"names --model datasets/pets/net.py:build, datasets/pets/net.py, inside "
                                         r"datasets/pets/, which `dlenv unpack` wrote from an archive; importing it "
@@ -316,10 +318,10 @@ def test_batch_size_auto_probes_the_same_model(project, monkeypatch):
 
     def probe(factory, *a, **k):
         built.append(factory())
-        return type("P", (), {"close": lambda self: None})()
+        return type("P", (), {"close": lambda self: None, "rate": lambda self, b: 1.0})()
 
     monkeypatch.setattr(autobatch, "make_train_step_probe", probe)
-    monkeypatch.setattr(autobatch, "find_max_batch", lambda p, **k: 24)
+    monkeypatch.setattr(autobatch, "fastest_batch", lambda rate, **k: autobatch.BatchChoice(24, "a fake card"))
     from dlenv.train.plan import ModelSpec
 
     cuda = type("D", (), {"type": "cuda"})()
@@ -388,7 +390,7 @@ def test_two_processes_train_a_model_of_ones_own(project):
 def test_a_bad_model_is_one_line_from_the_command_line_and_writes_nothing(project):
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     (project / "models" / "broken.py").write_text("import torch\n\ndef build(num_classes):\n    return nn.Linear(2)\n")
-    for ref, says in [("models/nope.py:build", "models/nope.py not found in"),
+    for ref, says in [("models/nope.py:build", "models/nope.py:build: no such file"),
                       ("models/broken.py:build",
                        "build(num_classes=2) failed at line 4 of models/broken.py: NameError")]:
         p = subprocess.run([sys.executable, "-m", "dlenv", "train", "--model", ref, "--data", "data", "--device",

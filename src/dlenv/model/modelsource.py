@@ -38,7 +38,7 @@ from dlenv.model.usermodel import (
     same_reference,
     shown,
 )
-from dlenv.options.declare import IMG_SIZE_MAX  # the bound run-state files keep too (runfolder.runstate.MAX_IMG_SIZE)
+from dlenv.options.declare import IMG_SIZE_MAX  # the bound run-state files keep too (files.runstate.MAX_IMG_SIZE)
 
 log = logging.getLogger(__name__)
 
