@@ -118,6 +118,10 @@ def test_offline_without_the_file_is_one_line_and_exit_1(data, cwd, monkeypatch,
     (["--pretrained", "--model", "models/net.py:build"], "is your own: load its weights with --weights FILE"),
 ])
 def test_bad_combinations_are_one_line(data, cwd, capsys, args, match):
+    # the files they name are there: paths are checked first (dlenv.pathcheck), the combination is what is wrong
+    (cwd / "x.pth").write_bytes(b"")
+    (cwd / "models").mkdir(exist_ok=True)
+    (cwd / "models" / "net.py").write_text("")
     assert _cli("--model", "resnet18", *args, "--data", str(data)) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and match in err[0]

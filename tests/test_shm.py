@@ -116,6 +116,7 @@ LOADER_VERB = textwrap.dedent('''
             pass
 
     plots.main = read_all
+    os.makedirs("runs", exist_ok=True)  # plot's --log-dir is checked before the command runs
     raise SystemExit(cli.main(["plot"]))
 ''')
 
