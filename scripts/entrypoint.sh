@@ -34,7 +34,9 @@ if [ -f "$req" ] && [ -n "${PYTHONUSERBASE:-}" ] && [ "${DLENV_REQUIREMENTS:-on}
             echo "dlenv: $(head -n 1 "$PYTHONUSERBASE/requirements.failed")" >&2
         fi
     else
-        python -m dlenv.envcheck.projectreqs || true
+        # not `python -m`: it would put the mounted workspace first on sys.path, and an uploaded folder
+        # there named like a module (dlenv/, argparse.py) would run in place of ours at every start
+        python -c "import sys, runpy; sys.path[:1] == [''] and sys.path.pop(0); runpy.run_module('dlenv.envcheck.projectreqs', run_name='__main__', alter_sys=True)" || true
     fi
 fi
 exec "$@"

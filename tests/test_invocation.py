@@ -150,3 +150,24 @@ def test_python_m_runs_in_a_project_folder_of_its_own(tmp_path, planted):
     r = _run([sys.executable, "-m", "dlenv"], tmp_path)
     assert r.returncode == 0 and r.stdout.startswith("dlenv "), r.stderr
     assert not list(tmp_path.rglob("RAN"))
+
+
+@pytest.mark.parametrize("shadow", ["dlenv/__init__.py", "argparse.py", "json.py"])
+def test_a_child_module_start_does_not_run_the_working_folders_code(tmp_path, shadow):
+    """dlenv starts children (bench-memory's workers, JupyterLab) as `python -m` would, but not from the
+    working folder: an archive unpacked there with a `dlenv/` package or an `argparse.py` does not run."""
+    import subprocess
+    import sys
+
+    from dlenv.invocation import python_module
+
+    (tmp_path / shadow).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / shadow).write_text("open('RAN', 'w').write('shadow')\nraise SystemExit(7)\n")
+    r = subprocess.run([*python_module("dlenv.options.helptext"), "--x"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "RAN").exists()
+    plain = subprocess.run([sys.executable, "-m", "dlenv.options.helptext"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=120)
+    if shadow.startswith("dlenv"):  # `python -m` would have run it: what the helper avoids
+        assert (tmp_path / "RAN").exists() or plain.returncode == 7

@@ -52,7 +52,7 @@ def free_port() -> int:
 ])
 def test_the_address_each_server_listens_on(host, environ, bound):
     assert servers.listen_host(config.build(LabConfig, host=host).host, environ) == bound
-    assert lab_launch(environ, host=host).argv[4] == f"--ServerApp.ip={bound}"
+    assert f"--ServerApp.ip={bound}" in lab_launch(environ, host=host).argv
     tb = servers.tensorboard_launch(config.build(TensorboardConfig, host=host), environ, python="py")
     assert f"--host={bound}" in tb.argv
 
@@ -84,7 +84,7 @@ def test_a_bad_port_is_one_line(port):
 def test_the_lab_command_line():
     launch = lab_launch({"DLENV_IMAGE": "1", "HOME": "/"}, root="/", euid=0)
     argv = launch.argv
-    assert argv[:4] == ["/env/bin/python", "-m", "jupyterlab", "--no-browser"]
+    assert argv[0] == "/env/bin/python" and argv[1] == "-c" and argv[3:5] == ["jupyterlab", "--no-browser"]
     assert {"--ServerApp.port=8888", "--ServerApp.port_retries=0", "--ServerApp.root_dir=/",
             "--allow-root"} <= set(argv)
     # nothing that reaches the internet: no news, no update check, no PyPI listing of extensions
@@ -184,7 +184,7 @@ def test_dlenv_lab_prints_the_url_once_then_becomes_jupyterlab(execs, capsys, mo
     assert cli.main(["lab", "--port", str(port), "--root", str(tmp_path)]) == 0
     (path, argv, env), = execs
     token = env["JUPYTER_TOKEN"]
-    assert path == sys.executable and argv[1:3] == ["-m", "jupyterlab"] and len(token) == 48
+    assert path == sys.executable and argv[1] == "-c" and argv[3] == "jupyterlab" and len(token) == 48
     out = capsys.readouterr().out
     assert out.count(token) == 1 and f"http://127.0.0.1:{port}/lab?token={token}" in out
     assert f"--ServerApp.root_dir={tmp_path}" in argv

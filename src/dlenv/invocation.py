@@ -73,3 +73,17 @@ def _seed_script(used: str, verb: str) -> str | None:
         return None
     seed = Path(words[1]).parent / SEED_SCRIPTS[verb]
     return f"python {shlex.quote(str(seed))}" if seed.is_file() else None
+
+
+#: what `python -m MODULE` does, less the working folder first on sys.path (`-c` puts '' there, and it is
+#: taken out): an archive's code unpacked there (a `dlenv/` package, an `argparse.py`) must not stand in for
+#: the module dlenv starts in a child process
+_RUN_MODULE = ("import sys, runpy\n"
+               "if sys.path[:1] == ['']: del sys.path[0]\n"
+               "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)\n")
+
+
+def python_module(module: str, python: str | None = None) -> list[str]:
+    """The command line that runs `module` as `python -m module` would, without the working folder on
+    sys.path; append the module's own arguments."""
+    return [python or sys.executable, "-c", _RUN_MODULE, module]

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dlenv import invocation
 from dlenv.errors import EXIT_FAULT, UserError, need_folder, printable
 
 #: what the image installs (environment*.yml); named in the line that says the lab is missing
@@ -187,7 +188,7 @@ def lab_launch(cfg: Any, environ: Mapping[str, str], *, python: str, prefix: str
     env = {k: v for k, v in environ.items() if k != "MPLBACKEND"}  # the image's Agg would hide notebook figures
     env.update(dirs)
     env.update(auth_env)
-    argv = [python, "-m", "jupyterlab", "--no-browser",
+    argv = [*invocation.python_module("jupyterlab", python), "--no-browser",
             f"--ServerApp.ip={host}", f"--ServerApp.port={cfg.port}",
             "--ServerApp.port_retries=0",          # the published port or nothing: not 8889 behind -p 8888:8888
             f"--ServerApp.root_dir={root}",

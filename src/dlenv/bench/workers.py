@@ -13,13 +13,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
 from dlenv.errors import UserError
+from dlenv.invocation import python_module
 
 #: seconds a stopped worker's process group has after SIGTERM before SIGKILL
 STOP_GRACE_S = 2.0
@@ -85,8 +85,7 @@ def run_worker(spec: dict[str, Any], alloc_conf: str | None = None, timeout: flo
         shown = {k: spec.get(k) for k in ("mode", "amp", "checkpoint", "channels_last") if k in spec}
         out.write(f"--- worker {json.dumps(shown)}\n".encode())
     try:
-        cmd = [sys.executable, "-m", "dlenv.bench.memory_worker", "--worker", json.dumps(spec), "--result",
-               result_path]
+        cmd = [*python_module("dlenv.bench.memory_worker"), "--worker", json.dumps(spec), "--result", result_path]
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
