@@ -36,9 +36,10 @@ def _dlenv_loggers_enabled():
     dlenv's loggers off for every later test of that process; caplog would then see nothing."""
     import logging
 
+    logging.disable(logging.NOTSET)  # and a logging.disable left on by a library
     for name, logger in list(logging.Logger.manager.loggerDict.items()):
         if name.startswith("dlenv") and isinstance(logger, logging.Logger):
-            logger.disabled = False
+            logger.disabled, logger.propagate = False, True
     yield
 
 

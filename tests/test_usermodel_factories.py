@@ -4,8 +4,6 @@ line otherwise; kuangliu/pytorch-cifar-shaped classes train without a wrapper or
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 from imagedata import make_train_val, train_config
 from usermodels import isolated_imports, write_cifar
@@ -30,12 +28,22 @@ def _out(model):
     return model(torch.randn(2, 3, 16, 16)).shape[1]
 
 
+@pytest.fixture
+def said(monkeypatch):
+    """The warnings usermodel gives, as it gives them (whatever another test's library did to logging's
+    configuration in this process)."""
+    from dlenv.model import usermodel
+
+    lines: list[str] = []
+    monkeypatch.setattr(usermodel.log, "warning", lambda fmt, *args: lines.append(fmt % args))
+    return lines
+
+
 @pytest.mark.parametrize("factory, classes", [("DLA", 3), ("UNetish", 5), ("resnet_entry", 4)])
-def test_the_class_count_goes_where_the_signature_names_it(project, factory, classes, caplog):
-    with caplog.at_level(logging.WARNING):
-        model = models.build_model(f"models/cifar.py:{factory}", classes)
+def test_the_class_count_goes_where_the_signature_names_it(project, factory, classes, said):
+    model = models.build_model(f"models/cifar.py:{factory}", classes)
     assert _out(model) == classes
-    notes = [r.getMessage() for r in caplog.records]
+    notes = said
     if factory == "resnet_entry":  # **kwargs: said in one line, with the call
         assert notes == ["--model models/cifar.py:resnet_entry: called resnet_entry(num_classes=4); it names no "
                          "class-count parameter (num_classes, n_classes, num_class, n_class, ...), so num_classes "
@@ -50,21 +58,19 @@ def test_timm_entrypoint_by_module_reference(project):
     assert model.fc.out_features == 3  # not pretrained=3 (which would have downloaded)
 
 
-def test_a_guess_is_one_line_with_the_call_and_the_parameter(project, caplog):
-    with caplog.at_level(logging.WARNING):
-        model = models.build_model("models/cifar.py:build", 3)
+def test_a_guess_is_one_line_with_the_call_and_the_parameter(project, said):
+    model = models.build_model("models/cifar.py:build", 3)
     assert _out(model) == 3
-    assert [r.getMessage() for r in caplog.records] == [
+    assert said == [
         "--model models/cifar.py:build: called build(3); it names no class-count parameter (num_classes, "
         "n_classes, num_class, n_class, ...), so the class count went into 'width' (a guess; name it num_classes "
         "to be sure)"]
 
 
-def test_no_class_count_parameter_builds_its_own_ten(project, caplog):
-    with caplog.at_level(logging.WARNING):
-        model = models.build_model("models/cifar.py:ResNet18", 10)
+def test_no_class_count_parameter_builds_its_own_ten(project, said):
+    model = models.build_model("models/cifar.py:ResNet18", 10)
     assert _out(model) == 10
-    assert "called ResNet18() without the class count" in caplog.records[0].getMessage()
+    assert "called ResNet18() without the class count" in said[0]
 
 
 def test_vgg_without_its_name_fails_with_the_fix(project):
