@@ -128,6 +128,21 @@ def test_src_dlenv_has_no_import_circles():
         " <-> ".join(c) for c in cycles)
 
 
+#: the modules that stay at the top of src/dlenv: the CLI's faces and what every wing uses (ARCHITECTURE.md)
+MAX_LOOSE = 12
+
+
+def test_the_top_level_holds_few_loose_modules_and_wings_start_light():
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert len(loose) <= MAX_LOOSE, f"{len(loose)} loose modules at the top (group them in wings): {loose}"
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        tree = ast.parse(init.read_text(encoding="utf-8"))
+        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names] + [
+            n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+        assert not any(m.split(".")[0] == "torch" for m in names), f"{init.relative_to(SRC)} imports torch"
+
+
 def test_no_source_file_is_over_the_limit():
     long = {m: n for m, p in modules().items() if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split them by job): {long}"
