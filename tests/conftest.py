@@ -31,19 +31,6 @@ def _no_stop_carried_over(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def _dlenv_loggers_enabled():
-    """A library that configures logging (logging.config with disable_existing_loggers) in one test turns
-    dlenv's loggers off for every later test of that process; caplog would then see nothing."""
-    import logging
-
-    logging.disable(logging.NOTSET)  # and a logging.disable left on by a library
-    for name, logger in list(logging.Logger.manager.loggerDict.items()):
-        if name.startswith("dlenv") and isinstance(logger, logging.Logger):
-            logger.disabled, logger.propagate = False, True
-    yield
-
-
-@pytest.fixture(autouse=True)
 def _own_cache_folder(tmp_path_factory, monkeypatch):
     """Tests (and the dlenv processes they start) keep dlenv's per-machine verdicts (the CPU AMP check)
     in a folder of their own, never the machine's ~/.cache."""

@@ -54,14 +54,19 @@ class SearchResult:
     seconds: float = 0.0
 
 
-def _fits(try_step: Callable[[int], Any], batch: int) -> bool:
-    """One try: True when the step ran; False when it returned False or raised an out-of-memory error."""
+def _try(step: Callable[[int], Any], batch: int) -> Any:
+    """One try: what `step(batch)` returned, or False when it raised an out-of-memory error."""
     try:
-        return try_step(batch) is not False
+        return step(batch)
     except Exception as e:  # only OOM means "too big"; any other error is a real bug and propagates
         if _is_oom(e):
             return False
         raise
+
+
+def _fits(try_step: Callable[[int], Any], batch: int) -> bool:
+    """One try: True when the step ran; False when it returned False or raised an out-of-memory error."""
+    return _try(try_step, batch) is not False
 
 
 def search_max_batch(try_step: Callable[[int], Any], start: int = 1, upper: int | None = None,
@@ -157,12 +162,7 @@ def fastest_batch(rate: Callable[[int], Any], start: int = 8, upper: int | None 
     tries: list[tuple[int, float | None]] = []
 
     def attempt(b: int) -> float | None:
-        try:
-            r = rate(b)
-        except Exception as e:  # only OOM means "too big"
-            if not _is_oom(e):
-                raise
-            r = False
+        r = _try(rate, b)
         got = None if r is False or r is None else float(r)
         tries.append((b, got))
         return got
