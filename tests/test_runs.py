@@ -149,6 +149,9 @@ _HOLDER = textwrap.dedent("""
         raise SystemExit(143)
 
     signal.signal(signal.SIGTERM, stop)
+    # Ctrl-C as a terminal's Python has it: a job a shell started in the background (`cmd &`, as CI
+    # runs) inherits SIGINT ignored, and Python then leaves it ignored, so the signal never arrived
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     lock = runfolder.lock_run_dir(sys.argv[1])
     print("locked", flush=True)
     how = sys.argv[2]
@@ -157,7 +160,7 @@ _HOLDER = textwrap.dedent("""
     if how == "exit":
         sys.exit(0)
     if how != "normal":
-        time.sleep(60)  # until the signal
+        time.sleep(600)  # until the signal
 """)
 
 
@@ -176,7 +179,7 @@ def test_the_lock_file_goes_when_the_process_ends(tmp_path, how, signum, code):
     if signum is not None:
         assert (run / runfolder.LOCK_FILE).read_text() == f"{proc.pid}\n"  # there while it runs
         proc.send_signal(signum)
-    proc.communicate(timeout=30)
+    proc.communicate(timeout=60)  # a safety net: each case ends in well under a second
     assert proc.returncode == code
     assert not (run / runfolder.LOCK_FILE).exists()
 
