@@ -1,4 +1,5 @@
-"""dlenv.engine.precision: choosing the mode, and the one AMP path's behaviour (CPU here, CUDA under gpu)."""
+"""dlenv.engine.precision: the mode for --amp / --amp-dtype, and the one AMP path's behaviour (CPU here, CUDA
+under gpu). What --amp becomes on a CPU is the trainer's decision: test_cpuprobe.py."""
 
 from __future__ import annotations
 
@@ -198,63 +199,3 @@ def test_fp16_scaler_state_round_trips():
     fresh = Precision("fp16", "cuda")
     fresh.load_state_dict(state)
     assert fresh.scaler.get_scale() == p.scaler.get_scale()
-
-
-# --------------------------------------------------------------------------------------------------
-# --amp on a CPU: bf16 only where it was measured faster (decide_precision), never a slower run.
-
-
-def test_cpu_amp_falls_back_to_fp32_where_bf16_is_slower():
-    from dlenv.engine.precision import decide_precision
-
-    timed = []
-
-    def slower_bf16(mode):
-        timed.append(mode)
-        return {"fp32": 1.0, "bf16": 3.0}[mode]
-
-    mode, why = decide_precision(True, "auto", "cpu", slower_bf16)
-    assert mode == "fp32" and timed == ["fp32", "bf16"]
-    assert "3.00x the time" in why and "training in fp32" in why and "--amp-dtype bf16" in why
-    mode, why = decide_precision(True, "auto", "cpu", lambda m: {"fp32": 2.0, "bf16": 1.0}[m])
-    assert mode == "bf16" and "0.50x" in why
-
-
-def test_cpu_amp_decision_measures_only_when_it_has_a_choice():
-    from dlenv.engine.precision import decide_precision
-
-    def never(mode):
-        raise AssertionError("measured without a choice to make")
-
-    assert decide_precision(False, "auto", "cpu", never) == ("fp32", "no --amp")
-    assert decide_precision(True, "bf16", "cpu", never)[0] == "bf16"  # asked for by name: kept
-
-
-def test_cpu_probe_seconds_times_a_real_step_and_leaves_the_seed_alone():
-    from dlenv.engine.precision import cpu_probe_seconds
-
-    torch.manual_seed(5)
-    expected = torch.rand(1)
-    torch.manual_seed(5)
-    for mode in ("fp32", "bf16"):
-        assert cpu_probe_seconds(mode) > 0
-    assert torch.equal(torch.rand(1), expected)
-
-
-def test_cpu_checkpoint_auto_recomputes_nothing_and_says_what_it_would_cost():
-    from dlenv.engine.precision import cpu_checkpoint_ratio
-
-    ratio, why = cpu_checkpoint_ratio(4)
-    assert ratio == 0.0 and "forward again" in why and "--checkpoint-ratio 1" in why
-
-
-def test_cpu_amp_falls_back_to_fp32_where_a_bf16_step_fails():
-    from dlenv.engine.precision import decide_precision
-
-    def no_bf16_kernel(mode):
-        if mode == "bf16":
-            raise RuntimeError('"slow_conv3d_cpu" not implemented for \'BFloat16\'\nmore lines')
-        return 1.0
-
-    mode, why = decide_precision(True, "auto", "cpu", no_bf16_kernel)
-    assert mode == "fp32" and "a bf16 step failed" in why and "BFloat16" in why and "\n" not in why

@@ -423,11 +423,12 @@ def test_a_resume_is_exact_with_any_worker_count(tmp_path, data, tiny, capsys, r
 def test_the_decided_precision_is_what_the_run_file_keeps_and_val_uses(tmp_path, data, tiny, monkeypatch):
     """A CPU --amp run that the plan decided to train in fp32 (bf16 was slower on that CPU) is saved as
     fp32, not as `amp: true, amp_dtype: auto`, which val on that CPU would have read as bf16."""
-    import dlenv.engine.precision
+    import dlenv.train.auto
     from dlenv.runfolder.trained import trained_precision
 
-    monkeypatch.setattr(dlenv.engine.precision, "decide_precision",
-                        lambda *a, **k: ("fp32", "auto: fp32, bf16 was slower for this model on this CPU"))
+    monkeypatch.setattr(dlenv.train.auto, "decide_precision",
+                        lambda *a, **k: dlenv.train.auto.Decision("fp32", "auto: fp32, bf16 was slower for this model "
+                                                                  "on this CPU"))
     out = train_mod.train(tiny_config(tmp_path, data, amp=True, epochs=1))
     assert out["precision"] == "fp32"
     saved = runstate.load_state(Path(out["last"]))["config"]

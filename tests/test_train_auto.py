@@ -267,6 +267,11 @@ def test_checkpoint_ratio_off_the_gpu(tmp_path, data, given, want_ratio, says, c
     assert len(blocks) == 8  # resnet18's BasicBlocks: the ratio's denominator
 
 
+def test_cpu_checkpoint_auto_recomputes_nothing_and_says_what_it_would_cost():
+    ratio, why = auto.cpu_checkpoint_ratio(4)
+    assert ratio == 0.0 and "forward again" in why and "--checkpoint-ratio 1" in why
+
+
 def _start_line(ratio: float | None, blocks: int) -> str:
     """The start line of a plan whose --checkpoint recomputes `ratio` of `blocks` (None: no --checkpoint)."""
     from types import SimpleNamespace

@@ -1,9 +1,15 @@
-"""What the trainer's `auto` options become on this machine: --compile, --checkpoint-ratio, --batch-size.
+"""What the trainer's `auto` options become on this machine: --amp's precision, --compile, --checkpoint-ratio,
+--batch-size.
 
 Each decision returns the value it chose and one sentence that says why; the trainer records both in
 config.yaml, so a run says what it did and the next one can be told to do otherwise. They measure
 (real training steps of the probe's model, on the GPU) but change nothing of the run: the model the
 run trains is built after them, from the plan (dlenv.train.parts).
+
+--amp is `resolve_precision`'s mode (dlenv.engine.precision: bf16 on a GPU that has it, else fp16), except
+that on a CPU it never makes the run slower: many CPUs emulate bfloat16, so --amp-dtype auto keeps bf16
+only where this CPU's flags and a timed probe step say it is faster (dlenv.train.cpuprobe, which keeps the
+verdict per machine).
 
 --compile auto compiles a CUDA run of PyTorch 2.x that plans at least COMPILE_MIN_BATCHES
 micro-batches per GPU. Compiling costs a while once, and then every step runs faster
@@ -15,14 +21,15 @@ torch.compile at all.
 --checkpoint-ratio auto recomputes the fewest of the repeated blocks that let the run's micro-batch
 fit on this GPU, found by real training steps (dlenv.engine.autobatch.fewest_checkpoint_blocks). With
 --batch-size auto the batch is chosen to fill the card with every block checkpointed, so all are;
-on a CPU none are (dlenv.engine.precision.cpu_checkpoint_ratio: recomputing costs time there, to save memory
-a CPU run rarely lacks), and the start line names no checkpointing.
+on a CPU none are (`cpu_checkpoint_ratio`: recomputing costs time there, to save memory a CPU run
+rarely lacks), and the start line names no checkpointing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -30,7 +37,9 @@ from torch import nn
 
 from dlenv import compat
 from dlenv.cluster import distributed
+from dlenv.engine.precision import resolve_precision
 from dlenv.errors import UserError
+from dlenv.train import cpuprobe
 
 #: micro-batches per GPU from which --compile auto compiles: above the steps in which ResNet-50 --amp
 #: on an H200 repays its compile time (docs/benchmarks.md), with room for models that gain less.
@@ -61,6 +70,57 @@ class Probe:
     resident: int = 0
 
 
+def decide_precision(amp: bool, amp_dtype: str, device: Any,
+                     step_seconds: Callable[[str], float] | None = None,
+                     cache: str | Path | None = None, what: str = "", native: bool | None = None) -> Decision:
+    """The precision a run trains in ("fp32", "fp16" or "bf16"), and the sentence config.yaml and the log
+    give for it.
+
+    As `resolve_precision`, except that --amp on a CPU never makes the run slower: with --amp-dtype auto,
+    `step_seconds(mode)` (`cpuprobe.cpu_probe_seconds`) times a training step in fp32 and bf16, and bf16 is
+    kept only where it was faster. (Many CPUs emulate bfloat16, and autocast's casts then cost more than
+    they save; docs/training.md has the measurements.) --amp-dtype bf16 forces bf16. `native`
+    (`cpuprobe.cpu_bf16_native`) decides without timing where the CPU's flags say it has no bfloat16
+    instructions (False): fp32.
+
+    `cache` (`cpuprobe.cpu_amp_cache()`): a file that keeps the verdict per CPU model, torch version, thread
+    count and `what` (the model and size step_seconds times), so the timing happens once per machine.
+    Raises UserError where `resolve_precision` does.
+    """
+    mode = resolve_precision(amp, amp_dtype, device)
+    kind = torch.device(device).type
+    if mode == "fp32":
+        return Decision(mode, "no --amp")
+    if kind != "cpu" or amp_dtype != "auto" or step_seconds is None:
+        return Decision(mode, f"--amp --amp-dtype {amp_dtype} on {kind}")
+    if native is False:
+        return Decision("fp32", "--amp on this CPU: it has no bfloat16 instructions (no avx512_bf16, amx_bf16 or "
+                        "bf16 in /proc/cpuinfo), so autocast would emulate bf16 and run slower: training in fp32; "
+                        "--amp-dtype bf16 forces bf16")
+    key = cpuprobe.machine_key(what)
+    ratio = cpuprobe.kept_ratio(Path(cache), key) if cache is not None else None
+    if ratio is not None:
+        return _cpu_verdict(ratio, f"measured once on this CPU, kept in {cache}")
+    fp32 = step_seconds("fp32")
+    try:
+        bf16 = step_seconds("bf16")
+    except RuntimeError as e:  # an op of this model without a bf16 CPU kernel: fp32 trains, bf16 cannot
+        return Decision("fp32", f"--amp on this CPU: a bf16 step failed ({str(e).splitlines()[0][:160]}), so "
+                        "training in fp32")
+    ratio = bf16 / fp32
+    if cache is not None:
+        cpuprobe.keep_ratio(Path(cache), key, ratio)
+    return _cpu_verdict(ratio, "measured")
+
+
+def _cpu_verdict(ratio: float, how: str) -> Decision:
+    """The precision for a bf16 step that took `ratio` times fp32's, and why."""
+    if ratio < 1:
+        return Decision("bf16", f"--amp on this CPU: a bf16 step took {ratio:.2f}x the time of fp32's ({how})")
+    return Decision("fp32", f"--amp on this CPU: a bf16 step took {ratio:.2f}x the time of fp32's ({how}: the "
+                    "CPU emulates bfloat16), so training in fp32; --amp-dtype bf16 forces bf16")
+
+
 def decide_compile(choice: str, device: torch.device, planned_batches: int) -> Decision:
     """Whether to compile, and why, for --compile `choice` ("auto", "on", "off") and the micro-batches
     the run plans per GPU."""
@@ -87,6 +147,14 @@ def start_ratio(cfg: Any) -> float:
     return 1.0 if cfg.checkpoint_ratio == "auto" else float(cfg.checkpoint_ratio)
 
 
+def cpu_checkpoint_ratio(blocks: int) -> Decision:
+    """The fraction of `blocks` recomputed for --checkpoint --checkpoint-ratio auto on a CPU (none), and why.
+    Checkpointing trades compute for memory, and a CPU run is rarely short of memory: each recomputed
+    block runs its forward twice (docs/benchmarks.md has the cost measured)."""
+    return Decision(0.0, f"auto: none of {blocks} blocks on a CPU: recomputing a block costs its forward again, to "
+                    "save memory a CPU run rarely lacks; --checkpoint-ratio 1 recomputes them all")
+
+
 def checkpoint_ratio(cfg: Any, blocks: int, probe: Probe, micro_batch: int,
                      say: Callable[[str], None]) -> Decision | None:
     """The fraction of the model's `blocks` repeated blocks --checkpoint recomputes, and why; None without
@@ -106,9 +174,7 @@ def _checkpoint_ratio(cfg: Any, n: int, probe: Probe, micro_batch: int) -> Decis
         return Decision(1.0, "auto: the model has no repeated blocks")
     device = probe.device
     if device.type == "cpu":
-        from dlenv.engine.precision import cpu_checkpoint_ratio
-
-        return Decision(*cpu_checkpoint_ratio(n))
+        return cpu_checkpoint_ratio(n)
     if cfg.batch_size in ("auto", "max"):
         return Decision(1.0, f"auto: all {n} blocks (--batch-size {cfg.batch_size} measures the batch with every "
                              "block checkpointed)")

@@ -16,7 +16,7 @@ What it reads and measures, and only when an option asks: the data folder's list
 headers for --img-size auto and the CPU recipe); the model's structure for --checkpoint and on a GPU
 (a copy built without weights, on PyTorch's meta device where it has one); real training steps for
 --batch-size auto and --checkpoint-ratio auto on a GPU and for --amp on a CPU (kept per machine,
-dlenv.engine.precision); one forward of a model of your own, built without weights, to check it gives
+dlenv.train.cpuprobe); one forward of a model of your own, built without weights, to check it gives
 logits before anything is probed. The run's random streams are left as the seed set them.
 
 A new decision is a field of `TrainPlan` holding an `auto.Decision` (value, why), made in `decide`
@@ -44,7 +44,7 @@ from dlenv.files.weights import SAFE, LoadPolicy
 from dlenv.model import finetune, usermodel
 from dlenv.options import config
 from dlenv.options.config import TrainConfig
-from dlenv.train import auto
+from dlenv.train import auto, cpuprobe
 from dlenv.train.auto import Decision
 
 
@@ -303,7 +303,7 @@ def _decide(cfg: TrainConfig, resume: Any, dist: distributed.DistInfo, device: t
         said.append(recipe)
     located = pipeline.locate(cfg.data, cfg.synthetic, cfg.val_split, cfg.seed)
     spec = ModelSpec.resolve(cfg, located, fresh=resume is None)
-    precision = _precision(cfg, device, spec)
+    precision = _precision(cfg, device)
     if precision.value == "fp32" and cfg.amp:
         said.append(precision.why)
     if usermodel.is_reference(spec.name):  # a model of your own gives logits [N, classes] before it is probed
@@ -378,12 +378,11 @@ def _channels_last(cfg: TrainConfig, device: torch.device, convolutional: bool) 
     return Decision(True, "on: a convolutional model on a GPU")
 
 
-def _precision(cfg: TrainConfig, device: torch.device, spec: ModelSpec) -> Decision:
-    from dlenv.engine.precision import cpu_amp_cache, cpu_bf16_native, cpu_probe_seconds, decide_precision
-
+def _precision(cfg: TrainConfig, device: torch.device) -> Decision:
     # CPU --amp: fp32 at once on a CPU without bf16 instructions; else a probe of a second, kept per machine
-    return Decision(*decide_precision(cfg.amp, cfg.amp_dtype, device, cpu_probe_seconds, cache=cpu_amp_cache(),
-                                      native=cpu_bf16_native() if device.type == "cpu" else None))
+    return auto.decide_precision(cfg.amp, cfg.amp_dtype, device, cpuprobe.cpu_probe_seconds,
+                                 cache=cpuprobe.cpu_amp_cache(),
+                                 native=cpuprobe.cpu_bf16_native() if device.type == "cpu" else None)
 
 
 def _batch_split(cfg: TrainConfig, dist: distributed.DistInfo, located: pipeline.Located, probe: auto.Probe,

@@ -1,4 +1,5 @@
-"""--amp on a CPU: the bf16-or-fp32 verdict is measured once per machine and kept (dlenv.engine.precision).
+"""--amp on a CPU: bf16 only where it was measured faster (dlenv.train.auto.decide_precision), never a slower
+run; the verdict is measured once per machine and kept (dlenv.train.cpuprobe).
 
 The measurement is a stub that counts its calls: a kept verdict means no call. A cache that is missing,
 damaged, hostile or unwritable only means measuring again, never an error.
@@ -13,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dlenv.engine import precision
-from dlenv.engine.precision import cpu_amp_cache, decide_precision
+from dlenv.train import cpuprobe
+from dlenv.train.auto import decide_precision
+from dlenv.train.cpuprobe import cpu_amp_cache
 
 
 class Stub:
@@ -52,7 +54,7 @@ def test_another_cpu_torch_thread_count_or_model_is_measured_again(tmp_path, mon
     decide(cache, stub)
     what = "small_cnn 32px"
     if change == "cpu":
-        monkeypatch.setattr(precision, "_cpu_name", lambda: "Another CPU @ 1.00GHz")
+        monkeypatch.setattr(cpuprobe, "_cpu_name", lambda: "Another CPU @ 1.00GHz")
     elif change == "torch":
         monkeypatch.setattr(torch, "__version__", "9.9.9")
     elif change == "threads":
@@ -67,7 +69,7 @@ def test_another_cpu_torch_thread_count_or_model_is_measured_again(tmp_path, mon
 
 
 def _entry(ratio) -> str:
-    return json.dumps({"version": 1, "verdicts": {precision._machine_key("small_cnn 32px"): {"bf16_over_fp32": ratio}}})
+    return json.dumps({"version": 1, "verdicts": {cpuprobe.machine_key("small_cnn 32px"): {"bf16_over_fp32": ratio}}})
 
 
 @pytest.mark.parametrize("content", [
@@ -85,7 +87,7 @@ def test_a_damaged_cache_means_measuring_again(tmp_path, content):
     stub = Stub(3.0)
     assert decide(cache, stub)[0] == "fp32" and stub.calls == 2
     assert decide(cache, stub)[0] == "fp32" and stub.calls == 2  # rewritten whole: kept from now on
-    assert precision._ratio_of(json.loads(cache.read_text())["verdicts"][precision._machine_key("small_cnn 32px")])
+    assert cpuprobe._ratio_of(json.loads(cache.read_text())["verdicts"][cpuprobe.machine_key("small_cnn 32px")])
 
 
 @pytest.mark.parametrize("kind,second", [
@@ -133,10 +135,10 @@ def test_a_failed_bf16_step_is_not_kept_and_no_cache_means_no_file(tmp_path):
 
 def test_the_cache_keeps_only_the_newest_verdicts(tmp_path):
     cache = tmp_path / "cpu-amp.json"
-    for i in range(precision._CACHE_ENTRIES + 10):
+    for i in range(cpuprobe._CACHE_ENTRIES + 10):
         decide(cache, Stub(0.5), what=f"model{i}")
     verdicts = json.loads(cache.read_text())["verdicts"]
-    assert len(verdicts) == precision._CACHE_ENTRIES
+    assert len(verdicts) == cpuprobe._CACHE_ENTRIES
     assert any(k.endswith("| model73") for k in verdicts) and not any(k.endswith("| model0") for k in verdicts)
 
 
@@ -185,7 +187,7 @@ CPUINFO = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: X\nflags\t\t
     ("", None),                                                   # nothing to read: measure
 ])
 def test_bf16_in_hardware_is_read_from_the_cpu_flags(text, native):
-    assert precision.cpu_bf16_native(text) is native
+    assert cpuprobe.cpu_bf16_native(text) is native
 
 
 def test_a_cpu_without_bf16_instructions_is_decided_without_timing(tmp_path):
@@ -199,11 +201,55 @@ def test_a_cpu_without_bf16_instructions_is_decided_without_timing(tmp_path):
 
 
 def test_the_probe_costs_about_a_second_not_the_models_steps():
-    from dlenv.engine.precision import _CPU_PROBE_BATCH, _CPU_PROBE_STEPS
-
-    assert _CPU_PROBE_BATCH * (_CPU_PROBE_STEPS + 1) <= 32  # images of 32x32 through a small fixed network
+    # images of 32x32 through a small fixed network
+    assert cpuprobe._CPU_PROBE_BATCH * (cpuprobe._CPU_PROBE_STEPS + 1) <= 32
 
 
 def test_the_cpu_name_is_a_line_of_text():
-    name = precision._cpu_name()
+    name = cpuprobe._cpu_name()
     assert name and "\n" not in name and len(name) < 200
+
+
+# ---------------------------------------------------------------------------------------------------
+# The decision without a cache: bf16 only where it was measured faster, and only when there is a choice.
+
+
+def test_cpu_amp_falls_back_to_fp32_where_bf16_is_slower():
+    timed = []
+
+    def slower_bf16(mode):
+        timed.append(mode)
+        return {"fp32": 1.0, "bf16": 3.0}[mode]
+
+    mode, why = decide_precision(True, "auto", "cpu", slower_bf16)
+    assert mode == "fp32" and timed == ["fp32", "bf16"]
+    assert "3.00x the time" in why and "training in fp32" in why and "--amp-dtype bf16" in why
+    mode, why = decide_precision(True, "auto", "cpu", lambda m: {"fp32": 2.0, "bf16": 1.0}[m])
+    assert mode == "bf16" and "0.50x" in why
+
+
+def test_cpu_amp_decision_measures_only_when_it_has_a_choice():
+    def never(mode):
+        raise AssertionError("measured without a choice to make")
+
+    assert decide_precision(False, "auto", "cpu", never) == ("fp32", "no --amp")
+    assert decide_precision(True, "bf16", "cpu", never)[0] == "bf16"  # asked for by name: kept
+
+
+def test_cpu_probe_seconds_times_a_real_step_and_leaves_the_seed_alone():
+    torch.manual_seed(5)
+    expected = torch.rand(1)
+    torch.manual_seed(5)
+    for mode in ("fp32", "bf16"):
+        assert cpuprobe.cpu_probe_seconds(mode) > 0
+    assert torch.equal(torch.rand(1), expected)
+
+
+def test_cpu_amp_falls_back_to_fp32_where_a_bf16_step_fails():
+    def no_bf16_kernel(mode):
+        if mode == "bf16":
+            raise RuntimeError('"slow_conv3d_cpu" not implemented for \'BFloat16\'\nmore lines')
+        return 1.0
+
+    mode, why = decide_precision(True, "auto", "cpu", no_bf16_kernel)
+    assert mode == "fp32" and "a bf16 step failed" in why and "BFloat16" in why and "\n" not in why
