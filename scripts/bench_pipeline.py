@@ -55,9 +55,10 @@ from dlenv import compat  # noqa: E402
 from dlenv.bench.data import measure_loader  # noqa: E402
 from dlenv.data import hwdecode, pipeline  # noqa: E402
 from dlenv.data.decode import stored_size  # noqa: E402
-from dlenv.data.loaders import resolve_workers, usable_cpus  # noqa: E402
 from dlenv.data.plan import InputOptions, pick_decoder  # noqa: E402
+from dlenv.data.workers import decide_workers  # noqa: E402
 from dlenv.options import config  # noqa: E402
+from dlenv.options.cpus import usable_cpus  # noqa: E402
 
 #: name -> train options (synthetic data has no loader to measure alone)
 VARIANTS = {
@@ -356,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     nvimgcodec = getattr(hwdecode.module()[0], "__version__", None)
     info = (f"{gpu}, PyTorch {torch.__version__}, torchvision {torchvision.__version__}, "
             f"nvImageCodec {nvimgcodec or 'not installed'}, {usable_cpus()} CPUs, "
-            f"workers auto = {resolve_workers('auto', a.batch_size, a.img_size)}; {a.model} --amp, batch "
+            f"workers auto = {decide_workers('auto', a.batch_size, a.img_size)[0]}; {a.model} --amp, batch "
             f"{a.batch_size}, {a.img_size} px; {len(layout.train):,} JPEGs 500x375; last epoch of {a.epochs}")
     print(info, flush=True)
     if a.loader_only:

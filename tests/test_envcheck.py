@@ -120,7 +120,7 @@ def test_shm_verdict_says_the_workers_the_trainer_starts(monkeypatch, gpu, cpus,
     uint8 stored squares with a GPU (the default path there), float32 crops without one."""
     from collections import namedtuple
 
-    from dlenv.data import loaders
+    from dlenv.data import workers
     from dlenv.envcheck.facts import TRAIN_BATCH, TRAIN_IMG, _shm_per_worker
     from dlenv.options.cpus import auto_workers
 
@@ -128,11 +128,11 @@ def test_shm_verdict_says_the_workers_the_trainer_starts(monkeypatch, gpu, cpus,
     facts = gpu_facts(workers=auto, workers_auto=True, shm_per_worker=_shm_per_worker(gpu), shm_total=shm_mib * MiB,
                       shm_free=shm_mib * MiB)
     shm = by_name(judge(facts)[0], "/dev/shm")
-    monkeypatch.setattr(loaders, "usable_cpus", lambda: cpus)
-    monkeypatch.setattr(loaders.shutil, "disk_usage",
+    monkeypatch.setattr(workers, "usable_cpus", lambda: cpus)
+    monkeypatch.setattr(workers.shutil, "disk_usage",
                         lambda p: namedtuple("Usage", "total used free")(shm_mib * MiB, 0, shm_mib * MiB))
-    started = loaders.resolve_workers("auto", TRAIN_BATCH, TRAIN_IMG,
-                                      sample_bytes=loaders.shipped_bytes(TRAIN_IMG, True) if gpu else None)
+    started, _ = workers.decide_workers("auto", TRAIN_BATCH, TRAIN_IMG,
+                                        sample_bytes=workers.shipped_bytes(TRAIN_IMG, True) if gpu else None)
     if started == auto:
         assert shm.status == "ok", shm.detail
     else:

@@ -1,10 +1,9 @@
-"""dlenv.data.loaders: transforms, bad files, workers, loaders."""
+"""dlenv.data.loaders: transforms, bad files, loaders (how many workers: test_workers.py)."""
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
-from collections import namedtuple
 from pathlib import Path
 
 import numpy as np
@@ -21,11 +20,9 @@ from dlenv.data.loaders import (
     build_eval_loader,
     build_loaders,
     build_transforms,
-    resolve_workers,
 )
 from dlenv.data.plan import InputPlan
 from dlenv.errors import UserError
-from dlenv.options import cpus
 
 # --------------------------------------------------------------------------------------------- transforms
 
@@ -128,50 +125,6 @@ def test_all_images_bad_is_a_user_error(tmp_path):
     ds = ImageDataset([(str(tmp_path / f"{i}.png"), 0) for i in range(3)], None, "skip")
     with pytest.raises(BadImageError, match="no other image"):
         ds[0]
-
-
-# --------------------------------------------------------------------------------------------- workers
-
-Usage = namedtuple("Usage", "total used free")
-
-
-def test_resolve_workers_numbers_and_errors():
-    assert resolve_workers(0) == 0 and resolve_workers(3) == 3 and resolve_workers("2") == 2
-    with pytest.raises(UserError):
-        resolve_workers(-1)
-    with pytest.raises(UserError):
-        resolve_workers("many")
-
-
-def test_resolve_workers_auto_caps_cpu_count(monkeypatch):
-    monkeypatch.setattr(loaders, "usable_cpus", lambda: 96)
-    monkeypatch.setattr(loaders.shutil, "disk_usage", lambda p: Usage(64 << 30, 0, 64 << 30))
-    assert resolve_workers("auto", 32) == cpus.MAX_AUTO_WORKERS
-    monkeypatch.setattr(loaders, "usable_cpus", lambda: 3)
-    assert resolve_workers("auto", 32) == 3
-
-
-def test_resolve_workers_sizes_shm_by_what_the_workers_ship(monkeypatch):
-    """8 GiB of /dev/shm: float32 224 px batches of 256 (882 MiB in flight per worker) allow 9 workers;
-    the device path's uint8 258 px squares (a third of that) allow all 14 of 16 cores."""
-    monkeypatch.setattr(loaders, "usable_cpus", lambda: 16)
-    monkeypatch.setattr(loaders, "_said", set())
-    monkeypatch.setattr(loaders.shutil, "disk_usage", lambda p: Usage(8 << 30, 0, 8 << 30))
-    assert resolve_workers("auto", 256, 224) == 9
-    assert resolve_workers("auto", 256, 224, sample_bytes=3 * 258 * 258) == 14
-
-
-def test_resolve_workers_small_shm_reduces_and_says_so_once(monkeypatch, caplog):
-    monkeypatch.setattr(loaders, "usable_cpus", lambda: 16)
-    monkeypatch.setattr(loaders, "_said", set())
-    monkeypatch.setattr(loaders.shutil, "disk_usage", lambda p: Usage(64 << 20, 0, 64 << 20))
-    caplog.set_level(logging.WARNING, "dlenv.data")
-    n = resolve_workers("auto", batch_size=32, img_size=224)
-    assert n <= 1  # 4 batches of 32 x 3x224x224 float32 in flight per worker do not fit in 64 MiB
-    assert resolve_workers("auto", batch_size=32, img_size=224) == n
-    assert len([r for r in caplog.records if "shm-size" in r.getMessage()]) == 1
-    # tiny batches fit, but a small /dev/shm still keeps the count low
-    assert resolve_workers("auto", batch_size=2, img_size=32) == 2
 
 
 # --------------------------------------------------------------------------------------------- loaders

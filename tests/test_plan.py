@@ -79,7 +79,7 @@ def test_decide_resolves_every_option_to_a_plain_value(photos, opts, local, expe
 
 
 def test_decide_auto_workers_are_shared_and_nvjpeg_has_a_cpu_fallback(photos, monkeypatch):
-    monkeypatch.setattr("dlenv.data.plan.resolve_workers", lambda workers, batch, size, **kw: 12)
+    monkeypatch.setattr("dlenv.data.plan.decide_workers", lambda workers, batch, size, **kw: (12, ""))
     assert InputOptions().decide(photos, "cpu", 4, 16, local_world_size=4).workers == 3
     monkeypatch.setattr("dlenv.data.plan.resolve_decoder", lambda *a, **k: "nvjpeg")
     monkeypatch.setattr("dlenv.data.plan.gpu_unavailable", lambda decoder, device: None)
@@ -91,12 +91,12 @@ def test_decide_auto_workers_are_shared_and_nvjpeg_has_a_cpu_fallback(photos, mo
 def test_decide_sizes_shared_memory_by_what_the_workers_ship(photos, monkeypatch):
     """uint8 stored squares on the device path (a third of the classic path's float32 crops)."""
     seen = []
-    monkeypatch.setattr("dlenv.data.plan.resolve_workers",
-                        lambda workers, batch, size, **kw: seen.append(kw.get("sample_bytes")) or 2)
+    monkeypatch.setattr("dlenv.data.plan.decide_workers",
+                        lambda workers, batch, size, **kw: seen.append(kw.get("sample_bytes")) or (2, ""))
     InputOptions(gpu_augment="on").decide(photos, "cpu", 4, 16)
     InputOptions(gpu_augment="off").decide(photos, "cpu", 4, 16)
     side = decode.stored_size(16)
-    assert seen == [3 * side * side, None]  # None: resolve_workers' float32 3 x 16 x 16 x 4
+    assert seen == [3 * side * side, None]  # None: decide_workers' float32 3 x 16 x 16 x 4
 
 
 def test_decide_for_the_demo_and_for_synthetic_data(tmp_path):
@@ -444,17 +444,17 @@ def cuda_box(tmp_path, monkeypatch):
     import types
 
     from dlenv import compat
-    from dlenv.data import loaders
+    from dlenv.data import workers
 
     located = pipeline.locate(str(make_photo_layout(tmp_path / "jpegs", 12, 4, 2, lambda i: (120, 90))))
     card = types.SimpleNamespace(total_memory=80 * 2**30)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: card)
     monkeypatch.setattr(compat, "cuda_jpeg_unavailable", lambda device="cuda": None)
     monkeypatch.setattr(hwdecode, "unavailable", lambda device: None)
-    monkeypatch.setattr(loaders.shutil, "disk_usage", lambda path: (_ for _ in ()).throw(OSError("no shm")))
+    monkeypatch.setattr(workers.shutil, "disk_usage", lambda path: (_ for _ in ()).throw(OSError("no shm")))
 
     def set_box(cores, engines, batch_decode):
-        monkeypatch.setattr(loaders, "usable_cpus", lambda: cores)
+        monkeypatch.setattr(workers, "usable_cpus", lambda: cores)
         monkeypatch.setattr(hwdecode, "has_engines", lambda device: engines)
         monkeypatch.setattr(compat, "cuda_jpeg_batch_decode", lambda: batch_decode)
         return located

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from dlenv.data import loaders
+from dlenv.data import workers as workers_rule
 from dlenv.errors import EXIT_FAULT, EXIT_OK
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,24 +52,24 @@ WORKERS = [
                          [c[1:] for c in WORKERS], ids=[c[0] for c in WORKERS])
 def test_workers_are_held_to_what_dev_shm_holds(monkeypatch, caplog, workers, cpus, total, free, batch, img,
                                                  device, kept):
-    monkeypatch.setattr(loaders, "usable_cpus", lambda: cpus)
-    monkeypatch.setattr(loaders.shutil, "disk_usage", lambda p: Usage(total * MiB, (total - free) * MiB, free * MiB))
-    monkeypatch.setattr(loaders, "_said", set())
-    sample = loaders.shipped_bytes(img, device)
-    n = loaders.resolve_workers(workers, batch, img, sample_bytes=sample)
+    monkeypatch.setattr(workers_rule, "usable_cpus", lambda: cpus)
+    monkeypatch.setattr(workers_rule.shutil, "disk_usage",
+                        lambda p: Usage(total * MiB, (total - free) * MiB, free * MiB))
+    sample = workers_rule.shipped_bytes(img, device)
+    n, why = workers_rule.decide_workers(workers, batch, img, sample_bytes=sample)
     assert n == kept
-    assert n * loaders.shm_per_worker(batch, sample) <= free * MiB  # what stays fits, with its headroom
-    again = loaders.resolve_workers(workers, batch, img, sample_bytes=sample)
-    said = [r.getMessage() for r in caplog.records if "/dev/shm" in r.getMessage()]
-    asked = loaders.auto_workers(cpus) if workers == "auto" else int(workers)
+    assert n * workers_rule.shm_per_worker(batch, sample) <= free * MiB  # what stays fits, with its headroom
+    # the rule decides and says nothing itself: its sentence goes to the plan (the trainer says it once)
+    assert workers_rule.decide_workers(workers, batch, img, sample_bytes=sample) == (n, why)
+    assert not [r for r in caplog.records if "/dev/shm" in r.getMessage()]
+    asked = workers_rule.auto_workers(cpus) if workers == "auto" else int(workers)
     if kept < asked:
-        assert again == n and len(said) == 1, said  # said once, however often it is asked
-        assert "--ipc=host" in said[0] and "--shm-size" in said[0] and "\n" not in said[0]
-        assert (f"--workers {workers}" if workers != "auto" else "workers --workers auto picks") in said[0]
+        assert "--ipc=host" in why and "--shm-size" in why and "\n" not in why
+        assert (f"--workers {workers}" if workers != "auto" else "workers --workers auto picks") in why
         if kept == 0:
-            assert "loading in the main process" in said[0]
+            assert "loading in the main process" in why
     else:
-        assert said == []
+        assert why == ""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -220,9 +220,8 @@ def test_train_whose_worker_the_system_kills_is_one_line(tmp_path):
 ])
 def test_a_number_given_with_several_processes_shares_dev_shm(monkeypatch, workers, share, kept):
     """--gpus N --workers W: N processes each start W workers through one /dev/shm."""
-    monkeypatch.setattr(loaders.shutil, "disk_usage", lambda p: Usage(1 << 30, 0, 1 << 30))
-    monkeypatch.setattr(loaders, "_said", set())
-    sample = loaders.shipped_bytes(224, True)
-    n = loaders.resolve_workers(workers, 64, 224, sample_bytes=sample, share=share)
+    monkeypatch.setattr(workers_rule.shutil, "disk_usage", lambda p: Usage(1 << 30, 0, 1 << 30))
+    sample = workers_rule.shipped_bytes(224, True)
+    n, _ = workers_rule.decide_workers(workers, 64, 224, sample_bytes=sample, share=share)
     assert n == kept
-    assert share * n * loaders.shm_per_worker(64, sample) <= 1 << 30
+    assert share * n * workers_rule.shm_per_worker(64, sample) <= 1 << 30

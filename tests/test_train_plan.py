@@ -123,6 +123,25 @@ def test_the_plan_fills_auto_options_and_says_so_for_the_trainer(tmp_path, data,
     assert any(line.startswith("--img-size auto: 16 px") for line in decided.said)
 
 
+def test_dev_shm_holding_the_workers_back_is_said_with_the_plan_and_recorded(tmp_path, data, watched, capsys,
+                                                                            monkeypatch):
+    """The workers rule speaks through the plan's said lines (once, printed by the trainer), not a log line."""
+    from collections import namedtuple
+
+    from imagedata import train_config
+
+    import dlenv.data.workers
+
+    usage = namedtuple("Usage", "total used free")(256 << 10, 0, 256 << 10)  # 256 KiB of /dev/shm
+    monkeypatch.setattr(dlenv.data.workers.shutil, "disk_usage", lambda path: usage)
+    decided = plan.decide(train_config(tmp_path, data, model="tiny", workers=8), None, _dist(), CPU)
+    assert capsys.readouterr().out == ""
+    said = [line for line in decided.said if "/dev/shm" in line]
+    assert len(said) == 1 and "too little for --workers 8" in said[0] and decided.input.workers < 8
+    assert decided.notes(CPU)["workers_rule"] == said[0]
+    assert decided.options()["workers"] == decided.input.workers
+
+
 @pytest.mark.parametrize("micro,accum,retry,halves", [
     (8, 1, True, True), (8, 2, True, True), (4, 1, True, True),
     (6, 1, True, True), (7, 1, True, False), (2, 1, True, False),  # odd, or pieces of one: no exact halving

@@ -466,7 +466,7 @@ def main(cfg: Any) -> int:
         class_names = list(data_classes)
     samples = [(path, remap[idx]) for path, idx in samples]
     size = trained.img_size
-    loader = build_eval_loader(samples, size, cfg.batch_size, cfg.workers,  # sized there (resolve_workers)
+    loader = build_eval_loader(samples, size, cfg.batch_size, cfg.workers,  # sized there (decide_workers)
                                # --pretrained weights' own mean, std and resampling
                                norm=trained.norm, interpolation=trained.interpolation)
     mode, why = val_precision(cfg.precision, cfg.amp, trained.precision, device)

@@ -205,6 +205,8 @@ def _finetune(cfg: Any, src: Any, model: nn.Module, device: torch.device, masks:
     layout = common.train_layout(src)
     plan = InputPlan.classic(src.img_size, cfg.batch_size, cfg.workers, seed=int(src.config.get("seed", 0)),
                              norm=src.norm, interpolation=src.interpolation)
+    if plan.workers_why:
+        print(plan.workers_why)
     train_loader, _ = build_loaders(layout, plan)
     print(f"fine-tuning {cfg.finetune_epochs} epoch(s) on {len(train_loader.dataset)} training images, "
           f"lr {cfg.finetune_lr:g}" + (", masks kept" if masks else ""))

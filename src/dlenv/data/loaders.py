@@ -1,6 +1,6 @@
 """Images to batches on the CPU path: torchvision transforms in DataLoader workers, the dataset and its
-DataLoaders, and how many workers there are (`resolve_workers`, the one sizing rule). The device path
-(`fastpath`, `sources`) uses the dataset and the loaders too.
+DataLoaders, with as many workers as dlenv.data.workers decided. The device path (`fastpath`, `sources`)
+uses the dataset and the loaders too.
 
 Every image comes out as 3-channel 8-bit RGB whatever it was on disk (`decode.load_rgb`). A file that fails
 to decode is handled by `ImageDataset` and the loaders built here without ever showing a DataLoader
@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import signal
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -24,17 +23,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from dlenv.data.badimages import SKIPPED_SHOWN, BadImageError, KnownBad, first_readable, note_skipped, skipped_line
-from dlenv.data.decode import decode_rgb, load_rgb, stored_size
+from dlenv.data.decode import decode_rgb, load_rgb
 from dlenv.data.sampler import ResumableSampler, SeededDraws, lone_last
+from dlenv.data.workers import PREFETCH_FACTOR, decide_workers
 from dlenv.errors import UserError
 from dlenv.model.pretrained import IMAGENET_MEAN, IMAGENET_STD
-from dlenv.options.cpus import auto_workers, usable_cpus, workers_that_fit
 
 log = logging.getLogger("dlenv.data")
-
-#: ImageNet channel statistics, the normalization every torchvision model expects.
-#: batches each worker prepares ahead; also used to size the /dev/shm check.
-PREFETCH_FACTOR = 4
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -249,69 +244,6 @@ def _shut_down(batches: Any) -> None:
 # ---------------------------------------------------------------------------------------------------
 # Workers and loaders.
 
-_said: set[str] = set()
-
-
-def _say_once(msg: str) -> None:
-    if msg not in _said:
-        _said.add(msg)
-        log.warning(msg)
-
-
-def shipped_bytes(img_size: int, on_device: bool) -> int:
-    """One sample as DataLoader workers ship it: a uint8 stored square on the device path
-    (dlenv.data.fastpath crops it on the GPU), a float32 crop on the CPU path."""
-    side = stored_size(img_size)
-    return 3 * side * side if on_device else 3 * img_size * img_size * 4
-
-
-def shm_per_worker(batch_size: int, sample_bytes: int) -> int:
-    """Bytes of /dev/shm one DataLoader worker's batches in flight take: PREFETCH_FACTOR batches of
-    `sample_bytes` samples (as the workers ship them), with 50% headroom."""
-    return int(batch_size * sample_bytes * PREFETCH_FACTOR * 1.5)
-
-
-def resolve_workers(workers: int | str, batch_size: int | None = None, img_size: int = 224,
-                    shm: str = "/dev/shm", sample_bytes: int | None = None, share: int = 1) -> int:
-    """DataLoader worker count: a number given, or 'auto' (`auto_workers` of the usable CPUs), reduced
-    so the batches in flight fit in /dev/shm. Workers pass every batch through shared memory, and a
-    worker that writes past a full /dev/shm dies of SIGBUS mid-run (Docker's default is 64 MiB: two
-    workers' float32 batches of 64 x 224 px need ~300 MiB), so a number given is held to what fits
-    too (`workers_that_fit`); 0 loads in the main process, which needs no shared memory. A reduction
-    is said once, naming --ipc=host / --shm-size. `sample_bytes`: one sample as the workers ship it
-    (default: the CPU path's float32 3 x img_size^2; the device path ships uint8 stored squares,
-    a third of that). `share`: processes of the node that each start this many workers (a number given
-    with --gpus N): each is held to its share of the free space. Raises UserError for anything else.
-    """
-    if isinstance(workers, str) and workers.strip().isdigit():
-        workers = int(workers)
-    given = isinstance(workers, int) and not isinstance(workers, bool)
-    if given:
-        if workers < 0:
-            raise UserError(f"workers {workers} must be 0 or more (or auto)")
-        n = workers
-    elif str(workers).strip().lower() != "auto":
-        raise UserError(f"workers {workers!r} must be a number or auto")
-    else:
-        n = auto_workers(usable_cpus())
-    if n == 0:
-        return 0
-    try:
-        usage = shutil.disk_usage(shm)
-    except OSError:  # no /dev/shm (not Linux): nothing to size against
-        return n
-    per_worker = shm_per_worker(batch_size or 64, sample_bytes or shipped_bytes(img_size, False))
-    fit = workers_that_fit(n, usage.total, usage.free // max(1, share), per_worker, given=given)
-    if fit < n:
-        asked = f"--workers {n}" if given else f"the {n} workers --workers auto picks"
-        instead = f"{fit} worker{'s' if fit > 1 else ''}" if fit else "0 workers (loading in the main process, slower)"
-        _say_once(f"{shm} has {usage.free / 2**20:.0f} MiB free of {usage.total / 2**20:.0f} MiB, too little for "
-                  f"{asked} (~{per_worker / 2**20:.0f} MiB of batches in flight each); using {instead}. "
-                  "Start the container with --ipc=host or --shm-size=8g for more")
-        n = fit
-    return n
-
-
 #: what stops a run (Ctrl-C, docker stop / systemd / scancel / timeout, the terminal closing): the main
 #: process alone decides on these; its DataLoader workers leave them to it
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -438,10 +370,13 @@ def build_eval_loader(samples: Sequence[tuple[str, int]], img_size: int, batch_s
                       workers: int | str, bad_images: str = "skip", norm: tuple[tuple, tuple] | None = None,
                       interpolation: str = "bilinear") -> SafeLoader:
     """A loader over eval transforms in sample order, for one pass (the i-th prediction is the i-th
-    sample's), decoded by Pillow, with `workers` sized here (`resolve_workers`: val, predict and prune give
-    the option as is). A skipped bad file's slot holds its substitute; `loader.bad_paths` lists those files
-    after the pass, so their predictions can be dropped."""
-    n = resolve_workers(workers, batch_size, img_size)
+    sample's), decoded by Pillow, with `workers` sized here (`decide_workers`: val, predict and prune give
+    the option as is; a reduction is logged, as these verbs have no plan to say it). A skipped bad file's
+    slot holds its substitute; `loader.bad_paths` lists those files after the pass, so their predictions
+    can be dropped."""
+    n, why = decide_workers(workers, batch_size, img_size)
+    if why:
+        log.warning("%s", why)
     ds = ImageDataset(samples, build_transforms(img_size, False, norm=norm, interpolation=interpolation), bad_images,
                       _decode_fn("pil", _eval_resize(img_size)))
     return make_loader(ds, batch_size, n, None, False, shuffle=False)

@@ -8,7 +8,8 @@
 --workers, --bad-images, --augment, --hflip, --crop-scale, --decode-overlap) into an `InputPlan`: where
 augmentation runs, the decoder (the auto policy and the GPU decoders' availability are here), the nvImageCodec
 backends, whether a GPU decoder's decoding overlaps the augmentation (`decide_overlap`), the cache and its mode
-(ram, disk or off: never auto after planning), the workers as a number, the crops and flips.
+(ram, disk or off: never auto after planning), the workers as a number (`workers.decide_workers`, with the
+sentence that says why when /dev/shm held them back), the crops and flips.
 The trainer prints the plan and writes it to config.yaml; everything after reads it instead of deciding
 again. Deciding reads no image data beyond a few headers (and, for --decoder auto, a few timed decodes;
 for a GPU decoder, a test image decoded on the GPU), builds nothing and writes nothing.
@@ -27,8 +28,8 @@ from typing import Any
 import torch
 
 from dlenv.data import decode
-from dlenv.data.loaders import resolve_workers, shipped_bytes
 from dlenv.data.pipeline import Located
+from dlenv.data.workers import decide_workers, shipped_bytes
 from dlenv.errors import UserError
 
 #: the decoder of a plan for synthetic data (made on the device, nothing decoded)
@@ -89,6 +90,7 @@ class InputPlan:
     epochs: int | None = None   # the run's (None: open-ended): the device path's workers decode no further
     overlap: bool = False       # a GPU decoder decodes the next batch in a thread and stream of its own
     overlap_why: str = ""       # why it does, or why a GPU decoder does not (`decide_overlap`)
+    workers_why: str = ""       # why the workers are fewer than asked (/dev/shm: `decide_workers`); "" if not
 
     @property
     def cache(self) -> bool:
@@ -127,11 +129,12 @@ class InputPlan:
     def classic(cls, img_size: int, batch_size: int, workers: int | str, seed: int = 0,
                 norm: tuple[tuple, tuple] | None = None, interpolation: str = "bilinear") -> InputPlan:
         """The CPU path with torchvision's standard crops and flips, Pillow, and `workers` sized by
-        `resolve_workers`, for a loader outside training (prune's fine-tuning); `norm` and `interpolation`:
-        pretrained weights' own (None: ImageNet's statistics)."""
-        workers = resolve_workers(workers, batch_size, img_size)
-        return cls(img_size, batch_size, False, AUTO_DECODER, AUTO_DECODER, workers, seed=seed, norm=norm,
-                   interpolation=interpolation)
+        `decide_workers` (`workers_why` says why where /dev/shm held them back), for a loader outside
+        training (prune's fine-tuning); `norm` and `interpolation`: pretrained weights' own (None: ImageNet's
+        statistics)."""
+        n, why = decide_workers(workers, batch_size, img_size)
+        return cls(img_size, batch_size, False, AUTO_DECODER, AUTO_DECODER, n, seed=seed, norm=norm,
+                   interpolation=interpolation, workers_why=why)
 
 
 @dataclass(frozen=True)
@@ -173,7 +176,8 @@ class InputOptions:
                norm: tuple[tuple, tuple] | None = None, interpolation: str = "bilinear") -> InputPlan:
         """The input plan for `located` data on `device` (`local_world_size` processes share the node).
 
-        Workers: the number given, or 'auto' (CPUs and /dev/shm, shared by the node's processes). Where
+        Workers: the number given, or 'auto' (CPUs and /dev/shm, shared by the node's processes:
+        `decide_workers`; `workers_why` says why where /dev/shm held them back). Where
         augmentation runs: `gpu_path`. The cache: `decide_cache` (a small dataset is decoded once) and
         `decide_cache_mode`. The decoder: `resolve_decoder` (GPU decoders only when batches are augmented
         on a GPU and not cached), checked to run here (`gpu_unavailable`), and the best CPU decoder for
@@ -188,9 +192,9 @@ class InputOptions:
         size = decode.stored_size(img_size)
         # the device path's workers ship uint8 stored squares, the CPU path's float32 crops
         # a number given is per process: the node's processes each start that many, all through one /dev/shm
-        workers = resolve_workers(self.workers, batch_size, img_size,
-                                  sample_bytes=shipped_bytes(img_size, True) if on_device else None,
-                                  share=1 if self.workers == "auto" else local_world_size)
+        workers, workers_why = decide_workers(self.workers, batch_size, img_size,
+                                              sample_bytes=shipped_bytes(img_size, True) if on_device else None,
+                                              share=1 if self.workers == "auto" else local_world_size)
         if self.workers == "auto":  # the processes of a node share its CPUs
             workers = workers_per_process(workers, local_world_size)
         paths = [p for p, _ in located.layout.train]
@@ -213,7 +217,7 @@ class InputOptions:
                          cache_dir=self.cache_dir, bad_images=self.bad_images, train_scale=scale, train_ratio=ratio,
                          hflip=hflip, hflip_why=hflip_why, augment=preset, norm=norm, cache_why=cache_why,
                          interpolation=interpolation, gpu_backends=backends, seed=self.seed, epochs=self.epochs,
-                         overlap=overlap, overlap_why=overlap_why)
+                         overlap=overlap, overlap_why=overlap_why, workers_why=workers_why)
 
 
 def workers_per_process(workers: int, local_world_size: int) -> int:

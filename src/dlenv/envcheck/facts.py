@@ -121,7 +121,7 @@ def _shm_per_worker(gpu: bool) -> int:
     for its default batch and size: with a GPU its workers ship uint8 stored squares (the device path,
     the default there), without one float32 crops."""
     try:
-        from dlenv.data.loaders import shipped_bytes, shm_per_worker
+        from dlenv.data.workers import shipped_bytes, shm_per_worker
     except Exception:  # without torch nothing trains (that is reported): nothing to size /dev/shm for
         return 0
     return shm_per_worker(TRAIN_BATCH, shipped_bytes(TRAIN_IMG, gpu))

@@ -248,7 +248,7 @@ def _shm_check(facts: Facts) -> Check:
     need = facts.workers * facts.shm_per_worker
     who = f"{facts.workers} DataLoader worker{'s' if facts.workers != 1 else ''}" + (
         " (auto)" if facts.workers_auto else "")
-    # what the trainer keeps (dlenv.data.loaders.resolve_workers): a number given is held to what fits too
+    # what the trainer keeps (dlenv.data.workers.decide_workers): a number given is held to what fits too
     fit = workers_that_fit(facts.workers, facts.shm_total, free, facts.shm_per_worker, given=not facts.workers_auto)
     if facts.workers == 0 or (fit == facts.workers if facts.workers_auto else free >= need):
         return Check("ok", "/dev/shm", f"{_size(free)} free of {_size(facts.shm_total)} for {who}")

@@ -263,6 +263,7 @@ class TrainPlan:
             "precision_rule": self.precision.why, "img_size_rule": self.model.img_size.why,
             "batch_rule": self.batch.why, "channels_last_rule": self.channels_last.why,
             "compile_rule": self.compile.why, "hflip_rule": self.input.hflip_why, "data_rule": self.dataset.why,
+            **({"workers_rule": self.input.workers_why} if self.input.workers_why else {}),
             **({"checkpoint_rule": self.checkpoint_ratio.why} if self.checkpoint_ratio else {}),
             **({"pretrained": self.model.pretrained.notes()} if self.model.pretrained else {}),
             **({"model_source": self.model.provenance} if self.model.provenance else {})}
@@ -320,6 +321,8 @@ def _decide(cfg: TrainConfig, resume: Any, dist: distributed.DistInfo, device: t
     input_plan = InputOptions.of(cfg).decide(located, device, micro, spec.img_size.value, dist.local_world_size,
                                              norm=spec.norm, interpolation=spec.interpolation)
     if located.layout is not None:
+        if input_plan.workers_why:
+            said.append(input_plan.workers_why)  # /dev/shm held the workers back
         said.append(input_plan.describe(device))
         if cfg.hflip == "auto" and not input_plan.hflip and input_plan.augment != "none":
             said.append(f"--hflip {input_plan.hflip_why}")  # once: the flips the dataset report advises against
