@@ -272,19 +272,23 @@ def test_cpu_checkpoint_auto_recomputes_nothing_and_says_what_it_would_cost():
     assert ratio == 0.0 and "forward again" in why and "--checkpoint-ratio 1" in why
 
 
-def _start_line(ratio: float | None, blocks: int) -> str:
-    """The start line of a plan whose --checkpoint recomputes `ratio` of `blocks` (None: no --checkpoint)."""
+def _plan(ratio: float | None, blocks: int):
+    """A CPU plan whose --checkpoint recomputes `ratio` of `blocks` (None: no --checkpoint)."""
     from types import SimpleNamespace
 
     from dlenv.train.plan import OptimizerChoice, Split, StepChoice, TrainPlan
 
     d = auto.Decision
-    plan = TrainPlan(config.build(TrainConfig, epochs=1), SimpleNamespace(source="data/x", classes=["a", "b"]),
+    return TrainPlan(config.build(TrainConfig, epochs=1), SimpleNamespace(source="data/x", classes=["a", "b"]),
                      d("fp32", ""), SimpleNamespace(name="resnet18"), d(False, ""), d(Split(32, 1), ""), 1,
                      SimpleNamespace(img_size=32), 10, None if ratio is None else d(ratio, "why"), d(False, ""),
                      OptimizerChoice("adamw", 1e-3, 0.05, 0.9, False, 0, 10), StepChoice(0.1, None, None, False),
                      False, blocks=blocks)
-    return plan.start_line(CPU, False, "runs/exp")
+
+
+def _start_line(ratio: float | None, blocks: int) -> str:
+    """The start line of a plan whose --checkpoint recomputes `ratio` of `blocks` (None: no --checkpoint)."""
+    return _plan(ratio, blocks).start_line(CPU, False, "runs/exp")
 
 
 @pytest.mark.parametrize("ratio,blocks,says", [
@@ -301,6 +305,30 @@ def test_the_start_line_says_checkpointing_only_for_blocks_recomputed(ratio, blo
     assert ("checkpointing" in line) == (says is not None) and line.startswith("training resnet18 on data/x")
     if says:
         assert says in line
+
+
+@pytest.mark.parametrize("ratio,blocks", [
+    (None, 0),   # no --checkpoint
+    (0.0, 8),    # --checkpoint with --checkpoint-ratio auto on a CPU: decided off, nothing recomputed
+    (1.0, 0),    # a model without repeated blocks
+    (3 / 8, 8),  # blocks recomputed
+    (1.0, 16),
+])
+def test_the_oom_advice_and_the_start_line_agree_on_checkpointing(ratio, blocks):
+    """Both read the blocks the plan recomputes: where the start line names no checkpointing, the out-of-memory
+    advice offers --checkpoint; where it names it, the advice does not (it once read the option instead)."""
+    from types import SimpleNamespace
+
+    from dlenv.runfolder.trainstate import TrainState
+    from dlenv.train.fit import _Epochs
+
+    plan = _plan(ratio, blocks)
+    epochs = SimpleNamespace(parts=SimpleNamespace(device=CPU, precision=SimpleNamespace(mode="fp32")), plan=plan,
+                             write_memory_report=lambda: None)
+    advice = _Epochs.oom_advice(epochs, TrainState(micro_batch=32, accum_steps=1))
+    on = "checkpointing" in plan.start_line(CPU, False, "runs/exp")
+    assert on == (plan.recomputed_blocks > 0)
+    assert ("--checkpoint (recompute" in advice) == (not on), advice
 
 
 def test_checkpoint_ratio_help_says_what_auto_does_on_each_device():

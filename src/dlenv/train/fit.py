@@ -281,11 +281,12 @@ class _Epochs:
 
     def oom_advice(self, state: TrainState) -> str:
         """The CUDA out-of-memory message (dlenv.engine.memory.oom_message); memory.md then holds the allocator's
-        state."""
+        state. Checkpointing counts as on where the plan recomputes blocks (`TrainPlan.recomputed_blocks`, what
+        the start line names): --checkpoint that recomputes none (a CPU's auto, ratio 0) is still advised."""
         device = self.parts.device
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
         card = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else 0.0
         self.write_memory_report()
         return memory.oom_message(state.micro_batch, state.accum_steps, peak, card,
                                   amp=self.parts.precision.mode != "fp32",
-                                  checkpoint=self.plan.checkpoint_ratio is not None)
+                                  checkpoint=self.plan.recomputed_blocks > 0)
