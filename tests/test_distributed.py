@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -87,10 +86,8 @@ def test_no_sync_accumulation_gives_full_batch_gradients(collectives):
 @pytest.mark.parametrize("how", ["exit", "hang"])
 def test_a_dead_or_stuck_rank_stops_the_others_with_a_message(how):
     timeout = 4
-    t0 = time.perf_counter()
     procs = start_ranks("dies", {"how": how, "timeout": timeout})
-    rc0, r0, err0 = finish(procs[:1], timeout=240)[0]
-    elapsed = time.perf_counter() - t0
+    rc0, r0, err0 = finish(procs[:1], timeout=240)[0]  # a safety net: the whole case takes seconds
     finish(procs[1:], timeout=1) if how == "exit" else None
     for p in procs[1:]:  # the stuck rank is ours to end
         if p.poll() is None:
@@ -98,8 +95,8 @@ def test_a_dead_or_stuck_rank_stops_the_others_with_a_message(how):
             p.wait()
     assert rc0 == launch.EXIT_PEER, err0
     assert "rank 0: all_reduce failed: another process of this run stopped" in err0
-    assert r0["seconds"] < timeout + 10, "rank 0 must not wait much past the timeout"
-    assert elapsed < 240  # generous: two torch imports on a loaded 2-core CI box
+    # the run's timeout, not the process group's default of 30 minutes (the margin is for a loaded box)
+    assert r0["seconds"] < timeout + 60, "rank 0 must not wait much past the timeout"
 
 
 # ---------------------------------------------------------------------------------------------------
