@@ -51,7 +51,7 @@ def train_steps(a: argparse.Namespace, batch: int) -> int:
 
     from dlenv.compat import is_oom
     from dlenv.engine.precision import Precision
-    from dlenv.model.models import apply_checkpointing
+    from dlenv.model.checkpointing import apply_checkpointing
 
     dev, mode, factory = _setup(a)
     model = factory()

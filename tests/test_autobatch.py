@@ -237,7 +237,7 @@ def test_checkpoint_search_lets_other_errors_through():
 def _fake_oom_below(monkeypatch, need: int) -> tuple[list, list]:
     """Make TrainStepProbe's step raise a fake OOM while fewer than `need` blocks are checkpointed
     (and run the real step on the CPU otherwise). Returns (tries as (batch, wrapped flags), probes)."""
-    from dlenv.model.models import find_blocks, is_checkpointed
+    from dlenv.model.checkpointing import find_blocks, is_checkpointed
 
     real, tries, probes = autobatch.TrainStepProbe._train, [], []
 

@@ -1,4 +1,4 @@
-"""Exactness of dlenv.model.models.apply_checkpointing on every torchvision classification family.
+"""Exactness of dlenv.model.checkpointing.apply_checkpointing on every torchvision classification family.
 
 Each test trains one step of the same model (same weights, input and seed) without and with
 checkpointing and compares outputs, gradients and every buffer (BatchNorm running statistics and
@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlenv.model import models
-from dlenv.model.models import apply_checkpointing, build_model, find_blocks, is_checkpointed
+from dlenv.model import checkpointing, models
+from dlenv.model.checkpointing import apply_checkpointing, find_blocks, is_checkpointed
+from dlenv.model.models import build_model
 
 # name -> (builder kwargs, image size): the smallest input each family takes, randomness turned up.
 FAMILIES = {
@@ -123,7 +124,7 @@ def test_the_whole_classification_list_is_covered():
     """Every torchvision classification model has repeated blocks we know, except AlexNet and VGG."""
     names = models.list_model_names()
     plain_families = ("alexnet", "vgg")
-    known = models._block_classes()
+    known = checkpointing._block_classes()
     from torchvision import models as tvm
 
     for name in names:
@@ -173,7 +174,7 @@ def test_idempotent_and_ratio_can_be_changed():
     assert apply_checkpointing(model) == n == 8
     block = model.layer1[0]
     # the stand-in wraps the class's forward, never another stand-in
-    assert not isinstance(block.forward.forward, models._CheckpointedForward)
+    assert not isinstance(block.forward.forward, checkpointing._CheckpointedForward)
     assert apply_checkpointing(model, 0.5) == 4
     assert [is_checkpointed(b) for b in find_blocks(model)] == [True] * 4 + [False] * 4
     assert apply_checkpointing(model, 0.0) == 0
@@ -204,7 +205,7 @@ def test_eval_and_no_grad_run_the_block_directly(monkeypatch):
     def refuse(*args):
         raise AssertionError("checkpoint used without gradients")
 
-    monkeypatch.setattr(models.compat, "checkpoint", refuse)
+    monkeypatch.setattr(checkpointing.compat, "checkpoint", refuse)
     with torch.no_grad():
         assert torch.equal(model(x), expected)
     with torch.inference_mode():
@@ -330,7 +331,7 @@ def test_control_bn_updated_twice_is_caught(monkeypatch):
 def test_control_new_dropout_masks_are_caught(monkeypatch):
     from torch.utils.checkpoint import checkpoint
 
-    monkeypatch.setattr(models.compat, "checkpoint", lambda fn, *a: checkpoint(
+    monkeypatch.setattr(checkpointing.compat, "checkpoint", lambda fn, *a: checkpoint(
         fn, *a, use_reentrant=False, preserve_rng_state=False))
     torch.manual_seed(0)
     model = build_model("convnext_tiny", num_classes=5, stochastic_depth_prob=0.5)

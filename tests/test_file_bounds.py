@@ -23,7 +23,7 @@ from torchvision.models import resnet18
 from dlenv import cli
 from dlenv.errors import UserError
 from dlenv.files import pickleguard, picklework, runstate, weights
-from dlenv.model import models
+from dlenv.model import models, statedict
 
 #: fc.weight of a bare state dict -> the class count read from it, or the line that refuses it
 HEADS = [
@@ -48,10 +48,10 @@ HEADS = [
 def test_the_class_count_of_a_bare_state_dict_is_bounded(make, expect):
     sd = {"layer.weight": torch.zeros(4, 4), "fc.weight": make(), "fc.bias": torch.zeros(1)}
     if isinstance(expect, int):
-        assert models._num_classes_from(sd, "w.pth") == expect
+        assert statedict.num_classes_from(sd, "w.pth") == expect
         return
     with pytest.raises(UserError) as err:
-        models._num_classes_from(sd, "w.pth")
+        statedict.num_classes_from(sd, "w.pth")
     line = str(err.value)
     assert "\n" not in line and line.startswith("w.pth: its head fc.weight (") and expect in line, line
     assert "use another weights file" in line
@@ -105,7 +105,7 @@ def test_dlenv_val_refuses_a_head_beyond_the_bound_in_one_line(tmp_path, monkeyp
     ("fc.module.weight", "fc.module.weight"),
 ])
 def test_prefixes_are_stripped(key, stripped):
-    assert list(runstate.strip_prefixes({key: torch.zeros(1)})) == [stripped]
+    assert list(statedict.strip_prefixes({key: torch.zeros(1)})) == [stripped]
 
 
 class _CountedKey(str):
@@ -125,7 +125,7 @@ def test_prefixes_are_stripped_in_work_linear_in_the_key(prefixes):
     # characters here for 10,000 prefixes, hours for the million above); one slice copies the name only
     key = _CountedKey("module." * prefixes + "_orig_mod.fc.weight")
     _CountedKey.copied = 0
-    assert list(runstate.strip_prefixes({key: torch.zeros(1)})) == ["fc.weight"]
+    assert list(statedict.strip_prefixes({key: torch.zeros(1)})) == ["fc.weight"]
     assert _CountedKey.copied <= len("fc.weight"), _CountedKey.copied
 
 
@@ -139,7 +139,7 @@ def test_a_state_dict_that_does_not_fit_names_its_keys_in_one_short_line(key):
     assert "\n" not in line and "\x1b" not in line and len(line) < 600, line[:200]
     model = resnet18(num_classes=10)
     with pytest.raises(UserError) as err:
-        models._load_state(model, sd, "resnet18", 10, "--weights w.pth")  # train --weights
+        statedict.load_lenient(model, sd, "resnet18", 10, "--weights w.pth")  # train --weights
     assert "\n" not in str(err.value) and len(str(err.value)) < 600
 
 
@@ -256,25 +256,25 @@ def test_a_real_checkpoint_costs_a_small_part_of_the_budget(tmp_path):
     budget = picklework.Budget()
     picklework.play(io.BytesIO(data), lambda pid: pickleguard.Storage(2**40), budget=budget)
     assert budget.spent < pickleguard.MAX_WORK // 100, budget.spent
-    got = weights.load(tmp_path / "c.pth", weights.SAFE)
+    got = weights.read(tmp_path / "c.pth", weights.SAFE)
     assert got["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999) and got["config"]["size"] == (3, 4)
 
 
 def test_the_decoder_visits_a_shared_container_once(monkeypatch):
-    """runstate._decode (floats back from their hex) on a 60-level DAG of dicts and lists, as torch.load
+    """weights.decode (floats back from their hex) on a 60-level DAG of dicts and lists, as torch.load
     under --trust-pickle may return it: each container once, not each of its 2**60 paths."""
     node: object = {"x": {"__float__": (0.5).hex()}}
     for _ in range(60):
         node = {"a": [node, node], "b": node}
     calls = []
-    real = runstate._decode
+    real = weights.decode
 
     def counted(obj, seen=None):
         calls.append(1)
         return real(obj, seen)
 
-    monkeypatch.setattr(runstate, "_decode", counted)
-    out = runstate._decode(node)
+    monkeypatch.setattr(weights, "decode", counted)
+    out = weights.decode(node)
     assert len(calls) <= 6 * 60 + 10, len(calls)
     for _ in range(60):
         assert out["a"][0] is out["a"][1] is out["b"]  # still shared, decoded once

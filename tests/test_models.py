@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dlenv.errors import UserError
-from dlenv.model import models
+from dlenv.model import checkpointing, models
 from dlenv.model.models import build_model, is_convolutional, list_model_names, model_from_state
 
 
@@ -176,7 +176,7 @@ def test_public_names_resolve_lazily():
     import dlenv
 
     assert dlenv.build_model is models.build_model
-    assert dlenv.apply_checkpointing is models.apply_checkpointing
+    assert dlenv.apply_checkpointing is checkpointing.apply_checkpointing
 
 
 def test_bare_googlenet_state_dict_with_aux_heads_loads(tmp_path):

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from dlenv import compat
 from dlenv.engine.precision import Precision
-from dlenv.model.models import apply_checkpointing, build_model, is_convolutional
+from dlenv.model.checkpointing import apply_checkpointing
+from dlenv.model.models import build_model, is_convolutional
 
 pytestmark = pytest.mark.gpu
 

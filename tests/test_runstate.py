@@ -16,6 +16,7 @@ from torch import nn
 
 from dlenv.errors import UserError
 from dlenv.files import runstate
+from dlenv.model import statedict
 
 
 def test_save_is_atomic_when_the_write_crashes(tmp_path, monkeypatch):
@@ -206,4 +207,4 @@ def test_metadata_that_disagrees_with_the_head_is_named(tmp_path):
     with pytest.raises(UserError, match="its metadata says num_classes 5 but its weights' head fc.weight has 10"):
         model_from_state(ckpt, source="x.pth")
     with pytest.raises(UserError, match=r"does not match this model \(0 missing, 0 unexpected keys, 2 of another"):
-        runstate.load_model_state(build_model("resnet18", 3), sd, "x.pth")
+        statedict.load_strict(build_model("resnet18", 3), sd, "x.pth")

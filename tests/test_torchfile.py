@@ -582,11 +582,11 @@ def test_attack_variants_are_refused_in_one_line_or_load_as_they_are(tmp_path, m
     path = tmp_path / "w.pth"
     path.write_bytes(make(marker))
     if reason is None:
-        got = weights.load(path, weights.LoadPolicy())
+        got = weights.read(path, weights.LoadPolicy())
         assert all(isinstance(v, torch.Tensor) for v in got.values()), got
         return
     with pytest.raises(UserError) as e:
-        weights.load(path, weights.LoadPolicy())
+        weights.read(path, weights.LoadPolicy())
     line = str(e.value)
     assert "\n" not in line and reason in line and "nothing in it was run" in line, line
     assert not marker.exists()

@@ -263,7 +263,7 @@ def test_checkpoint_ratio_off_the_gpu(tmp_path, data, given, want_ratio, says, c
     assert len(start) == 1 and ("checkpointing" in start[0]) == (want_ratio > 0)
     if want_ratio:
         assert f" checkpointing {round(want_ratio * 8)} of 8 blocks |" in start[0]
-    blocks = dlenv.model.models.find_blocks(dlenv.model.models.build_model("resnet18", 2))
+    blocks = dlenv.model.checkpointing.find_blocks(dlenv.model.models.build_model("resnet18", 2))
     assert len(blocks) == 8  # resnet18's BasicBlocks: the ratio's denominator
 
 
@@ -403,7 +403,8 @@ def test_the_model_is_built_checkpointed_at_the_planned_ratio(ratio):
     """dlenv.train.parts wraps the first round(ratio x blocks) blocks, exactly as the plan counts them."""
     from types import SimpleNamespace
 
-    from dlenv.model.models import build_model, find_blocks, is_checkpointed
+    from dlenv.model.checkpointing import find_blocks, is_checkpointed
+    from dlenv.model.models import build_model
     from dlenv.train import parts
 
     plan = SimpleNamespace(model=SimpleNamespace(build=lambda: build_model("resnet18", 4), check=lambda m: None),

@@ -154,7 +154,8 @@ def test_checkpoint_ratio_auto_recomputes_only_what_the_card_needs(tmp_path):
     """Uncapped, a ResNet-50 batch of 128 at 160 px fits without recompute: no block is checkpointed.
     With the card capped below that run's peak, auto checkpoints some blocks, the run fits, and its
     peak is under the cap."""
-    from dlenv.model.models import build_model, find_blocks
+    from dlenv.model.checkpointing import find_blocks
+    from dlenv.model.models import build_model
 
     n = len(find_blocks(build_model("resnet50", 10)))
     kw = dict(model="resnet50", img_size=160, batch_size=128, amp=True, checkpoint=True, max_steps=3)

@@ -13,7 +13,8 @@ from usermodels import isolated_imports, one_line, write, write_project
 
 from dlenv.errors import UserError
 from dlenv.model import modelsource, usermodel
-from dlenv.model.models import apply_checkpointing, build_model, find_blocks
+from dlenv.model.checkpointing import apply_checkpointing, find_blocks
+from dlenv.model.models import build_model
 from dlenv.options import config, values
 from dlenv.options.config import TrainConfig
 

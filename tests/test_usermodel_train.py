@@ -30,8 +30,8 @@ from dlenv.compress import export_main, prune_main
 from dlenv.engine.precision import Precision
 from dlenv.errors import UserError
 from dlenv.evaluate import main as val_main
-from dlenv.files import runstate
-from dlenv.model import models, usermodel
+from dlenv.files import runstate, weights
+from dlenv.model import checkpointing, models, usermodel
 from dlenv.options import config, values
 from dlenv.options.config import ExportConfig, PruneConfig, TrainConfig, ValConfig
 
@@ -75,8 +75,9 @@ def one_line(err) -> str:
 def test_each_model_trains_an_epoch_with_amp_and_checkpointing(project, monkeypatch, name, model_args,
                                                                  img_size, args):
     wrapped = []
-    real = models.apply_checkpointing
-    monkeypatch.setattr(models, "apply_checkpointing", lambda m, r=1.0: wrapped.append(real(m, r)) or wrapped[-1])
+    real = checkpointing.apply_checkpointing
+    monkeypatch.setattr(checkpointing, "apply_checkpointing",
+                        lambda m, r=1.0: wrapped.append(real(m, r)) or wrapped[-1])
     ref = f"models/{name}:build"
     out = train(model=ref, model_args=model_args, img_size=img_size)
     assert out["exit_code"] == 0 and out["precision"] == "bf16" and out["step"] == 4
@@ -94,7 +95,7 @@ def test_each_model_trains_an_epoch_with_amp_and_checkpointing(project, monkeypa
     sha = hashlib.sha256((project / "models" / name).read_bytes()).hexdigest()
     for f in ("last.pth", "best_model.pth"):
         ck = torch.load(run / f, map_location="cpu", weights_only=True)  # plain types only
-        src = runstate._decode(ck)["model_source"]
+        src = weights.decode(ck)["model_source"]
         assert src == {"ref": ref, "sha256": sha, "args": args, "file": str(project / "models" / name)}
         assert ck["model_name"] == ref and ck["img_size"] == 16
 
@@ -122,7 +123,7 @@ def test_checkpointing_is_exact_on_each_model(project, name, precision):
     model = usermodel.build(f"models/{name}:build", 3)
     prec = Precision(precision, "cpu") if precision == "bf16" else None
     plain, ckpt, n = _compare_plain_and_checkpointed(model, _batches(), precision=prec)
-    assert n == MODELS[name][1] and n == len(models.find_blocks(model))
+    assert n == MODELS[name][1] and n == len(checkpointing.find_blocks(model))
     # outputs, every gradient, every buffer (BatchNorm statistics, counts) and the RNG's end state
     _assert_same(plain, ckpt, exact_grads=precision == "fp32")
     moved = [k for k, b in model.named_buffers() if k.endswith("num_batches_tracked")]
@@ -139,10 +140,10 @@ def test_the_comparison_catches_new_dropout_masks_and_double_batchnorm_updates(p
     from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
     if control == "dropout":
-        monkeypatch.setattr(models.compat, "checkpoint", lambda fn, *a: torch_checkpoint(
+        monkeypatch.setattr(checkpointing.compat, "checkpoint", lambda fn, *a: torch_checkpoint(
             fn, *a, use_reentrant=False, preserve_rng_state=False))
     else:
-        monkeypatch.setattr(models, "_is_norm_with_stats", lambda m: False)
+        monkeypatch.setattr(checkpointing, "_is_norm_with_stats", lambda m: False)
     torch.manual_seed(0)
     plain, ckpt, _ = _compare_plain_and_checkpointed(usermodel.build(f"models/{name}:build", 3), _batches())
     with pytest.raises(AssertionError, match="buffer" if control == "batchnorm" else ""):
@@ -363,7 +364,7 @@ def test_checkpointing_under_compile_is_exact(project):
     plain = _train_step(model, _batches(n=1))
     model.load_state_dict(start)
     model.zero_grad(set_to_none=True)
-    assert models.apply_checkpointing(model) == 2
+    assert checkpointing.apply_checkpointing(model) == 2
     graphs = []
     out, grads, buffers, rng = _train_step(torch.compile(model, backend=_aot_eager_counting(graphs)), _batches(n=1))
     assert [sum(n.startswith("wrap_body") for n, _ in g.named_children()) for g in graphs] == [2]

@@ -407,7 +407,7 @@ def test_save_checkpoint_to_safetensors_writes_weights_and_description_without_p
     with pytest.raises(pickle.UnpicklingError):
         pickle.loads(raw)
     back = runstate.load_state(path)
-    assert runstate.is_run_state(back)
+    assert weights.is_run_state(back)
     assert back["class_names"] == ["a", "b", "c"] and back["img_size"] == 64 and back["config"]["lr"] == 0.001
     assert torch.equal(back["model"]["fc.weight"], state["model"]["fc.weight"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["w.safetensors"]

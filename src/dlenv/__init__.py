@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 # name -> module that defines it; resolved lazily by __getattr__ below.
 _LAZY = {
     "Precision": "dlenv.engine.precision",
-    "apply_checkpointing": "dlenv.model.models",
+    "apply_checkpointing": "dlenv.model.checkpointing",
     "build_model": "dlenv.model.models",
     "MemoryMonitor": "dlenv.engine.memory",
     "train": "dlenv.train",

@@ -69,7 +69,8 @@ def _setup(spec: dict[str, Any], checkpoint: bool = True):
     asked) and precision mode for a spec; the spec's num_classes is set (`_build`)."""
     from dlenv.cluster.devices import resolve_device
     from dlenv.engine.precision import resolve_precision
-    from dlenv.model.models import apply_checkpointing, is_convolutional
+    from dlenv.model.checkpointing import apply_checkpointing
+    from dlenv.model.models import is_convolutional
 
     dev = resolve_device(spec["device"])
     if spec.get("gpu_memory_gib") and dev.type == "cuda":

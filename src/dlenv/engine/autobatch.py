@@ -365,7 +365,7 @@ class TrainStepProbe:
 
         from dlenv.engine.precision import Precision
         from dlenv.engine.step import Parts
-        from dlenv.model.models import apply_checkpointing
+        from dlenv.model.checkpointing import apply_checkpointing
 
         if optimizer not in ("sgd", "adamw"):
             raise ValueError(f"optimizer {optimizer!r} is not sgd or adamw")
@@ -478,7 +478,7 @@ def fewest_checkpoint_blocks(model_factory: Callable[[], Any], precision_mode: s
     allocator than the probe does. The probe is closed before returning. Apply the answer with
     `apply_checkpointing(model, result.ratio)`. Raises ValueError for a bad `batch` or `safety`.
     """
-    from dlenv.model.models import apply_checkpointing, find_blocks
+    from dlenv.model.checkpointing import apply_checkpointing, find_blocks
 
     if batch < 1 or not 0 < safety <= 1:
         raise ValueError(f"need batch >= 1 and safety in (0, 1], got batch={batch}, safety={safety}")

@@ -3,7 +3,8 @@ loaded safely.
 
 ("Checkpoint" means activation checkpointing, dlenv.model.models; these are run-state files.) Opening a trained model
 from one of these files (or an export) is `dlenv.runfolder.trained.open_trained`; it lives there, not here, because
-rebuilding the model needs dlenv.model.models, which reads files through this module.
+rebuilding the model needs the model wing (dlenv.model), which stands above this one. Reading a file is
+`dlenv.files.weights.read`; this module checks what a run file holds.
 
 A run-state file is a dict of tensors and plain types only: dlenv.files.weights' allowlist passes it and
 dlenv.files.torchfile builds its tensors from the bytes judged (torch.load never reads it), so it loads on any
@@ -38,75 +39,28 @@ epoch whose end set best_metric.
 Writes go to a temporary file in the same folder, are fsynced and `os.replace`d into place, so a
 `kill -9` at any moment leaves the previous file or the new one, never half of one.
 
-PyTorch 1.13's weights_only loader knows no float opcode (2.x does), so every Python float (a learning
-rate, a config value, the GradScaler's scale) is stored as {"__float__": float.hex()} and turned back
-into the exact float on load. Files are the same on both profiles and load on either.
+Every Python float in a run file is stored encoded (dlenv.files.weights.encode: PyTorch 1.13's
+weights_only loader knows no float opcode) and `weights.read` gives it back exact, so the files are the
+same on both profiles and load on either.
 """
 
 from __future__ import annotations
 
-import errno
-import pickle
-import zipfile
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dlenv.errors import UserError, cut_at_word, first_line, printable, with_path
-from dlenv.files import safeio, weights
+from dlenv.errors import UserError
+from dlenv.files import weights
 from dlenv.files.atomic import write_file
+from dlenv.files.weights import FORMAT
 
-FORMAT = "dlenv/1"
-_FLOAT = "__float__"
 #: bounds on what a file may say (its weights must fit a model built from these numbers)
 MAX_IMG_SIZE = 2048
 MAX_CLASSES = 100_000
 MAX_NAME = 256
 MAX_COUNT = 10**12
-
-
-def _encode(obj: Any) -> Any:
-    """`obj` with every float replaced by {"__float__": hex}; containers without floats are kept as is."""
-    if isinstance(obj, float):
-        return {_FLOAT: obj.hex()}
-    if isinstance(obj, dict):
-        items = {k: _encode(v) for k, v in obj.items()}
-        if all(items[k] is obj[k] for k in obj):
-            return obj  # unchanged (a model state dict keeps its OrderedDict and _metadata)
-        out = OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
-        return out
-    if isinstance(obj, (list, tuple)):
-        items = [_encode(v) for v in obj]
-        if all(a is b for a, b in zip(items, obj, strict=True)):
-            return obj
-        return type(obj)(items) if type(obj) in (list, tuple) else list(items)
-    return obj
-
-
-def _decode(obj: Any, seen: dict[int, tuple[Any, Any]] | None = None) -> Any:
-    """Undo `_encode`. Each container is decoded once however often the file shares it (`seen`: id -> (it,
-    what it became)): a walk down every path of 50 dicts each holding the next twice is 2**50 steps long."""
-    seen = {} if seen is None else seen
-    if not isinstance(obj, (dict, list, tuple)):
-        return obj
-    if id(obj) in seen:
-        return seen[id(obj)][1]
-    if isinstance(obj, dict):
-        if len(obj) == 1 and _FLOAT in obj and isinstance(obj[_FLOAT], str):
-            out: Any = float.fromhex(obj[_FLOAT])
-        else:
-            seen[id(obj)] = (obj, obj)  # decoded in place
-            for k, v in obj.items():
-                obj[k] = _decode(v, seen)
-            return obj
-    elif isinstance(obj, list):
-        out = [_decode(v, seen) for v in obj]
-    else:
-        out = tuple(_decode(v, seen) for v in obj)
-    seen[id(obj)] = (obj, out)
-    return out
 
 
 class _KeepFirstError:
@@ -146,8 +100,8 @@ def save_state(state: dict[str, Any], path: str | Path) -> Path:
     """
     path = Path(path)
     if weights.is_safetensors(path):
-        return _save_safetensors(state, path)
-    state = _encode(state)
+        return weights.save_run_safetensors(state, path)
+    state = weights.encode(state)
 
     def write(fh: Any) -> None:
         out = _KeepFirstError(fh)
@@ -159,60 +113,11 @@ def save_state(state: dict[str, Any], path: str | Path) -> Path:
     return write_file(path, write, durable=True)
 
 
-def _save_safetensors(state: dict[str, Any], path: Path) -> Path:
-    """A dlenv checkpoint's weights with its description as string metadata; a bare state dict as it is."""
-    import json
-
-    if not is_run_state(state):
-        return weights.save_safetensors(state, path)
-    meta = {"format": FORMAT, "model_name": str(state["model_name"]), "num_classes": str(int(state["num_classes"])),
-            "class_names": json.dumps(list(state["class_names"])),
-            "img_size": str(int(state["img_size"])) if state.get("img_size") else "",
-            "config": json.dumps(state.get("config") or {}, default=str)}
-    if state.get("model_source"):
-        meta["model_source"] = json.dumps(state["model_source"], default=str)
-    if state.get("widths"):  # a channel-pruned model (dlenv.model.shrink)
-        meta["widths"] = json.dumps(state["widths"])
-    return weights.save_safetensors(state["model"], path, meta)
-
-
-def _from_safetensors(path: Path) -> dict[str, Any]:
-    """A .safetensors file as a checkpoint: dlenv's own (metadata format "dlenv/1") with its entries,
-    any other (Hugging Face and timm write {"format": "pt"}, or none) as the bare state dict."""
-    import json
-
-    tensors, meta = weights.read_safetensors(path)
-    if meta.get("format") != FORMAT:
-        return tensors
-
-    def count(key: str) -> int | None:
-        text = meta.get(key, "").strip()
-        if not text:
-            return None
-        if not (text.isdigit() and len(text) <= 12):
-            raise ValueError(f"{key} {text[:20]!r} is not a count")
-        return int(text)
-
-    try:
-        ckpt = {"format": FORMAT, "model": tensors, "model_name": meta["model_name"],
-                "num_classes": count("num_classes"), "class_names": json.loads(meta["class_names"]),
-                "img_size": count("img_size"), "config": json.loads(meta.get("config") or "{}")}
-        if meta.get("model_source"):
-            ckpt["model_source"] = json.loads(meta["model_source"])
-        if meta.get("widths"):
-            ckpt["widths"] = json.loads(meta["widths"])
-    except (KeyError, ValueError) as e:
-        raise UserError(f"{printable(str(path))}: its dlenv metadata is incomplete or malformed "
-                        f"({printable(str(e))[:80]}); load it as a bare state dict with --model NAME, or export "
-                        "it again") from None
-    return ckpt
-
-
 def export_safetensors(ckpt: dict[str, Any], model: Any, out: Path) -> int:
     """`dlenv export --format safetensors`: `model`'s weights and `ckpt`'s description to `out`, then
     read back and compared tensor by tensor. Returns 0 when identical, 1 when not (the file is kept)."""
     state = {**ckpt, "format": FORMAT, "model": model.state_dict()}
-    _save_safetensors(state, out)
+    weights.save_run_safetensors(state, out)
     back = load_state(out)
     want = state["model"]
     same = (set(back["model"]) == set(want)
@@ -229,78 +134,15 @@ def export_safetensors(ckpt: dict[str, Any], model: Any, out: Path) -> int:
 
 
 def load_state(path: str | Path, policy: weights.LoadPolicy = weights.SAFE) -> Any:
-    """Load a checkpoint (a pickle through dlenv.files.weights' allowlist, or a .safetensors file); a dlenv
-    checkpoint's entries are checked and bounded (`check_entries`). `policy`: what --trust-pickle allows.
+    """What the weights file at `path` holds (`weights.read`: sniffed, read, decoded), with a dlenv run
+    file's entries checked and bounded (`check_entries`). `policy`: what --trust-pickle allows.
 
-    Raises UserError naming the file for a missing file, one that is not a PyTorch file at all (a
-    folder, a FIFO, an empty file, a CSV, YAML or other text, a zip of something else, a TorchScript
-    export), a truncated or corrupt one, an unsafe one, and a dlenv checkpoint whose entries have wrong
-    types or numbers out of bounds.
+    Raises UserError naming the file for whatever `weights.read` refuses and for a run file whose entries
+    have wrong types or numbers out of bounds.
     """
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"weights file {printable(str(path))} not found; pass the path of a .pth file "
-                        "(e.g. runs/exp/last.pth)")
-    what = _not_torch(path)
-    if what:
-        raise UserError(f"{printable(str(path))} is {what[0]}, not a PyTorch weights file; "
-                        + (what[1] or "pass a .pth file written by torch.save (e.g. runs/exp/best_model.pth)"))
-    try:
-        obj = _from_safetensors(path) if weights.is_safetensors(path) else _decode(weights.load(path, policy))
-    except UserError:  # weights' own lines: a refused foreign pickle, a broken safetensors file
-        raise
-    except pickle.UnpicklingError as e:
-        # weights_only refuses any global it does not know: the file wants to run code or rebuild
-        # arbitrary objects. Nothing from it was executed.
-        reason = cut_at_word(str(e).strip().splitlines()[-1], 160) if str(e).strip() else "unsupported object"
-        raise UserError(f"refusing to load {path}: it is not a plain-weights file ({reason}); "
-                        "nothing in it was run. Re-save it as a state dict with torch.save(model.state_dict())"
-                        ) from None
-    except Exception as e:  # any other failure of the loader on these bytes: the file is what's wrong
-        if isinstance(e, OSError) and e.errno in (errno.EIO, errno.EACCES, errno.EPERM, errno.EMFILE):
-            raise with_path(e, path) from None  # the disk or the system, not the file: the CLI says so
-        # torch's reader failing on these bytes: not known to be cut short (pickleguard.Damaged says that,
-        # through weights), so not called "truncated"
-        raise UserError(f"weights file {path} could not be read ({first_line(e, 160, named=False)}): it is "
-                        "damaged or not a file torch.save wrote; use another run file (last.pth and best_model.pth "
-                        "are written atomically)") from None
+    obj = weights.read(path, policy)
     check_entries(obj, path)
     return obj
-
-
-def _not_torch(path: Path) -> tuple[str, str | None] | None:
-    """(what `path` is, what to do or None) when it is certainly not a file torch.load reads (from its
-    first bytes), else None."""
-    if path.is_dir():
-        return "a folder", f"pass the .pth file inside it (e.g. {path / 'best_model.pth'})"
-    if not safeio.is_regular(path):  # a FIFO would block open() until a writer comes
-        return "not a regular file (a named pipe, a device or a socket)", "pass a regular file"
-    with safeio.open_regular(path, "checkpoint") as fh:
-        head = fh.read(512)
-    if weights.is_safetensors(path):
-        return None  # weights.read_safetensors says what is wrong with one
-    if not head:
-        return "an empty file (0 bytes)", "a copy or download that did not finish? Use another weights file"
-    if head.startswith(b"PK\x03\x04"):  # torch.save's zip format: an archive/data.pkl inside
-        try:
-            with zipfile.ZipFile(path) as zf:
-                names = zf.namelist()
-        except (zipfile.BadZipFile, ValueError, OSError):
-            return None  # a cut-off zip: torch.load says what is missing
-        if any(n.endswith("constants.pkl") for n in names):
-            return "a TorchScript model (an export)", "pass the .pth run file it was exported from"
-        if not any(n.endswith("data.pkl") for n in names):
-            return f"a zip archive of {len(names)} file(s) ({', '.join(names[:3])})", None
-        return None
-    if head[:1] == b"\x80" or head[8:10] == b'{"':  # a pickle (torch's legacy format) or safetensors
-        return None
-    if b"\0" not in head:
-        text = head.decode("utf-8", errors="replace")
-        if text.lstrip().startswith("epoch,"):
-            return "a results.csv (the per-epoch table of a run)", None
-        first = text.strip().splitlines()[0][:40] if text.strip() else ""
-        return f"a text file (it starts {first!r})", None
-    return f"another kind of file (it starts with bytes {head[:4].hex(' ')})", None
 
 
 def _bad_entry(path: Path, key: str, value: Any, expected: str) -> UserError:
@@ -325,10 +167,10 @@ def check_entries(ckpt: Any, path: str | Path) -> None:
     other than a dlenv run file passes unchecked (its tensors are bounded by the bytes the file holds). Raises UserError
     naming the file, the entry and the bound.
     """
-    if not is_run_state(ckpt):
+    if not weights.is_run_state(ckpt):
         return
     path = Path(path)
-    if not is_bare_state_dict(ckpt["model"]):
+    if not weights.is_bare_state_dict(ckpt["model"]):
         raise _bad_entry(path, "model", type(ckpt["model"]).__name__, "a state dict of tensors")
     for key, expected, ok in (
             ("model_name", f"a model name of 1 to {MAX_NAME} characters",
@@ -357,65 +199,6 @@ def check_entries(ckpt: Any, path: str | Path) -> None:
                             "use a run file written by dlenv train")
         raise UserError(f"{path}: it lists {len(ckpt['class_names'])} class names for num_classes "
                         f"{ckpt['num_classes']}; the file was edited or damaged, use another run file")
-
-
-def is_run_state(obj: Any) -> bool:
-    return isinstance(obj, dict) and obj.get("format") == FORMAT and "model" in obj
-
-
-def is_bare_state_dict(obj: Any) -> bool:
-    """A plain {name: tensor} mapping, as other tools save with torch.save(model.state_dict())."""
-    return (isinstance(obj, dict) and len(obj) > 0
-            and all(isinstance(k, str) and torch.is_tensor(v) for k, v in obj.items()))
-
-
-def strip_prefixes(sd: dict[str, Any]) -> dict[str, Any]:
-    """Remove DDP's 'module.' and torch.compile's '_orig_mod.' prefixes from another tool's keys."""
-    out = {}
-    for k, v in sd.items():
-        # one slice at the end: cutting a prefix at a time copies the rest of the key each time, hours
-        # for a key of a million prefixes (a file's keys are as long as its bytes allow)
-        start = 0
-        for p in ("module.", "_orig_mod."):
-            while k.startswith(p, start):
-                start += len(p)
-        out[k[start:]] = v
-    return out
-
-
-def shown_keys(keys: list[str], n: int) -> str:
-    """The first `n` state dict keys for a message: each escaped and cut to 80 characters (a file's keys
-    can be megabytes long and hold newlines), so the message stays one readable line."""
-    return ", ".join(printable(k)[:80] for k in keys[:n])
-
-
-def load_model_state(model: torch.nn.Module, sd: dict[str, Any], source: str | Path, name: str | None = None,
-                     num_classes: int | None = None) -> None:
-    """`model.load_state_dict(sd)` (strict), with a UserError naming `source` when the weights don't fit.
-
-    Keys missing or unexpected, or tensors of another shape, are counted and the first few named.
-    `num_classes` is what the checkpoint's metadata says: a head of another size is then called what
-    it is, metadata that disagrees with the weights.
-    """
-    own = model.state_dict()
-    missing = [k for k in own if k not in sd]
-    unexpected = [k for k in sd if k not in own]
-    wrong = [k for k in sd if k in own and tuple(own[k].shape) != tuple(sd[k].shape)]
-    arch = f"architecture {name!r}" if name else "this model"
-    if num_classes is not None and wrong and not missing and not unexpected:
-        head = [k for k in wrong if own[k].ndim and sd[k].ndim == own[k].ndim
-                and own[k].shape[0] == num_classes and sd[k].shape[1:] == own[k].shape[1:]]
-        if head == wrong:
-            raise UserError(f"{source}: its metadata says num_classes {num_classes} but its weights' head "
-                            f"{shown_keys(head, 1)} has {sd[head[0]].shape[0]} outputs; the file was edited or "
-                            "damaged, use another run file")
-    if missing or unexpected or wrong:
-        some = shown_keys(missing + unexpected + wrong, 4)
-        raise UserError(f"{source} does not match {arch} ({len(missing)} missing, {len(unexpected)} "
-                        f"unexpected keys, {len(wrong)} of another shape, e.g. {some}); the model or the number "
-                        "of classes differs from what it was trained with: pass the right --model, or data with "
-                        "its classes")
-    model.load_state_dict(sd)
 
 
 def environment() -> dict[str, Any]:

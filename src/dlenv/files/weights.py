@@ -22,22 +22,36 @@ safetensors (`*.safetensors`)
     PyTorch. `read_safetensors` returns its tensors and string metadata; dlenv.files.runstate decides whether
     the metadata describes a dlenv model and bounds every number in it.
 
-Consent is a `LoadPolicy` passed to each load, from the command's options: nothing global.
+`read(path, policy)` is the one way in: it says what a path is when it is no weights file at all (a
+folder, a FIFO, an empty file, a CSV, a TorchScript export), reads a .safetensors or a pickle, and
+decodes dlenv's own encoding (floats, the description a .safetensors run file keeps as metadata).
+dlenv.files.runstate checks a run file's entries on what it returns; the state-dict helpers that put
+weights into a model are dlenv.model.statedict's.
+
+Consent is a `LoadPolicy` passed to each read, from the command's options: nothing global.
 Every file is opened through dlenv.files.safeio: regular files only, so a folder or a FIFO named x.pth is one
 line, not a hang. No torch import at module level: the CLI imports this module for --help.
 """
 
 from __future__ import annotations
 
+import errno
+import json
+import pickle
+import zipfile
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dlenv.errors import UserError, check_stop, first_line, printable
+from dlenv.errors import UserError, check_stop, cut_at_word, first_line, printable, with_path
 from dlenv.files import pickleguard, safeio, torchfile
 from dlenv.files.atomic import write_atomic
 
 SUFFIX = ".safetensors"
+#: what dlenv's own run files say they are (dlenv.files.runstate describes their entries)
+FORMAT = "dlenv/1"
+_FLOAT = "__float__"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -94,18 +108,106 @@ def refusal(path: Path, reason: str) -> str:
             f"came from ({loader})")
 
 
-def load(path: str | Path, policy: LoadPolicy) -> Any:
+def read(path: str | Path, policy: LoadPolicy = SAFE) -> Any:
+    """What the weights file at `path` holds, on the CPU, decoded: a dlenv run file as its dict (floats
+    exact, a .safetensors run file's description from its metadata), any other file as it is (a bare
+    state dict, a dict around one). `policy`: what --trust-pickle allows.
+
+    Raises UserError naming the file for a missing file, one that is not a PyTorch file at all (a
+    folder, a FIFO, an empty file, a CSV, YAML or other text, a zip of something else, a TorchScript
+    export), a truncated, corrupt or unsafe one; OSError (with the path) when the disk or the system
+    fails rather than the file.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"weights file {printable(str(path))} not found; pass the path of a .pth file "
+                        "(e.g. runs/exp/last.pth)")
+    what = sniff(path)
+    if what:
+        raise UserError(f"{printable(str(path))} is {what[0]}, not a PyTorch weights file; "
+                        + (what[1] or "pass a .pth file written by torch.save (e.g. runs/exp/best_model.pth)"))
+    if is_safetensors(path):
+        return _from_safetensors(path)
+    try:
+        return decode(_load_pickle(path, policy))
+    except UserError:  # this module's own lines: a refused, forged or damaged pickle
+        raise
+    except pickle.UnpicklingError as e:
+        # weights_only (under --trust-pickle) refuses any global it does not know: the file wants to run
+        # code or rebuild arbitrary objects. Nothing from it was executed.
+        reason = cut_at_word(str(e).strip().splitlines()[-1], 160) if str(e).strip() else "unsupported object"
+        raise UserError(f"refusing to load {path}: it is not a plain-weights file ({reason}); "
+                        "nothing in it was run. Re-save it as a state dict with torch.save(model.state_dict())"
+                        ) from None
+    except Exception as e:  # any other failure of the loader on these bytes: the file is what's wrong
+        if isinstance(e, OSError) and e.errno in (errno.EIO, errno.EACCES, errno.EPERM, errno.EMFILE):
+            raise with_path(e, path) from None  # the disk or the system, not the file: the CLI says so
+        # torch's reader failing on these bytes: not known to be cut short (pickleguard.Damaged says that),
+        # so not called "truncated"
+        raise UserError(f"weights file {path} could not be read ({first_line(e, 160, named=False)}): it is "
+                        "damaged or not a file torch.save wrote; use another run file (last.pth and best_model.pth "
+                        "are written atomically)") from None
+
+
+def sniff(path: Path) -> tuple[str, str | None] | None:
+    """(what `path` is, what to do or None) when it is certainly not a weights file (from its first
+    bytes), else None."""
+    if path.is_dir():
+        return "a folder", f"pass the .pth file inside it (e.g. {path / 'best_model.pth'})"
+    if not safeio.is_regular(path):  # a FIFO would block open() until a writer comes
+        return "not a regular file (a named pipe, a device or a socket)", "pass a regular file"
+    with safeio.open_regular(path, "weights file") as fh:
+        head = fh.read(512)
+    if is_safetensors(path):
+        return None  # read_safetensors says what is wrong with one
+    if not head:
+        return "an empty file (0 bytes)", "a copy or download that did not finish? Use another weights file"
+    if head.startswith(b"PK\x03\x04"):  # torch.save's zip format: an archive/data.pkl inside
+        try:
+            with zipfile.ZipFile(path) as zf:
+                names = zf.namelist()
+        except (zipfile.BadZipFile, ValueError, OSError):
+            return None  # a cut-off zip: the reader says what is missing
+        if any(n.endswith("constants.pkl") for n in names):
+            return "a TorchScript model (an export)", "pass the .pth run file it was exported from"
+        if not any(n.endswith("data.pkl") for n in names):
+            return f"a zip archive of {len(names)} file(s) ({', '.join(names[:3])})", None
+        return None
+    if head[:1] == b"\x80" or head[8:10] == b'{"':  # a pickle (torch's legacy format) or safetensors
+        return None
+    if b"\0" not in head:
+        text = head.decode("utf-8", errors="replace")
+        if text.lstrip().startswith("epoch,"):
+            return "a results.csv (the per-epoch table of a run)", None
+        first = text.strip().splitlines()[0][:40] if text.strip() else ""
+        return f"a text file (it starts {first!r})", None
+    return f"another kind of file (it starts with bytes {head[:4].hex(' ')})", None
+
+
+def is_run_state(obj: Any) -> bool:
+    """A dlenv run file's dict (last.pth, best_model.pth, a prune's output): its entries are runstate's."""
+    return isinstance(obj, dict) and obj.get("format") == FORMAT and "model" in obj
+
+
+def is_bare_state_dict(obj: Any) -> bool:
+    """A plain {name: tensor} mapping, as other tools save with torch.save(model.state_dict())."""
+    if not (isinstance(obj, dict) and len(obj) > 0):
+        return False
+    import torch  # a dict of tensors was read, so torch is loaded already
+
+    return all(isinstance(k, str) and torch.is_tensor(v) for k, v in obj.items())
+
+
+def _load_pickle(path: Path, policy: LoadPolicy) -> Any:
     """The contents of a pickled weights file, on the CPU: judged and built by dlenv.files.torchfile from the
     bytes torch's reader gives, never by torch.load. A file the allowlist refuses is read by
     torch.load(weights_only=True) only under `policy.trust_pickle`; a forged or damaged one never.
-    (A .safetensors path is `read_safetensors`'s.)
 
     Raises UserError for a path that is not a regular file and for a refused or damaged file; torch.load's
-    own errors (an unknown global under --trust-pickle) propagate to the caller.
+    own errors (an unknown global under --trust-pickle) propagate to `read`, which names them.
     """
-    from dlenv import compat
+    from dlenv import compat  # imports torch: not on the CLI's path
 
-    path = Path(path)
     shown = printable(str(path))
     with safeio.open_regular(path, "weights file") as fh:
         try:
@@ -148,6 +250,100 @@ def read_safetensors(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
         raise UserError(f"{printable(str(path))} is not a readable safetensors file ({printable(first)}); "
                         "export it again, or check that the download finished") from None
     return state, {str(k): str(v) for k, v in meta.items()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# dlenv's encoding: floats, and a run file's description as safetensors metadata
+#
+# PyTorch 1.13's weights_only loader knows no float opcode (2.x does), so every Python float (a learning
+# rate, a config value, the GradScaler's scale) is written as {"__float__": float.hex()} and turned back
+# into the exact float on reading: the files are the same on both profiles and load on either.
+
+
+def encode(obj: Any) -> Any:
+    """`obj` with every float replaced by {"__float__": hex}; containers without floats are kept as is."""
+    if isinstance(obj, float):
+        return {_FLOAT: obj.hex()}
+    if isinstance(obj, dict):
+        items = {k: encode(v) for k, v in obj.items()}
+        if all(items[k] is obj[k] for k in obj):
+            return obj  # unchanged (a model state dict keeps its OrderedDict and _metadata)
+        return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
+    if isinstance(obj, (list, tuple)):
+        items = [encode(v) for v in obj]
+        if all(a is b for a, b in zip(items, obj, strict=True)):
+            return obj
+        return type(obj)(items) if type(obj) in (list, tuple) else list(items)
+    return obj
+
+
+def decode(obj: Any, seen: dict[int, tuple[Any, Any]] | None = None) -> Any:
+    """Undo `encode`. Each container is decoded once however often the file shares it (`seen`: id -> (it,
+    what it became)): a walk down every path of 50 dicts each holding the next twice is 2**50 steps long."""
+    seen = {} if seen is None else seen
+    if not isinstance(obj, (dict, list, tuple)):
+        return obj
+    if id(obj) in seen:
+        return seen[id(obj)][1]
+    if isinstance(obj, dict):
+        if len(obj) == 1 and _FLOAT in obj and isinstance(obj[_FLOAT], str):
+            out: Any = float.fromhex(obj[_FLOAT])
+        else:
+            seen[id(obj)] = (obj, obj)  # decoded in place
+            for k, v in obj.items():
+                obj[k] = decode(v, seen)
+            return obj
+    elif isinstance(obj, list):
+        out = [decode(v, seen) for v in obj]
+    else:
+        out = tuple(decode(v, seen) for v in obj)
+    seen[id(obj)] = (obj, out)
+    return out
+
+
+def save_run_safetensors(state: dict[str, Any], path: Path) -> Path:
+    """A dlenv run file's weights with its description as string metadata; a bare state dict as it is."""
+    if not is_run_state(state):
+        return save_safetensors(state, path)
+    meta = {"format": FORMAT, "model_name": str(state["model_name"]), "num_classes": str(int(state["num_classes"])),
+            "class_names": json.dumps(list(state["class_names"])),
+            "img_size": str(int(state["img_size"])) if state.get("img_size") else "",
+            "config": json.dumps(state.get("config") or {}, default=str)}
+    if state.get("model_source"):
+        meta["model_source"] = json.dumps(state["model_source"], default=str)
+    if state.get("widths"):  # a channel-pruned model (dlenv.model.shrink)
+        meta["widths"] = json.dumps(state["widths"])
+    return save_safetensors(state["model"], path, meta)
+
+
+def _from_safetensors(path: Path) -> dict[str, Any]:
+    """A .safetensors file: dlenv's own (metadata format "dlenv/1") as a run file's dict, any other
+    (Hugging Face and timm write {"format": "pt"}, or none) as the bare state dict."""
+    tensors, meta = read_safetensors(path)
+    if meta.get("format") != FORMAT:
+        return tensors
+
+    def count(key: str) -> int | None:
+        text = meta.get(key, "").strip()
+        if not text:
+            return None
+        if not (text.isdigit() and len(text) <= 12):
+            raise ValueError(f"{key} {text[:20]!r} is not a count")
+        return int(text)
+
+    try:
+        ckpt = {"format": FORMAT, "model": tensors, "model_name": meta["model_name"],
+                "num_classes": count("num_classes"), "class_names": json.loads(meta["class_names"]),
+                "img_size": count("img_size"), "config": json.loads(meta.get("config") or "{}")}
+        if meta.get("model_source"):
+            ckpt["model_source"] = json.loads(meta["model_source"])
+        if meta.get("widths"):
+            ckpt["widths"] = json.loads(meta["widths"])
+    except (KeyError, ValueError) as e:
+        raise UserError(f"{printable(str(path))}: its dlenv metadata is incomplete or malformed "
+                        f"({printable(str(e))[:80]}); load it as a bare state dict with --model NAME, or export "
+                        "it again") from None
+    return ckpt
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -444,7 +444,7 @@ def load_state(w: Weights, path: Path, policy: weights.LoadPolicy | None = None)
         if weights.is_safetensors(path):
             obj = weights.read_safetensors(path)[0]
         else:
-            obj = weights.load(path, policy or weights.SAFE)
+            obj = weights.read(path, policy or weights.SAFE)
     except UserError:
         raise
     except Exception as e:  # the loader failed on these bytes although their checksum matched

@@ -77,7 +77,7 @@ def trained_precision(config: dict[str, Any]) -> str | None:
 def check_saved_options(ckpt: Any, path: Path | str) -> None:
     """Refuse a dlenv checkpoint whose saved training options are not valid ones (dlenv.options.config's types and
     bounds), before anything reads them (its data folder, val split, seed, precision)."""
-    from dlenv.files.runstate import is_run_state
+    from dlenv.files.weights import is_run_state
     from dlenv.options import config
 
     if not (is_run_state(ckpt) and isinstance(ckpt.get("config"), dict)):
@@ -184,7 +184,8 @@ def open_trained(path: str | Path, policy: LoadPolicy, model: str | None = None,
     the command does not take, a bare state dict without --model, weights that do not fit their
     architecture, invalid saved options, and --classes that do not fit the model.
     """
-    from dlenv.files.runstate import is_bare_state_dict, is_run_state, load_state
+    from dlenv.files.runstate import load_state
+    from dlenv.files.weights import is_bare_state_dict, is_run_state
     from dlenv.model.models import model_from_state
 
     path = Path(path)

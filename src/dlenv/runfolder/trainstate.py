@@ -35,7 +35,7 @@ from dlenv.engine.step import NonFiniteLoss, Parts
 from dlenv.errors import UserError
 from dlenv.files import runstate, weights
 from dlenv.files.atomic import remove_leftover_temps, write_text
-from dlenv.model import modelsource
+from dlenv.model import modelsource, statedict
 from dlenv.options import config
 from dlenv.options.config import TrainConfig
 
@@ -226,7 +226,7 @@ def open_resume(cfg: TrainConfig) -> tuple[TrainConfig, Resume | None]:
 def resume_config(ckpt: dict[str, Any], given: TrainConfig, path: Path) -> tuple[TrainConfig, list[str], list[str]]:
     """(the saved run's options with only where it runs taken from this command, the flags given that a
     resume cannot change, the flags given that make it differ from the run: 'FLAG N (the run's M)')."""
-    if not runstate.is_run_state(ckpt) or "config" not in ckpt or "optimizer" not in ckpt:
+    if not weights.is_run_state(ckpt) or "config" not in ckpt or "optimizer" not in ckpt:
         raise UserError(f"--resume {path}: not a dlenv training checkpoint (no optimizer state); "
                         "pass a last.pth from runs/<name>/, or start from its weights with --weights")
     saved = _unsplit(config.from_dict(TrainConfig, ckpt["config"]), ckpt)
@@ -273,7 +273,7 @@ def restore(resume: Resume, parts: Parts, state: TrainState, sampler: Any, rank:
     from dlenv.engine.optim import load_optimizer_state
 
     ckpt = resume.ckpt
-    runstate.load_model_state(parts.bare, ckpt["model"], resume.path)
+    statedict.load_strict(parts.bare, ckpt["model"], resume.path)
     try:
         load_optimizer_state(parts.optimizer, ckpt["optimizer"])
     except (ValueError, KeyError, TypeError) as e:  # torch's own check: groups or sizes differ

@@ -26,7 +26,7 @@ def build_model(decided: TrainPlan, device: torch.device) -> nn.Module:
     """The model on `device` in the planned memory format, with --weights or --pretrained, checkpointed at
     the planned ratio. Raises UserError for weights that do not fit or a model of your own whose output
     is not logits [N, classes]."""
-    from dlenv.model.models import apply_checkpointing
+    from dlenv.model.checkpointing import apply_checkpointing
 
     model = decided.model.build().to(device, memory_format=decided.memory_format)
     decided.model.check(model)  # logits [N, classes]? (own models)

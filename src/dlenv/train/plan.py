@@ -97,7 +97,8 @@ class ModelSpec:
         """(whether the model is convolutional, its repeated blocks, the bytes of its weights and buffers):
         read from a copy built without weights, on the meta device where PyTorch has one (no memory, no
         initialisation)."""
-        from dlenv.model.models import find_blocks, is_convolutional
+        from dlenv.model.checkpointing import find_blocks
+        from dlenv.model.models import is_convolutional
 
         model = compat.build_on_meta(lambda: self.build(with_weights=False))
         size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
@@ -218,7 +219,7 @@ class TrainPlan:
     @property
     def recomputed_blocks(self) -> int:
         """How many blocks --checkpoint recomputes: the first round(ratio x blocks), as
-        dlenv.model.models.apply_checkpointing wraps them; 0 without --checkpoint, on a CPU's auto, or for a
+        dlenv.model.checkpointing.apply_checkpointing wraps them; 0 without --checkpoint, on a CPU's auto, or for a
         model without repeated blocks."""
         return int(round(self.checkpoint_ratio.value * self.blocks)) if self.checkpoint_ratio else 0
 
