@@ -1,4 +1,4 @@
-"""Shared test setup: marker handling and tiny datasets.
+"""Shared test setup: marker handling, tiny datasets and a project of one's own models.
 
 - `gpu` tests run only where CUDA is available; `image` tests only inside the built image
   (DLENV_IMAGE=1, set by the Dockerfile); `tests/container` runs only with `--image NAME`.
@@ -11,6 +11,7 @@ import os
 
 import pytest
 from imagedata import make_image_folder
+from usermodels import isolated_imports, write_project
 
 
 @pytest.fixture(autouse=True)
@@ -158,3 +159,13 @@ def data(tmp_path):
     from imagedata import make_train_val
 
     return make_train_val(tmp_path / "ds", per_class=8)
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A project folder with models/{resnet,vit,named}.py (tests/usermodels.py), as the working folder, its
+    modules importable for the test only. (test_projectreqs and test_slurm name a workspace of their own so.)"""
+    root = write_project(tmp_path / "proj")
+    monkeypatch.chdir(root)
+    with isolated_imports(tmp_path):
+        yield root

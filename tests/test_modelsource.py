@@ -11,20 +11,11 @@ import os
 import zipfile
 
 import pytest
-from usermodels import isolated_imports, one_line, write, write_project
+from usermodels import one_line, write
 
 from dlenv.data.unpack import MARKER, unpack
 from dlenv.errors import UserError
 from dlenv.model import modelsource
-
-
-@pytest.fixture
-def project(tmp_path, monkeypatch):
-    """A project folder with models/{resnet,vit,named}.py, as the working folder."""
-    root = write_project(tmp_path / "proj")
-    monkeypatch.chdir(root)
-    with isolated_imports(tmp_path):
-        yield root
 
 
 def _source(ref, path=None, args=None):
