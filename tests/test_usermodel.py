@@ -9,7 +9,7 @@ import hashlib
 import pytest
 import torch
 from torch import nn
-from usermodels import isolated_imports, one_line, write, write_project
+from usermodels import one_line, write
 
 from dlenv.errors import UserError
 from dlenv.model import modelsource, usermodel
@@ -17,15 +17,6 @@ from dlenv.model.checkpointing import apply_checkpointing, find_blocks
 from dlenv.model.models import build_model
 from dlenv.options import config, values
 from dlenv.options.config import TrainConfig
-
-
-@pytest.fixture
-def project(tmp_path, monkeypatch):
-    """A project folder with models/{resnet,vit,named}.py, as the working folder."""
-    root = write_project(tmp_path / "proj")
-    monkeypatch.chdir(root)
-    with isolated_imports(tmp_path):
-        yield root
 
 
 def build_like_the_trainer(ref, num_classes=3, model_args=None, img_size=None):

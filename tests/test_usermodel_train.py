@@ -22,7 +22,7 @@ import torch
 import yaml
 from imagedata import make_train_val
 from test_checkpointing import _assert_same, _compare_plain_and_checkpointed, _train_step
-from usermodels import MODELS, RESNET, isolated_imports, write_project
+from usermodels import MODELS, RESNET
 
 from dlenv import cli, compat
 from dlenv import train as train_mod
@@ -39,13 +39,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def project(tmp_path, monkeypatch):
-    """The working folder: models/{resnet,vit,named}.py and data/{train,val} of 16 px images."""
-    root = write_project(tmp_path / "proj")
-    make_train_val(root / "data", per_class=8)
-    monkeypatch.chdir(root)
-    with isolated_imports(tmp_path):
-        yield root
+def project(project):
+    """conftest's project (models/{resnet,vit,named}.py, the working folder) with data/{train,val} of 16 px
+    images."""
+    make_train_val(project / "data", per_class=8)
+    return project
 
 
 def train(on_step=None, **kw):
