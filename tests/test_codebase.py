@@ -143,6 +143,51 @@ def test_the_top_level_holds_few_loose_modules_and_wings_start_light():
         assert not any(m.split(".")[0] == "torch" for m in names), f"{init.relative_to(SRC)} imports torch"
 
 
+def _imports_torch_at_the_top(tree: ast.Module) -> bool:
+    return any((isinstance(n, ast.Import) and any(a.name.split(".")[0] == "torch" for a in n.names))
+               or (isinstance(n, ast.ImportFrom) and not n.level and (n.module or "").split(".")[0] == "torch")
+               for n in tree.body)
+
+
+def lazy_dlenv_imports(path: Path) -> list[str]:
+    """`file:line` of each import of dlenv inside a function of a module that imports torch at its top:
+    such a module is off the torch-free CLI path already, so deferring the import keeps nothing out and
+    hides what the module uses. (Lazy imports stay where they do keep something out: in the torch-free
+    modules of the CLI's path, and for optional libraries such as cv2, onnxruntime, timm or matplotlib.)"""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    if not _imports_torch_at_the_top(tree):
+        return []
+    found = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for n in ast.walk(fn):
+                names = ([a.name for a in n.names] if isinstance(n, ast.Import) else
+                         [n.module or ""] if isinstance(n, ast.ImportFrom) and not n.level else
+                         ["dlenv"] if isinstance(n, ast.ImportFrom) else [])
+                if any(m == "dlenv" or m.startswith("dlenv.") for m in names):
+                    found.append(f"{path.relative_to(SRC)}:{n.lineno}")
+    return sorted(set(found))
+
+
+def test_modules_that_import_torch_import_dlenv_at_their_top():
+    lazy = [hit for p in modules().values() for hit in lazy_dlenv_imports(p)]
+    assert not lazy, f"imports of dlenv inside functions of modules that import torch at the top (hoist them): {lazy}"
+
+
+@pytest.mark.parametrize("source,expected", [
+    ("import torch\ndef f():\n    from dlenv.files import weights\n", ["m.py:3"]),
+    ("import torch\ndef f():\n    def g():\n        import dlenv.errors\n", ["m.py:4"]),
+    ("from torch import nn\nclass A:\n    def f(self):\n        from . import x\n", ["m.py:4"]),
+    ("def f():\n    import torch\n    from dlenv.files import weights\n", []),  # torch-free at the top: the CLI's path
+    ("import torch\ndef f():\n    import cv2\n", []),                          # an optional library
+    ("import torch\nfrom dlenv.files import weights\n", []),
+])
+def test_the_lazy_import_reader_finds_them_at_any_depth(tmp_path, monkeypatch, source, expected):
+    monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path)
+    (tmp_path / "m.py").write_text(source)
+    assert lazy_dlenv_imports(tmp_path / "m.py") == expected
+
+
 def test_no_source_file_is_over_the_limit():
     long = {m: n for m, p in modules().items() if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split them by job): {long}"

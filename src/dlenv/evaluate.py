@@ -28,11 +28,18 @@ from typing import Any
 
 import torch
 
-from dlenv import invocation
+from dlenv import compat, invocation
 from dlenv.cluster.devices import resolve_device
-from dlenv.data.folder import class_key
+from dlenv.data.demo import ensure_demo_data
+from dlenv.data.folder import class_key, find_layout
+from dlenv.data.loaders import build_eval_loader
+from dlenv.engine.precision import Precision, resolve_precision
 from dlenv.errors import EXIT_NONFINITE, UserError, need_folder
 from dlenv.files.atomic import check_output, write_bytes
+from dlenv.files.weights import LoadPolicy
+from dlenv.progress import Progress
+from dlenv.runfolder.plots import save_figure
+from dlenv.runfolder.trained import CHECKPOINT, STATE_DICT, open_trained
 
 #: the report files `main` writes, in the order it writes them
 REPORT_FILES = ("metrics.json", "per_class.csv", "confusion_matrix.csv", "confusion_matrix.png", "errors.csv")
@@ -51,8 +58,6 @@ def predict(model: torch.nn.Module, loader: Any, device: torch.device | str, amp
     `progress` shows a time-based bar (a line every few seconds in a log) named `what`. Returns (logits, targets):
     a float32 CPU tensor [N, num_classes] and an int64 CPU tensor [N], in the loader's order.
     """
-    from dlenv.engine.precision import Precision, resolve_precision
-    from dlenv.progress import Progress
 
     device = torch.device(device)
     precision = Precision(mode or resolve_precision(amp, "auto", device), device)
@@ -79,7 +84,6 @@ def predict(model: torch.nn.Module, loader: Any, device: torch.device | str, amp
 
 def _cpu_bf16_autocast_works() -> bool:
     """Whether this CPU build runs a matmul under bf16 autocast (a probe, not a version check)."""
-    from dlenv import compat
 
     try:
         with compat.autocast("cpu", torch.bfloat16, enabled=True):
@@ -96,7 +100,6 @@ def val_precision(asked: str, amp: bool, trained: str | None, device: torch.devi
     GPU without it -> fp16; no CPU bf16 -> fp32) and `why` says so. Raises UserError for an explicit
     dtype this device cannot run.
     """
-    from dlenv.engine.precision import resolve_precision
 
     if asked != "auto":
         mode = "fp32" if asked == "fp32" else resolve_precision(True, asked, device)
@@ -311,7 +314,6 @@ def plot_confusion(cm: list[list[int]], class_names: list[str], title: str | Non
 
 def write_reports(out: Path, metrics: dict[str, Any], errors: list[dict[str, Any]]) -> list[Path]:
     """Write the five report files into `out` (created if needed), each atomically; returns their paths."""
-    from dlenv.runfolder.plots import save_figure
 
     out.mkdir(parents=True, exist_ok=True)
     names = metrics["class_names"]
@@ -343,7 +345,6 @@ def _samples_of(root: Path, val_split: float, seed: int, trained_on: bool) -> tu
     val folder passed with --data), or, when the model was `trained_on` this folder, the part that
     training held out with the same `val_split` and `seed`; so does a train/ without val/.
     """
-    from dlenv.data.folder import find_layout
 
     has_train = any(p.is_dir() and p.name.lower() == "train" for p in root.iterdir())
     if not has_train and not trained_on:  # a folder of class folders: every image is validation data
@@ -376,7 +377,6 @@ def resolve_data(data: str | None, ckpt: Any) -> tuple[Path, list, list[str], st
             raise UserError(f"the checkpoint was trained on {root}, which is not found from here; "
                             "pass --data FOLDER")
     else:
-        from dlenv.data.demo import ensure_demo_data
 
         root = Path(ensure_demo_data())  # what `dlenv train` without --data trained on
     return (root, *_samples_of(root, val_split, seed, trained_on=True))
@@ -443,9 +443,6 @@ def main(cfg: Any) -> int:
     Raises UserError for a missing/unsafe/corrupt checkpoint, a bare state dict without --model, data
     that is missing or has other classes than the checkpoint, or a bad --device.
     """
-    from dlenv.data.loaders import build_eval_loader
-    from dlenv.files.weights import LoadPolicy
-    from dlenv.runfolder.trained import CHECKPOINT, STATE_DICT, open_trained
 
     if not cfg.weights:
         raise UserError("--weights is required: the checkpoint to validate (e.g. runs/exp/best_model.pth)")

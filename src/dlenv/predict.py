@@ -39,12 +39,19 @@ from typing import Any
 
 import torch
 
+from dlenv.cluster.devices import resolve_device
+from dlenv.data.badimages import BadImageError
+from dlenv.data.decode import load_rgb
 from dlenv.data.folder import IMAGE_EXTS, is_image
+from dlenv.data.loaders import build_eval_loader, build_transforms
 from dlenv.errors import UserError, printable
-from dlenv.evaluate import csv_cell
+from dlenv.evaluate import csv_cell, predict, refuse_non_finite, val_precision
 from dlenv.files import safeio
 from dlenv.files.atomic import write_atomic, write_file
-from dlenv.runfolder.trained import Trained
+from dlenv.files.weights import LoadPolicy
+from dlenv.options.predict_options import PredictConfig
+from dlenv.runfolder import BEST, new_run_dir
+from dlenv.runfolder.trained import Trained, open_trained
 
 #: file name endings `--source FILE` reads as a video (anything else named alone is read as an image)
 VIDEO_EXTS = frozenset({".mp4", ".avi", ".mov", ".mkv", ".webm", ".m4v", ".mpg", ".mpeg", ".wmv"})
@@ -70,8 +77,6 @@ class Source:
 
 def open_model(cfg: Any, device: torch.device, say: Any = print) -> Trained:
     """The model cfg.weights holds (any kind dlenv.runfolder.trained opens), with --classes and --img-size."""
-    from dlenv.files.weights import LoadPolicy
-    from dlenv.runfolder.trained import open_trained
 
     return open_trained(cfg.weights, LoadPolicy.of(cfg), cfg.model, verb="predict", classes=cfg.classes,
                         img_size=cfg.img_size, device=device, say=say)
@@ -181,7 +186,6 @@ def video_frames(path: Path, stride: int) -> Iterator[tuple[int, Any]]:
 
 def _video_batches(path: Path, stride: int, opened: Trained, batch_size: int) -> Iterator[tuple[torch.Tensor, Any]]:
     """(images, frame numbers) batches of the video through val's eval transform."""
-    from dlenv.data.loaders import build_transforms
 
     transform = build_transforms(opened.img_size, False, norm=opened.norm, interpolation=opened.interpolation)
     images, frames = [], []
@@ -212,9 +216,6 @@ def run(opened: Trained, source: Source, cfg: Any, device: torch.device, mode: s
     """(predictions in source order, seconds the pass took). Unreadable images are left out, said in
     one line each for the first few, then counted. Raises UserError when nothing could be read, and
     (dlenv.evaluate.refuse_non_finite) for NaN or inf outputs."""
-    from dlenv.data.badimages import BadImageError
-    from dlenv.data.loaders import build_eval_loader
-    from dlenv.evaluate import predict, refuse_non_finite
 
     net = FlipAverage(opened.model) if cfg.tta == "flip" else opened.model
     t0 = time.perf_counter()
@@ -329,7 +330,6 @@ def save_images(run_dir: Path, preds: list[Prediction], source: Source, stride: 
     folders) gets -2, -3, ..."""
     from PIL import Image
 
-    from dlenv.data.decode import load_rgb
 
     folder = run_dir / "images"
     folder.mkdir(parents=True, exist_ok=True)
@@ -387,9 +387,6 @@ def main(cfg: Any) -> int:
     Raises UserError for a missing or unreadable source or model (see `find_source`, `open_model`), a
     source with nothing readable in it, and NaN or inf outputs.
     """
-    from dlenv.cluster.devices import resolve_device
-    from dlenv.evaluate import val_precision
-    from dlenv.runfolder import BEST, new_run_dir
 
     if not cfg.weights:
         raise UserError(f"--weights is required: the trained model to predict with (e.g. runs/exp/{BEST})")
@@ -438,7 +435,6 @@ def keeps_run(cfg: Any, n: int, video: bool) -> bool:
     """Whether predict writes a run folder (predictions.csv): for more than SHOWN images, a video, or when
     asked (--save-images, a --project, --name or --exist-ok of the user's). A few images, at the default
     place, are answered on the terminal only, so that one call per photo leaves no runs/predict/expN."""
-    from dlenv.options.predict_options import PredictConfig
 
     default = PredictConfig()
     asked = cfg.save_images or cfg.exist_ok or cfg.project != default.project or cfg.name != default.name

@@ -29,14 +29,19 @@ from typing import Any
 import torch
 
 from dlenv.bench.memory import GIB, NO_SEARCH_ON_CPU, NUM_CLASSES, SEED, fragmentation_schedule
+from dlenv.cluster.devices import resolve_device
 from dlenv.compat import is_oom
+from dlenv.engine.autobatch import fewest_checkpoint_blocks, make_train_step_probe, search_max_batch
+from dlenv.engine.precision import Precision, resolve_precision
 from dlenv.engine.step import Parts, train_step
 from dlenv.errors import UserError, first_line, host_memory_short
+from dlenv.model import usermodel
+from dlenv.model.checkpointing import apply_checkpointing
+from dlenv.model.models import build_model, is_convolutional
 
 
 def _parts(model: Any, mode: str, dev: torch.device, fmt: torch.memory_format) -> Parts:
     """The trainer's step around `model`: SGD with momentum, one Precision for `mode`."""
-    from dlenv.engine.precision import Precision
 
     return Parts.plain(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), Precision(mode, dev), fmt)
 
@@ -44,8 +49,6 @@ def _parts(model: Any, mode: str, dev: torch.device, fmt: torch.memory_format) -
 def _build(spec: dict[str, Any]) -> Any:
     """The spec's model, seeded (the same initial weights in every configuration), and its class count
     written into the spec: the one asked for, or with none asked the model's own (see the docstring)."""
-    from dlenv.model import usermodel
-    from dlenv.model.models import build_model
 
     asked = spec.get("num_classes")
     if asked is None:  # the factory's own note ("its output must already have N classes") does not apply
@@ -67,10 +70,6 @@ def _channels(spec: dict[str, Any]) -> int:
 def _setup(spec: dict[str, Any], checkpoint: bool = True):
     """Device, model (seeded, checkpointed as the spec asks unless `checkpoint` is False, channels_last as
     asked) and precision mode for a spec; the spec's num_classes is set (`_build`)."""
-    from dlenv.cluster.devices import resolve_device
-    from dlenv.engine.precision import resolve_precision
-    from dlenv.model.checkpointing import apply_checkpointing
-    from dlenv.model.models import is_convolutional
 
     dev = resolve_device(spec["device"])
     if spec.get("gpu_memory_gib") and dev.type == "cuda":
@@ -164,7 +163,6 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _factory(spec: dict[str, Any]):
     """A model factory for the probes: the spec's seeded model, built afresh."""
-    from dlenv.model.models import build_model
 
     def factory():
         torch.manual_seed(spec.get("seed", SEED))
@@ -175,7 +173,6 @@ def _factory(spec: dict[str, Any]):
 
 def measure_max_batch(spec: dict[str, Any]) -> dict[str, Any]:
     """The largest batch whose real training steps fit this configuration (run inside a worker; CUDA only)."""
-    from dlenv.engine.autobatch import make_train_step_probe, search_max_batch
 
     dev, model, conv, mode, fmt = _setup(spec)
     out = dict(_env_info(dev, spec), convolutional=conv, precision=mode, status="ok")
@@ -200,7 +197,6 @@ def measure_checkpoint_search(spec: dict[str, Any]) -> dict[str, Any]:
     ckpt_blocks, ckpt_n_blocks, ckpt_ratio, ckpt_fits_all, ckpt_tries and ckpt_search_s; status
     "skipped" with the reason on a CPU.
     """
-    from dlenv.engine.autobatch import fewest_checkpoint_blocks
 
     dev, model, conv, mode, fmt = _setup(spec, checkpoint=False)
     out = dict(_env_info(dev, spec), convolutional=conv, precision=mode, status="ok")
@@ -246,7 +242,6 @@ def measure_allocator(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _where(e: BaseException, model: Any) -> str:
     """' at line N of FILE' for the deepest frame of `e` in the user's model file, or ''."""
-    from dlenv.model import usermodel
 
     if not (isinstance(model, str) and usermodel.is_reference(model)):
         return ""

@@ -22,9 +22,13 @@ from typing import Any
 import torch
 
 from dlenv import compat
+from dlenv.data.folder import find_layout
+from dlenv.data.loaders import build_eval_loader
 from dlenv.errors import UserError
+from dlenv.evaluate import compute_metrics, match_classes, predict, resolve_data
 from dlenv.files.weights import SAFE, LoadPolicy
-from dlenv.runfolder.trained import Trained
+from dlenv.runfolder import BEST
+from dlenv.runfolder.trained import CHECKPOINT, Trained, open_trained
 
 
 def open_weights(weights: str | None, verb: str, policy: LoadPolicy = SAFE, model: str | None = None) -> Trained:
@@ -35,8 +39,6 @@ def open_weights(weights: str | None, verb: str, policy: LoadPolicy = SAFE, mode
     checkpoint (a bare state dict, an export: no class names or image size to re-validate with), or the
     weights don't fit the architecture.
     """
-    from dlenv.runfolder import BEST
-    from dlenv.runfolder.trained import CHECKPOINT, open_trained
 
     if not weights:
         raise UserError(f"--weights is required: the checkpoint to {verb} (e.g. runs/exp/{BEST})")
@@ -45,7 +47,6 @@ def open_weights(weights: str | None, verb: str, policy: LoadPolicy = SAFE, mode
 
 def _val_data(data: str | None, src: Trained) -> tuple[Path, list[tuple[str, int]]]:
     """(root, samples) to measure on, with labels in the checkpoint's class order (as `dlenv val`)."""
-    from dlenv.evaluate import match_classes, resolve_data
 
     root, samples, classes, _ = resolve_data(data, src.ckpt)  # the same choice of data as `dlenv val` makes
     remap = match_classes(list(classes), src.class_names, False, root)
@@ -60,7 +61,6 @@ def eval_loader(data: str | None, src: Trained, batch_size: int, workers: int | 
 
     Raises UserError when neither is there or its classes differ from the checkpoint's.
     """
-    from dlenv.data.loaders import build_eval_loader
 
     root, samples = _val_data(data, src)
     return root, build_eval_loader(samples, src.img_size, batch_size, workers, norm=src.norm,
@@ -73,8 +73,6 @@ def train_layout(src: Trained) -> Any:
     Returns a dlenv.data.folder.Layout with an empty val split (for fine-tuning). Raises UserError
     when that data is not on this machine.
     """
-    from dlenv.data.folder import find_layout
-    from dlenv.evaluate import match_classes, resolve_data
 
     train_cfg = src.config
     root = Path(resolve_data(None, src.ckpt)[0])
@@ -90,7 +88,6 @@ def train_layout(src: Trained) -> Any:
 
 def top1(model: torch.nn.Module, loader: Any, device: torch.device | str, class_names: list[str]) -> float:
     """Top-1 accuracy in % of `model` over `loader` (evaluated on `device`)."""
-    from dlenv.evaluate import compute_metrics, predict
 
     logits, targets = predict(model, loader, device)
     if len(targets) == 0:

@@ -33,6 +33,7 @@ import torch
 from dlenv import compat
 from dlenv.compress import common, quantize
 from dlenv.errors import UserError, first_line
+from dlenv.files import onnxmodel, runstate
 from dlenv.files.atomic import check_output, write_atomic
 from dlenv.files.weights import LoadPolicy
 from dlenv.runfolder.trained import Trained
@@ -117,7 +118,6 @@ def run_exported(path: Path, fmt: str, inputs: torch.Tensor, device: torch.devic
             return loaded(inputs).float().cpu(), "TorchScript (torch.jit.load of the file)"
     import onnxruntime as ort
 
-    from dlenv.files import onnxmodel
 
     try:
         sess = onnxmodel.session(path, device)
@@ -159,7 +159,6 @@ def export_onnx_int8(cfg: Any, src: Trained, inputs: torch.Tensor, loader: Any, 
     """`export --format onnx --quantize int8`: the float ONNX export quantized by onnxruntime (QDQ, calibrated,
     dlenv.compress.quantize.onnx_int8), run by onnxruntime's CPU provider on the check images against the
     float model, then the float-vs-int8 table (top-1 on the data, file size, CPU latency). Returns 0."""
-    from dlenv.files import onnxmodel
 
     cpu = torch.device("cpu")
     model = common.cpu_copy(src.model)
@@ -232,7 +231,6 @@ def main(cfg: Any) -> int:
     src = common.open_weights(cfg.weights, "export", LoadPolicy.of(cfg), cfg.model)
     out = output_path(cfg, src.path)
     if cfg.format == "safetensors":  # weights, not a program: written, read back, compared (dlenv.files.runstate)
-        from dlenv.files import runstate
 
         return runstate.export_safetensors(src.ckpt, src.model, out)
     inputs, loader, described = _check_inputs(cfg, src)
@@ -262,7 +260,6 @@ def main(cfg: Any) -> int:
             compat.jit_save(compat.jit_trace(model, example), buf)
             tmp.write_bytes(buf.getvalue())
         else:
-            from dlenv.files import onnxmodel
 
             compat.onnx_export(model, example, tmp, cfg.opset)
             onnxmodel.write_metadata(tmp, onnxmodel.metadata(list(src.class_names), src.img_size, src.norm,

@@ -29,10 +29,18 @@ import torch
 from torch import nn
 from torch.nn.utils import prune as tprune
 
-from dlenv.compress import common
+from dlenv.cluster.devices import resolve_device
+from dlenv.compress import channels, common
+from dlenv.data.loaders import build_loaders
+from dlenv.data.plan import InputPlan
+from dlenv.engine.precision import Precision
+from dlenv.engine.step import Parts, train_step
 from dlenv.errors import UserError
 from dlenv.files.atomic import check_output
+from dlenv.files.runstate import environment, save_state
 from dlenv.files.weights import LoadPolicy
+from dlenv.model import shrink
+from dlenv.model.models import model_from_state
 
 #: Layer types whose `weight` is pruned.
 PRUNABLE = (nn.modules.conv._ConvNd, nn.Linear)
@@ -95,8 +103,6 @@ def finetune(model: nn.Module, loader: Any, device: torch.device, epochs: int, l
     """Train `model` for `epochs` with SGD (momentum 0.9, cosine to 0) through the trainer's step; returns
     the mean loss of each epoch. Masked weights (unstructured pruning) stay zero: their gradient is zero and
     the forward multiplies by the mask anyway."""
-    from dlenv.engine.precision import Precision
-    from dlenv.engine.step import Parts, train_step
 
     model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -127,7 +133,6 @@ def pruned_checkpoint(ckpt: dict[str, Any], model: nn.Module, info: dict[str, An
     Optimizer, scaler, scheduler and EMA states described the dense weights, so they are dropped
     (None): the result is for validation, prediction and export.
     """
-    from dlenv.files.runstate import environment
 
     state = dict(ckpt)
     state["model"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
@@ -171,7 +176,6 @@ def _output_path(cfg: Any, src_path: Path) -> Path:
 def _check_rebuilt(state: dict[str, Any], pruned: nn.Module, example: torch.Tensor, source: str) -> None:
     """Rebuild the channel-pruned checkpoint as val and predict will (dlenv.model.models from the name and the
     widths) and compare its outputs with the pruned model's; raise UserError when they differ."""
-    from dlenv.model.models import model_from_state
 
     rebuilt = model_from_state(state, source=source)[0].eval()
     with torch.no_grad():
@@ -183,8 +187,6 @@ def _check_rebuilt(state: dict[str, Any], pruned: nn.Module, example: torch.Tens
 
 def _structured(src: Any, amount: float) -> tuple[nn.Module, dict[str, Any], dict[str, list[int]]]:
     """(the channel-pruned copy of src.model, report fields, the widths to record)."""
-    from dlenv.compress import channels
-    from dlenv.model import shrink
 
     example = torch.randn(1, 3, src.img_size, src.img_size)
     dense = src.model.cpu().eval()
@@ -199,8 +201,6 @@ def _structured(src: Any, amount: float) -> tuple[nn.Module, dict[str, Any], dic
 
 
 def _finetune(cfg: Any, src: Any, model: nn.Module, device: torch.device, masks: bool) -> None:
-    from dlenv.data.loaders import build_loaders
-    from dlenv.data.plan import InputPlan
 
     layout = common.train_layout(src)
     plan = InputPlan.classic(src.img_size, cfg.batch_size, cfg.workers, seed=int(src.config.get("seed", 0)),
@@ -229,8 +229,6 @@ def main(cfg: Any) -> int:
     or has no class names, data that is missing or has other classes, a model whose channels cannot be
     removed or rebuilt, or a bad --device.
     """
-    from dlenv.cluster.devices import resolve_device
-    from dlenv.files.runstate import save_state
 
     amount = check_amount(cfg.amount)
     src = common.open_weights(cfg.weights, "prune", LoadPolicy.of(cfg), cfg.model)

@@ -26,7 +26,7 @@ from dlenv.data.badimages import SKIPPED_SHOWN, BadImageError, KnownBad, first_r
 from dlenv.data.decode import decode_rgb, load_rgb
 from dlenv.data.sampler import ResumableSampler, SeededDraws, lone_last
 from dlenv.data.workers import PREFETCH_FACTOR, decide_workers
-from dlenv.errors import UserError
+from dlenv.errors import UserError, shm_full
 from dlenv.model.pretrained import IMAGENET_MEAN, IMAGENET_STD
 
 log = logging.getLogger("dlenv.data")
@@ -301,7 +301,6 @@ def _worker_start(then: Callable[[int], None] | None, worker_id: int) -> None:
     import multiprocessing.queues
     import resource
 
-    from dlenv.errors import shm_full
 
     _leave_stop_signals_to_the_main_process()
     with contextlib.suppress(ValueError, OSError):

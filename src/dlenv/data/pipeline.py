@@ -19,6 +19,16 @@ from typing import Any
 
 import torch
 
+from dlenv.cluster import distributed
+from dlenv.data import imagesize
+from dlenv.data.demo import ensure_demo_data, is_demo_folder
+from dlenv.data.fastpath import DeviceLoader
+from dlenv.data.folder import find_layout
+from dlenv.data.gpu_aug import Crops, GpuAugment
+from dlenv.data.loaders import build_loaders
+from dlenv.data.sampler import ResumableSampler
+from dlenv.data.sources import SOURCES
+from dlenv.data.synthetic import SyntheticLoader
 from dlenv.errors import UserError, need_folder
 
 #: micro-batches per epoch of --synthetic data without --max-steps
@@ -43,7 +53,6 @@ class Located:
     @property
     def demo(self) -> bool:
         """The built-in demo data, or a folder of it given as --data: 64 px images, gentler crops."""
-        from dlenv.data.demo import is_demo_folder
 
         return self.source == "demo" or (self.layout is not None and is_demo_folder(self.layout.root))
 
@@ -56,11 +65,10 @@ class Located:
 def auto_img_size(located: Located) -> tuple[int, str]:
     """(--img-size auto's size, the reason): the median shorter side of up to 200 training images (headers
     only), capped at AUTO_IMG_SIZE_CAP for speed; 224 for synthetic data or when no header can be read."""
-    from dlenv.data.imagesize import typical_side
 
     if located.layout is None or not located.layout.train:
         return 224, "the default for synthetic data"
-    found = typical_side([p for p, _ in located.layout.train])
+    found = imagesize.typical_side([p for p, _ in located.layout.train])
     if found is None:
         return 224, "the default for photos (no image header could be read)"
     typical, sampled = found
@@ -76,10 +84,8 @@ def locate(data: str | None, synthetic: bool = False, val_split: float = 0.2, se
     images for --synthetic). Raises UserError for a missing folder or one without images."""
     if synthetic:
         return Located(None, [str(i) for i in range(1000)], "synthetic")
-    from dlenv.data.folder import find_layout
 
     if data is None:
-        from dlenv.data.demo import ensure_demo_data
 
         root, source = ensure_demo_data(), "demo"
     else:
@@ -108,13 +114,8 @@ def make_loaders(layout: Any, plan: Any, device: Any, *, dtype: torch.dtype = to
     """
     device = torch.device(device)
     if not plan.on_device:
-        from dlenv.data.loaders import build_loaders
 
         return build_loaders(layout, plan, train_sampler, pin_memory=device.type == "cuda")
-    from dlenv.data.fastpath import DeviceLoader
-    from dlenv.data.gpu_aug import Crops, GpuAugment
-    from dlenv.data.sampler import ResumableSampler
-    from dlenv.data.sources import SOURCES
 
     make_source = SOURCES[plan.source]
     splits = [(layout.train, train_sampler, True)] + ([(layout.val, val_sampler, False)] if layout.val else [])
@@ -153,13 +154,10 @@ def build(located: Located, plan: Any, device: Any, dist: Any, *, dtype: torch.d
     dataset trains on this rank's share of a resumable sampler and validates on its own shard, without
     padding (the trainer's validation sums the shards); `say` prints what the cache decodes.
     """
-    from dlenv.cluster import distributed
-    from dlenv.data.sampler import ResumableSampler
 
     device = torch.device(device)
     seed = plan.seed
     if located.layout is None:
-        from dlenv.data.synthetic import SyntheticLoader
 
         n, b, size, k = max_steps or SYNTHETIC_BATCHES, plan.batch_size, plan.img_size, len(located.classes)
         train = SyntheticLoader(b, size, k, device, n, memory_format, seed)

@@ -27,10 +27,13 @@ from typing import Any
 
 import torch
 
-from dlenv.data import decode
+from dlenv import compat
+from dlenv.data import cache, decode, hwdecode
 from dlenv.data.pipeline import Located
+from dlenv.data.report import character_classes
 from dlenv.data.workers import decide_workers, shipped_bytes
 from dlenv.errors import UserError
+from dlenv.files.safeio import IMAGE_FILE, open_regular
 
 #: the decoder of a plan for synthetic data (made on the device, nothing decoded)
 SYNTHETIC = "synthetic"
@@ -248,7 +251,6 @@ def decide_hflip(choice: bool | str, classes: list[str], preset: str) -> tuple[b
     auto follows the dataset report's rule (dlenv.data.report.character_classes): no flips where most
     class names are single characters, whose mirror image is another class or none; flips elsewhere.
     --augment none never flips: it trains on the whole image as validation sees it."""
-    from dlenv.data.report import character_classes
 
     if preset == "none":
         return False, "off: --augment none trains on the whole image, as validation sees it"
@@ -270,15 +272,14 @@ def decide_cache(opts: InputOptions, layout: Any, on_device: bool, size: int) ->
     """(decode once?, the line that says why: only when 'auto' chose it). 'on'/'off' as given. 'auto': on
     for the device path (the cache feeds GPU augmentation) when the user named no GPU decoder and the
     decoded dataset fits AUTO_CACHE_SHARE of available memory and AUTO_CACHE_MAX_BYTES."""
-    from dlenv.data.cache import available_memory, nbytes
 
     if opts.cache_on():
         return True, ""
     if opts.cache in (False, "off") or not on_device or opts.decoder in GPU_DECODERS:
         return False, ""
     n = len(layout.train) + len(layout.val)
-    need = nbytes(n, size)
-    if need > AUTO_CACHE_MAX_BYTES or need > AUTO_CACHE_SHARE * available_memory():
+    need = cache.nbytes(n, size)
+    if need > AUTO_CACHE_MAX_BYTES or need > AUTO_CACHE_SHARE * cache.available_memory():
         return False, ""
     return True, (f"{n:,} images take {need / 2**20:,.0f} MiB decoded, a small share of free memory "
                   "(--cache off decodes every epoch instead)")
@@ -291,7 +292,6 @@ def decide_cache_mode(opts: InputOptions, local_world_size: int, splits: Sequenc
     already exists under --cache-dir (a damaged one too: it is rebuilt where it was), else ram when the
     decoded images of all splits take under half the available memory, else disk. Raises UserError for
     another value."""
-    from dlenv.data import cache
 
     if opts.cache_mode in ("ram", "disk"):
         return opts.cache_mode
@@ -346,7 +346,6 @@ def decide_overlap(choice: str, decoder: str, device: Any, cache: bool) -> tuple
     and augmentation in series: overlapped, the step measured slower on an H200 at 2 and 4 cores, the
     second thread's CPU time coming out of the main thread's (docs/input-pipeline.md, "Overlap on few
     cores"); `on` is there to measure it on another machine."""
-    from dlenv import compat
 
     if cache or decoder not in GPU_DECODERS or torch.device(device).type != "cuda":
         return False, ""
@@ -364,8 +363,6 @@ def decide_overlap(choice: str, decoder: str, device: Any, cache: bool) -> tuple
 
 def gpu_unavailable(decoder: str, device: Any) -> str | None:
     """Why GPU decoder `decoder` cannot decode on `device` (one line), or None."""
-    from dlenv import compat
-    from dlenv.data import hwdecode
 
     if torch.device(device).type != "cuda":
         return "the device is not a GPU"
@@ -374,7 +371,6 @@ def gpu_unavailable(decoder: str, device: Any) -> str | None:
 
 def engine_backends(device: Any) -> tuple[str, ...]:
     """nvImageCodec's backends on `device`: ENGINE_BACKENDS where it has JPEG engines, else all (())."""
-    from dlenv.data import hwdecode
 
     return ENGINE_BACKENDS if hwdecode.has_engines(device) else ()
 
@@ -400,7 +396,6 @@ def prefer_engines(paths: Sequence[str], device: Any, batch: int = 256, workers:
     few and lose to them from NVJPEG_BELOW_WORKERS (docs/input-pipeline.md, "Few cores per GPU"). Without
     engines (most GPUs outside the A100/H100/H200 class) nvImageCodec would decode on the SMs like nvJPEG:
     the nvJPEG rule decides."""
-    from dlenv.data import hwdecode
 
     if workers is not None and workers >= NVJPEG_BELOW_WORKERS:
         return False
@@ -418,7 +413,6 @@ def prefer_nvjpeg(paths: Sequence[str], device: Any, batch: int = 256, workers: 
     nvJPEG decodes on the SMs the model trains on, so it only wins where CPU cores are scarce
     (scripts/bench_pipeline.py; the numbers: docs/benchmarks.md).
     """
-    from dlenv import compat
 
     if workers is not None and workers >= NVJPEG_BELOW_WORKERS:
         return False
@@ -431,7 +425,6 @@ def mean_pixels(paths: Sequence[str]) -> float:
     """Mean width x height of these images, from their headers (no decoding); unreadable ones skipped."""
     from PIL import Image
 
-    from dlenv.files.safeio import IMAGE_FILE, open_regular
 
     sizes = []
     for p in paths:

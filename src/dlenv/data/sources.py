@@ -28,11 +28,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dlenv import compat
+from dlenv.data import hwdecode
 from dlenv.data.badimages import KnownBad, bad_image_reason, first_readable, note_skipped
-from dlenv.data.cache import DecodedCache
-from dlenv.data.decode import exif_orientation, is_jpeg, load_rgb, upright
+from dlenv.data.cache import DecodedCache, build_cache
+from dlenv.data.decode import decode_stored, exif_orientation, is_jpeg, load_rgb, stored_size, upright
+from dlenv.data.loaders import ImageDataset, make_loader
 from dlenv.errors import UserError
 from dlenv.files.safeio import IMAGE_FILE, open_regular
+from dlenv.options.cpus import usable_cpus
 
 #: nvImageCodec's CPU threads (parsing, and its CPU fallback)
 NVIMGCODEC_THREADS = 2
@@ -147,7 +151,6 @@ class WorkerSource:
 
     def __init__(self, dataset: Any, sampler: Any, batch_size: int, workers: int, pin: bool,
                  last_epoch: int | None = None):
-        from dlenv.data.loaders import make_loader
 
         self.sampler, self.batch_size = sampler, batch_size
         streams = workers > 0 and hasattr(sampler, "set_epoch") and hasattr(sampler, "per_rank")
@@ -306,7 +309,6 @@ class NvjpegSource(_GpuSource):
     def _decode_batch(self, data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor | None]:
         """(3, H, W) uint8 images on `device` (None where one could not be decoded); RuntimeError where the
         whole call failed."""
-        from dlenv import compat
 
         if compat.cuda_jpeg_batch_decode():
             return compat.decode_jpeg(data, device=device)
@@ -316,13 +318,11 @@ class NvjpegSource(_GpuSource):
     def turns_needed(device: Any) -> bool:
         """Whether decode_jpeg's output still needs EXIF orientation applied: always on CUDA (nvJPEG
         ignores it), on the CPU where this torchvision cannot apply it (before 0.17)."""
-        from dlenv import compat
 
         return torch.device(device).type == "cuda" or not compat.decode_jpeg_applies_exif()
 
     @staticmethod
     def _one(path: str, data: Any, orientation: int, device: torch.device) -> torch.Tensor:
-        from dlenv import compat
 
         if isinstance(data, torch.Tensor) and is_jpeg(path):
             with contextlib.suppress(RuntimeError):
@@ -355,10 +355,9 @@ class NvimgcodecSource(_GpuSource):
 
     def __init__(self, samples: Sequence[tuple[str, int]], sampler: Any, batch_size: int, size: int,
                  bad_images: str, device: Any, backends: Sequence[str] = ()):
-        from dlenv.data.hwdecode import HwJpegDecoder
 
         super().__init__(samples, sampler, batch_size, size, bad_images)
-        self.decoder = HwJpegDecoder(device, threads=NVIMGCODEC_THREADS, backends=backends)
+        self.decoder = hwdecode.HwJpegDecoder(device, threads=NVIMGCODEC_THREADS, backends=backends)
 
     def __iter__(self) -> Iterator[list[int]]:
         return chunks(self.indices(), self.batch_size)
@@ -396,9 +395,6 @@ def squash(images: list[torch.Tensor], size: int, channels_last: bool = False) -
 
 def _cache(samples: Sequence[tuple[str, int]], sampler: Any, plan: Any, device: torch.device,
            say: Callable[[str], None]) -> Source:
-    from dlenv.data.cache import build_cache
-    from dlenv.data.decode import stored_size
-    from dlenv.options.cpus import usable_cpus
 
     # decoding threads of this process: every core helps, /dev/shm plays no part
     decoded = build_cache(samples, stored_size(plan.img_size), plan.cpu_decoder, plan.cache_mode, plan.cache_dir,
@@ -408,8 +404,6 @@ def _cache(samples: Sequence[tuple[str, int]], sampler: Any, plan: Any, device: 
 
 def _workers(samples: Sequence[tuple[str, int]], sampler: Any, plan: Any, device: torch.device,
              say: Callable[[str], None]) -> Source:
-    from dlenv.data.decode import decode_stored, stored_size
-    from dlenv.data.loaders import ImageDataset
 
     load = partial(decode_stored, size=stored_size(plan.img_size), decoder=plan.cpu_decoder)
     ds = ImageDataset(samples, stored_tensors, plan.bad_images, load=load)
@@ -419,14 +413,12 @@ def _workers(samples: Sequence[tuple[str, int]], sampler: Any, plan: Any, device
 
 def _nvjpeg(samples: Sequence[tuple[str, int]], sampler: Any, plan: Any, device: torch.device,
             say: Callable[[str], None]) -> Source:
-    from dlenv.data.decode import stored_size
 
     return NvjpegSource(samples, sampler, plan.batch_size, stored_size(plan.img_size), plan.bad_images)
 
 
 def _nvimgcodec(samples: Sequence[tuple[str, int]], sampler: Any, plan: Any, device: torch.device,
                 say: Callable[[str], None]) -> Source:
-    from dlenv.data.decode import stored_size
 
     return NvimgcodecSource(samples, sampler, plan.batch_size, stored_size(plan.img_size), plan.bad_images, device,
                             plan.gpu_backends)

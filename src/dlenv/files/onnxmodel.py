@@ -35,6 +35,7 @@ import torch
 
 from dlenv.errors import UserError, first_line, printable
 from dlenv.files import safeio
+from dlenv.files.runstate import MAX_CLASSES, MAX_IMG_SIZE, MAX_NAME
 from dlenv.files.runstate import MAX_IMG_SIZE as IMG_SIZE_MAX  # --img-size's bound (a test holds them equal)
 
 FORMAT = "dlenv/1"
@@ -157,7 +158,6 @@ def _bad(path: Path, key: str, value: str, expected: str) -> UserError:
 def read_metadata(path: Path, meta: dict[str, str]) -> dict[str, Any]:
     """The dlenv description in an ONNX file's metadata, checked and bounded: {class_names, img_size,
     norm, interpolation} ({} for a file without dlenv's format key). Raises UserError naming the entry."""
-    from dlenv.files.runstate import MAX_CLASSES, MAX_IMG_SIZE, MAX_NAME
 
     if meta.get("format") != FORMAT:
         return {}

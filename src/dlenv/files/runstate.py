@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from dlenv import __version__
 from dlenv.errors import UserError
 from dlenv.files import weights
 from dlenv.files.atomic import write_file
@@ -203,7 +204,6 @@ def check_entries(ckpt: Any, path: str | Path) -> None:
 
 def environment() -> dict[str, Any]:
     """The versions and GPU a checkpoint was written with, as plain types."""
-    from dlenv import __version__
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     # str(): torch.__version__ is a TorchVersion, a class weights_only refuses to rebuild

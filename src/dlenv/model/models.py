@@ -22,7 +22,7 @@ from torch import nn
 from dlenv.errors import UserError
 from dlenv.files import runstate
 from dlenv.files.weights import SAFE, LoadPolicy, is_bare_state_dict, is_run_state
-from dlenv.model import modelsource, pretrained, shrink, smallcnn, statedict, tvargs, usermodel
+from dlenv.model import grayscale, modelsource, pretrained, shrink, smallcnn, statedict, tvargs, usermodel
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,6 @@ def model_from_state(ckpt: Any, model_name: str | None = None, source: str = "ch
     statedict.load_strict(model, sd, source, name=name,
                           num_classes=num_classes if is_run_state(ckpt) else None)
     if is_run_state(ckpt) and isinstance(ckpt.get("config"), dict):  # trained with --channels 1
-        from dlenv.model import grayscale
 
         grayscale.apply(model, ckpt["config"].get("channels"))
     return model, class_names, img_size

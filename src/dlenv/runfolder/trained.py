@@ -29,11 +29,14 @@ from typing import Any
 
 import torch
 
-from dlenv import invocation
+from dlenv import compat, invocation
 from dlenv.errors import UserError, printable
-from dlenv.files import safeio
-from dlenv.files.weights import LoadPolicy
+from dlenv.files import onnxmodel, safeio
+from dlenv.files.runstate import load_state
+from dlenv.files.weights import LoadPolicy, is_bare_state_dict, is_run_state
 from dlenv.model import pretrained
+from dlenv.model.models import model_from_state
+from dlenv.options import config
 
 CHECKPOINT, STATE_DICT, TORCHSCRIPT, ONNX = "checkpoint", "state_dict", "torchscript", "onnx"
 #: every kind of file `open_trained` opens
@@ -77,8 +80,6 @@ def trained_precision(config: dict[str, Any]) -> str | None:
 def check_saved_options(ckpt: Any, path: Path | str) -> None:
     """Refuse a dlenv checkpoint whose saved training options are not valid ones (dlenv.options.config's types and
     bounds), before anything reads them (its data folder, val split, seed, precision)."""
-    from dlenv.files.weights import is_run_state
-    from dlenv.options import config
 
     if not (is_run_state(ckpt) and isinstance(ckpt.get("config"), dict)):
         return
@@ -136,7 +137,6 @@ def _refuse_kind(path: Path, kind: str, verb: str, what: str = "a bare state dic
 
 def _open_torchscript(path: Path, policy: LoadPolicy, classes: tuple | None, img_size: int | None) -> Trained:
     """A TorchScript export: with consent, and the class names and size the file does not carry."""
-    from dlenv import compat
 
     shown = printable(str(path))
     if not policy.trust_pickle:
@@ -163,7 +163,6 @@ def _open_torchscript(path: Path, policy: LoadPolicy, classes: tuple | None, img
 
 
 def _open_onnx(path: Path, classes: tuple | None, img_size: int | None, device: Any) -> Trained:
-    from dlenv.files import onnxmodel
 
     opened = onnxmodel.open_file(path, img_size, device)
     names = class_names_for(classes, list(opened.class_names), opened.named, path)
@@ -184,9 +183,6 @@ def open_trained(path: str | Path, policy: LoadPolicy, model: str | None = None,
     the command does not take, a bare state dict without --model, weights that do not fit their
     architecture, invalid saved options, and --classes that do not fit the model.
     """
-    from dlenv.files.runstate import load_state
-    from dlenv.files.weights import is_bare_state_dict, is_run_state
-    from dlenv.model.models import model_from_state
 
     path = Path(path)
     if is_onnx(path):

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from dlenv import runfolder
+from dlenv.engine.optim import load_optimizer_state
 from dlenv.engine.step import NonFiniteLoss, Parts
 from dlenv.errors import UserError
 from dlenv.files import runstate, weights
@@ -270,7 +271,6 @@ def restore(resume: Resume, parts: Parts, state: TrainState, sampler: Any, rank:
 
     Raises UserError when the optimizer state does not fit this model.
     """
-    from dlenv.engine.optim import load_optimizer_state
 
     ckpt = resume.ckpt
     statedict.load_strict(parts.bare, ckpt["model"], resume.path)

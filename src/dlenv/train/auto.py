@@ -37,6 +37,7 @@ from torch import nn
 
 from dlenv import compat
 from dlenv.cluster import distributed
+from dlenv.engine import autobatch
 from dlenv.engine.precision import resolve_precision
 from dlenv.errors import UserError
 from dlenv.train import cpuprobe
@@ -178,13 +179,12 @@ def _checkpoint_ratio(cfg: Any, n: int, probe: Probe, micro_batch: int) -> Decis
     if cfg.batch_size in ("auto", "max"):
         return Decision(1.0, f"auto: all {n} blocks (--batch-size {cfg.batch_size} measures the batch with every "
                              "block checkpointed)")
-    from dlenv.engine.autobatch import fewest_checkpoint_blocks
 
     # what the input keeps on the GPU during training (--synthetic's batch) is held while probing
     held = torch.empty(probe.resident, dtype=torch.uint8, device=device) if probe.resident else None
     try:
-        found = fewest_checkpoint_blocks(probe.build, probe.precision, probe.img_size, probe.num_classes, device,
-                                         micro_batch, channels_last=probe.channels_last)
+        found = autobatch.fewest_checkpoint_blocks(probe.build, probe.precision, probe.img_size, probe.num_classes,
+                                                   device, micro_batch, channels_last=probe.channels_last)
         blocks = found.blocks
     except RuntimeError as e:  # the probe's own model or optimizer did not fit: the least memory, then
         if not compat.is_oom(e):
@@ -212,16 +212,15 @@ def auto_batch(probe: Probe, checkpoint: float | bool, upper: int, say: Callable
     if probe.device.type != "cuda":
         raise UserError(f"--batch-size {mode} measures GPU memory and needs a CUDA device; "
                         "give a number, e.g. --batch-size 32")
-    from dlenv.engine.autobatch import fastest_batch, find_max_batch, make_train_step_probe
 
-    trial = make_train_step_probe(probe.build, probe.precision, checkpoint, probe.img_size, probe.num_classes,
+    trial = autobatch.make_train_step_probe(probe.build, probe.precision, checkpoint, probe.img_size, probe.num_classes,
                                   probe.device, channels_last=probe.channels_last)
     held = torch.empty(probe.resident, dtype=torch.uint8, device=probe.device) if probe.resident else None
     try:
         if mode == "max":
-            n, why = find_max_batch(trial, start=8, upper=upper, what=probe.name), "the largest that fits"
+            n, why = autobatch.find_max_batch(trial, start=8, upper=upper, what=probe.name), "the largest that fits"
         else:
-            chosen = fastest_batch(trial.rate, start=8, upper=upper, what=probe.name)
+            chosen = autobatch.fastest_batch(trial.rate, start=8, upper=upper, what=probe.name)
             n, why = chosen.batch, chosen.why
     finally:
         trial.close()

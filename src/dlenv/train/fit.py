@@ -31,6 +31,7 @@ from dlenv.engine import memory
 from dlenv.engine.step import NonFiniteLoss, Parts
 from dlenv.errors import EXIT_NONFINITE, EXIT_OOM, UserError, host_memory_line
 from dlenv.files import runstate
+from dlenv.files.atomic import write_text
 from dlenv.model import finetune
 from dlenv.runfolder import results, trainstate
 from dlenv.runfolder.trainstate import TrainState
@@ -273,7 +274,6 @@ class _Epochs:
     def write_memory_report(self) -> None:
         """memory.md in the run folder (GPU runs): memory per phase of the step, and the allocator's state."""
         if self.run.is_main and self.monitor.enabled:
-            from dlenv.files.atomic import write_text
 
             # a report is a help, never a reason to fail: a run that just ran out of memory writes it too
             with contextlib.suppress(OSError, RuntimeError):

@@ -16,9 +16,10 @@ from torch import nn
 from dlenv import compat
 from dlenv.cluster import distributed
 from dlenv.data import pipeline
+from dlenv.engine.optim import ModelEma, build_optimizer, warmup_cosine
 from dlenv.engine.precision import Precision
 from dlenv.engine.step import Parts
-from dlenv.model import finetune
+from dlenv.model import checkpointing, finetune
 from dlenv.train.plan import TrainPlan
 
 
@@ -26,12 +27,11 @@ def build_model(decided: TrainPlan, device: torch.device) -> nn.Module:
     """The model on `device` in the planned memory format, with --weights or --pretrained, checkpointed at
     the planned ratio. Raises UserError for weights that do not fit or a model of your own whose output
     is not logits [N, classes]."""
-    from dlenv.model.checkpointing import apply_checkpointing
 
     model = decided.model.build().to(device, memory_format=decided.memory_format)
     decided.model.check(model)  # logits [N, classes]? (own models)
     if decided.recomputed_blocks:
-        apply_checkpointing(model, decided.checkpoint_ratio.value)
+        checkpointing.apply_checkpointing(model, decided.checkpoint_ratio.value)
     return model
 
 
@@ -45,7 +45,6 @@ def build_data(decided: TrainPlan, device: torch.device, dist: distributed.DistI
 
 def build_parts(decided: TrainPlan, model: nn.Module, device: torch.device) -> Parts:
     """Optimizer, warmup-cosine schedule, DDP, EMA, compile and one Precision around `model`, as planned."""
-    from dlenv.engine.optim import ModelEma, build_optimizer, warmup_cosine
 
     chosen, step = decided.optimizer, decided.step
     optimizer = build_optimizer(model, chosen.name, chosen.lr, chosen.weight_decay, chosen.momentum, chosen.nesterov,

@@ -39,9 +39,13 @@ from dlenv.cluster import distributed
 from dlenv.data import pipeline
 from dlenv.data.demo import default_data, train_defaults
 from dlenv.data.plan import InputOptions, InputPlan
+from dlenv.data.sampler import ResumableSampler
 from dlenv.engine import autobatch
+from dlenv.engine.optim import default_lr, default_weight_decay, resolve_optimizer
+from dlenv.engine.precision import DTYPES
 from dlenv.files.weights import SAFE, LoadPolicy
-from dlenv.model import finetune, usermodel
+from dlenv.model import finetune, grayscale, models, usermodel
+from dlenv.model.checkpointing import find_blocks
 from dlenv.options import config
 from dlenv.options.config import TrainConfig
 from dlenv.train import auto, cpuprobe
@@ -77,11 +81,9 @@ class ModelSpec:
     def build(self, with_weights: bool = True) -> nn.Module:
         """A new model on the CPU (with --weights or --pretrained unless `with_weights` is False: the
         probes')."""
-        from dlenv.model import grayscale
-        from dlenv.model.models import build_model
 
         tune = self.pretrained if with_weights else None
-        model = build_model(self.name, self.num_classes, weights=self.weights if with_weights else None,
+        model = models.build_model(self.name, self.num_classes, weights=self.weights if with_weights else None,
                             pretrained_state=tune.state() if tune else None, model_args=self.args,
                             load_policy=self.load_policy)
         if tune:
@@ -97,12 +99,10 @@ class ModelSpec:
         """(whether the model is convolutional, its repeated blocks, the bytes of its weights and buffers):
         read from a copy built without weights, on the meta device where PyTorch has one (no memory, no
         initialisation)."""
-        from dlenv.model.checkpointing import find_blocks
-        from dlenv.model.models import is_convolutional
 
         model = compat.build_on_meta(lambda: self.build(with_weights=False))
         size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-        return is_convolutional(model), len(find_blocks(model)), size
+        return models.is_convolutional(model), len(find_blocks(model)), size
 
     @property
     def norm(self) -> tuple[tuple, tuple] | None:
@@ -208,7 +208,6 @@ class TrainPlan:
     @property
     def dtype(self) -> torch.dtype:
         """The dtype of the batches on the device path: the precision's compute dtype."""
-        from dlenv.engine.precision import DTYPES
 
         return DTYPES[self.precision.value]
 
@@ -357,7 +356,6 @@ def _dataset(cfg: TrainConfig, resume: Any) -> Decision:
 def per_rank(located: pipeline.Located, micro: int, rank: int = 0, world_size: int = 1) -> int | None:
     """The training samples of an epoch on `rank` of `world_size` at micro-batch `micro` (the sampler's
     count: never a last batch of one); None for synthetic data."""
-    from dlenv.data.sampler import ResumableSampler
 
     if located.layout is None:
         return None
@@ -412,7 +410,6 @@ def _batch_split(cfg: TrainConfig, dist: distributed.DistInfo, located: pipeline
 
 
 def _optimizer(cfg: TrainConfig, effective_batch: int, steps_per_epoch: int) -> OptimizerChoice:
-    from dlenv.engine.optim import default_lr, default_weight_decay, resolve_optimizer
 
     total = cfg.epochs * steps_per_epoch
     name = resolve_optimizer(cfg.optimizer, total)
