@@ -8,10 +8,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 
 import pytest
 from imagedata import make_image_folder
 from usermodels import isolated_imports, write_project
+
+# A test run started in the background by a shell (`bash .ci/run &`, a CI runner's job) inherits SIGINT
+# ignored, and so would every process a test starts: a Ctrl-C test would signal a child that cannot hear
+# it. Python's own handler here (an xdist worker runs this too) leaves exec'd children the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
