@@ -318,7 +318,7 @@ def test_generic_search_skips_torch_nn_layers():
 
 
 def test_control_bn_updated_twice_is_caught(monkeypatch):
-    monkeypatch.setattr(models, "_is_norm_with_stats", lambda m: False)  # no buffer protection
+    monkeypatch.setattr(checkpointing, "_is_norm_with_stats", lambda m: False)  # no buffer protection
     torch.manual_seed(0)
     model = build_model("resnet18", num_classes=5)
     plain, ckpt, _ = _compare_plain_and_checkpointed(model, [_data(32)])

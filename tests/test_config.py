@@ -118,7 +118,9 @@ def test_non_finite_and_wrongly_typed_values_are_refused(kwargs, message):
     (b"lr: .nan\n", "--lr nan: expected a finite number; see --help (set in config file"),
     (b"epochs: [1, 2]\n", "--epochs [1, 2]: expected an integer; see --help (set in config file"),
     (b"nme: x\n", "unknown option 'nme' in config file"),
-    (b"[" * 5000, "config file"),  # deeply nested: YAML's own limit or ours, one line either way
+    (b"[" * 5000, "line 1: values nested more than 32 deep"),  # refused where it starts, not at recursion's end
+    (b"model_args:\n" + b"".join(b"  " * i + b"k%d:\n" % i for i in range(1, 33)) + b"  " * 33 + b"v\n",
+     "line 32: values nested more than 32 deep"),  # a mapping of mappings: block style is counted too
     # values PyYAML's own constructors raise ValueError on, and keys given twice (issue 43)
     (b"seed: 2001-02-30\n", "line 1: 'seed': YAML cannot read '2001-02-30' ('day is out of range for month')"),
     (b"lr: 0.1\nseed: 0000-01-01\n", "line 2: 'seed': YAML cannot read '0000-01-01'"),
@@ -139,6 +141,14 @@ def test_a_cfg_file_that_is_not_a_yaml_mapping_is_one_line(tmp_path, content, me
     with pytest.raises(UserError) as e:
         config.build(config.TrainConfig, y)
     assert message in str(e.value) and str(y) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_values_nested_within_the_bound_are_read(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("model_args: " + "[" * 30 + "1" + "]" * 30 + "\n")  # the file, the mapping and 30 lists: 32
+    with pytest.raises(UserError) as e:  # read, then refused as a --model-args value, not for its depth
+        config.build(config.TrainConfig, y)
+    assert "nested more than" not in str(e.value) and "--model-args" in str(e.value)
 
 
 EPOCHS_REFUSED = [  # (command, option, value): every count of epochs is bounded (issue 43: 10^20 was taken)

@@ -20,6 +20,8 @@ from dlenv.errors import UserError
 CONFIG_FILE_LIMIT = 1 << 20
 #: YAML values a --cfg file may hold: far above any file of options (~60), far below a bomb
 YAML_NODE_LIMIT = 10_000
+#: the deepest nesting of values a file of options may hold (model_args of mappings of lists, and far more)
+YAML_DEPTH_LIMIT = 32
 
 
 def _options_loader() -> type:
@@ -35,6 +37,7 @@ def _options_loader() -> type:
 
     class OptionsLoader(yaml.SafeLoader):
         nodes = 0
+        depth = 0
 
         def compose_node(self, parent: Any, index: Any) -> Any:
             event = self.peek_event()
@@ -45,7 +48,14 @@ def _options_loader() -> type:
             if self.nodes > YAML_NODE_LIMIT:
                 raise _Refused(f"line {event.start_mark.line + 1}: more than {YAML_NODE_LIMIT:,} values, far more "
                                "than a file of options holds")
-            return super().compose_node(parent, index)
+            self.depth += 1
+            if self.depth > YAML_DEPTH_LIMIT:  # refused where it starts, not after Python's recursion limit
+                raise _Refused(f"line {event.start_mark.line + 1}: values nested more than {YAML_DEPTH_LIMIT} deep; "
+                               "it nests too deeply to be a file of options")
+            try:
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
 
         def construct_mapping(self, node: Any, deep: bool = False) -> dict:
             if not isinstance(node, yaml.MappingNode):
