@@ -89,36 +89,36 @@ def _boom(exc):
     return run
 
 
-def test_a_fault_is_one_line_with_exit_1(monkeypatch, capsys):
+def test_a_fault_is_one_line_with_exit_1(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("dlenv.runfolder.plots.main",
                         _boom(OSError(errno.EROFS, "Read-only file system", "runs/a.png")))
-    assert cli.main(["plot"]) == 5
+    assert cli.main(["plot", "--log-dir", str(tmp_path)]) == 5
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith("dlenv plot: error: runs/a.png is on a read-only file system")
 
 
-def test_a_bug_keeps_its_traceback_and_says_it_is_a_bug(monkeypatch, capsys):
+def test_a_bug_keeps_its_traceback_and_says_it_is_a_bug(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("dlenv.runfolder.plots.main", _boom(ZeroDivisionError("division by zero")))
-    assert cli.main(["plot"]) == 1
+    assert cli.main(["plot", "--log-dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "Traceback" in err and "ZeroDivisionError" in err
     assert err.splitlines()[-1].startswith("dlenv plot: this is a bug in dlenv")
 
 
-def test_dlenv_traceback_shows_a_faults_traceback_too(monkeypatch, capsys):
+def test_dlenv_traceback_shows_a_faults_traceback_too(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DLENV_TRACEBACK", "1")
     monkeypatch.setattr("dlenv.runfolder.plots.main", _boom(OSError(errno.ENOSPC, "No space left on device", "x")))
-    assert cli.main(["plot"]) == 5
+    assert cli.main(["plot", "--log-dir", str(tmp_path)]) == 5
     err = capsys.readouterr().err
     assert "Traceback" in err and err.splitlines()[-1].startswith("dlenv plot: error: no space left")
 
 
-def test_a_user_error_naming_a_hostile_file_stays_one_line(monkeypatch, capsys):
+def test_a_user_error_naming_a_hostile_file_stays_one_line(tmp_path, monkeypatch, capsys):
     from dlenv.errors import UserError
 
     monkeypatch.setattr("dlenv.runfolder.plots.main", _boom(UserError("bad file a\nfake line\x1b[2J")))
-    assert cli.main(["plot"]) == 2
+    assert cli.main(["plot", "--log-dir", str(tmp_path)]) == 2
     assert capsys.readouterr().err == "dlenv plot: error: bad file a\\nfake line\\x1b[2J\n"
 
 
@@ -209,13 +209,13 @@ def test_other_worker_deaths_are_not_blamed_on_the_machine(message):
 
 
 @pytest.mark.parametrize(("message", "expect"), [c[1:] for c in WORKER_DEATHS], ids=[c[0] for c in WORKER_DEATHS])
-def test_a_dead_worker_through_the_cli_is_one_line_and_exit_5(monkeypatch, capsys, message, expect):
+def test_a_dead_worker_through_the_cli_is_one_line_and_exit_5(tmp_path, monkeypatch, capsys, message, expect):
     from dlenv.errors import EXIT_FAULT
 
     outer = RuntimeError(_DIED)
     outer.__cause__ = RuntimeError(message)
     monkeypatch.setattr("dlenv.runfolder.plots.main", _boom(outer))
-    assert cli.main(["plot"]) == EXIT_FAULT
+    assert cli.main(["plot", "--log-dir", str(tmp_path)]) == EXIT_FAULT
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err and "bug in dlenv" not in err
     assert expect in err
