@@ -12,7 +12,6 @@ checkpointing is dlenv.model.checkpointing's.
 from __future__ import annotations
 
 import difflib
-import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,6 @@ from dlenv.errors import UserError
 from dlenv.files import runstate
 from dlenv.files.weights import SAFE, LoadPolicy, is_bare_state_dict, is_run_state
 from dlenv.model import grayscale, modelsource, pretrained, shrink, smallcnn, statedict, tvargs, usermodel
-
-log = logging.getLogger(__name__)
 
 # Families whose auxiliary classifiers are switched off: the trainer expects one logits tensor.
 AUX_HEADS = {"googlenet": ("aux1.", "aux2."), "inception_v3": ("AuxLogits.",)}
