@@ -79,6 +79,10 @@ _SITECUSTOMIZE = textwrap.dedent("""
 
             def optimizer_step(*args, **kwargs):
                 steps.append(1)
+                # a step of at least 0.1 s, so that the ranks' stop vote (about every second: every 10 steps
+                # here) falls inside an epoch of 20 steps, as on a loaded machine; on an idle one a step
+                # takes ~7 ms, the vote comes every ~140 steps, and the stop would wait for the epoch's end
+                time.sleep(0.1)
                 if len(steps) == int(os.environ["DLENV_TEST_HOLD"]):
                     (marks / "reached").write_text(str(os.getpid()))
                     t = time.monotonic()
