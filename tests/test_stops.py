@@ -170,6 +170,34 @@ def test_a_stop_while_reading_weights_is_never_a_corrupt_file(what, trained, tmp
     assert "corrupt" not in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("convert", [
+    lambda e: RuntimeError("Error calling __set_name__ on 'Field' instance 'archive' in 'UnpackConfig'"),  # 3.10
+    lambda e: ImportError("cannot import name 'config'"),
+    lambda e: ValueError(f"_Stopped: {e.signum}"),
+])
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_a_stop_converted_while_the_flags_are_read_ends_in_one_line(convert, signum, code, monkeypatch, capsys):
+    """A signal while the CLI imports its option declarations (a class being made: Python 3.10 wraps what
+    __set_name__ raises in RuntimeError) is the stop's one line, not a traceback."""
+    def converted(argv):
+        try:
+            errors.stop(signum)
+        except errors.Stopped as e:
+            raise convert(e) from e
+
+    monkeypatch.setattr(cli, "_main", converted)
+    assert cli_main(["train"]) == code
+    err = capsys.readouterr().err
+    name = signal.Signals(signum).name
+    assert err == f"dlenv: stopped by {name} while starting (loading PyTorch); nothing was done\n"
+
+
+def test_an_error_without_a_stop_while_the_flags_are_read_still_propagates(monkeypatch):
+    monkeypatch.setattr(cli, "_main", lambda argv: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli_main(["train"])
+
+
 def test_the_bad_image_rule_never_takes_a_stop_for_a_bad_file():
     samples = [("a.png", 0), ("b.png", 1)]
 

@@ -233,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
             return _main(argv)
     except Stopped as e:  # while the flags are read, before run_command has a verb to name
         return _stopped(None, e.signum, True)
+    except Exception:
+        if stop_received():  # the stop, converted on the way: Python 3.10 wraps what a class being made
+            return _stopped(None, stop_received(), True)  # raises (RuntimeError: Error calling __set_name__)
+        raise
 
 
 def _watched(argv: list[str]) -> tuple[list[str], list[str] | None]:
