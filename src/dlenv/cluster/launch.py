@@ -23,6 +23,7 @@ from typing import Any
 
 from dlenv.errors import EXIT_PEER, UserError
 from dlenv.options import config
+from dlenv.options.cpus import usable_cpus
 
 #: torchrun checks its workers this often (seconds): how fast a dead rank takes the job down
 MONITOR_INTERVAL_S = 1
@@ -122,7 +123,7 @@ def launch(cfg: Any) -> int:
     check_launch(cfg)  # the caller gives the resumed run's own device (runfolder.resumed_device)
     env = dict(os.environ)
     # torchrun would set 1 and print a banner about it; a share of the cores is the better default
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.gpus)))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // cfg.gpus)))  # affinity and cgroup quota
     proc = subprocess.Popen(launch_command(cfg), env=env, start_new_session=True)
 
     def forward(signum: int, frame: Any) -> None:

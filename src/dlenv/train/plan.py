@@ -46,7 +46,7 @@ from dlenv.engine.precision import DTYPES
 from dlenv.files.weights import SAFE, LoadPolicy
 from dlenv.model import finetune, grayscale, models, usermodel
 from dlenv.model.checkpointing import find_blocks
-from dlenv.options import config
+from dlenv.options import config, cpus
 from dlenv.options.config import TrainConfig
 from dlenv.train import auto, cpuprobe
 from dlenv.train.auto import Decision
@@ -183,6 +183,7 @@ class TrainPlan:
     oom_retry: bool                 # --batch-size auto on one GPU: an OOM re-plans at half the micro-batch
     blocks: int = 0                 # the model's repeated blocks, of which --checkpoint recomputes a fraction
     dataset: Decision = Decision(None, "")  # what --data is: the folder (None: the demo), and why
+    threads: Decision = Decision(1, "")     # PyTorch's intra-op threads: the CPUs this process may use (`_threads`)
     said: tuple[str, ...] = ()      # what the user is told of the decisions, in order
 
     @property
@@ -263,6 +264,7 @@ class TrainPlan:
             "precision_rule": self.precision.why, "img_size_rule": self.model.img_size.why,
             "batch_rule": self.batch.why, "channels_last_rule": self.channels_last.why,
             "compile_rule": self.compile.why, "hflip_rule": self.input.hflip_why, "data_rule": self.dataset.why,
+            "threads": self.threads.value, "threads_rule": self.threads.why,
             **({"workers_rule": self.input.workers_why} if self.input.workers_why else {}),
             **({"checkpoint_rule": self.checkpoint_ratio.why} if self.checkpoint_ratio else {}),
             **({"pretrained": self.model.pretrained.notes()} if self.model.pretrained else {}),
@@ -272,6 +274,7 @@ class TrainPlan:
         """The line a run starts with: what trains on what, where, how, and the run folder."""
         return (f"{'resuming' if resuming else 'training'} {self.model.name} on {self.data.source} "
                 f"({len(self.data.classes)} classes, {self.input.img_size} px) | {device} {self.precision.value}"
+                f"{f', {self.threads.why}' if self.threads.why else ''}"
                 f"{' channels_last' if self.channels_last.value else ''}"
                 f"{self._checkpointing()} | batch {self.micro_batch} x "
                 f"{self.accum_steps} accum x {self.world_size} GPU = {self.effective_batch}, {self.optimizer.name} "
@@ -343,7 +346,7 @@ def _decide(cfg: TrainConfig, resume: Any, dist: distributed.DistInfo, device: t
     return TrainPlan(cfg, located, precision, spec, channels_last, batch, dist.world_size, input_plan,
                      batches_per_epoch, ratio, compiled, optimizer, step,
                      oom_retry=cfg.batch_size in ("auto", "max") and dist.world_size == 1, blocks=blocks,
-                     dataset=dataset, said=tuple(said))
+                     dataset=dataset, said=tuple(said), threads=_threads(dist.local_world_size))
 
 
 def _dataset(cfg: TrainConfig, resume: Any) -> Decision:
@@ -367,6 +370,18 @@ def _batches(located: pipeline.Located, dist: Any, micro: int, max_steps: int | 
     loader gives --max-steps of them (pipeline.SYNTHETIC_BATCHES without)."""
     n = per_rank(located, micro, dist.rank, dist.world_size)
     return math.ceil(n / micro) if n is not None else (max_steps or pipeline.SYNTHETIC_BATCHES)
+
+
+def _threads(local_world_size: int) -> Decision:
+    """PyTorch's intra-op threads (and OpenMP's in child processes): an OMP_NUM_THREADS the user set, else
+    the CPUs this process may use (affinity and cgroup quota: dlenv.options.cpus) shared by the node's
+    processes. PyTorch's own default counts the host's cores: on a limited or busy machine its threads
+    wait for each other (docs/training.md, "CPU threads")."""
+    n, why = cpus.threads()
+    if local_world_size > 1 and "yours" not in why:
+        n = max(1, n // local_world_size)
+        why = f"{n} threads each: {why} shared by {local_world_size} processes"
+    return Decision(n, why)
 
 
 def _channels_last(cfg: TrainConfig, device: torch.device, convolutional: bool) -> Decision:

@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from dlenv import runfolder
+from dlenv import compat, runfolder
 from dlenv.cluster import distributed, launch
 from dlenv.cluster.devices import resolve_device
 from dlenv.engine import memory
-from dlenv.errors import Stopped
+from dlenv.errors import Stopped, UserError
 from dlenv.files import runstate
 from dlenv.options.config import TrainConfig
 from dlenv.runfolder import results, trainstate
@@ -65,6 +65,14 @@ def train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None = None)
     except Stopped as e:  # nothing trained yet: one line, and a resumed run's files untouched
         console.printer(os.environ.get("RANK", "0") == "0")(console.stopped_early_line(e.signum, cfg.resume))
         return {"run_dir": None, "status": "interrupted", "exit_code": console.SIGNAL_EXIT[e.signum]}
+    except (UserError, RuntimeError, MemoryError) as e:
+        # The run is over; what the caller keeps is its one line. A notebook keeps the last exception
+        # (sys.last_value) and with it the traceback's frames, _train's and fit's, whose locals are the run:
+        # the model, the loaders, the batch on the GPU (2.5 GB of an H100 after an out-of-memory). Those
+        # frames have returned now, so their locals can go, and the memory with them (docs/memory.md).
+        if False:
+            memory.release_failed_step(e)
+        raise
     distributed.cleanup()  # after a normal end only: with a dead peer, teardown could wait for it
     return summary
 
@@ -89,6 +97,7 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
             "work's tensors); the peaks this run reports leave it out, but it is not free for the run")
     _seed_everything(cfg.seed + dist.rank, cfg.deterministic, device)
     decided = plan.decide(cfg, resume, dist, device)
+    use_threads(decided.threads.value)
     for line in decided.said:
         say(line)
     model = parts.build_model(decided, device)
@@ -114,11 +123,36 @@ class _GlobalSettings:
         self.det = torch.are_deterministic_algorithms_enabled()
         self.warn = torch.is_deterministic_algorithms_warn_only_enabled()
         self.bench = torch.backends.cudnn.benchmark
+        self.threads = torch.get_num_threads()
+        self.env = {k: os.environ.get(k) for k in THREAD_VARIABLES}
         return self
 
     def __exit__(self, *exc):
         torch.use_deterministic_algorithms(self.det, warn_only=self.warn)
         torch.backends.cudnn.benchmark = self.bench
+        torch.set_num_threads(self.threads)
+        for k, v in self.env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+#: what child processes (DataLoader workers, a decoder's pool) read for their thread count
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def use_threads(n: int) -> None:
+    """PyTorch's intra-op threads, its inter-op threads where they can still be set (only before the first
+    inter-op work of the process), and OpenMP's and MKL's in child processes: `n` (the plan's `threads`).
+    A variable the user set is kept (it decided `n` already)."""
+    torch.set_num_threads(n)
+    try:
+        torch.set_num_interop_threads(n)
+    except RuntimeError:  # set once per process, before any inter-op work: an earlier run's stays
+        pass
+    for k in THREAD_VARIABLES:
+        os.environ.setdefault(k, str(n))
 
 
 def _seed_everything(seed: int, deterministic: bool, device: torch.device) -> None:
