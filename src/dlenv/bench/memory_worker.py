@@ -180,6 +180,7 @@ def measure_max_batch(spec: dict[str, Any]) -> dict[str, Any]:
         return dict(out, max_batch=None)
     del model
     torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(dev)
     factory = _factory(spec)
     probe = make_train_step_probe(factory, mode, spec.get("checkpoint", False), spec["img_size"],
                                   spec["num_classes"], dev,
@@ -187,7 +188,10 @@ def measure_max_batch(spec: dict[str, Any]) -> dict[str, Any]:
     res = search_max_batch(probe, start=spec["batch_size"], tolerance=spec.get("tolerance", 0.01),
                            what=f"{spec['model']} at {spec['img_size']} px")
     probe.close()
-    return dict(out, max_batch=res.largest_fit, max_batch_tries=len(res.tries), max_batch_s=res.seconds)
+    # what the search's out-of-memory tries left behind once the probe is closed: none of it should stay
+    held = (torch.cuda.memory_allocated(dev) - before) / 2**20
+    return dict(out, max_batch=res.largest_fit, max_batch_tries=len(res.tries), max_batch_s=res.seconds,
+                held_after_mib=round(held, 1))
 
 
 def measure_checkpoint_search(spec: dict[str, Any]) -> dict[str, Any]:

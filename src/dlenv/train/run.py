@@ -70,7 +70,7 @@ def train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None = None)
         # (sys.last_value) and with it the traceback's frames, _train's and fit's, whose locals are the run:
         # the model, the loaders, the batch on the GPU (2.5 GB of an H100 after an out-of-memory). Those
         # frames have returned now, so their locals can go, and the memory with them (docs/memory.md).
-        if False:
+        if isinstance(e, UserError) or compat.is_oom(e):
             memory.release_failed_step(e)
         raise
     distributed.cleanup()  # after a normal end only: with a dead peer, teardown could wait for it
