@@ -13,8 +13,10 @@ imports this module.
 from __future__ import annotations
 
 import errno
+import importlib
 import os
 import re
+from types import ModuleType
 from typing import NoReturn
 
 # Every exit status a dlenv command ends with, in this one table (docs/faults.md shows it; a test
@@ -81,6 +83,40 @@ class UserError(Exception):
     def __init__(self, message: str, exit_code: int = EXIT_INPUT):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def not_installed(exc: BaseException, name: str) -> bool:
+    """Whether `exc`, raised by `import name`, says the library (or the part of it named) is not there,
+    rather than that it is there and broken: a ModuleNotFoundError for `name` or a package above it."""
+    missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+    return bool(missing) and (name == missing or name.startswith(f"{missing}."))
+
+
+def broken_library(name: str, exc: BaseException | str) -> UserError:
+    """The one line for an optional library that is installed but fails to import (onnx built for NumPy 2
+    beside NumPy 1.x raises RuntimeError or SystemError, a half-removed install AttributeError or an
+    ImportError of a part of it): what it said, and `pip check`."""
+    top = name.split(".")[0]
+    said = printable(first_line(exc, 160))
+    return UserError(f"{top} is installed but fails to import ({said}); it does not fit the packages beside it "
+                     f"(often a build for another NumPy): run pip check, then pip install --force-reinstall {top} "
+                     "(or pip install -r requirements.txt)")
+
+
+def optional_import(name: str, missing: str | None = None) -> ModuleType | None:
+    """`import name` for a library dlenv can run without: the module; when it is not installed, a UserError
+    saying `missing`, or None where `missing` is None (the caller has a way without it). When it is installed
+    but fails to import with any error (`broken_library`), one line naming it and pip check. A stop signal
+    that lands inside the import and is converted on the way stays a stop (`check_stop`)."""
+    try:
+        return importlib.import_module(name)
+    except Exception as e:  # RuntimeError, SystemError, AttributeError, ...: what a broken build raises
+        check_stop()
+        if not not_installed(e, name):
+            raise broken_library(name, e) from None
+        if missing is None:
+            return None
+        raise UserError(missing) from None
 
 
 _ELSEWHERE = "or write elsewhere (--project / --out)"

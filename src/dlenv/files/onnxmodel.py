@@ -17,14 +17,19 @@ A file from elsewhere is bounded in work too: onnxruntime does not act on a stop
 a graph of 474 bytes can hold a Loop of 2**62 trips. So before onnxruntime sees the bytes, `check_graph`
 walks the graph, its subgraphs and functions (onnx's own parser: data only) and refuses every node that
 runs a body of its own more than once (Loop, Scan, and any other node that carries a graph, but If, which
-runs one branch once); an image classifier dlenv exports has none. The file must then take one input of
-float images [N, 3, S, S] with S within --img-size's bounds and give one float output per image, and
-whatever onnxruntime says when it fails, loading or running, is one line. Its own log lines (coloured,
-before dlenv's) are off.
+runs one branch once), and every tensor kept in an external file; an image classifier dlenv exports has
+none. That list is the fast first answer, not the wall: `open_file` builds the session and runs the graph
+in a child process with memory, CPU-time and wall-clock limits (dlenv.files.onnxchild), so a graph that
+crashes onnxruntime, runs for hours or asks for any memory ends in one line naming the file and the limit.
+The file must then take one input of float images [N, 3, S, S] with S within --img-size's bounds and give
+one float output per image, and whatever onnxruntime says when it fails, loading or running, is one line.
+Its own log lines (coloured, before dlenv's) are off. `session` (in this process) is for the files
+`dlenv export` has just written and checks.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from dataclasses import dataclass
@@ -33,8 +38,8 @@ from typing import Any
 
 import torch
 
-from dlenv.errors import UserError, first_line, printable
-from dlenv.files import safeio
+from dlenv.errors import UserError, first_line, optional_import, printable
+from dlenv.files import onnxchild, safeio
 from dlenv.files.runstate import MAX_CLASSES, MAX_IMG_SIZE, MAX_NAME
 from dlenv.files.runstate import MAX_IMG_SIZE as IMG_SIZE_MAX  # --img-size's bound (a test holds them equal)
 
@@ -65,10 +70,14 @@ def metadata(class_names: list[str], img_size: int, norm: tuple[tuple, tuple] | 
     return meta
 
 
+def _onnx() -> Any:
+    return optional_import("onnx", "reading an ONNX file needs the onnx package (in requirements.txt: pip install "
+                                   "-r requirements.txt)")
+
+
 def write_metadata(path: Path, meta: dict[str, str]) -> None:
     """Add `meta` to the ONNX file at `path` (rewritten in place: a temporary file of the caller's)."""
-    import onnx
-
+    onnx = _onnx()
     proto = onnx.load(str(path))
     del proto.metadata_props[:]
     for k, v in meta.items():
@@ -77,13 +86,12 @@ def write_metadata(path: Path, meta: dict[str, str]) -> None:
     onnx.save(proto, str(path))
 
 
+_NO_RUNTIME = ("running an ONNX file needs onnxruntime (in requirements.txt: pip install -r requirements.txt); or "
+               "pass the checkpoint it was exported from")
+
+
 def _runtime() -> Any:
-    try:
-        import onnxruntime
-    except ImportError:
-        raise UserError("running an ONNX file needs onnxruntime (in requirements.txt: pip install -r "
-                        "requirements.txt); or pass the checkpoint it was exported from") from None
-    return onnxruntime
+    return optional_import("onnxruntime", _NO_RUNTIME)
 
 
 def providers(device: Any) -> list[str]:
@@ -127,6 +135,8 @@ class OnnxModule(torch.nn.Module):
         try:
             out = self.session.run(None, {self.input_name: arr.astype(np.float16) if self.half else arr})[0]
             out = np.asarray(out)
+        except UserError:  # the child's line: a limit, a crash
+            raise
         except Exception as e:  # onnxruntime's Fail, RuntimeException, InvalidArgument: the file's graph
             raise UserError(f"{self.name} failed on a batch of {len(arr)} images (onnxruntime: "
                             f"{printable(first_line(e, 160, named=False))}); export it again") from None
@@ -134,6 +144,10 @@ class OnnxModule(torch.nn.Module):
             raise UserError(f"{self.name} gave {out.dtype} outputs of shape {tuple(out.shape)[:8]} for a batch of "
                             f"{len(arr)} images, not one row of class scores per image")
         return torch.from_numpy(out.astype(np.float32)).to(x.device)
+
+    def close(self) -> None:
+        """End the child process a file from elsewhere runs in (nothing for an in-process session)."""
+        getattr(self.session, "close", lambda: None)()
 
 
 @dataclass(frozen=True)
@@ -201,7 +215,7 @@ def check_graph(path: Path, data: bytes) -> None:
     """Refuse, in one line, an ONNX file whose graph repeats work as often as it says (module doc), or is
     not an ONNX model: its graph, every subgraph and every function, node by node, before onnxruntime
     sees it."""
-    import onnx
+    onnx = _onnx()
     from google.protobuf.message import DecodeError
 
     shown = printable(str(path))
@@ -221,12 +235,29 @@ def check_graph(path: Path, data: bytes) -> None:
             bodies = [g for a in node.attribute for g in (
                 [a.g] if a.type == onnx.AttributeProto.GRAPH else
                 list(a.graphs) if a.type == onnx.AttributeProto.GRAPHS else [])]
+            _refuse_external(path, [t for a in node.attribute for t in [a.t, *a.tensors]])
             if node.op_type in _REPEATING or (bodies and node.op_type not in _BOUNDED_BODY):
                 raise UserError(f"{shown} has a {printable(node.op_type[:40])} node, which repeats its work as "
                                 "often as the graph says (onnxruntime does not stop for a signal meanwhile); "
                                 "an image classifier needs none, so dlenv does not run it. Export the model "
                                 "without it, or run it with onnxruntime yourself")
             todo.extend(g.node for g in bodies)
+            for g in bodies:
+                _refuse_external(path, [*g.initializer, *(t.values for t in g.sparse_initializer)])
+    _refuse_external(path, [*proto.graph.initializer, *(t.values for t in proto.graph.sparse_initializer)])
+
+
+def _refuse_external(path: Path, tensors: list[Any]) -> None:
+    """UserError for a tensor whose data the file says lies in another file (`../../../etc/passwd`): predict
+    reads one file, and never a path named inside it."""
+    import onnx
+
+    for t in tensors:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            where = next((e.value for e in t.external_data if e.key == "location"), "")
+            raise UserError(f"{printable(str(path))} keeps its tensor {printable(t.name[:40])!r} in another file "
+                            f"({printable(where[:60])!r}); predict reads the one file and no path named inside it: "
+                            "export the model with its weights inside (dlenv export does)")
 
 
 def _input_size(path: Path, shape: list[Any], given: int | None, described: int | None) -> int:
@@ -267,15 +298,21 @@ def open_file(path: Path, img_size: int | None, device: Any = None) -> Opened:
     shown = printable(str(path))
     if not path.exists():
         raise UserError(f"ONNX file {shown} not found; export one with invoke export --format onnx")
-    _runtime()
+    if importlib.util.find_spec("onnxruntime") is None:  # the child imports it (and says if it is broken)
+        raise UserError(_NO_RUNTIME)
     with safeio.open_regular(path, "ONNX file", limit=MAX_BYTES) as fh:
         data = fh.read()
     check_graph(path, data)
+    sess = onnxchild.Child(data, shown, cuda=device is not None and torch.device(device).type == "cuda")
     try:
-        sess = session(data, device)
-    except Exception as e:  # onnxruntime's Fail / InvalidProtobuf / InvalidGraph: the file is what's wrong
-        raise UserError(f"{shown} is not an ONNX model onnxruntime can load "
-                        f"({printable(first_line(e, 160, named=False))}); export it again") from None
+        return _opened(path, sess, img_size)
+    except BaseException:
+        sess.close()
+        raise
+
+
+def _opened(path: Path, sess: Any, img_size: int | None) -> Opened:
+    shown = printable(str(path))
     info = read_metadata(path, dict(sess.get_modelmeta().custom_metadata_map or {}))
     _one_in_one_out(path, sess)
     size = _input_size(path, list(sess.get_inputs()[0].shape), img_size, info.get("img_size"))
@@ -285,6 +322,8 @@ def open_file(path: Path, img_size: int | None, device: Any = None) -> Opened:
         with torch.inference_mode():
             try:
                 width = int(module(torch.zeros(1, 3, size, size)).shape[-1])
+            except onnxchild.ChildFailed:  # its own line names the file and the limit
+                raise
             except UserError as e:
                 raise UserError(f"{shown} does not run on {size}x{size} images: {e}") from None
         names = [str(i) for i in range(width)]
