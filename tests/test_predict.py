@@ -400,3 +400,42 @@ def test_no_cell_of_the_reports_starts_a_formula(tmp_path, text, cell):
 
     val = list(csv.reader(io.StringIO(_csv_bytes(["class", text], [[text, 1]]).decode(), newline="")))
     assert val == [["class", cell], [cell, "1"]]  # val's per_class, confusion_matrix and errors CSVs alike
+
+
+#: class names a model's metadata or a dataset's folders can carry, and how they print (as train's report prints them)
+HOSTILE_NAMES = [
+    ("an OSC title escape", "cat\x1b]0;pwned\x07", "cat\\x1b]0;pwned\\x07"),
+    ("a CSI that clears the screen", "\x1b[2J\x1b[Hdog", "\\x1b[2J\\x1b[Hdog"),
+    ("a newline that fakes a line", "fox\n  other.png  cat 100.0%", "fox\\n  other.png  cat 100.0%"),
+    ("a carriage return", "cat\rdog", "cat\\rdog"),
+    ("U+202E, right-to-left override", "\u202egnp.exe", "\\u202egnp.exe"),
+    ("a C1 control (CSI in one byte)", "cat\x9b2J", "cat\\x9b2J"),
+    ("a plain accented name", "chat_tigré", "chat_tigré"),
+]
+
+
+@pytest.mark.parametrize("name, shown", [h[1:] for h in HOSTILE_NAMES], ids=[h[0] for h in HOSTILE_NAMES])
+def test_class_names_print_escaped_as_train_prints_them(name, shown):
+    from dlenv.data.report import _printable
+
+    assert _printable(name) == shown  # train's data report
+    lines = predict.answer_lines([predict.Prediction("a.png", None, [(name, 0.9), (name, 0.1)])])
+    assert lines == [f"  a.png  {shown} 90.0%  (then {shown} 10.0%)"]
+
+
+def test_an_onnx_files_hostile_class_names_reach_the_terminal_escaped(trained, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from dlenv.files import onnxmodel
+
+    onnx_file = tmp_path / "m.onnx"
+    shutil.copy(_best(trained).with_suffix(".onnx"), onnx_file)
+    names = [h[1] for h in HOSTILE_NAMES[:3]]
+    onnxmodel.write_metadata(onnx_file, onnxmodel.metadata(names, SIZE, None, "bilinear"))
+    monkeypatch.chdir(tmp_path)
+    image = sorted((trained / "ds" / "val").rglob("*.png"))[0]
+    assert cli_main(["predict", "--weights", str(onnx_file), "--source", str(image), "--topk", "3", *CPU]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out
+    answers = [line for line in out.splitlines() if line.startswith("  ")]
+    assert len(answers) == 1 and any(h[2] in answers[0] for h in HOSTILE_NAMES[:3]), out  # no faked line

@@ -48,6 +48,7 @@ from dlenv.errors import UserError, printable
 from dlenv.evaluate import csv_cell, predict, refuse_non_finite, val_precision
 from dlenv.files import safeio
 from dlenv.files.atomic import write_atomic, write_file
+from dlenv.files.onnxmodel import OnnxModule
 from dlenv.files.weights import LoadPolicy
 from dlenv.options.predict_options import PredictConfig
 from dlenv.runfolder import BEST, new_run_dir
@@ -398,6 +399,14 @@ def main(cfg: Any) -> int:
     source = find_source(cfg.source)
     device = resolve_device(cfg.device)
     opened = open_model(cfg, device, say)
+    try:
+        return _predict(cfg, source, device, opened, say, out_stream)
+    finally:  # an ONNX file from elsewhere runs in a child process: it ends with the command, stopped or not
+        if isinstance(opened.model, OnnxModule):
+            opened.model.close()
+
+
+def _predict(cfg: Any, source: Source, device: torch.device, opened: Trained, say: Any, out_stream: Any) -> int:
     k = min(cfg.topk, len(opened.class_names))
     if k < cfg.topk:
         say(f"--topk {cfg.topk}: the model has {k} classes, so all {k} are listed")
@@ -442,11 +451,14 @@ def keeps_run(cfg: Any, n: int, video: bool) -> bool:
 
 
 def answer_lines(preds: list[Prediction]) -> list[str]:
-    """One line per image: its name, its top class and probability, and the runner-up."""
+    """One line per image: its name, its top class and probability, and the runner-up. Names are written as
+    train's data report writes them (dlenv.errors.printable): a class name from a file's metadata or a
+    dataset's folders that holds an escape sequence, a newline or U+202E shows it instead of acting on the
+    terminal."""
     width = max(len(printable(p.path)) for p in preds)
     lines = []
     for p in preds:
         (best, q), *rest = p.top
-        second = f"  (then {rest[0][0]} {rest[0][1]:.1%})" if rest else ""
-        lines.append(f"  {printable(p.path):<{width}}  {best} {q:.1%}{second}")
+        second = f"  (then {printable(rest[0][0])} {rest[0][1]:.1%})" if rest else ""
+        lines.append(f"  {printable(p.path):<{width}}  {printable(best)} {q:.1%}{second}")
     return lines
