@@ -320,3 +320,78 @@ def test_need_folders_archive_names_are_unpacks():
     from dlenv.data.unpack.names import ARCHIVE_SUFFIXES
 
     assert errors._ARCHIVE_SUFFIXES == ARCHIVE_SUFFIXES
+
+
+# ---------------------------------------------------------------------------------------------------
+# An optional library that is installed but broken: one line naming it and pip check.
+
+#: (what, the module's body, whether it counts as installed-but-broken)
+BROKEN_IMPORTS = [
+    ("RuntimeError: built for NumPy 2", "raise RuntimeError('module compiled against ABI version 0x2000000 but this "
+                                        "version of numpy is 0x1000009')", True),
+    ("SystemError", "raise SystemError('initialization of _core raised unreported exception')", True),
+    ("AttributeError", "raise AttributeError('_ARRAY_API not found')", True),
+    ("ValueError", "raise ValueError('numpy.dtype size changed, may indicate binary incompatibility')", True),
+    ("an ImportError of its own", "raise ImportError('numpy.core.multiarray failed to import')", True),
+    ("a dependency missing", "import dlenv_no_such_dependency", True),
+    ("a clean import", "VALUE = 1", False),
+]
+
+
+@pytest.mark.parametrize("body, broken", [b[1:] for b in BROKEN_IMPORTS], ids=[b[0] for b in BROKEN_IMPORTS])
+def test_an_optional_library_that_fails_to_import_is_one_line_naming_it_and_pip_check(body, broken, tmp_path,
+                                                                                      monkeypatch):
+    import sys
+
+    name = f"dlenv_fake_lib_{abs(hash(body))}"
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "__init__.py").write_text(body + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    if not broken:
+        assert errors.optional_import(name, "not installed").VALUE == 1
+        return
+    with pytest.raises(errors.UserError) as e:
+        errors.optional_import(name, "not installed")
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"{name} is installed but fails to import") and "pip check" in line
+    assert e.value.exit_code == errors.EXIT_INPUT
+
+
+@pytest.mark.parametrize("name", ["dlenv_not_installed_lib", "dlenv_not_installed_lib.quantization"])
+def test_an_optional_library_not_installed_says_what_it_was_given_or_none(name):
+    with pytest.raises(errors.UserError, match="^pip install it$"):
+        errors.optional_import(name, "pip install it")
+    assert errors.optional_import(name) is None
+
+
+def test_a_stop_converted_inside_an_optional_import_stays_a_stop(tmp_path, monkeypatch):
+    """torch 1.13 turns a Stopped raised in a C extension's start-up into RuntimeError('Stopped: 15 ...')."""
+    (tmp_path / "dlenv_fake_stopped.py").write_text(
+        "from dlenv import errors\nerrors._stops.append(15)\nraise RuntimeError('Stopped: 15 At: ...')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(errors, "_stops", [])
+    with pytest.raises(errors.Stopped):
+        errors.optional_import("dlenv_fake_stopped", "not installed")
+
+
+#: the optional libraries dlenv imports, each only through errors.optional_import (the ONNX child imports
+#: onnxruntime itself and its parent says the same line, onnxchild.Child)
+OPTIONAL = {"onnx", "onnxruntime", "cv2", "timm", "torch_pruning", "pynvml", "safetensors"}
+OWN_IMPORT = {"files/onnxchild.py"}
+
+
+def test_every_optional_library_is_imported_through_optional_import():
+    import ast
+    from pathlib import Path
+
+    root = Path(errors.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        where = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            found += [f"{where}:{node.lineno} {n}" for n in names if n.split(".")[0] in OPTIONAL
+                      and where not in OWN_IMPORT]
+    assert not found, "import these through dlenv.errors.optional_import: " + ", ".join(found)

@@ -345,3 +345,20 @@ def test_a_parent_killed_outright_takes_the_child_with_it(tmp_path):
     proc.kill()
     proc.communicate(timeout=10)
     assert _gone(child), "the child outlived its parent (PR_SET_PDEATHSIG)"
+
+
+@pytest.mark.parametrize("body, words", [
+    ("raise RuntimeError('module compiled against ABI version 0x2000000 but this version of numpy is 0x1000009')",
+     "onnxruntime is installed but fails to import (RuntimeError: module compiled against ABI"),
+    ("raise AttributeError('_ARRAY_API not found')", "onnxruntime is installed but fails to import (AttributeError"),
+])
+def test_an_onnxruntime_that_fails_to_import_in_the_child_is_one_line_and_pip_check(body, words, tmp_path,
+                                                                                   monkeypatch):
+    (tmp_path / "fake" / "onnxruntime").mkdir(parents=True)
+    (tmp_path / "fake" / "onnxruntime" / "__init__.py").write_text(body + "\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]))
+    path = tmp_path / "m.onnx"
+    onnx.save(_model([helper.make_node("Relu", ["x"], ["y"])]), str(path))
+    with pytest.raises(UserError, match=re.escape(words)) as e:
+        onnxmodel.open_file(path, None)
+    assert "pip check" in str(e.value) and "\n" not in str(e.value)

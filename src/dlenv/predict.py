@@ -44,7 +44,7 @@ from dlenv.data.badimages import BadImageError
 from dlenv.data.decode import load_rgb
 from dlenv.data.folder import IMAGE_EXTS, is_image
 from dlenv.data.loaders import build_eval_loader, build_transforms
-from dlenv.errors import UserError, printable
+from dlenv.errors import UserError, optional_import, printable
 from dlenv.evaluate import csv_cell, predict, refuse_non_finite, val_precision
 from dlenv.files import safeio
 from dlenv.files.atomic import write_atomic, write_file
@@ -143,10 +143,7 @@ def find_source(spec: str | None, stdin: Any = None) -> Source:
 
 
 def _capture(path: Path) -> Any:
-    try:
-        import cv2
-    except ImportError:
-        raise UserError("reading a video needs OpenCV (opencv-python-headless, in requirements.txt)") from None
+    cv2 = optional_import("cv2", "reading a video needs OpenCV (opencv-python-headless, in requirements.txt)")
     return cv2, cv2.VideoCapture(str(path))
 
 

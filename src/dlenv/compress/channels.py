@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from dlenv.compress.common import count_params
-from dlenv.errors import UserError, first_line
+from dlenv.errors import UserError, first_line, optional_import
 
 #: how close to the asked parameter count the search stops (a share of the model's parameters)
 TOLERANCE = 0.01
@@ -32,12 +32,8 @@ MAX_TRIALS = 12
 
 
 def _torch_pruning() -> Any:
-    try:
-        import torch_pruning
-    except ImportError:
-        raise UserError("prune --structured removes channels with the torch-pruning package, which is not "
-                        "installed (it is in requirements.txt: pip install -r requirements.txt)") from None
-    return torch_pruning
+    return optional_import("torch_pruning", "prune --structured removes channels with the torch-pruning package, "
+                           "which is not installed (it is in requirements.txt: pip install -r requirements.txt)")
 
 
 def head_layers(model: nn.Module, num_classes: int) -> list[nn.Module]:

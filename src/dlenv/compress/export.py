@@ -32,7 +32,7 @@ import torch
 
 from dlenv import compat
 from dlenv.compress import common, quantize
-from dlenv.errors import UserError, first_line
+from dlenv.errors import UserError, first_line, optional_import
 from dlenv.files import onnxmodel, runstate
 from dlenv.files.atomic import check_output, write_atomic
 from dlenv.files.weights import LoadPolicy
@@ -64,11 +64,12 @@ def _check_options(cfg: Any) -> None:
         reason = compat.onnx_export_unavailable()
         if reason:
             raise UserError(f"--format onnx: {reason}")
-        import importlib.util
-
-        if importlib.util.find_spec("onnxruntime") is None:
-            raise UserError("--format onnx runs the exported file with onnxruntime to check it, and onnxruntime "
-                            "is not installed (it is in requirements.txt: pip install -r requirements.txt)")
+        # both imported now: one that is installed but broken (built for another NumPy) is one line and pip check
+        optional_import("onnx", "--format onnx needs the onnx package (in requirements.txt: pip install -r "
+                                "requirements.txt)")
+        optional_import("onnxruntime", "--format onnx runs the exported file with onnxruntime to check it, and "
+                                       "onnxruntime is not installed (it is in requirements.txt: pip install -r "
+                                       "requirements.txt)")
 
 
 def _onnx_int8(cfg: Any) -> bool:
@@ -116,9 +117,8 @@ def run_exported(path: Path, fmt: str, inputs: torch.Tensor, device: torch.devic
         loaded = compat.jit_load(path, map_location=device)
         with torch.no_grad():
             return loaded(inputs).float().cpu(), "TorchScript (torch.jit.load of the file)"
-    import onnxruntime as ort
-
-
+    ort = optional_import("onnxruntime", "--format onnx runs the exported file with onnxruntime to check it; pip "
+                                         "install -r requirements.txt")
     try:
         sess = onnxmodel.session(path, device)
         with torch.no_grad():
@@ -207,8 +207,7 @@ def export_onnx_int8(cfg: Any, src: Trained, inputs: torch.Tensor, loader: Any, 
 
 
 def _onnx_nodes(path: Path) -> list[Any]:
-    import onnx
-
+    onnx = optional_import("onnx", "--format onnx needs the onnx package; pip install -r requirements.txt")
     return list(onnx.load(str(path), load_external_data=False).graph.node)
 
 

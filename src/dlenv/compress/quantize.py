@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from dlenv import compat
-from dlenv.errors import UserError, first_line
+from dlenv.errors import UserError, first_line, optional_import
 
 
 def check_available(mode: str) -> None:
@@ -198,18 +198,11 @@ def onnx_int8(float_path: Path, out: Path, calibration: Iterable[torch.Tensor]) 
 
     Raises UserError when no batch is given or onnxruntime's quantizer fails (its first line).
     """
-    try:
-        from onnxruntime.quantization import (
-            CalibrationDataReader,
-            CalibrationMethod,
-            QuantFormat,
-            QuantType,
-            quantize_static,
-        )
-    except ImportError as e:
-        raise UserError(f"--quantize int8 with --format onnx needs onnxruntime's quantization tools ({first_line(e)})"
-                        "; pip install -r requirements.txt") from None
-    import onnx
+    tools = optional_import("onnxruntime.quantization", "--quantize int8 with --format onnx needs onnxruntime's "
+                            "quantization tools; pip install -r requirements.txt")
+    CalibrationDataReader, CalibrationMethod = tools.CalibrationDataReader, tools.CalibrationMethod  # noqa: N806
+    QuantFormat, QuantType, quantize_static = tools.QuantFormat, tools.QuantType, tools.quantize_static  # noqa: N806
+    onnx = optional_import("onnx", "--format onnx needs the onnx package; pip install -r requirements.txt")
 
     name = onnx.load(str(float_path), load_external_data=False).graph.input[0].name
     fed = 0

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from dlenv.errors import optional_import
 from dlenv.files.safeio import IMAGE_FILE, open_regular
 
 #: the CPU decoders `decode_rgb` and `decode_stored` know
@@ -158,8 +159,11 @@ def load_rgb(path: str | os.PathLike, min_size: int | None = None) -> Any:
 
 
 def _cv2() -> Any:
-    import cv2
-
+    """OpenCV; ImportError when it is not installed (callers fall back to Pillow), one line naming it and pip
+    check when it is installed but fails to import (dlenv.errors.optional_import)."""
+    cv2 = optional_import("cv2")
+    if cv2 is None:
+        raise ImportError("OpenCV (cv2) is not installed")
     cv2.setNumThreads(1)  # one image per call, many calls in parallel: OpenCV's own threads only contend
     return cv2
 

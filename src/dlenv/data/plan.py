@@ -32,7 +32,7 @@ from dlenv.data import cache, decode, hwdecode
 from dlenv.data.pipeline import Located
 from dlenv.data.report import character_classes
 from dlenv.data.workers import decide_workers, shipped_bytes
-from dlenv.errors import UserError
+from dlenv.errors import UserError, optional_import
 from dlenv.files.safeio import IMAGE_FILE, open_regular
 
 #: the decoder of a plan for synthetic data (made on the device, nothing decoded)
@@ -328,11 +328,8 @@ def resolve_decoder(name: str, paths: Sequence[str] = (), size: int = 258, gpu: 
     if name not in decode.CPU_DECODERS:
         raise UserError(f"--decoder {name!r} is not one of: auto, {', '.join(decode.CPU_DECODERS + GPU_DECODERS)}")
     if name == "cv2":
-        try:
-            import cv2  # noqa: F401
-        except ImportError:
-            raise UserError("--decoder cv2: OpenCV is not installed (pip install opencv-python-headless); "
-                            "use --decoder pil") from None
+        optional_import("cv2", "--decoder cv2: OpenCV is not installed (pip install opencv-python-headless); "
+                               "use --decoder pil")
     return name
 
 

@@ -250,8 +250,7 @@ def check_graph(path: Path, data: bytes) -> None:
 def _refuse_external(path: Path, tensors: list[Any]) -> None:
     """UserError for a tensor whose data the file says lies in another file (`../../../etc/passwd`): predict
     reads one file, and never a path named inside it."""
-    import onnx
-
+    onnx = _onnx()
     for t in tensors:
         if t.data_location == onnx.TensorProto.EXTERNAL:
             where = next((e.value for e in t.external_data if e.key == "location"), "")

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dlenv.errors import UserError, check_stop, cut_at_word, first_line, printable, with_path
+from dlenv.errors import UserError, check_stop, cut_at_word, first_line, optional_import, printable, with_path
 from dlenv.files import pickleguard, safeio, torchfile
 from dlenv.files.atomic import write_atomic
 
@@ -235,11 +235,8 @@ def _load_pickle(path: Path, policy: LoadPolicy) -> Any:
 def read_safetensors(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
     """(tensors on the CPU, string metadata) of a .safetensors file. Raises UserError for a path that is
     not a regular file and for an unreadable file."""
-    try:
-        from safetensors import safe_open
-    except ImportError:
-        raise UserError(f"{path}: reading .safetensors needs the safetensors package "
-                        "(in requirements.txt: pip install -r requirements.txt)") from None
+    safe_open = optional_import("safetensors", f"{path}: reading .safetensors needs the safetensors package (in "
+                                "requirements.txt: pip install -r requirements.txt)").safe_open
     safeio.open_regular(path, "weights file").close()  # a folder or a FIFO named x.safetensors: one line
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -354,7 +351,9 @@ def save_safetensors(tensors: dict[str, Any], path: str | Path, metadata: dict[s
     """Write the tensors of `tensors` (other entries are skipped) with string `metadata` as .safetensors,
     atomically; returns the path."""
     import torch
-    from safetensors.torch import save_file
+
+    save_file = optional_import("safetensors.torch", "writing .safetensors needs the safetensors package (in "
+                                "requirements.txt: pip install -r requirements.txt)").save_file
 
     # own contiguous copies: safetensors refuses tensors that share memory (tied or viewed weights)
     own = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items() if torch.is_tensor(v)}

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dlenv.errors import UserError
+from dlenv.errors import UserError, optional_import
 from dlenv.model import hubcache
 from dlenv.options.values import parse_pretrained
 
@@ -245,13 +245,9 @@ def hf_endpoint() -> str:
 
 
 def _import_timm(model: str) -> Any:
-    try:
-        import timm
-        import timm.models
-    except ImportError:
-        raise UserError(f"--model {model} needs timm (in requirements.txt): pip install -r requirements.txt"
-                        ) from None
-    return timm
+    missing = f"--model {model} needs timm (in requirements.txt): pip install -r requirements.txt"
+    optional_import("timm.models", missing)  # a timm built for another NumPy or torch: one line and pip check
+    return optional_import("timm", missing)
 
 
 def timm_fixed_size(model: str) -> bool:

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dlenv.errors import UserError, optional_import
+
 
 @dataclass
 class GpuSample:
@@ -52,10 +54,10 @@ class Sample:
 
 def _nvml() -> Any:
     """The pynvml module, initialised; raises RuntimeError with the reason when there is none."""
-    try:
-        import pynvml  # optional: a machine without NVIDIA's driver still runs the command
-    except ImportError:
-        raise RuntimeError("nvidia-ml-py (pynvml) is not installed") from None
+    try:  # optional: a machine without NVIDIA's driver still runs the command
+        pynvml = optional_import("pynvml", "nvidia-ml-py (pynvml) is not installed")
+    except UserError as e:  # not there, or broken (its line names pip check): the reason watch gives
+        raise RuntimeError(str(e)) from None
     try:
         pynvml.nvmlInit()
     except Exception as e:  # NVMLError_LibraryNotFound, _DriverNotLoaded, ...: no driver here
