@@ -25,7 +25,8 @@ export USER="${USER:-$name}" LOGNAME="${LOGNAME:-$name}"
 # The project's requirements.txt (dlenv.envcheck.projectreqs): installed into PYTHONUSERBASE, a folder of
 # the mounted workspace, under the profile's PyTorch pins, once per change of the file. The hash is
 # compared here, so a start with nothing new does not even start Python. A failed install is one line
-# (again at each start until the file changes), and the command still runs. DLENV_REQUIREMENTS=off skips it.
+# (again at each start until the file changes), and the command still runs. At every start the user site is
+# checked by content: a distribution of the PyTorch stack there is removed and named. DLENV_REQUIREMENTS=off skips it.
 req="${DLENV_WORKSPACE:-/root/workspace}/requirements.txt"
 if [ -f "$req" ] && [ -n "${PYTHONUSERBASE:-}" ] && [ "${DLENV_REQUIREMENTS:-on}" != off ]; then
     stamp="$PYTHONUSERBASE/requirements.sha256"
@@ -33,10 +34,15 @@ if [ -f "$req" ] && [ -n "${PYTHONUSERBASE:-}" ] && [ "${DLENV_REQUIREMENTS:-on}
         if [ -f "$PYTHONUSERBASE/requirements.failed" ]; then
             echo "dlenv: $(head -n 1 "$PYTHONUSERBASE/requirements.failed")" >&2
         fi
+        guard=--guard  # the user site lives in the mount: what is there now is checked by content all the same
     else
-        # not `python -m`: it would put the mounted workspace first on sys.path, and an uploaded folder
-        # there named like a module (dlenv/, argparse.py) would run in place of ours at every start
-        python -c "import sys, runpy; sys.path[:1] == [''] and sys.path.pop(0); runpy.run_module('dlenv.envcheck.projectreqs', run_name='__main__', alter_sys=True)" || true
+        guard=--if-changed
+    fi
+    # not `python -m`: it would put the mounted workspace first on sys.path, and an uploaded folder there
+    # named like a module (dlenv/, argparse.py) would run in place of ours at every start. -s: the check
+    # itself never imports from the user site it judges. The install is bounded in time (projectreqs).
+    if [ "$guard" = --if-changed ] || [ -d "$PYTHONUSERBASE/lib" ]; then
+        python -s -c "import sys, runpy; sys.path[:1] == [''] and sys.path.pop(0); sys.argv[1:] = ['$guard']; runpy.run_module('dlenv.envcheck.projectreqs', run_name='__main__', alter_sys=True)" || true
     fi
 fi
 exec "$@"

@@ -10,10 +10,18 @@ install, so a new container does not install it again:
   its `bin/`, which is on PATH). What the env already has is not installed again; a newer version of a
   package the env has goes there and is found first; the env itself is never changed (`--user` never
   uninstalls outside the user site).
-- under the profile's constraints: torch, torchvision, torchaudio and NumPy pinned to the versions
-  installed (`constraints.txt` beside it, pip's `-c`), so no requirement, direct or through a
-  dependency, replaces the PyTorch stack the image was built and checked with. A requirement that
-  would is refused in one line that names it and the profile that has a newer PyTorch.
+- under the profile's constraints: the PyTorch stack (dlenv.envcheck.stackguard: torch, torchvision,
+  torchaudio, NumPy and what torch pins exactly) held at the exact installed version strings
+  (`constraints.txt` beside it, pip's `-c`), so no requirement, direct or through a dependency, replaces
+  the stack the image was built and checked with. A requirements line that names one of it at another
+  version, or by a URL or a path, is refused in one line that names it and the profile that has a
+  newer PyTorch. Pins are the first wall: after pip ran (or was cut), the user site is checked by
+  content, and a distribution of the stack found there is removed and named in one line; where the
+  stack would still be imported from elsewhere, the user site is set aside. The container's command
+  then starts with the image's stack.
+- bounded: pip waits at most PIP_TIMEOUT_S for the index and retries PIP_RETRIES times, and the whole
+  install is cut (its process group killed) after INSTALL_LIMIT_S (DLENV_REQUIREMENTS_TIMEOUT), with
+  one line; the command starts anyway.
 - the stamp: `requirements.sha256` holds the hash of the requirements.txt last tried (the entrypoint
   compares it in the shell, without starting Python), `requirements.failed` the line of a try that
   failed (printed again at every start until the file changes), `requirements.log` pip's whole output.
@@ -25,20 +33,24 @@ entrypoint's call. `status()` is what verify-env reports: installed, out of date
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import re
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+from dlenv.envcheck import stackguard
 from dlenv.envcheck.pins import MODERN_ENV_FILE
 from dlenv.errors import printable
 
-#: the PyTorch stack and the NumPy it was built against: never replaced by a project's requirements
-PROTECTED = ("torch", "torchvision", "torchaudio", "numpy")
 #: where the project lives in the image (the Dockerfile's WORKDIR and the documented mount point)
 WORKSPACE = "/root/workspace"
 FILE = "requirements.txt"
@@ -47,6 +59,13 @@ STAMP, FAILED, LOG, CONSTRAINTS = "requirements.sha256", "requirements.failed", 
 RETRY = "python -m dlenv.envcheck.projectreqs"
 _MODERN = (f"the modern profile (dlenv:cu128, built from {MODERN_ENV_FILE}: docs/docker.md) has a newer PyTorch; "
            "or remove that requirement")
+#: pip's wait for one answer of the index (seconds) and its retries of a request: an index that accepts and
+#: never answers costs about PIP_TIMEOUT_S x (PIP_RETRIES + 1) per request, not forever
+PIP_TIMEOUT_S, PIP_RETRIES = 30, 2
+#: the whole install's wall-clock limit (seconds), DLENV_REQUIREMENTS_TIMEOUT overrides it; then pip's
+#: process group is killed and the container's command starts with the image's stack
+INSTALL_LIMIT_S = 900
+LIMIT_ENV = "DLENV_REQUIREMENTS_TIMEOUT"
 
 
 @dataclass(frozen=True)
@@ -74,20 +93,16 @@ def file_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def protected_versions() -> dict[str, str]:
-    """{name: installed version} of the PROTECTED packages that are installed."""
-    out = {}
-    for name in PROTECTED:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return out
+def protected_versions(base: Path | None = None) -> dict[str, str]:
+    """{canonical name: installed version} of the image's PyTorch stack (stackguard.protected_stack), read
+    where the image keeps it: never from the user site under `base`."""
+    return dict(stackguard.protected_stack(stackguard.image_paths(base or user_base())).versions)
 
 
 def constraint_lines(versions: dict[str, str]) -> list[str]:
-    """pip constraints that hold each protected package at its installed version."""
-    return [f"{name}=={v}" for name, v in versions.items()]
+    """pip constraints that hold each protected package at exactly its installed version (local label
+    included: 'torch===1.13.1' refuses '1.13.1+evil', which 'torch==1.13.1' would take)."""
+    return stackguard.pin_lines(stackguard.Stack(versions))
 
 
 def _profile() -> str:
@@ -97,35 +112,36 @@ def _profile() -> str:
 
 def _refusal(asked: str, name: str, versions: dict[str, str]) -> str:
     return (f"{FILE}: {asked} would replace {name} {versions[name]} of this image's profile ({_profile()}), whose "
-            f"PyTorch stack ({', '.join(PROTECTED)}) stays as built; {_MODERN}")
+            f"PyTorch stack ({', '.join(stackguard.PROTECTED)} and what torch pins) stays as built; {_MODERN}")
 
 
 def direct_conflicts(text: str, versions: dict[str, str]) -> list[str]:
     """The refusal line of each requirement in `text` (a requirements file) that names a protected package
-    with a version its installed one does not satisfy ('torch>=2' where torch is 1.13.1); pip finds those
-    that come through a dependency. Lines pip takes as options, and those that do not parse, are pip's."""
-    from packaging.requirements import InvalidRequirement, Requirement
-
+    by a URL or a path ('torch @ file://...', './numpy-1.0-py3-none-any.whl': never the image's), or with a
+    version its installed one does not satisfy exactly ('torch>=2', 'torch==1.13.1+evil' where torch is
+    1.13.1); pip finds those that come through a dependency, and the check after pip what it let through.
+    Lines pip takes as options, and those whose name no one can tell before pip builds them, are pip's."""
     out = []
     for raw in text.splitlines():
         line = raw.split(" #")[0].strip()
-        if not line or line.startswith(("#", "-")):
+        names = [n for n in stackguard.requirement_names(line) if n in versions]
+        if not names:
             continue
         try:
             req = Requirement(line)
-        except InvalidRequirement:
+        except InvalidRequirement:  # a path or a URL, named by its file
+            out.append(_refusal(line, names[0], versions))
             continue
-        name = req.name.lower().replace("_", "-")
-        if name in versions and (req.marker is None or req.marker.evaluate()) and req.specifier and \
-                not req.specifier.contains(versions[name].split("+")[0], prereleases=True) and \
-                not req.specifier.contains(versions[name], prereleases=True):
-            out.append(_refusal(line, name, versions))
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        if req.url or not req.specifier.contains(Version(versions[names[0]]), prereleases=True):
+            out.append(_refusal(line, names[0], versions))
     return out
 
 
 # pip's resolver, explaining a conflict: "The conflict is caused by:" then lines such as
 # "    timm 9.0 depends on torch>=2.0" and "    The user requested (constraint) torch==1.13.1"
-_DEPENDS = re.compile(r"^\s*(\S+ \S+) depends on ((" + "|".join(PROTECTED) + r")\b\S*)", re.M | re.I)
+_DEPENDS = re.compile(r"^\s*(\S+ \S+) depends on (([A-Za-z0-9._-]+)\S*)", re.M)
 _ERROR = re.compile(r"^ERROR: (.+)$", re.M)
 
 
@@ -133,7 +149,7 @@ def pip_failure_line(output: str, versions: dict[str, str], log: Path) -> str:
     """The one line for a pip run that failed: a dependency that would replace a protected package as
     the refusal, else pip's first ERROR line, with where its whole output is."""
     for m in _DEPENDS.finditer(output):
-        name = m.group(3).lower()
+        name = canonicalize_name(m.group(3))
         if name in versions:
             return _refusal(f"{m.group(1)} (it depends on {m.group(2)})", name, versions)
     err = _ERROR.search(output)
@@ -168,8 +184,9 @@ def status(root: Path | None = None, base: Path | None = None) -> Status:
 
 
 def install(root: Path | None = None, base: Path | None = None, say=print) -> int:
-    """Install `root`'s requirements.txt into `base` under the protected pins; returns 0 when installed
-    (or nothing to do), 1 when refused or failed (the one line said, and kept for verify-env)."""
+    """Install `root`'s requirements.txt into `base` under the protected pins, bounded in time, then keep the
+    stack by content (`guard`); returns 0 when installed (or nothing to do), 1 when refused, failed, cut or
+    when the stack had to be restored (the one line said, and kept for verify-env)."""
     root = root or workspace()
     base = base or user_base()
     req = root / FILE
@@ -179,7 +196,7 @@ def install(root: Path | None = None, base: Path | None = None, say=print) -> in
         say(f"dlenv: {req}: no PYTHONUSERBASE to install it into (the image sets one); pip install -r {req} "
             "into your own environment")
         return 1
-    versions = protected_versions()
+    versions = protected_versions(base)
     try:
         text = req.read_text(encoding="utf-8", errors="replace")
     except OSError as e:
@@ -198,18 +215,104 @@ def install(root: Path | None = None, base: Path | None = None, say=print) -> in
         return _failed(base, req, refused[0], say)
     say(f"dlenv: installing {req} into {base} (once; pins: {', '.join(constraint_lines(versions))})")
     env = dict(os.environ, PYTHONUSERBASE=str(base), PIP_DISABLE_PIP_VERSION_CHECK="1")
-    # --user: into PYTHONUSERBASE, never uninstalling what the env has; -c: the protected pins
+    # --user: into PYTHONUSERBASE, never uninstalling what the env has; -c: the protected pins;
+    # --timeout/--retries: an index that never answers is given up on (the wall-clock limit bounds the rest)
     cmd = [sys.executable, "-m", "pip", "install", "--user", "--no-warn-script-location", "--no-input",
+           "--timeout", str(PIP_TIMEOUT_S), "--retries", str(PIP_RETRIES),
            "-c", str(base / CONSTRAINTS), "-r", str(req)]
-    proc = subprocess.run(cmd, cwd=str(root), env=env, capture_output=True, text=True)
-    output = proc.stdout + proc.stderr
+    limit = install_limit()
+    code, output = run_bounded(cmd, cwd=root, env=env, limit=limit)
     (base / LOG).write_text(f"$ {' '.join(cmd)}\n{output}", encoding="utf-8")
-    if proc.returncode != 0:
-        return _failed(base, req, pip_failure_line(output, versions, base / LOG), say)
+    restored = guard(base, env)
+    if code is None:
+        line = (f"the install of {FILE} was cut after {limit:g} s ({LIMIT_ENV} sets the limit; pip's output so "
+                f"far: {base / LOG}); the command starts with the image's stack; check the index or the network, "
+                f"or run {RETRY} to try again")
+        return _failed(base, req, "; ".join([line, *restored]), say)
+    if code != 0:
+        return _failed(base, req, "; ".join([pip_failure_line(output, versions, base / LOG), *restored]), say)
+    if restored:
+        return _failed(base, req, "; ".join(restored), say)
     (base / STAMP).write_text(file_hash(req) + "\n", encoding="utf-8")
     done = re.search(r"^Successfully installed (.+)$", output, re.M)
     say(f"dlenv: {FILE} installed ({done.group(1) if done else 'everything was already there'})")
     return 0
+
+
+def install_limit() -> float:
+    """The install's wall-clock limit: DLENV_REQUIREMENTS_TIMEOUT seconds when it is a positive number, else
+    INSTALL_LIMIT_S."""
+    try:
+        value = float(os.environ.get(LIMIT_ENV, ""))
+    except ValueError:
+        return INSTALL_LIMIT_S
+    return value if 0 < value < 1e6 else INSTALL_LIMIT_S
+
+
+def run_bounded(cmd: list[str], cwd: Path, env: dict[str, str], limit: float) -> tuple[int | None, str]:
+    """Run `cmd` in a process group of its own; (its exit status, its output), or (None, the output so far)
+    when it ran past `limit` seconds: the whole group (pip and any build it started) is then killed. A stop
+    signal of ours kills the group too before it goes on."""
+    proc = subprocess.Popen(cmd, cwd=str(cwd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=limit)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        out, _ = proc.communicate()
+        return None, out or ""
+    finally:
+        if proc.poll() is None:  # a signal or an error of ours: pip does not outlive it
+            _kill_group(proc)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # gone already
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def guard(base: Path, env: dict[str, str] | None = None) -> list[str]:
+    """Keep the image's stack by content after anything that could change the user site under `base`: remove
+    each distribution of the stack found there (stackguard.intruders), and set the user site aside when the
+    stack would still be imported from elsewhere. Returns one sentence per thing done ([] when all was in
+    order)."""
+    site = stackguard.user_site(base)
+    stack = stackguard.protected_stack(stackguard.image_paths(base))
+    said = []
+    found = stackguard.intruders(site, stack)
+    if found:
+        names = ", ".join(i.what for i in found)
+        try:
+            for intruder in found:
+                stackguard.remove(intruder, base)
+            said.append(f"{FILE} put {names} into {site}, over this image's PyTorch stack; removed it, so the "
+                        "image's stays (a requirement or a dependency of one asks for it: remove that "
+                        f"requirement, or use {_MODERN.split(';')[0]})")
+        except OSError as e:
+            said.append(f"{FILE} put {names} into {site}, over this image's PyTorch stack, and it could not be "
+                        f"removed ({e.strerror}: {e.filename})")
+    elsewhere = stackguard.shadowed(stack, base, env or dict(os.environ))
+    if elsewhere:
+        aside = _set_aside(site)
+        said.append(f"{site} would still change the image's PyTorch stack ({'; '.join(elsewhere[:3])}); "
+                    + (f"moved it to {aside}, so the command starts with the image's stack" if aside else
+                       "and it cannot be moved aside: remove it, or start with DLENV_REQUIREMENTS=off"))
+    return said
+
+
+def _set_aside(site: Path) -> Path | None:
+    """Rename the user site out of Python's way (nothing in it is lost); the new name, or None."""
+    for n in range(1, 100):
+        aside = site.with_name(f"{site.name}.set-aside-{n}")
+        if not aside.exists():
+            try:
+                site.rename(aside)
+            except OSError:
+                return None
+            return aside
+    return None
 
 
 def _failed(base: Path, req: Path, line: str, say) -> int:
@@ -223,7 +326,19 @@ def _failed(base: Path, req: Path, line: str, say) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=RETRY, description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--if-changed", action="store_true", help="only when requirements.txt changed since the last try")
+    p.add_argument("--guard", action="store_true", help="only check that the user site leaves the PyTorch stack as "
+                                                        "built (each container start does)")
     a = p.parse_args(argv)
+    # a stop while pip runs ends pip's process group too (run_bounded's finally), not only this process
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    base = user_base()
+    if a.guard:
+        if base is None:
+            return 0
+        said = guard(base)
+        for line in said:
+            print(f"dlenv: {printable(line)}", file=sys.stderr)
+        return 1 if said else 0
     if a.if_changed:
         s = status()
         if s.state in ("installed", "none"):
