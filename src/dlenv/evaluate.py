@@ -38,6 +38,7 @@ from dlenv.errors import EXIT_NONFINITE, UserError, need_folder
 from dlenv.files.atomic import check_output, write_bytes
 from dlenv.files.weights import LoadPolicy
 from dlenv.progress import Progress
+from dlenv.runfolder import drawing
 from dlenv.runfolder.plots import save_figure
 from dlenv.runfolder.trained import CHECKPOINT, STATE_DICT, open_trained
 
@@ -263,14 +264,15 @@ def _short(name: str, limit: int = 22) -> str:
     return name[:head] + "…" + name[-(limit - 1 - head):]
 
 
+@drawing.settings()
 def plot_confusion(cm: list[list[int]], class_names: list[str], title: str | None = None):
     """Figure of the confusion matrix: counts (left) and row-normalized in % (right), under `title`.
 
     Cells carry their numbers up to 25 classes; the figure grows with the class count so 2-50
-    classes stay readable. Returns a matplotlib Figure (Agg, no pyplot).
+    classes stay readable. Returns a matplotlib Figure (Agg, no pyplot) drawn with dlenv's settings
+    alone: a class named `c$\\frac$` is those characters, not math.
     """
     import numpy as np
-    from matplotlib.figure import Figure
 
     counts = np.asarray(cm, dtype=float)
     c = len(class_names)
@@ -280,7 +282,7 @@ def plot_confusion(cm: list[list[int]], class_names: list[str], title: str | Non
     labels = [_short(n) for n in class_names]
     label_room = 0.09 * max(len(s) for s in labels) + 0.6
     side = max(3.5, c * cell) + label_room
-    fig = Figure(figsize=(2 * side + 3.0, side + (1.3 if title else 0.8)), layout="constrained")
+    fig = drawing.new_figure(figsize=(2 * side + 3.0, side + (1.3 if title else 0.8)), layout="constrained")
     fig.get_layout_engine().set(w_pad=0.15)
     if title:
         fig.suptitle(title, fontsize=13)
@@ -326,11 +328,12 @@ def write_reports(out: Path, metrics: dict[str, Any], errors: list[dict[str, Any
     write_bytes(out / "per_class.csv", _csv_bytes(["class", *fields], per_class))
     write_bytes(out / "confusion_matrix.csv",
                 _csv_bytes(["true \\ predicted", *names], [[n, *row] for n, row in zip(names, cm, strict=True)]))
+    cols = ["path", "true_class", "predicted_class", "confidence"]
+    write_bytes(out / "errors.csv", _csv_bytes(cols, [[e[k] for k in cols] for e in errors]))
+    # the figure last: every table is on disk whatever happens while it is drawn
     title = (f"Confusion matrix: {metrics.get('weights', 'model')} on {metrics.get('data', 'data')} "
              f"(top-1 {metrics['top1']:.1f}%)")
     save_figure(plot_confusion(cm, names, title), out / "confusion_matrix.png")
-    cols = ["path", "true_class", "predicted_class", "confidence"]
-    write_bytes(out / "errors.csv", _csv_bytes(cols, [[e[k] for k in cols] for e in errors]))
     return [out / f for f in REPORT_FILES]
 
 

@@ -42,6 +42,7 @@ from typing import Any
 from dlenv.bench.workers import Stop, run_worker, stoppable
 from dlenv.errors import EXIT_SIGHUP, EXIT_SIGINT, EXIT_SIGTERM
 from dlenv.files.atomic import write_atomic, write_text
+from dlenv.runfolder import drawing
 
 GIB = 1024 ** 3
 NUM_CLASSES = 1000  # a named model's head with --num-classes auto: ImageNet-sized, as in the articles' tables
@@ -188,17 +189,14 @@ def write_csv(rows: list[dict[str, Any]], path: Path, columns: list[str]) -> Pat
     return Path(path)
 
 
+@drawing.settings()
 def bar_chart(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     """Two panels: peak allocated/reserved GiB per configuration (when measured) and images/s."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ok = [r for r in rows if r.get("status") == "ok"]
     labels = [r["configuration"].replace(" + ", "\n+ ") for r in ok]
     xs = list(range(len(ok)))
-    fig, (ax_mem, ax_speed) = plt.subplots(1, 2, figsize=(max(10, 1.9 * len(ok) + 4), 4.8))
+    fig = drawing.new_figure(figsize=(max(10, 1.9 * len(ok) + 4), 4.8))
+    ax_mem, ax_speed = fig.subplots(1, 2)
     if any(r.get("peak_alloc_gib") is not None for r in ok):
         w = 0.4
         alloc = [r.get("peak_alloc_gib") or 0 for r in ok]
@@ -224,7 +222,6 @@ def bar_chart(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     write_atomic(Path(path), lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
-    plt.close(fig)
     return Path(path)
 
 

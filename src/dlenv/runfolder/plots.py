@@ -5,9 +5,9 @@ it works on a run still in progress, a single epoch included. For every run unde
 `results.png` beside the CSV (losses, accuracy, learning rate, throughput, data wait, peak memory
 against epoch); with several runs it also writes `DIR/compare.png`, overlaying their val top-1 and
 peak memory, in natural order (exp, exp2, exp10), a colour of its own for each run however many, each
-named with the data and model of its config.yaml (`exp2: resnet18 on digits`). Figures are built on
-`matplotlib.figure.Figure` with the Agg renderer and no pyplot, so nothing global changes and no
-display is needed.
+named with the data and model of its config.yaml (`exp2: resnet18 on digits`). Figures are built and
+saved through `dlenv.runfolder.drawing` (dlenv's settings alone, names drawn as text, no pyplot), so a
+run folder named `c$\\frac$` or a `matplotlibrc` beside the runs changes nothing.
 
 This module never imports torch.
 """
@@ -23,6 +23,7 @@ from dlenv import invocation
 from dlenv.errors import UserError, need_folder, printable
 from dlenv.files.atomic import write_atomic
 from dlenv.options.cfgfile import load_yaml
+from dlenv.runfolder import drawing
 from dlenv.runfolder.results import COLUMNS, read_results
 
 RESULTS = "results.csv"
@@ -76,9 +77,7 @@ def run_colors(n: int) -> list[Any]:
     runs, else `n` evenly spaced samples of the turbo colormap (the default cycle repeats after ten)."""
     if n <= 10:
         return [f"C{i}" for i in range(n)]
-    from matplotlib import colormaps
-
-    turbo = colormaps["turbo"]
+    turbo = drawing.matplotlib().colormaps["turbo"]
     # the ends of turbo are near-black; 0.05-0.95 keeps every colour visible on white
     return [tuple(turbo(0.05 + 0.9 * i / (n - 1))) for i in range(n)]
 
@@ -135,10 +134,8 @@ def _series(df: Any, column: str):
 
 
 def _style_epoch_axis(ax: Any, epochs: list[float]) -> None:
-    from matplotlib.ticker import MaxNLocator
-
     ax.set_xlabel("epoch")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(drawing.matplotlib().ticker.MaxNLocator(integer=True))
     if epochs:
         lo, hi = min(epochs), max(epochs)
         # one epoch: give the single point some room instead of a zero-width axis; several: span all
@@ -153,15 +150,14 @@ def _note(ax: Any, text: str) -> None:
             fontsize=10, wrap=True)
 
 
+@drawing.settings()
 def plot_run(df: Any, title: str):
     """The results.png figure of one run's results (a DataFrame from `read_results`).
 
     Returns a matplotlib Figure with one Axes per entry of PANELS (title as in PANELS); each plotted
     column is a Line2D labelled as in PANELS, its ydata the CSV's values (data wait in %).
     """
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(15, 8.5), layout="constrained")
+    fig = drawing.new_figure(figsize=(15, 8.5), layout="constrained")
     axes = fig.subplots(2, 3).ravel()
     n = len(df)
     last = int(df["epoch"].max()) if n else 0
@@ -203,6 +199,7 @@ def plot_run(df: Any, title: str):
     return fig
 
 
+@drawing.settings()
 def plot_compare(runs: dict[str, Any], about: dict[str, str | None] | None = None):
     """The compare.png figure: val top-1 and peak memory of several runs ({label: DataFrame}).
 
@@ -215,8 +212,6 @@ def plot_compare(runs: dict[str, Any], about: dict[str, str | None] | None = Non
     A CPU run (memory all zero) gets no memory line but a "CPU run: label" note; when every run is a
     CPU run there is no memory panel at all (the title says so), only top-1.
     """
-    from matplotlib.figure import Figure
-
     about = about or {}
     named = {k: f"{k}: {about[k]}" if about.get(k) else k for k in sorted(runs, key=natural_key)}
     colors = dict(zip(named.values(), run_colors(len(named)), strict=True))
@@ -229,7 +224,7 @@ def plot_compare(runs: dict[str, Any], about: dict[str, str | None] | None = Non
         return not any(alloc) and not any(reserved)
 
     if runs and all(zeros(df) for df in runs.values()):
-        fig = Figure(figsize=(8, 5.5), layout="constrained")
+        fig = drawing.new_figure(figsize=(8, 5.5), layout="constrained")
         ax_acc = fig.subplots(1, 1)
         fig.suptitle(f"{len(runs)} runs compared{common} (CPU runs: no GPU memory to draw)", fontsize=14)
         ax_acc.set_title("Validation top-1")
@@ -247,7 +242,7 @@ def plot_compare(runs: dict[str, Any], about: dict[str, str | None] | None = Non
         else:
             _note(ax_acc, "not recorded in results.csv")
         return fig
-    fig = Figure(figsize=(14, 5.5), layout="constrained")
+    fig = drawing.new_figure(figsize=(14, 5.5), layout="constrained")
     ax_acc, ax_mem = fig.subplots(1, 2)
     fig.suptitle(f"{len(runs)} runs compared{common}", fontsize=14)
     ax_acc.set_title("Validation top-1")
@@ -293,6 +288,7 @@ def plot_compare(runs: dict[str, Any], about: dict[str, str | None] | None = Non
     return fig
 
 
+@drawing.settings()
 def save_figure(fig: Any, path: str | Path, dpi: int = 100) -> Path:
     """Write `fig` as a PNG atomically (temp file in the same folder, then os.replace); returns the path."""
     return write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=dpi))

@@ -1,4 +1,5 @@
-"""A `dlenv watch` record on disk: watch.csv's columns and rows, and the timeline watch.png. No torch here."""
+"""A `dlenv watch` record on disk: watch.csv's columns and rows, and the timeline watch.png (drawn through
+`dlenv.runfolder.drawing`: dlenv's settings alone, the command's words as text). No torch here."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dlenv.files.atomic import write_atomic
+from dlenv.runfolder import drawing
 from dlenv.watch.probes import Sample
 
 MIB = 1024 ** 2
@@ -30,19 +33,14 @@ def csv_row(s: Sample) -> list[Any]:
     return row
 
 
+@drawing.settings()
 def plot(samples: Sequence[Sample], names: Sequence[str], path: Path, title: str, n_cpus: int = 1) -> Path:
     """The timeline: GPU utilisation and memory (% of the card), power (% of its limit), host CPU and
     the command's CPU, disk reads."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from dlenv.files.atomic import write_atomic
-
     t = [s.t for s in samples]
     panels = 3 if names else 1
-    fig, axes = plt.subplots(panels, 1, figsize=(11, 2.6 * panels + 0.6), sharex=True, squeeze=False)
+    fig = drawing.new_figure(figsize=(11, 2.6 * panels + 0.6))
+    axes = fig.subplots(panels, 1, sharex=True, squeeze=False)
     axes = [a[0] for a in axes]
     if names:
         ax = axes[0]
@@ -82,7 +80,6 @@ def plot(samples: Sequence[Sample], names: Sequence[str], path: Path, title: str
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     write_atomic(Path(path), lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
-    plt.close(fig)
     return Path(path)
 
 
