@@ -24,7 +24,7 @@ from test_unpack import dataset_members, make_tar, make_zip, snapshot, tar_entry
 
 from dlenv import cli
 from dlenv.data import unpack as archive
-from dlenv.data.unpack.names import is_code
+from dlenv.data.unpack.names import importable_names, is_code
 from dlenv.errors import EXIT_INPUT, EXIT_OK, UserError, printable
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -304,7 +304,11 @@ def test_code_is_left_out_and_listed_unless_kept(work, capsys, kind, fmt):
     assert cli.main(["unpack", str(src), "--dest", "out/kept", "--no-report", "--keep-code"]) == EXIT_OK
     out, _ = capsys.readouterr()
     kept = snapshot(work / "out" / "kept")
-    assert all(c in kept for c in code) and "code file" not in out
+    shadows = [c for c in code if c.split("/")[0].split(".")[0] in importable_names()]  # never kept at the top
+    assert all((c in kept) != (c in shadows) for c in code), sorted(kept)
+    listed = [line for line in out.splitlines() if "kept" in line and "--keep-code" in line]
+    still = [c for c in code if c not in shadows]
+    assert len(listed) == (1 if still else 0) and all(f"ds/{c}" in listed[0] for c in still), out
 
 
 @pytest.mark.parametrize("case", ["symlink named as code", "hard link to code", "hard link named as code"])

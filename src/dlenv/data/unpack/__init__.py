@@ -48,7 +48,7 @@ from typing import Any
 
 from dlenv.data.unpack.formats import unpack_7z, unpack_tar, unpack_zip
 from dlenv.data.unpack.guard import Budget, Writer, _free_bytes, _size
-from dlenv.data.unpack.names import archive_stem, detect_format, guess_name_codec
+from dlenv.data.unpack.names import archive_stem, detect_format, guess_name_codec, importable_names, module_of
 from dlenv.data.unpack.swap import (
     MARKER,
     _check_dest,
@@ -81,6 +81,8 @@ class UnpackResult:
     flattened: str | None = None      # the single top-level folder that was flattened
     cleaned: list[str] = field(default_factory=list)  # leftovers of interrupted runs removed first
     code: list[str] = field(default_factory=list)  # members left out as code (none with keep_code)
+    kept: list[str] = field(default_factory=list)  # code kept (keep_code)
+    shadows: list[str] = field(default_factory=list)  # top-level entries left out: named like an importable module
 
 
 def unpack(archive: str | Path, dest: str | Path | None = None, overwrite: bool = False,
@@ -202,6 +204,10 @@ def _extract_and_swap(src: Path, parent: Path, result: UnpackResult, name_encodi
         if len(top) == 1 and top[0] in w.dirs and not reaches_root:
             new = tmp / top[0]
             result.flattened = top[0]
+        result.shadows = drop_shadows(new)
+        prefix = result.flattened + "/" if result.flattened else ""
+        gone = [prefix + d.rstrip("/") for d in result.shadows]
+        result.kept = [k for k in w.kept if not any(k == g or k.startswith(g + "/") for g in gone)]
         write_marker(new, src)  # after the flattening choice: the marker is not a second top-level entry
         if mounted:
             _move_into(new, tmp, dest)
@@ -213,6 +219,37 @@ def _extract_and_swap(src: Path, parent: Path, result: UnpackResult, name_encodi
     finally:
         if in_main:
             signal.signal(signal.SIGTERM, previous)
+
+
+def drop_shadows(root: Path) -> list[str]:
+    """Remove each top-level entry of `root` (the folder as it will be) that Python would import in place of
+    a module this Python has (names.importable_names: dlenv, torch, numpy, yaml, argparse...): `python -m`
+    run inside the folder puts it first on sys.path, and `python -m dlenv` would then run the archive's
+    dlenv/. A folder counts when it holds a module file (with or without __init__: a class folder `torch/` of
+    images is data and stays), a link as what it names. Even with --keep-code: a dataset never needs one.
+    Returns the names removed, sorted."""
+    names = importable_names()
+    dropped = []
+    with os.scandir(root) as entries:
+        for e in entries:
+            is_dir = e.is_dir(follow_symlinks=False)
+            as_dir = is_dir or e.is_dir()
+            if module_of(e.name, as_dir) not in names or (as_dir and not _holds_code(e.path)):
+                continue
+            if is_dir:
+                shutil.rmtree(e.path)
+            else:
+                os.unlink(e.path)
+            dropped.append(e.name + ("/" if is_dir else ""))
+    return sorted(dropped)
+
+
+def _holds_code(folder: str) -> bool:
+    """Whether a folder holds any module file at its top."""
+    try:
+        return any(module_of(n, False) for n in os.listdir(folder))
+    except OSError:
+        return False
 
 
 def code_summary(names: list[str], shown: int = 3) -> str:
@@ -247,6 +284,12 @@ def main(cfg: Any) -> int:
     if r.code:
         files = f"{len(r.code)} code file{'s' if len(r.code) != 1 else ''}"
         print(f"  left out {files} ({printable(code_summary(r.code))}): a dataset is data; --keep-code keeps them")
+    if r.shadows:
+        print(f"  left out {printable(code_summary(r.shadows))} at its top: named like a module Python imports "
+              "(python -m inside the folder would load it instead), even with --keep-code")
+    if r.kept:
+        print(f"  kept {len(r.kept)} code file{'s' if len(r.kept) != 1 else ''} (--keep-code): "
+              f"{printable(code_summary(r.kept, shown=len(r.kept) if len(r.kept) <= 20 else 20))}")
     if r.name_encoding and r.name_encoding != "utf-8":
         print(f"  file names decoded from {r.name_encoding} (the zip does not mark them as UTF-8); if they "
               "look wrong, try --name-encoding")

@@ -115,12 +115,16 @@ class Writer:
         self.dirs: set[str] = set()
         self.links: dict[str, str] = {}
         self.code: list[str] = []  # members left out as code, in archive order
+        self.kept: list[str] = []  # code kept with keep_code, in archive order
         self._code_set: set[str] = set()
         self.junk = 0
 
     def leave_out(self, name: str, target: str | None = None) -> bool:
         """Whether file or link `name` (a hard link to `target`) is code to leave out; records it if so."""
-        if self.keep_code or not (is_code(name) or target in self._code_set):
+        if not (is_code(name) or target in self._code_set):
+            return False
+        if self.keep_code:
+            self.kept.append(name)
             return False
         if name not in self._code_set:
             self._code_set.add(name)

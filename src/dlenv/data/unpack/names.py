@@ -6,10 +6,14 @@ they were stored in."""
 from __future__ import annotations
 
 import contextlib
+import os
+import pkgutil
 import re
 import struct
+import sys
 import zipfile
 import zlib
+from importlib import machinery
 from pathlib import Path
 
 from dlenv.errors import UserError
@@ -206,3 +210,24 @@ def _zip_names(infos: list[zipfile.ZipInfo], encoding: str, where: str) -> tuple
         if not raw.isascii():
             used = codec
     return names, used
+
+
+def importable_names() -> frozenset[str]:
+    """Every top-level module name this Python can import without the working folder: its own (built in and
+    the standard library's list), and each module and package on sys.path (pkgutil lists what the import
+    system would find there), dlenv included. Derived, not a list: whatever dlenv or a library it loads
+    imports is one of them, whichever profile this is."""
+    paths = [p for p in sys.path if p and os.path.realpath(p) != os.path.realpath(os.getcwd())]
+    found = {m.name for m in pkgutil.iter_modules(paths)}
+    return frozenset(found | set(sys.builtin_module_names) | set(getattr(sys, "stdlib_module_names", ())) | {"dlenv"})
+
+
+def module_of(name: str, is_dir: bool) -> str | None:
+    """The top-level module an entry of a folder would be imported as from it: a folder (a package, or a
+    namespace part) by its name, a module file by its stem; None for anything else."""
+    if is_dir:
+        return name if name.isidentifier() else None
+    for suffix in machinery.all_suffixes():
+        if name.endswith(suffix) and name[: -len(suffix)].isidentifier():
+            return name[: -len(suffix)]
+    return None
