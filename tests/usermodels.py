@@ -120,6 +120,28 @@ def build(num_classes, width=8):
     return Net(num_classes, width)
 '''
 
+# Shaped like lucidrains/vit-pytorch's ViT: its patch embedding is LayerNorm, Linear, LayerNorm, which PyTorch
+# 1.13's CPU autocast cannot train in bf16 (the Linear hands the second LayerNorm a bf16 input it refuses:
+# "expected scalar type BFloat16 but found Float"); 2.x can.
+LN_VIT = '''
+from torch import nn
+
+
+class ViT(nn.Module):
+    def __init__(self, num_classes=1000, image_size=16, patch=4, dim=16):
+        super().__init__()
+        patch_dim = 3 * patch * patch
+        self.patch = patch
+        self.to_patch_embedding = nn.Sequential(nn.LayerNorm(patch_dim), nn.Linear(patch_dim, dim), nn.LayerNorm(dim))
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, x):
+        n, c, h, w = x.shape
+        p = self.patch
+        x = x.reshape(n, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1).reshape(n, (h // p) * (w // p), p * p * c)
+        return self.head(self.to_patch_embedding(x).mean(1))
+'''
+
 # Shaped like the files of kuangliu/pytorch-cifar and friends (written for these tests, small): classes
 # and functions whose signatures put the class count anywhere but first, or nowhere.
 CIFAR = '''

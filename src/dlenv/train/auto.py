@@ -9,7 +9,9 @@ run trains is built after them, from the plan (dlenv.train.parts).
 --amp is `resolve_precision`'s mode (dlenv.engine.precision: bf16 on a GPU that has it, else fp16), except
 that on a CPU it never makes the run slower: many CPUs emulate bfloat16, so --amp-dtype auto keeps bf16
 only where this CPU's flags and a timed probe step say it is faster (dlenv.train.cpuprobe, which keeps the
-verdict per machine).
+verdict per machine). Whatever the machine says, a reduced precision is kept only where one training step
+of the run's own model runs in it on this torch (`amp_step_error`: PyTorch 1.13's CPU autocast hands a
+LayerNorm after a Linear a bf16 input it refuses, so a ViT cannot train in bf16 there); else fp32.
 
 --compile auto compiles a CUDA run of PyTorch 2.x that plans at least COMPILE_MIN_BATCHES
 micro-batches per GPU. Compiling costs a while once, and then every step runs faster
@@ -38,7 +40,8 @@ from torch import nn
 from dlenv import compat
 from dlenv.cluster import distributed
 from dlenv.engine import autobatch
-from dlenv.engine.precision import resolve_precision
+from dlenv.engine.precision import Precision, resolve_precision
+from dlenv.engine.step import Parts, train_step
 from dlenv.errors import UserError
 from dlenv.train import cpuprobe
 
@@ -73,14 +76,17 @@ class Probe:
 
 def decide_precision(amp: bool, amp_dtype: str, device: Any,
                      step_seconds: Callable[[str], float] | None = None,
-                     cache: str | Path | None = None, what: str = "", native: bool | None = None) -> Decision:
+                     cache: str | Path | None = None, what: str = "", native: bool | None = None,
+                     model_step: Callable[[str], str | None] | None = None) -> Decision:
     """The precision a run trains in ("fp32", "fp16" or "bf16"), and the sentence config.yaml and the log
-    give for it.
+    give for it: what this machine says (`_machine_precision`), kept where `model_step(mode)` (one training
+    step of the run's model in that mode, `amp_step_error`) returns None; where it returns the error's
+    first line, fp32, and the sentence names it. On a CPU and on CUDA alike.
 
     As `resolve_precision`, except that --amp on a CPU never makes the run slower: with --amp-dtype auto,
     `step_seconds(mode)` (`cpuprobe.cpu_probe_seconds`) times a training step in fp32 and bf16, and bf16 is
     kept only where it was faster. (Many CPUs emulate bfloat16, and autocast's casts then cost more than
-    they save; docs/training.md has the measurements.) --amp-dtype bf16 forces bf16. `native`
+    they save; docs/training.md has the measurements.) --amp-dtype bf16 asks for bf16 whatever the speed. `native`
     (`cpuprobe.cpu_bf16_native`) decides without timing where the CPU's flags say it has no bfloat16
     instructions (False): fp32.
 
@@ -88,6 +94,50 @@ def decide_precision(amp: bool, amp_dtype: str, device: Any,
     count and `what` (the model and size step_seconds times), so the timing happens once per machine.
     Raises UserError where `resolve_precision` does.
     """
+    decided = _machine_precision(amp, amp_dtype, device, step_seconds, cache, what, native)
+    failed = model_step(decided.value) if model_step is not None and decided.value != "fp32" else None
+    if failed is None:
+        return decided
+    return Decision("fp32", f"--amp: one {decided.value} training step of this model failed on "
+                    f"{torch.device(device).type} with PyTorch {torch.__version__} ({failed}), so training in fp32")
+
+
+def amp_step_error(build: Callable[[], nn.Module], mode: str, device: Any, img_size: int, num_classes: int,
+                   batch: int = 2) -> str | None:
+    """None where one training step (dlenv.engine.step.train_step: forward, backward, optimizer step) of a
+    model from `build` on `batch` random images runs in `mode`; else the first line of its error.
+
+    Only an error of the precision counts: a RuntimeError (a dtype an op refuses under autocast) where the
+    same step in fp32 runs. Out of memory, and an error fp32 meets too (the model's own), are None: the run
+    meets them with its own message. The model is a copy of its own and the step draws from forked random
+    streams, so the run's weights, buffers (BatchNorm's statistics) and random streams are as before it.
+    """
+    def step(precision: str) -> None:
+        model = build().to(device).train()
+        x = torch.randn(batch, 3, img_size, img_size, device=device)
+        y = torch.randint(0, num_classes, (batch,), device=device)
+        train_step(Parts.plain(model, torch.optim.SGD(model.parameters(), lr=0.0), Precision(precision, device)), x, y)
+
+    dev = torch.device(device)
+    with torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else []):
+        try:
+            step(mode)
+            return None
+        except RuntimeError as e:
+            if compat.is_oom(e):
+                return None
+            failed = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        try:
+            step("fp32")
+        except Exception:  # not the precision's: the run's own step says what it is
+            return None
+    return failed
+
+
+def _machine_precision(amp: bool, amp_dtype: str, device: Any, step_seconds: Callable[[str], float] | None,
+                       cache: str | Path | None, what: str, native: bool | None) -> Decision:
+    """What `decide_precision` decides before the model's step: the options, and on a CPU its flags and
+    speed."""
     mode = resolve_precision(amp, amp_dtype, device)
     kind = torch.device(device).type
     if mode == "fp32":

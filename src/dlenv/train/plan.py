@@ -16,8 +16,8 @@ What it reads and measures, and only when an option asks: the data folder's list
 headers for --img-size auto and the CPU recipe); the model's structure for --checkpoint and on a GPU
 (a copy built without weights, on PyTorch's meta device where it has one); real training steps for
 --batch-size auto and --checkpoint-ratio auto on a GPU and for --amp on a CPU (kept per machine,
-dlenv.train.cpuprobe); one forward of a model of your own, built without weights, to check it gives
-logits before anything is probed. The run's random streams are left as the seed set them.
+dlenv.train.cpuprobe); one training step of the model for --amp (a copy, at 2 images); one forward of
+a model of your own, built without weights, to check it gives logits before anything is probed. The run's random streams are left as the seed set them.
 
 A new decision is a field of `TrainPlan` holding an `auto.Decision` (value, why), made in `decide`
 and written to config.yaml by `notes` as `<name>_rule`.
@@ -263,7 +263,8 @@ class TrainPlan:
             "input": self.input.describe(device).removeprefix("input: "), "torch": torch.__version__,
             "precision_rule": self.precision.why, "img_size_rule": self.model.img_size.why,
             "batch_rule": self.batch.why, "channels_last_rule": self.channels_last.why,
-            "compile_rule": self.compile.why, "hflip_rule": self.input.hflip_why, "data_rule": self.dataset.why,
+            "compile_rule": self.compile.why, "hflip_rule": self.input.hflip_why,
+            "augment_rule": self.input.augment_why, "data_rule": self.dataset.why,
             "threads": self.threads.value, "threads_rule": self.threads.why,
             **({"workers_rule": self.input.workers_why} if self.input.workers_why else {}),
             **({"checkpoint_rule": self.checkpoint_ratio.why} if self.checkpoint_ratio else {}),
@@ -307,11 +308,11 @@ def _decide(cfg: TrainConfig, resume: Any, dist: distributed.DistInfo, device: t
         said.append(recipe)
     located = pipeline.locate(cfg.data, cfg.synthetic, cfg.val_split, cfg.seed)
     spec = ModelSpec.resolve(cfg, located, fresh=resume is None)
-    precision = _precision(cfg, device)
-    if precision.value == "fp32" and cfg.amp:
-        said.append(precision.why)
     if usermodel.is_reference(spec.name):  # a model of your own gives logits [N, classes] before it is probed
         spec.check(spec.build(with_weights=False))
+    precision = _precision(cfg, device, spec)
+    if precision.value == "fp32" and cfg.amp:
+        said.append(precision.why)
     # a GPU's decisions read the model's structure; a CPU's only for --checkpoint
     convolutional, blocks, weights = spec.structure() if cfg.checkpoint or device.type == "cuda" else (False, 0, 0)
     channels_last = _channels_last(cfg, device, convolutional)
@@ -329,6 +330,8 @@ def _decide(cfg: TrainConfig, resume: Any, dist: distributed.DistInfo, device: t
         said.append(input_plan.describe(device))
         if cfg.hflip == "auto" and not input_plan.hflip and input_plan.augment != "none":
             said.append(f"--hflip {input_plan.hflip_why}")  # once: the flips the dataset report advises against
+        if cfg.augment == "auto" and "characters" in input_plan.augment_why:
+            said.append(f"--augment {input_plan.augment_why}")  # the gentle crops of character-like data
     # --synthetic keeps its batch on the device: it counts in the probe (float32 images)
     resident = weights + (micro * 3 * spec.img_size.value ** 2 * 4 if cfg.synthetic else 0)
     ratio = auto.checkpoint_ratio(cfg, blocks, dataclasses.replace(probe, resident=resident), micro, said.append)
@@ -395,11 +398,20 @@ def _channels_last(cfg: TrainConfig, device: torch.device, convolutional: bool) 
     return Decision(True, "on: a convolutional model on a GPU")
 
 
-def _precision(cfg: TrainConfig, device: torch.device) -> Decision:
-    # CPU --amp: fp32 at once on a CPU without bf16 instructions; else a probe of a second, kept per machine
+def _precision(cfg: TrainConfig, device: torch.device, spec: ModelSpec) -> Decision:
+    # CPU --amp: fp32 at once on a CPU without bf16 instructions; else a probe of a second, kept per machine;
+    # then, on any device, one step of the run's model in the mode chosen (every rank agrees: fp32 if any failed)
+    def model_step(mode: str) -> str | None:
+        failed = auto.amp_step_error(lambda: spec.build(with_weights=False), mode, device, spec.img_size.value,
+                                     spec.num_classes)
+        if distributed.agree(failed is not None, "max") and failed is None:
+            return "it failed on another process"
+        return failed
+
     return auto.decide_precision(cfg.amp, cfg.amp_dtype, device, cpuprobe.cpu_probe_seconds,
                                  cache=cpuprobe.cpu_amp_cache(),
-                                 native=cpuprobe.cpu_bf16_native() if device.type == "cpu" else None)
+                                 native=cpuprobe.cpu_bf16_native() if device.type == "cpu" else None,
+                                 model_step=model_step)
 
 
 def _batch_split(cfg: TrainConfig, dist: distributed.DistInfo, located: pipeline.Located, probe: auto.Probe,
