@@ -125,3 +125,39 @@ def test_without_the_system_config_invoke_fails_as_the_issue_says(tmp_path, kind
     folder = project(tmp_path / "workspace", kind)
     r = invoke(folder, "train", "--help", system=None)
     assert r.returncode != 0 and error in r.stderr + r.stdout
+
+
+def workspace_copy(root: Path) -> Path:
+    """A copy of workspace/ as a user makes one outside the image (without a run's files)."""
+    import shutil
+
+    shutil.copytree(ROOT / "workspace", root, ignore=shutil.ignore_patterns("runs", "__pycache__", "data", ".dlenv"))
+    return root
+
+
+def test_a_copy_of_workspace_lists_dlenvs_verbs_without_the_image_and_imports_no_torch(tmp_path):
+    folder = workspace_copy(tmp_path / "myproject")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HOME": str(folder)}  # no ~/.invoke.yaml
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "invoke", "--list"], cwd=folder, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    listed = [line.split()[0] for line in r.stdout.splitlines()[1:] if line.startswith("  ") and line.split()
+              and not line.startswith("   ")]
+    for verb in ("verify-env", "train", "val", "predict", "test"):
+        assert listed.count(verb) == 1, r.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if "|" in line}
+    assert "torch" not in imported and "dlenv.tasks" in imported
+
+
+@pytest.mark.parametrize("search", [(), ("-r", ".")], ids=["image config", "-r ."])
+def test_in_the_image_a_copy_of_workspace_has_dlenvs_verbs_once(tmp_path, system_dir, search):
+    """The image's /etc/invoke.yaml loads /opt/dlenv's tasks and never the workspace's tasks.py; `-r .` loads
+    the workspace's, which is the same collection: each verb is listed once either way, and runs."""
+    folder = workspace_copy(tmp_path / "workspace")
+    listed = invoke(folder, *search, "--list", system=system_dir)
+    assert listed.returncode == 0, listed.stderr
+    names = [line.split()[0] for line in listed.stdout.splitlines() if line.startswith("  ") and line.split()
+             and not line.startswith("   ")]
+    assert names.count("train") == 1 and names.count("verify-env") == 1, listed.stdout
+    helped = invoke(folder, *search, "val", "--help", system=system_dir)
+    assert helped.returncode == 0 and "--weights" in helped.stdout, helped.stderr
