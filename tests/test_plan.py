@@ -15,11 +15,13 @@ from dlenv.data.plan import (
     AUGMENT_PRESETS,
     AUTO_CACHE_MAX_BYTES,
     AUTO_DECODER,
+    CHARACTER_CROPS,
     ENGINE_BACKENDS,
     NVJPEG_BELOW_WORKERS,
     PHOTO_TRAIN_SCALE,
     SYNTHETIC,
     InputOptions,
+    decide_augment,
     decide_cache,
     decide_hflip,
     mean_pixels,
@@ -151,6 +153,27 @@ def test_decide_hflip_follows_the_dataset_reports_rule(choice, classes, preset, 
     assert got is flips and says in why and "\n" not in why
     if choice == "auto":  # the report warns exactly where auto turns the flips off
         assert flip_hint(classes).startswith("warning") is (not flips)
+
+
+@pytest.mark.parametrize("opts,classes,expected,says", [
+    ({}, list("0123456789"), ("light", CHARACTER_CROPS[0], CHARACTER_CROPS[1]), "look like characters (0, 1, 2"),
+    ({}, ["b", "d", "cat"], ("light", CHARACTER_CROPS[0], CHARACTER_CROPS[1]), "characters (b, d)"),
+    ({}, ["cat", "dog"], ("standard", PHOTO_TRAIN_SCALE, (3 / 4, 4 / 3)), "auto: standard"),
+    (dict(augment="standard"), list("0123456789"), ("standard", PHOTO_TRAIN_SCALE, (3 / 4, 4 / 3)),
+     "--augment standard"),                                   # asked for: taken as given
+    (dict(crop_scale=(0.5, 1.0)), list("0123"), ("light", (0.5, 1.0), CHARACTER_CROPS[1]), "--crop-scale 0.5 1"),
+])
+def test_auto_crops_keep_character_like_images_readable(opts, classes, expected, says):
+    preset, scale, ratio, why = decide_augment(InputOptions(**opts), False, classes)
+    assert (preset, scale, ratio) == expected and says in why
+    assert scale[0] >= 0.5 or "characters" not in why  # never the photo crops of a few percent for a glyph
+
+
+def test_the_plan_of_a_digit_dataset_picks_the_gentle_crops_and_says_so(tmp_path):
+    digits = pipeline.locate(str(make_image_folder(tmp_path / "digits", classes=tuple("0123456789"), per_class=1)))
+    plan = InputOptions(workers=0).decide(digits, "cpu", 4, 16)
+    assert (plan.train_scale, plan.train_ratio) == CHARACTER_CROPS
+    assert "characters" in plan.augment_why and "crops 80%-100%" in plan.describe("cpu")
 
 
 def test_hflip_auto_turns_flips_off_for_digits_in_the_plan_and_its_line(tmp_path):

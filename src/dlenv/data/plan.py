@@ -44,6 +44,10 @@ PHOTO_TRAIN_SCALE = (0.08, 1.0)
 #: crop); none trains on the whole image, as validation sees it.
 AUGMENT_PRESETS = {"standard": (PHOTO_TRAIN_SCALE, (3 / 4, 4 / 3)), "light": ((0.5, 1.0), (0.9, 1.1)),
                    "none": ((1.0, 1.0), (1.0, 1.0))}
+#: auto's crops for classes that look like characters (digits, letters): most of the glyph and nearly its
+#: shape, a light shift and zoom. standard's 8% crops of a digit are often no digit at all (on MNIST-like
+#: digits, 3 epochs: 65.5% top-1 against 86.5% with --augment none)
+CHARACTER_CROPS = ((0.8, 1.0), (0.9, 1.1))
 #: the CPU decoder --decoder auto keeps unless another is clearly faster on the data (`pick_decoder`)
 AUTO_DECODER = "pil"
 #: decoders that decode whole batches on the GPU (dlenv.data.sources)
@@ -94,6 +98,7 @@ class InputPlan:
     overlap: bool = False       # a GPU decoder decodes the next batch in a thread and stream of its own
     overlap_why: str = ""       # why it does, or why a GPU decoder does not (`decide_overlap`)
     workers_why: str = ""       # why the workers are fewer than asked (/dev/shm: `decide_workers`); "" if not
+    augment_why: str = ""       # why the crops are what they are (`decide_augment`)
 
     @property
     def cache(self) -> bool:
@@ -214,13 +219,14 @@ class InputOptions:
         overlap, overlap_why = decide_overlap(self.decode_overlap, decoder, device, cache)
         splits = (located.layout.train, located.layout.val)
         mode = decide_cache_mode(self, local_world_size, splits, size) if cache else "off"
-        preset, scale, ratio = decide_augment(self, located.demo)
+        preset, scale, ratio, augment_why = decide_augment(self, located.demo, located.classes)
         hflip, hflip_why = decide_hflip(self.hflip, located.classes, preset)
         return InputPlan(img_size, batch_size, on_device, decoder, cpu_decoder, workers, cache_mode=mode,
                          cache_dir=self.cache_dir, bad_images=self.bad_images, train_scale=scale, train_ratio=ratio,
                          hflip=hflip, hflip_why=hflip_why, augment=preset, norm=norm, cache_why=cache_why,
                          interpolation=interpolation, gpu_backends=backends, seed=self.seed, epochs=self.epochs,
-                         overlap=overlap, overlap_why=overlap_why, workers_why=workers_why)
+                         overlap=overlap, overlap_why=overlap_why, workers_why=workers_why,
+                         augment_why=augment_why)
 
 
 def workers_per_process(workers: int, local_world_size: int) -> int:
@@ -232,16 +238,30 @@ def workers_per_process(workers: int, local_world_size: int) -> int:
 # Augmentation.
 
 
-def decide_augment(opts: InputOptions, demo: bool) -> tuple[str, tuple[float, float], tuple[float, float]]:
-    """(preset, crop area range, crop aspect range) for --augment and --crop-scale.
+def decide_augment(opts: InputOptions, demo: bool, classes: Sequence[str] = ()
+                   ) -> tuple[str, tuple[float, float], tuple[float, float], str]:
+    """(preset, crop area range, crop aspect range, why) for --augment and --crop-scale.
 
     auto is standard (what works for photos), light for the demo data (its shapes fill most of a small
-    image, and a short run learns faster from gentler crops); --crop-scale overrides the preset's range."""
-    preset = opts.augment if opts.augment != "auto" else ("light" if demo else "standard")
-    scale, ratio = AUGMENT_PRESETS[preset]
+    image, and a short run learns faster from gentler crops), and light with CHARACTER_CROPS where the
+    classes look like characters (the flips' rule, dlenv.data.report.character_classes): a crop of a few
+    percent of a digit is no digit. --crop-scale overrides the preset's range."""
+    chars = character_classes(list(classes)) if opts.augment == "auto" and not demo else ""
+    if opts.augment != "auto":
+        preset, why = opts.augment, f"--augment {opts.augment}"
+    elif demo:
+        preset, why = "light", "auto: light, the demo's shapes fill most of a small image"
+    elif chars:
+        preset, why = "light", (f"auto: light crops {CHARACTER_CROPS[0][0]:.0%}-100%, aspect near 1, the classes look "
+                                f"like characters ({chars}) and a small crop of one is none (--augment standard "
+                                "for photo crops)")
+    else:
+        preset, why = "standard", "auto: standard, photo crops (RandomResizedCrop's range)"
+    scale, ratio = CHARACTER_CROPS if chars else AUGMENT_PRESETS[preset]
     if opts.crop_scale != "auto":
         scale = tuple(opts.crop_scale)
-    return preset, scale, ratio
+        why = f"{why}; --crop-scale {scale[0]:g} {scale[1]:g}"
+    return preset, scale, ratio, why
 
 
 def decide_hflip(choice: bool | str, classes: list[str], preset: str) -> tuple[bool, str]:

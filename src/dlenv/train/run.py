@@ -22,6 +22,7 @@ under DDP (dlenv.cluster.distributed), validation sums are reduced over all of t
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -79,8 +80,13 @@ def train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None = None)
 
 def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> dict[str, Any]:
     cfg, resume = trainstate.open_resume(cfg)
+    if resume is not None and resume.nothing_left:  # --epochs N of a run N epochs long: nothing to join or build
+        console.printer(os.environ.get("RANK", "0") == "0")(resume.nothing_left)
+        return {"run_dir": resume.run_dir, "status": "done", "exit_code": 0, "epochs": cfg.epochs}
     dist = distributed.join(cfg)
     say = console.printer(dist.is_main)
+    if resume is not None and resume.new_end:
+        say(console.new_end_line(*resume.new_end, int(resume.ckpt["step"])))
     if resume is not None and resume.ignored:
         say(f"--resume continues {resume.run_dir} with its saved options; ignoring {', '.join(resume.ignored)} "
             f"(to change them, start a new run from its weights: --weights {cfg.resume})")
@@ -147,10 +153,8 @@ def use_threads(n: int) -> None:
     inter-op work of the process), and OpenMP's and MKL's in child processes: `n` (the plan's `threads`).
     A variable the user set is kept (it decided `n` already)."""
     torch.set_num_threads(n)
-    try:
+    with contextlib.suppress(RuntimeError):  # set once per process, before any inter-op work: an earlier run's stays
         torch.set_num_interop_threads(n)
-    except RuntimeError:  # set once per process, before any inter-op work: an earlier run's stays
-        pass
     for k in THREAD_VARIABLES:
         os.environ.setdefault(k, str(n))
 
