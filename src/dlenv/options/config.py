@@ -321,8 +321,10 @@ class PruneConfig:
     trust_pickle: bool = trust_pickle()
     model: str | None = opt(None, "the run file's FILE.py:factory again, to trust one outside the working "
                                   "folder", parse=_str)
-    amount: float = opt(0.3, "share of the weights to remove, in (0, 1)")
-    structured: bool = opt(False, "remove whole channels (smaller and faster) instead of zeroing single weights")
+    amount: float = opt(0.3, "share of the weights to remove, in (0, 1): those of smallest magnitude "
+                             "(global L1 pruning)")
+    structured: bool = opt(False, "remove whole channels of smallest L1 norm (smaller and faster) instead of "
+                                  "zeroing single weights")
     data: str | None = opt(None, "validation data for top-1 before and after; default: the run file's",
                            parse=_str)
     finetune_epochs: int = opt(0, "epochs of fine-tuning after pruning, on the run file's training data",

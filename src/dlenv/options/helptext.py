@@ -102,13 +102,21 @@ EXAMPLES: dict[str, tuple[tuple[str, str], ...]] = {
         ("dlenv val --weights resnet50_from_elsewhere.pth --model resnet50 --data data/pets/val",
          "a bare state dict from another tool"),
     ),
+    "prune": (
+        ("dlenv prune --weights runs/exp/best_model.pth --amount 0.3",
+         "zero the 30% of weights of smallest magnitude (global L1, unstructured) and re-validate"),
+        ("dlenv prune --weights runs/exp/best_model.pth --structured --finetune-epochs 3",
+         "remove whole channels (L1 norm), then fine-tune 3 epochs"),
+    ),
 }
 
 
 def epilog(command: str) -> str | None:
     """The examples block ending `command`'s --help (None without examples), one command a line with
     what it does on the line below it."""
-    examples = EXAMPLES.get(command)
+    # a verb without examples of its own ends with its line of `dlenv --help`
+    examples = EXAMPLES.get(command) or tuple((ex, what) for _, verbs in VERBS for verb, what, ex in verbs
+                                              if verb == command)
     if not examples:
         return None
     return "examples:\n" + "\n".join(f"  {line}\n      {what}" for line, what in examples)
