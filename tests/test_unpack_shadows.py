@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import tarfile
+from importlib import machinery
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from dlenv.data import unpack as archive
 from dlenv.data.unpack.names import importable_names
 from dlenv.errors import EXIT_OK
 
+EXT = machinery.EXTENSION_SUFFIXES[0]
 PAYLOAD = b"open('RAN', 'w').write('x')\n"
 
 # (members at the archive's top, after its single folder is flattened; the top-level entries that must go)
@@ -29,7 +31,7 @@ SHADOWS = [
     (["PIL/Image.py"], ["PIL/"]),  # no __init__: a namespace part still puts a module of that name first
     (["matplotlib/__init__.py", "matplotlib/pyplot.py"], ["matplotlib/"]),
     (["argparse.py", "json/__init__.py"], ["argparse.py", "json/"]),
-    (["tqdm.cpython-310-x86_64-linux-gnu.so"], ["tqdm.cpython-310-x86_64-linux-gnu.so"]),
+    ([f"tqdm{EXT}"], [f"tqdm{EXT}"]),  # an extension module of this Python's own suffix
     (["mymodel.py", "utils/__init__.py"], []),  # the project's own: kept with --keep-code
 ]
 

@@ -203,17 +203,21 @@ def _listing(path: str) -> list[str]:
 def remove(intruder: Intruder, base: Path) -> None:
     """Delete an intruder's files under `base` (never through a link that leaves it), then the folders it left
     empty. Raises OSError when a file cannot be removed."""
-    folders = set()
+    folders, site = set(), user_site(base)
     for p in intruder.paths:
         if not _inside(p, base):
+            top = site / p.relative_to(site).parts[0] if p.is_relative_to(site) and p != site else None
+            if top is not None and top.is_symlink():  # a link out of the site: it goes, what it names stays
+                top.unlink()
             continue
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
         elif p.is_symlink() or p.exists():
             p.unlink()
         folders.add(p.parent)
+    stop = {base, user_site(base), base / "bin"}
     for d in sorted(folders, key=lambda d: len(d.parts), reverse=True):
-        while _inside(d, base) and d != base and d.is_dir() and not any(d.iterdir()):
+        while _inside(d, base) and d not in stop and d.is_dir() and not any(d.iterdir()):
             d.rmdir()
             d = d.parent
 
