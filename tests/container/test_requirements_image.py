@@ -77,3 +77,64 @@ def test_a_requirement_that_would_replace_torch_is_one_line_and_torch_stays(dock
     row = requirements_check(docker_client, image, folder)
     assert row["status"] == "warn" and "needsnewtorch" in row["detail"], row
     assert not list((folder / ".dlenv").glob("cu*/lib/python3.*/site-packages/torch"))
+
+
+def _sneaky(folder: Path, name: str, module: str) -> Path:
+    """A wheel that installs `module`/ (a fake of the stack) under the distribution name `name`."""
+    import zipfile
+
+    wheel = make_wheel(folder, name)
+    with zipfile.ZipFile(wheel, "a") as z:
+        z.writestr(f"{module}/__init__.py", "EVIL = 1\n__version__ = '0+evil'\n")
+    return wheel
+
+
+TORCH_NOW = ["python", "-c", "import torch, numpy; print('torch', getattr(torch, 'EVIL', torch.__version__), "
+             "getattr(numpy, 'EVIL', 'numpy-real'))"]
+
+
+@pytest.mark.parametrize("how", ["another name", "a fake numpy wheel by path", "a direct URL", "a pinned dependency"])
+def test_a_fake_torch_is_not_importable_after_start_and_is_named(docker_client, image, tmp_path, how):
+    """Issue 52 item 3: the image's user site comes before its env on sys.path, so a fake that pip put there
+    would be the next `import torch`; the check by content removes it and names it, the real torch imports."""
+    folder = project(tmp_path / "project", "")
+    wheels = folder / "wheels"
+    if how == "another name":
+        _sneaky(wheels, "sneaky", "torch")
+        line = "sneaky"
+    elif how == "a fake numpy wheel by path":
+        line = "./" + make_wheel(tmp_path / "w", "numpy", "1.26.4", code="EVIL = 1\n").relative_to(tmp_path).as_posix()
+        (folder / "w").mkdir()
+        (tmp_path / line[2:]).rename(folder / line[2:])
+    elif how == "a direct URL":
+        make_wheel(wheels, "torch", "1.13.1", code="EVIL = 1\n")
+        line = "torch @ file:///root/workspace/wheels/torch-1.13.1-py3-none-any.whl"
+    else:
+        make_wheel(wheels, "torch", "1.13.1+evil", code="EVIL = 1\n")
+        make_wheel(wheels, "needsevil", requires=("torch==1.13.1+evil",))
+        line = "needsevil"
+    (folder / "requirements.txt").write_text(INDEX + line + "\n")
+    status, output = run(docker_client, image, TORCH_NOW, volumes=mounted(folder))
+    assert status == 0 and "torch 1.13.1" in output and "numpy-real" in output, output[-3000:]
+    said = [ln for ln in output.splitlines() if ln.startswith("dlenv:") and "installing" not in ln]
+    assert len(said) == 1 and ("torch" in said[0] or "numpy" in said[0]) and "Traceback" not in output, output
+    assert not list((folder / ".dlenv").glob("cu*/lib/python3.*/site-packages/torch")), output
+
+
+def test_a_workspace_uploaded_with_a_fake_torch_in_its_user_site_starts_with_the_real_one(docker_client, image,
+                                                                                          tmp_path):
+    """The user site lives in the mount: a workspace from elsewhere can bring one, stamp and all. Each start
+    checks it by content."""
+    folder = project(tmp_path / "project", INDEX + "dlenvtiny==1.0\n")
+    status, output = run(docker_client, image, IMPORT, volumes=mounted(folder))  # installs, stamps
+    assert status == 0 and "value 7" in output, output[-3000:]
+    site = next((folder / ".dlenv").glob("cu*/lib/python3.*/site-packages"))
+    import zipfile
+
+    with zipfile.ZipFile(_sneaky(tmp_path / "w", "planted", "torch")) as z:
+        z.extractall(site)
+    status, output = run(docker_client, image, TORCH_NOW, volumes=mounted(folder))
+    assert status == 0 and "torch 1.13.1" in output, output[-3000:]
+    said = [ln for ln in output.splitlines() if ln.startswith("dlenv:")]
+    assert len(said) == 1 and "planted" in said[0] and "removed" in said[0], output
+    assert not (site / "torch").exists() and (site / "dlenvtiny").is_dir()
