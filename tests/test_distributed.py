@@ -232,6 +232,45 @@ def test_launch_sigterm_saves_once_then_resumes_on_one_process(tmp_path):
     assert df["accum_steps"].iloc[-1] == 4 and df["batch_size"].iloc[-1] == 2
 
 
+@pytest.mark.slow
+def test_the_printed_resume_line_resumes_on_the_processes_launched(tmp_path):
+    """`--gpus 2 --dist-timeout 300` stopped by SIGTERM: the resume line it prints names both, and typed as
+    printed it resumes on two processes, exactly (no line that it is not bit-equal) (issue 53 item 6)."""
+    import shlex
+
+    from imagedata import make_train_val
+
+    from dlenv.runfolder import results
+
+    make_train_val(tmp_path / "ds", per_class=8)
+    project = tmp_path / "runs"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "dlenv", "train", "--data", str(tmp_path / "ds"), "--model", "squeezenet1_1",
+         "--img-size", "32", "--batch-size", "2", "--epochs", "3", "--gpus", "2", "--dist-timeout", "300",
+         "--project", str(project), "--workers", "0", "--device", "cpu"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        head = _read_until(launcher, "epoch 1/3:", timeout=300)
+        launcher.send_signal(signal.SIGTERM)
+        out, err = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    out = "".join(head) + out
+    assert launcher.returncode == 143, out + err[-3000:]
+    printed = [ln.split("Resume with: ", 1)[1] for ln in out.splitlines() if "Resume with: " in ln]
+    assert printed == [f"dlenv train --resume {project / 'exp' / 'last.pth'} --gpus 2 --dist-timeout 300"], out
+    words = shlex.split(printed[0])
+    resumed = subprocess.run([sys.executable, "-m", "dlenv", *words[1:]], capture_output=True, text=True, env=env,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert "batch 2 x 1 accum x 2 GPU = 4" in resumed.stdout
+    assert "bit-equal" not in resumed.stdout and "process(es)" not in resumed.stdout
+    assert results.read_results(project / "exp" / "results.csv")["epoch"].tolist() == [1, 2, 3]
+
+
 # ---------------------------------------------------------------------------------------------------
 # One process: everything is a no-op.
 

@@ -166,6 +166,18 @@ def test_train_flags_rebuild_the_same_config():
     assert config.build(TrainConfig, **args) == cfg
 
 
+@pytest.mark.parametrize("opts,flags", [
+    ({}, []),
+    ({"gpus": 2, "amp": True, "epochs": 4}, ["--gpus", "2"]),  # only how it was launched, not what it computes
+    ({"gpus": 8, "nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1", "master_port": 29600, "dist_timeout": 900},
+     ["--gpus", "8", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29600",
+      "--dist-timeout", "900"]),
+])
+def test_relaunch_flags_are_the_launch_options_given(opts, flags):
+    """What a resume line adds to --resume PATH so that the run goes on as launched (issue 53 item 6)."""
+    assert launch.relaunch_flags(config.build(TrainConfig, **opts)) == flags
+
+
 def test_launch_command_single_node_uses_a_private_port():
     cfg = config.build(TrainConfig, gpus=4, amp=True, master_port=1234)
     cmd = launch.launch_command(cfg, port=4321)

@@ -423,6 +423,21 @@ def test_the_stop_says_where_it_goes_on_from_before_it_saves(monkeypatch):
     assert "goes on from the start of epoch 3," in console.stopping_line(2, 0, 20, 40, last)
 
 
+def test_every_resume_line_names_the_launch_options(monkeypatch):
+    """A run launched with --gpus 2 (and more) is told to resume with them, not on one process (issue 53 item 6)."""
+    from dlenv.train import console
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setenv("DLENV_COMMAND", "python train.py")
+    last, flags = Path("runs/x/last.pth"), ["--gpus", "2", "--master-addr", "node 0"]
+    again = "python train.py --resume runs/x/last.pth --gpus 2 --master-addr 'node 0'"
+    assert console.way_on(last, flags) == again
+    assert console.stopping_line(1, 3, 20, 23, last, flags).endswith(f"with: {again}")
+    assert console.stopped_line(signal.SIGTERM, last, flags).endswith(f"Resume with: {again}")
+    assert console.stopped_early_line(signal.SIGTERM, str(last), flags).endswith(f"Resume with: {again}")
+    assert console.Stop(lambda msg: None, 2, last, flags).way_on == again
+
+
 @pytest.mark.parametrize("device, who, gpu_tips", [("cuda", "the GPU waited", True), ("cpu", "training waited", False)])
 def test_the_data_wait_advice_names_the_device_that_waited(device, who, gpu_tips):
     from dlenv.train import console

@@ -82,6 +82,22 @@ def train_flags(cfg: Any) -> list[str]:
     return flags
 
 
+#: the options that say how a run was launched (torchrun's share of `train_flags`): a resume names them again
+LAUNCH_OPTIONS = ("gpus", "nnodes", "node_rank", "master_addr", "master_port", "dist_timeout")
+
+
+def relaunch_flags(cfg: Any) -> list[str]:
+    """The flags of `cfg`'s launch options not at their default (`--gpus 2`, `--nnodes 2 --node-rank 0 ...`):
+    what a resume line adds to `--resume PATH` so that the run goes on as it was launched (a resume takes
+    them from its command, dlenv.runfolder.trainstate.RESUME_FROM_COMMAND)."""
+    flags: list[str] = []
+    for f in config.options(type(cfg)):
+        value = getattr(cfg, f.name)
+        if f.name in LAUNCH_OPTIONS and value != f.default and value is not None:
+            flags += [config.flag(f.name), str(value)]
+    return flags
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now (the OS picks it), for a single node's rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -5,7 +5,8 @@
 - `default_lr` / `default_weight_decay`: the linear scaling rule the config help states
   (0.1 x batch/256 for SGD, 1e-3 x batch/512 for AdamW; batch = images per optimizer step).
 - `warmup_cosine`: linear warmup then cosine decay, counted in optimizer steps (not epochs), so
-  accumulation and resume land on the same learning rate.
+  accumulation and resume land on the same learning rate; `set_scheduled_lr` puts a resumed run whose
+  schedule changed length (--epochs) on its new one at once.
 - `ModelEma`: an exponential moving average of the weights (like timm's ModelEmaV2) whose decay
   ramps up over the first updates, so short runs are not dominated by the random initialisation.
 """
@@ -125,6 +126,16 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_ste
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def set_scheduled_lr(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """Set each group's learning rate to what `scheduler` gives at its current step: a resume whose schedule
+    changed length (--epochs) trains its next step at the new schedule's rate, not the saved one."""
+    lrs = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas,
+                                                                         strict=True)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() (results.csv's lr) reads
 
 
 class ModelEma:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from dlenv import runfolder
-from dlenv.engine.optim import load_optimizer_state
+from dlenv.engine.optim import load_optimizer_state, set_scheduled_lr
 from dlenv.engine.step import NonFiniteLoss, Parts
 from dlenv.errors import UserError
 from dlenv.files import runstate, weights
@@ -47,6 +47,9 @@ RESUME_FROM_COMMAND = ("device", "workers", "gpus", "nnodes", "node_rank", "mast
 #: command names neither): the run goes on where it was (a CPU run on the CPU, even where no GPU is
 #: visible) at the speed it had
 RESUME_FROM_RUN_UNLESS_GIVEN = ("workers", "device")
+#: Options a resumed run takes from the new command when given: its end (`--epochs N`). The schedule is then
+#: re-planned: the warmup-cosine of an N-epoch run, from the saved step on (`Resume.new_end`, `restore`)
+RESUME_CHANGES = ("epochs",)
 #: of those, the ones whose other value changes the numbers (another device computes in other kernels;
 #: another worker count draws the same augmentation, dlenv.data.sampler.SeededDraws)
 CHANGES_NUMBERS = ("device",)
@@ -201,6 +204,8 @@ class Resume:
     inexact: list[str] = dataclasses.field(default_factory=list)  # given flags that make it differ from the run
     best: dict[str, Any] | None = None  # best_model.pth's content when the saved state is the best one
     limits: list[str] = dataclasses.field(default_factory=list)  # why this resume is not exact (`restore`)
+    new_end: tuple[int, int] | None = None  # (the run's --epochs, the new one) when --epochs changes its end
+    nothing_left: str | None = None  # --epochs N of a run that has trained exactly N epochs: the line that says so
 
     @property
     def run_dir(self) -> Path:
@@ -220,8 +225,30 @@ def open_resume(cfg: TrainConfig) -> tuple[TrainConfig, Resume | None]:
     path = runfolder.find_resume(cfg.resume, cfg.project)
     ckpt = runstate.load_state(path, weights.LoadPolicy.of(cfg))
     modelsource.check_resume(ckpt, cfg.model, f"--resume {path}")  # a model of your own: the import rule
+    asked, saved_epochs = cfg.epochs, _saved_epochs(ckpt)
     cfg, ignored, inexact = resume_config(ckpt, cfg, path)
-    return cfg, Resume(ckpt, path, ignored, inexact)
+    resume = Resume(ckpt, path, ignored, inexact)
+    if saved_epochs is not None and cfg.epochs != saved_epochs:
+        resume.new_end = (saved_epochs, cfg.epochs)
+    if asked is not None and asked == int(ckpt["epoch"]) and not int(ckpt.get("batch_in_epoch") or 0):
+        resume.nothing_left = (f"--epochs {asked}: {path} has trained {asked} epochs already, so there is nothing "
+                               f"to do; give --epochs {asked + 1} or more to train on")
+    return cfg, resume
+
+
+def _saved_epochs(ckpt: dict[str, Any]) -> int | None:
+    saved = ckpt.get("config")
+    epochs = saved.get("epochs") if isinstance(saved, dict) else None
+    return epochs if isinstance(epochs, int) and not isinstance(epochs, bool) else None
+
+
+def check_new_end(epochs: int, ckpt: dict[str, Any], path: Path) -> None:
+    """Refuse `--epochs epochs` on a resume of `ckpt` that has trained past it (UserError, one line)."""
+    done, partial = int(ckpt["epoch"]), bool(int(ckpt.get("batch_in_epoch") or 0))
+    if epochs < done + partial:
+        where = f"is in epoch {done + 1}" if partial else f"has trained {done} epochs"
+        raise UserError(f"--epochs {epochs}: {path} {where}, past that end; give --epochs {done + partial} or "
+                        f"more, or start a new run from its weights with --weights {path}")
 
 
 def resume_config(ckpt: dict[str, Any], given: TrainConfig, path: Path) -> tuple[TrainConfig, list[str], list[str]]:
@@ -233,9 +260,13 @@ def resume_config(ckpt: dict[str, Any], given: TrainConfig, path: Path) -> tuple
     saved = _unsplit(config.from_dict(TrainConfig, ckpt["config"]), ckpt)
     # a value given that differs from both the default and the saved run was asked for, and is ignored
     ignored = [config.flag(f.name) for f in config.options(TrainConfig)
-               if f.name not in (*RESUME_FROM_COMMAND, "resume")
+               if f.name not in (*RESUME_FROM_COMMAND, *RESUME_CHANGES, "resume")
                and getattr(given, f.name) != f.default and getattr(given, f.name) != getattr(saved, f.name)]
     kept = {name: getattr(given, name) for name in RESUME_FROM_COMMAND}
+    kept.update({name: getattr(given, name) for name in RESUME_CHANGES
+                 if getattr(given, name) is not None and getattr(given, name) != getattr(saved, name)})
+    if "epochs" in kept:
+        check_new_end(kept["epochs"], ckpt, path)
     defaults = {f.name: f.default for f in config.options(TrainConfig)}
     inexact = []
     for name in RESUME_FROM_RUN_UNLESS_GIVEN:
@@ -280,6 +311,8 @@ def restore(resume: Resume, parts: Parts, state: TrainState, sampler: Any, rank:
         raise UserError(f"--resume {resume.path}: its optimizer state does not fit this model ({e}); "
                         f"start a new run from its weights with --weights {resume.path}") from None
     parts.scheduler.load_state_dict(ckpt["scheduler"])
+    if resume.new_end is not None:  # the schedule of the new length, at the saved step, from this step on
+        set_scheduled_lr(parts.scheduler)
     parts.precision.load_state_dict(ckpt["scaler"])
     if parts.ema is not None and ckpt.get("ema"):
         parts.ema.load_state_dict(ckpt["ema"])

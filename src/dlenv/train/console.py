@@ -23,11 +23,12 @@ import contextlib
 import errno
 import itertools
 import os
+import shlex
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -124,11 +125,12 @@ class Stop(_Handlers):
     is, for the line the signal gets ("this optimizer step", "this epoch's validation"), which also says
     how to go on from `last` (`way_on`). A context manager: the previous handlers come back at its end."""
 
-    def __init__(self, say: Callable[[str], None], world_size: int = 1, last: Path | None = None):
+    def __init__(self, say: Callable[[str], None], world_size: int = 1, last: Path | None = None,
+                 flags: Sequence[str] = ()):
         self.signum: int | None = None
         self.say, self.world_size = say, world_size
         self.moment = "this optimizer step"
-        self.way_on = way_on(last) if last is not None else ""  # made now: the handler only prints it
+        self.way_on = way_on(last, flags) if last is not None else ""  # made now: the handler only prints it
         self._pid = os.getpid()
         self._old: dict[int, Any] = {}
         self._at = 0.0
@@ -205,35 +207,51 @@ class StartUp(_Handlers):
 
 
 
-def stopped_early_line(signum: int, resume: str | None) -> str:
+def resume_args(last_path: Any, flags: Sequence[str] = ()) -> str:
+    """`--resume PATH` and `flags`, the launch options the run was started with (`--gpus 2`,
+    dlenv.cluster.launch.relaunch_flags): the arguments that resume it as it was launched."""
+    return " ".join([f"--resume {last_path}", *(shlex.quote(f) for f in flags)])
+
+
+def stopped_early_line(signum: int, resume: str | None, flags: Sequence[str] = ()) -> str:
     """What a run stopped before its first step says: nothing was trained, and what to run again."""
     name = signal.Signals(signum).name
     if resume:
         return (f"stopped by {name} while starting, before the first step; the run to resume is as it was. "
-                f"Resume with: {invocation.again('train', f'--resume {resume}')}")
+                f"Resume with: {invocation.again('train', resume_args(resume, flags))}")
     return f"stopped by {name} while starting, before the first step; nothing was trained or saved"
 
 
-def stopped_line(signum: int | None, last_path: Path | None) -> str:
-    """What the run says when a signal stopped it: where it saved, and how to resume."""
+def new_end_line(old: int, new: int, step: int) -> str:
+    """What a resume with --epochs `new` (the run's: `old`) says: its new end and how the schedule follows."""
+    return (f"--epochs {new}: the run now ends after epoch {new} instead of {old}; from optimizer step {step} on, "
+            f"the learning rate is that of a {new}-epoch run's warmup-cosine at the same step (as if it had been "
+            "started with this --epochs); optimizer, scaler, sampler and random states go on as saved")
+
+
+def stopped_line(signum: int | None, last_path: Path | None, flags: Sequence[str] = ()) -> str:
+    """What the run says when a signal stopped it: where it saved, and how to resume (with `flags`, the
+    launch options it was started with)."""
     return (f"stopped by {signal.Signals(signum).name if signum else 'a signal'}; saved {last_path}. "
-            f"Resume with: {invocation.again('train', f'--resume {last_path}')}")  # where it runs: `way_on`, said first
+            f"Resume with: {invocation.again('train', resume_args(last_path, flags))}")  # where: `way_on`, said first
 
 
-def stopping_line(epoch: int, batch_in_epoch: int, batches: int, step: int, last_path: Path | None) -> str:
+def stopping_line(epoch: int, batch_in_epoch: int, batches: int, step: int, last_path: Path | None,
+                  flags: Sequence[str] = ()) -> str:
     """What a stop says before it saves (a kill during the save still leaves it): where the run goes on
     from (`epoch` done, `batch_in_epoch` of `batches` of the next) and how."""
     where = (f"epoch {epoch + 1}, batch {batch_in_epoch + 1} of {batches}" if batch_in_epoch
              else f"the start of epoch {epoch + 1}")
     return (f"stopping after optimizer step {step}; saving {last_path}, which goes on from {where}, "
-            f"with: {way_on(last_path)}")
+            f"with: {way_on(last_path, flags)}")
 
 
-def way_on(last_path: Path | None) -> str:
-    """How to go on from `last_path` where this process runs. Under Slurm (SLURM_JOB_ID), the resubmission
-    scripts/slurm_train.sbatch names (DLENV_SLURM_RESUBMIT) and whether the job requeues itself
-    (DLENV_SLURM_REQUEUE); in dlenv's image under Docker (/.dockerenv), the `docker run` line; else the command."""
-    resume = invocation.again("train", f"--resume {last_path}")
+def way_on(last_path: Path | None, flags: Sequence[str] = ()) -> str:
+    """How to go on from `last_path` where this process runs, launched with `flags` as the run was (`--gpus
+    2`, `resume_args`). Under Slurm (SLURM_JOB_ID), the resubmission scripts/slurm_train.sbatch names
+    (DLENV_SLURM_RESUBMIT) and whether the job requeues itself (DLENV_SLURM_REQUEUE); in dlenv's image under
+    Docker (/.dockerenv), the `docker run` line; else the command."""
+    resume = invocation.again("train", resume_args(last_path, flags))
     if os.environ.get("SLURM_JOB_ID"):
         again = os.environ.get("DLENV_SLURM_RESUBMIT")
         if not again:  # a batch script of the user's own

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from dlenv import compat, errors, runfolder
-from dlenv.cluster import distributed
+from dlenv.cluster import distributed, launch
 from dlenv.data import pipeline
 from dlenv.engine import memory
 from dlenv.engine.step import NonFiniteLoss, Parts
@@ -84,7 +84,8 @@ def fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Data
     # a stop signal during start-up that a library swallowed (errors.stop noted it): honoured here, before the
     # epochs' own handlers take over, not lost
     errors.check_stop()
-    with console.Stop(say, decided.world_size, run.last) as stop:
+    flags = launch.relaunch_flags(decided.config)  # the resume lines name how the run was launched (--gpus 2)
+    with console.Stop(say, decided.world_size, run.last, flags) as stop:
         try:
             while state.epoch < decided.epochs:
                 t_epoch = time.perf_counter()
@@ -100,15 +101,15 @@ def fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Data
                     if run.is_main:
                         # the way on first, before the save: a kill during it still leaves it in the log
                         say(console.stopping_line(state.epoch, state.batch_in_epoch, decided.batches_per_epoch,
-                                                  state.step, run.last))
+                                                  state.step, run.last, flags))
                         trainstate.save_last(parts, state, epochs.data.sampler, run.meta, run.last, rng)
-                    return _stopped(summary, stop.stopped_by, run.last, say)
+                    return _stopped(summary, stop.stopped_by, run.last, say, flags)
                 row = epochs.end(state, stats, t_epoch, stop)
                 summary["compile_s"] = summary["compile_s"] + stats.compile_s
                 summary.update(img_per_s=row["img_per_s"], peak_alloc_gib=row["mem_alloc_gib"],
                                batch_size=row["batch_size"], accum_steps=row["accum_steps"])
                 if stop.requested():
-                    return _stopped(summary, stop.stopped_by, run.last, say)
+                    return _stopped(summary, stop.stopped_by, run.last, say, flags)
         except NonFiniteLoss as e:
             raise UserError(f"training stopped: {e}. {trainstate.last_good(run.last)} Try a lower --lr, --clip-grad "
                             "1.0, or --amp-dtype bf16 instead of fp16", exit_code=EXIT_NONFINITE) from None
@@ -147,8 +148,9 @@ def _close_loaders(data: pipeline.Data) -> None:
             close()
 
 
-def _stopped(summary: dict[str, Any], signum: int | None, last_path: Path | None, say) -> dict[str, Any]:
-    say(console.stopped_line(signum, last_path))
+def _stopped(summary: dict[str, Any], signum: int | None, last_path: Path | None, say,
+             flags: list[str]) -> dict[str, Any]:
+    say(console.stopped_line(signum, last_path, flags))
     summary.update(status="interrupted", exit_code=console.SIGNAL_EXIT.get(signum, 130))
     return summary
 

@@ -64,7 +64,8 @@ def train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None = None)
         with console.StartUp(), _GlobalSettings():  # fit's console.Stop takes the signals for the loop
             summary = _train(cfg, on_step)
     except Stopped as e:  # nothing trained yet: one line, and a resumed run's files untouched
-        console.printer(os.environ.get("RANK", "0") == "0")(console.stopped_early_line(e.signum, cfg.resume))
+        console.printer(os.environ.get("RANK", "0") == "0")(console.stopped_early_line(e.signum, cfg.resume,
+                                                                                     launch.relaunch_flags(cfg)))
         return {"run_dir": None, "status": "interrupted", "exit_code": console.SIGNAL_EXIT[e.signum]}
     except (UserError, RuntimeError, MemoryError) as e:
         # The run is over; what the caller keeps is its one line. A notebook keeps the last exception
