@@ -164,3 +164,78 @@ def test_a_peer_error_is_not_confused_with_the_host_out_of_memory():
 
     assert not distributed.is_peer_error(RuntimeError(ALLOC_2X))  # both say "[enforce fail at"
     assert distributed.is_peer_error(RuntimeError("[enforce fail at ProcessGroupGloo.cpp:1] Connection closed by peer"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# While decoding: memory exhausted is the machine, never a bad image (issue 52 item 5). Every skipper of
+# unreadable images asks badimages.bad_image_reason, which raises it again.
+
+DECODE_OOMS = _some("torch-2.x", "in-a-worker", "MemoryError", "numpy")
+
+
+@pytest.mark.parametrize("bad_images", ["skip", "error"])
+@pytest.mark.parametrize(("make", "what"), [c[1:] for c in DECODE_OOMS], ids=[c[0] for c in DECODE_OOMS])
+def test_a_decode_that_runs_out_of_memory_is_not_a_bad_image(make, what, bad_images):
+    from dlenv.data import badimages
+
+    exc = make()
+
+    def load(i):
+        raise exc
+
+    known = badimages.KnownBad()
+    with pytest.raises(type(exc)) as got:
+        badimages.first_readable(0, [("a.jpg", 0), ("b.jpg", 1)], load, known, bad_images)
+    assert got.value is exc and not known  # raised as it was, and no file was marked bad
+    assert host_memory_short(got.value) == what
+
+
+@pytest.mark.parametrize("exc", [OSError("image file is truncated"), ValueError("bad marker"),
+                                 RuntimeError("size mismatch"), OSError(errno.ENOMEM, "x")])
+def test_a_decoder_error_is_still_a_bad_image(exc):
+    from dlenv.data import badimages
+
+    def load(i):
+        raise exc
+
+    with pytest.raises(badimages.BadImageError, match="no other image in the dataset decodes"):
+        badimages.first_readable(0, [("a.jpg", 0), ("b.jpg", 1)], load, badimages.KnownBad(), "skip")
+
+
+def _pil_out_of_memory(monkeypatch, make):
+    def no_memory(*a, **k):
+        raise make()
+    monkeypatch.setattr("PIL.Image.open", no_memory)
+
+
+@pytest.mark.parametrize(("make", "what"), [c[1:] for c in DECODE_OOMS], ids=[c[0] for c in DECODE_OOMS])
+def test_data_report_check_says_out_of_memory_not_cannot_decode(tmp_path, monkeypatch, make, what):
+    from imagedata import make_image_folder
+
+    from dlenv.data import report
+
+    make_image_folder(tmp_path, classes=("cat",), per_class=1)
+    path = next(tmp_path.rglob("*.png"), None) or next(p for p in tmp_path.rglob("*") if p.is_file())
+    _pil_out_of_memory(monkeypatch, make)
+    with pytest.raises(Exception) as got:  # noqa: PT011 (each kind of its own type)
+        report.decode_problem(str(path))
+    assert host_memory_short(got.value) == what
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+@pytest.mark.parametrize(("make", "what"), [c[1:] for c in _some("MemoryError", "torch-2.x")],
+                         ids=["MemoryError", "torch-2.x"])
+def test_val_out_of_memory_while_decoding_is_exit_3(tmp_path, monkeypatch, capsys, make, what, workers):
+    pytest.importorskip("torch")
+    from imagedata import make_image_folder
+    from test_evaluate import _dlenv_ckpt
+
+    make_image_folder(tmp_path / "ds", classes=("cat", "dog", "fox"), per_class=2, size=(20, 20))
+    weights = _dlenv_ckpt(tmp_path / "runs" / "exp" / "best_model.pth")
+    _pil_out_of_memory(monkeypatch, make)  # workers fork: they inherit it
+    code = cli.main(["val", "--weights", str(weights), "--data", str(tmp_path / "ds"), "--workers", workers,
+                     "--batch-size", "4", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == EXIT_OOM, err
+    assert err.count("\n") == 1 and "Traceback" not in err and "could not be decoded" not in err, err
+    assert err.startswith(f"dlenv val: error: out of host memory (RAM): {what} at batch size 4"), err

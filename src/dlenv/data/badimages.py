@@ -12,7 +12,8 @@ line for all of them (`skipped_line`). Every source records its skipped files th
 
 A stop signal is never a bad image: it is a BaseException (dlenv.errors.Stopped) that the skippers'
 `except Exception` do not take, and one a decoder turned into an error of its own is raised again by
-`bad_image_reason`, which every skipper asks.
+`bad_image_reason`, which every skipper asks. Nor is the host out of memory: `bad_image_reason` raises it
+again, so a full RAM ends the command as out of memory, never as a dataset of which no image decodes.
 
 No torch here.
 """
@@ -23,7 +24,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dlenv.errors import UserError, check_stop, printable
+from dlenv.errors import UserError, check_stop, host_memory_short, printable
 
 log = logging.getLogger("dlenv.data")
 
@@ -46,8 +47,12 @@ def bad_image_reason(e: BaseException) -> str:
     one log line and the BadImageError each bad file gets, on every path alike. Pillow's "cannot identify
     image file <_io.BufferedReader name=...>" names a Python object, not the file's problem: said plainly.
     Raises errors.Stopped instead after a stop signal: `e` may be the stop, which a decoder turned into an
-    error of its own, and the file is then not known to be bad."""
+    error of its own, and the file is then not known to be bad. Raises `e` itself when it is the host out of
+    memory (a MemoryError, PyTorch's CPU allocator refusing): the machine failed, not the file, and the CLI
+    says so (exit 3) instead of "could not be decoded"."""
     check_stop()
+    if host_memory_short(e):
+        raise e
     if type(e).__name__ == "UnidentifiedImageError":
         return "not an image format Pillow can read (another kind of file, or its start is damaged)"
     return " ".join(str(e).split()) or type(e).__name__

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dlenv.data.folder import _scan, similar_classes, special_line
-from dlenv.errors import UserError, printable
+from dlenv.errors import UserError, host_memory_short, printable
 from dlenv.files.safeio import IMAGE_FILE, open_regular
 from dlenv.options.cpus import usable_cpus
 
@@ -78,6 +78,8 @@ def decode_problem(path: str) -> str | None:
     except UserError as e:  # not a regular file, or too big to be an image
         return str(e)
     except Exception as e:  # any decoder failure means the trainer could not use this file
+        if host_memory_short(e):  # the machine's memory, not the file: the CLI's out-of-memory line
+            raise
         msg = " ".join(str(e).split()) or type(e).__name__
         with contextlib.suppress(OSError):
             if os.path.getsize(path) == 0:
