@@ -78,7 +78,11 @@ def image_paths(base: Path | None) -> list[str]:
 
 def _top_modules(dist: metadata.Distribution) -> set[str]:
     """The top-level modules a distribution installs that are real modules or regular packages (a namespace
-    folder, `nvidia/` of the CUDA wheels for instance, is shared by design and shadows nothing)."""
+    folder, `nvidia/` of the CUDA wheels for instance, is shared by design and shadows nothing): from its
+    top_level.txt where it has one (short), else from its RECORD."""
+    listed = (dist.read_text("top_level.txt") or "").split()
+    if listed:
+        return {n for n in listed if n.isidentifier() and _is_module(dist, n)}
     names = set()
     for f in dist.files or ():
         parts = f.parts
@@ -91,6 +95,13 @@ def _top_modules(dist: metadata.Distribution) -> set[str]:
         elif len(parts) == 2 and _module_stem(parts[1]) == "__init__" and parts[0].isidentifier():
             names.add(parts[0])
     return names
+
+
+def _is_module(dist: metadata.Distribution, name: str) -> bool:
+    """Whether top-level `name` of an installed `dist` is a regular package or a module file."""
+    suffixes = machinery.all_suffixes()
+    return any(Path(str(dist.locate_file(f"{name}/__init__{x}"))).is_file() or
+               Path(str(dist.locate_file(f"{name}{x}"))).is_file() for x in suffixes)
 
 
 def _module_stem(filename: str) -> str | None:
@@ -116,14 +127,18 @@ def _exact_pins(dist: metadata.Distribution) -> list[str]:
 
 def protected_stack(paths: list[str] | None = None) -> Stack:
     """The installed stack as found on `paths` (default sys.path), read from its distributions' metadata."""
+    paths = paths if paths is not None else sys.path
     found: dict[str, metadata.Distribution] = {}
-    for dist in metadata.distributions(path=paths if paths is not None else sys.path):
-        name = canonicalize_name(dist.metadata["Name"] or "")
-        if name:
-            found.setdefault(name, dist)  # the first on the path is the one imported
-    wanted = [n for n in PROTECTED if n in found]
+
+    def look(name: str) -> bool:  # by its folder's name, the first on the path (the one imported)
+        dist = next(iter(metadata.distributions(name=name, path=paths)), None)
+        if dist is not None:
+            found[name] = dist
+        return dist is not None
+
+    wanted = [n for n in PROTECTED if look(n)]
     if "torch" in found:
-        wanted += [n for n in _exact_pins(found["torch"]) if n in found and n not in wanted]
+        wanted += [n for n in _exact_pins(found["torch"]) if n not in wanted and look(n)]
     versions = {n: found[n].version for n in wanted}
     modules = frozenset(m for n in wanted for m in _top_modules(found[n]))
     return Stack(versions, modules)
