@@ -454,3 +454,50 @@ def test_mnists_one_channel_net_is_measured_with_channels_1(tmp_path, monkeypatc
     assert [r["status"] for r in rows] == ["ok"] * 4 + ["skipped"]
     md = (tmp_path / "out" / "memory.md").read_text()
     assert "28 px, 1 channel(s)" in md and "10 classes of the model's own head" in md
+
+
+_DEFAULTS = '''
+from torch import nn
+
+
+class MobileNetV2(nn.Module):  # kuangliu's signature: its own default of 10 classes
+    def __init__(self, num_classes=10):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.linear = nn.Linear(4, num_classes)
+
+    def forward(self, x):
+        return self.linear(self.conv(x).mean((2, 3)))
+
+
+def fixed():  # builds its head itself
+    return MobileNetV2(7)
+
+
+def required(num_classes):  # no default: the count must come from somewhere
+    return MobileNetV2(num_classes)
+
+
+def guessed(n_out=5):  # no class-count name: the first int parameter takes it, and its default stands
+    return MobileNetV2(n_out)
+'''
+
+
+@pytest.mark.parametrize("factory,asked,classes", [
+    ("MobileNetV2", None, 10),  # was built with 1000 (3.57 M parameters for kuangliu's, not 2.30 M)
+    ("MobileNetV2", 4, 4),      # --num-classes 4
+    ("fixed", None, 7),
+    ("required", None, bench.NUM_CLASSES),
+    ("guessed", None, 5),
+])
+def test_a_factory_is_measured_with_its_own_default_class_count(tmp_path, monkeypatch, factory, asked, classes):
+    """bench-memory without --num-classes builds a model of your own as its factory builds it by default
+    (issue 53 item 9); --num-classes N asks for N."""
+    from usermodels import isolated_imports, write
+
+    write(tmp_path, "models/nets.py", _DEFAULTS)
+    monkeypatch.chdir(tmp_path)
+    spec = {"model": f"models/nets.py:{factory}", "img_size": 16, "num_classes": asked}
+    with isolated_imports(tmp_path):
+        model = memory_worker._build(spec)
+    assert spec["num_classes"] == classes and model.linear.out_features == classes

@@ -20,8 +20,9 @@ fragmentation = 1 - peak allocated / peak reserved, measured rather than repeate
 Output in --out: memory.md (the tables), memory.csv, allocator.csv and memory.png. On a machine
 without a GPU it still runs (speed and loss only; the memory columns say NA).
 
-The user's model is measured as it is: with --num-classes auto its own head's width is the class count
-(a named model gets 1000, an ImageNet-sized head). A configuration that fails is one line in the table
+The user's model is measured as it is: with --num-classes auto its factory is called with its own default
+class count (kuangliu's `MobileNetV2(num_classes=10)`: 10; 1000 where it has none) and its own head's width is
+the class count (a named model gets 1000, an ImageNet-sized head). A configuration that fails is one line in the table
 and on the console; the workers' own output (each step, any traceback) streams unbuffered into
 workers.log in --out as it happens. Each worker runs in a process group of its own: Ctrl-C (or SIGTERM)
 reaches this process alone, which stops the running worker's whole group at once and still writes the

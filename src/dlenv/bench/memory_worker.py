@@ -10,7 +10,8 @@ out-of-memory is a result ("oom"), not a crash; a UserError goes back to the par
 exception is one line for the table ("error", naming the line of the user's model file), its traceback on
 stderr, which the parent keeps in the output folder's log.
 
-The model is measured as it is: a spec without num_classes (bench-memory's auto) takes the class count
+The model is measured as it is: a spec without num_classes (bench-memory's auto) builds a factory of your
+own with its own default class count (`usermodel.default_classes`; 1000 where it has none) and takes the class count
 from the model's own output (one forward of two images, `dlenv.model.usermodel.output_classes`), so a factory
 that fixes its head (kuangliu's `ResNet18()`: 10 classes) trains on targets in its range.
 """
@@ -54,7 +55,10 @@ def _build(spec: dict[str, Any]) -> Any:
     if asked is None:  # the factory's own note ("its output must already have N classes") does not apply
         logging.getLogger(usermodel.__name__).setLevel(logging.ERROR)
     torch.manual_seed(spec.get("seed", SEED))
-    model = build_model(spec["model"], asked or NUM_CLASSES)
+    # none asked: a factory of your own builds its own default (MobileNetV2(num_classes=10)), not ImageNet's
+    own_default = usermodel.default_classes(spec["model"]) if asked is None and usermodel.is_reference(
+        spec["model"]) else None
+    model = build_model(spec["model"], asked or own_default or NUM_CLASSES)
     own = usermodel.output_classes(model, spec["model"], spec["img_size"], _channels(spec))
     if asked is not None and own != asked:
         raise UserError(f"--model {spec['model']} gives {own} classes, not --num-classes {asked}; leave "

@@ -300,6 +300,19 @@ def _class_call(factory: Any, name: str, num_classes: int, kwargs: dict[str, Any
         f"none of {accepted}); its output must already have {num_classes} classes"))
 
 
+def default_classes(name: str, model_args: dict[str, Any] | None = None) -> int | None:
+    """The class count a factory builds when given none: the int default of the parameter `_class_call`
+    puts the count into (kuangliu's `MobileNetV2(num_classes=10)`: 10); None where that parameter has no
+    default, the count goes into **kwargs, or nowhere (the model's own output says then)."""
+    factory = load(parse_reference(name)).factory
+    sig = _signature(factory)
+    how = _class_call(factory, name, 0, dict(model_args or {}))
+    if sig is None or how.into not in sig.parameters:
+        return None
+    default = sig.parameters[how.into].default
+    return default if isinstance(default, int) and not isinstance(default, bool) and default >= 1 else None
+
+
 def build(name: str, num_classes: int, /, **kwargs: Any) -> Any:
     """The model of the reference `name`: its factory called the way its author wrote it (`_class_call`:
     the class count by keyword where the signature names it), checked to be an nn.Module. When dlenv had

@@ -20,7 +20,8 @@ class BenchMemoryConfig:
     img_size: int = opt(224, "image size", min=16, max=IMG_SIZE_MAX, why=IMG_WHY)
     channels: int = image_channels()
     num_classes: int | None = opt(None, "classes of head and targets: auto (your model's own output width, by one "
-                                        "forward; a named model gets 1000) or N", parse=auto_int, min=1)
+                                        "forward, built with its factory's own default class count; a named model "
+                                        "gets 1000) or N", parse=auto_int, min=1)
     steps: int = opt(10, "training steps measured per configuration", min=2)
     warmup: int = opt(3, "untimed steps before the timed ones (cuDNN autotuning, allocator warm-up)", min=0)
     channels_last: bool = opt(True, "also measure channels_last variants of convolutional models")
