@@ -333,3 +333,23 @@ def test_an_unreadable_config_yaml_is_one_note_and_the_run_is_still_plotted(tmp_
     notes = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("note:")]
     assert len(notes) == 1 and "config.yaml" in notes[0] and "plotted without its data and model" in notes[0]
     assert len(plots.plot_log_dir(tmp_path / "runs")) == 3
+
+
+@pytest.mark.parametrize("names", [
+    ["c$\\frac$", "exp"],
+    ["$$", "$LR $BS"],
+    ["^_{x}", "\\frac{1}{2}", "\u202egnp.exe", "a" * 200],
+], ids=["frac", "dollars", "math-rtl-long"])
+def test_run_folders_with_math_in_their_names_plot_as_text(tmp_path, capsys, names):
+    runs = tmp_path / "runs"
+    for i, name in enumerate(names):
+        _make_run(runs / name, epochs=2 + i)
+    assert cli_main(["plot", "--log-dir", str(runs)]) == 0
+    for name in names:
+        _png_size(runs / name / "results.png")
+    _png_size(runs / "compare.png")
+    frames = {name: read_results(runs / name / "results.csv") for name in names}
+    fig = plots.plot_compare(frames)
+    texts = _axis(fig, "Validation top-1").get_legend().get_texts()
+    assert sorted(t.get_text() for t in texts) == sorted(plots.cut(n) for n in names)
+    assert not any(t.get_parse_math() or t.get_usetex() for t in texts)  # each name as its characters, not math

@@ -124,6 +124,15 @@ def run_label(run: Path, log_dir: Path) -> str:
     return rel.as_posix() if rel else run.resolve().name
 
 
+def cut(text: str, limit: int = 60) -> str:
+    """`text` cut in the middle to `limit` characters, so a 200-character run name leaves the figure room
+    for its panels and names that share a prefix stay apart."""
+    if len(text) <= limit:
+        return text
+    head = (limit - 1) // 2
+    return text[:head] + "…" + text[-(limit - 1 - head):]
+
+
 def _series(df: Any, column: str):
     """(epochs, values) of one column with its missing values dropped; %-scaled where shown in %."""
     if column not in df.columns:
@@ -163,7 +172,7 @@ def plot_run(df: Any, title: str):
     last = int(df["epoch"].max()) if n else 0
     first = int(df["epoch"].min()) if n else 0
     span = f"epoch {last}" if first == last else f"epochs {first}-{last}"
-    fig.suptitle(f"{title}: {span} ({n} row{'s' if n != 1 else ''} in results.csv)", fontsize=14)
+    fig.suptitle(f"{cut(title, 100)}: {span} ({n} row{'s' if n != 1 else ''} in results.csv)", fontsize=14)
     marker = "o" if n <= 30 else None
     for ax, (panel, ylabel, cols) in zip(axes, PANELS, strict=True):
         ax.set_title(panel)
@@ -213,7 +222,7 @@ def plot_compare(runs: dict[str, Any], about: dict[str, str | None] | None = Non
     CPU run there is no memory panel at all (the title says so), only top-1.
     """
     about = about or {}
-    named = {k: f"{k}: {about[k]}" if about.get(k) else k for k in sorted(runs, key=natural_key)}
+    named = {k: cut(f"{k}: {about[k]}" if about.get(k) else k) for k in sorted(runs, key=natural_key)}
     colors = dict(zip(named.values(), run_colors(len(named)), strict=True))
     shared = {about.get(k) for k in named}
     common = f": {shared.pop()}" if len(shared) == 1 and None not in shared else ""
