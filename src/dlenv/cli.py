@@ -44,7 +44,7 @@ from dlenv.errors import (
     stop,
     stop_received,
 )
-from dlenv.options import helptext
+from dlenv.options import helptext, typos
 
 
 def _add_options(parser: argparse.ArgumentParser, cls: type, command: str) -> None:
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dlenv", allow_abbrev=False, description="GPU training environment for image "
                                      "classifiers. Each verb is also an invoke task: invoke VERB ...")
     parser.add_argument("--version", action="version", version=f"dlenv {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="VERB")
+    sub = parser.add_subparsers(dest="command", metavar="VERB", parser_class=_VerbParser)
     for cmd in config.COMMANDS.values():
         # the raw formatter keeps the examples' lines as written; option help is still wrapped
         # a grouped command's usage would repeat its ~60 flags in 35 lines before the groups list them
@@ -105,6 +105,40 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--gpu", action="store_true", help="only the GPU tests")
     t.add_argument("--full", action="store_true", help=FULL_HELP)
     return parser
+
+
+class _VerbParser(argparse.ArgumentParser):
+    """A verb's parser: a flag it cannot read (`--epochs` with no value, ...) is one line and the usage of
+    the command as typed (`python train.py`, `dlenv train`), exit 2."""
+
+    def error(self, message: str) -> Any:
+        usage_error(self.prog.split()[-1], message)
+
+
+def usage_error(verb: str, line: str) -> Any:
+    """Print `line` and the usage of `verb` as the user started dlenv (dlenv.invocation); exit 2."""
+    print(usage_text(verb, line, invocation.again(verb, "").strip()), file=sys.stderr)
+    raise SystemExit(EXIT_INPUT)
+
+
+def usage_text(verb: str, line: str, typed: str) -> str:
+    """'dlenv VERB: error: LINE' and the usage of the command `typed` (python train.py, invoke train, ...)."""
+    return f"dlenv {verb}: error: {printable(line)}\nusage: {typed} [options]; {typed} --help lists them"
+
+
+def flags_of(verb: str) -> list[str]:
+    """The flags `verb` takes, as _add_options declares them (for the closest to a typo)."""
+    from dlenv.options import config  # lazy: as in _add_options
+
+    if verb == "test":
+        return ["--gpu", "--full", "--help"]
+    out = ["--help", "--cfg"]
+    for f in config.options(config.COMMANDS[verb].config):
+        if not f.metadata["positional"]:
+            out.append(config.flag(f.name))
+            if f.metadata.get("bare") or isinstance(f.default, bool):
+                out.append("--no-" + config.flag(f.name)[2:])
+    return out
 
 
 TEST_HELP = ("Run the quick tests (not those marked slow; minutes on 2 CPU cores) with a progress line and "
@@ -249,9 +283,26 @@ def _watched(argv: list[str]) -> tuple[list[str], list[str] | None]:
     return argv[:i], argv[i + 1:]
 
 
+def _verb(own: list[str]) -> str | None:
+    """The verb of `own` (its first word that is no flag); a word that is none is one line with the closest
+    verb, exit 2."""
+    from dlenv.options import config  # lazy: as in _add_options
+
+    word = next((w for w in own if not w.startswith("-")), None)
+    if word is None or word in config.COMMANDS or word == "test":
+        return word
+    near = typos.word_hint(word, [*config.COMMANDS, "test"])
+    print(f"dlenv: error: {printable(word)!r} is not a verb{near}\nusage: dlenv VERB [options]; dlenv --help lists "
+          "the verbs", file=sys.stderr)
+    raise SystemExit(EXIT_INPUT)
+
+
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     own, watched = _watched(sys.argv[1:] if argv is None else list(argv))
+    verb = _verb(own)
+    if verb is not None and verb != "test":  # for "Resume with: ..." hints and the usage of a flag's error
+        invocation.remember(verb, script_picks_verb=argv is not None)
     parsed, extra = parser.parse_known_args(own)
     args = vars(parsed)
     name = args.pop("command")
@@ -260,12 +311,12 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_INPUT
     if name == "test":  # not a config-built verb: the rest of the line is pytest's
         return run_tests(args["gpu"], extra, args["full"])
-    if extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # `--epoch 1`: did you mean --epochs?
+        first = next((w for w in extra if w.startswith("-")), "")
+        usage_error(name, f"unrecognized arguments: {' '.join(extra)}{typos.flag_hint(name, first, flags_of(name))}")
     yaml_file = args.pop("cfg", None)
     if watched is not None:
         args["run"] = watched
-    invocation.remember(name, script_picks_verb=argv is not None)  # for "Resume with: ..." hints
     return run_command(name, args, yaml_file)
 
 

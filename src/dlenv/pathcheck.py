@@ -8,7 +8,11 @@ it raises UserError for an input that is not there (--data, --weights, --source,
 --model FILE.py, --cfg, ...), for an output under a regular file (--out, --project), and for `train` without
 --data in a workspace of several datasets (dlenv.data.demo.default_data). It returns the config with a bare
 `--weights best_model.pth` resolved to the newest run's file (dlenv.runfolder.find_weights) and prints the
-line that says which. What a file holds is judged later, by the command that reads it. No torch here.
+line that says which. A near miss names what was meant: `--weights best_modle.pth` the newest run's
+best_model.pth (before a file of the folder that is less near), `--data ./dataset/val` (a path from another
+tutorial) the dataset under data/ that holds val/ (--data takes the dataset root), `--model resnet-18` resnet18
+(dlenv.model.modelnames, torchvision's names read without torch). What a file holds is judged later, by the
+command that reads it. No torch here.
 """
 
 from __future__ import annotations
@@ -16,11 +20,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import glob
+import itertools
 import os
 from pathlib import Path
 from typing import Any
 
 from dlenv.errors import UserError, printable
+from dlenv.model import modelnames
+from dlenv.options import typos
 
 #: command -> the options that name an input that must exist (a file or a folder)
 INPUTS: dict[str, tuple[str, ...]] = {
@@ -61,9 +68,11 @@ def check(command: str, cfg: Any, say: Any = print) -> Any:
     """`cfg` with its path options checked (see the module doc); the same object when nothing was resolved.
 
     Raises UserError naming the option, the path and, where a near name exists, the one that was meant."""
+    modelnames.check_early(getattr(cfg, "model", None))  # `--model resnet-18`: did you mean resnet18?
     if command in RUN_FILES and getattr(cfg, "weights", None):
         from dlenv.runfolder import find_weights
 
+        _run_file_typo(cfg.weights)
         path, line = find_weights(cfg.weights)
         if line:
             say(line)
@@ -72,6 +81,8 @@ def check(command: str, cfg: Any, say: Any = print) -> Any:
         value = getattr(cfg, name, None)
         if value is None or not _checked(command, name, str(value)):
             continue
+        if name == "data":
+            _split_for_root(str(value))
         must_exist(_flag(name), str(value), FIXES.get(name), what=WHAT.get(name, "no such file or folder"))
     model = getattr(cfg, "model", None)
     if isinstance(model, str) and ":" in model and model.rpartition(":")[0].endswith(".py"):
@@ -86,6 +97,52 @@ def check(command: str, cfg: Any, say: Any = print) -> Any:
 
         default_data(cfg.data, cfg.synthetic)
     return cfg
+
+
+def _run_file_typo(weights: str) -> None:
+    """Raise UserError for a bare name close to a run file's (`best_modle.pth`) that is no file here, naming the
+    newest run's file (dlenv.runfolder.find_weights), before any other file of the folder."""
+    from dlenv.runfolder import BEST, LAST, find_weights
+
+    path = Path(weights)
+    if os.path.lexists(path) or path.parent != Path(".") or path.name in (BEST, LAST):
+        return
+    near = typos.closest(path.name, (BEST, LAST))
+    here = did_you_mean(weights)
+    if near is None or (here and typos.likeness(path.name, here) > typos.likeness(path.name, near)):
+        return  # a file of the folder is nearer (`my_modle.pth`): must_exist names it
+    try:
+        found, _ = find_weights(near)
+    except UserError:  # no run has it: the folder's own near names answer (must_exist)
+        return
+    raise UserError(f"--weights {printable(weights)}: not found; did you mean {near}? (the newest run's is "
+                    f"{printable(str(found))})")
+
+
+#: the folders a dataset root holds, which a path from another tutorial often ends in (`./dataset/val`)
+SPLITS = ("train", "val", "valid", "validation", "test")
+#: where datasets are unpacked (dlenv.data.unpack), and how many of its entries are looked at
+DATA_ROOT, _MOST_DATASETS = "data", 1000
+
+
+def _split_for_root(value: str) -> None:
+    """Raise UserError for a missing --data that ends in a split (`./dataset/val`), with no near path of its own,
+    when a dataset under data/ has that split: --data takes the dataset root."""
+    path = Path(value)
+    if os.path.lexists(path) or path.name.lower() not in SPLITS or did_you_mean(value):
+        return  # there, or a near miss of its own (`dta/digts/train`) that must_exist names
+    try:
+        with os.scandir(DATA_ROOT) as it:
+            roots = sorted(e.name for e in itertools.islice(it, _MOST_DATASETS) if not e.name.startswith("."))
+    except OSError:
+        return
+    have = [r for r in roots if os.path.isdir(os.path.join(DATA_ROOT, r, path.name))]
+    if not have:
+        return
+    named = [f"{DATA_ROOT}/{printable(r)}" for r in have[:3]] + (["..."] if len(have) > 3 else [])
+    there = f"{named[0]}/{path.name} is there" if len(have) == 1 else f"each holds {path.name}/"
+    raise UserError(f"--data {printable(value)}: no such folder; did you mean {' or '.join(named)}? (--data takes "
+                    f"the dataset root, the folder that holds train/ and val/; {there})")
 
 
 def _checked(command: str, name: str, value: str) -> bool:

@@ -10,14 +10,17 @@ project's own tasks run with `invoke -r . TASK`. Every task is one call into
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any
 
 from invoke import Argument, Collection, Task, task
-from invoke.exceptions import Exit
+from invoke.exceptions import Exit, ParseError
+from invoke.parser.parser import ParseMachine
 
 from dlenv import invocation
-from dlenv.cli import FULL_HELP, run_command, run_tests
-from dlenv.options import config
+from dlenv.cli import FULL_HELP, flags_of, run_command, run_tests, usage_text
+from dlenv.errors import EXIT_INPUT, printable
+from dlenv.options import config, typos
 
 
 class NotGiven:
@@ -105,3 +108,43 @@ def test(c, gpu=False, full=False, args=""):
 
 
 ns = Collection(test, *(_make_task(c) for c in config.COMMANDS.values()))
+
+
+class _Typo(ParseError, Exit):
+    """A word invoke's parser does not know in a dlenv task's line, with the closest flag or verb: printed
+    once (as a ParseError; no Exit message) and exit 2, as `dlenv VERB` (an Exit's code)."""
+
+    def __init__(self, msg: str, context: Any):
+        ParseError.__init__(self, msg, context)
+        Exit.__init__(self, None, EXIT_INPUT)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+_UNKNOWN = re.compile(r"No idea what '(.*)' is!\Z", re.S)
+
+
+def _suggesting(error: Any) -> Any:
+    """invoke's ParseMachine.error, answering `invoke train --epoch 1` and `invoke trian` as `dlenv` does: the
+    closest flag or verb (dlenv.options.typos) and the usage of the command as typed. invoke has no hook for
+    its parser's message; any other error is its own."""
+    def wrapped(self: ParseMachine, msg: str) -> None:
+        unknown = _UNKNOWN.match(str(msg))
+        name = getattr(self.context, "name", None)
+        if unknown and name in ns.task_names and unknown.group(1).startswith("-"):
+            token = unknown.group(1)
+            line = f"unrecognized arguments: {token}{typos.flag_hint(name, token, flags_of(name))}"
+            raise _Typo(usage_text(name, line, f"invoke {name}"), self.context)
+        if unknown and not name and not unknown.group(1).startswith("-"):
+            near = typos.word_hint(unknown.group(1), ns.task_names)
+            raise _Typo(f"invoke: error: {printable(unknown.group(1))!r} is not a verb{near}\nusage: invoke VERB "
+                        "[options]; invoke --list lists the verbs", self.context)
+        error(self, msg)
+
+    wrapped.dlenv_typos = True
+    return wrapped
+
+
+if not getattr(ParseMachine.error, "dlenv_typos", False):
+    ParseMachine.error = _suggesting(ParseMachine.error)

@@ -11,7 +11,6 @@ checkpointing is dlenv.model.checkpointing's.
 
 from __future__ import annotations
 
-import difflib
 import re
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from torch import nn
 from dlenv.errors import UserError
 from dlenv.files import runstate
 from dlenv.files.weights import SAFE, LoadPolicy, is_bare_state_dict, is_run_state
-from dlenv.model import grayscale, modelsource, pretrained, shrink, smallcnn, statedict, tvargs, usermodel
+from dlenv.model import grayscale, modelnames, modelsource, pretrained, shrink, smallcnn, statedict, tvargs, usermodel
 
 # Families whose auxiliary classifiers are switched off: the trainer expects one logits tensor.
 AUX_HEADS = {"googlenet": ("aux1.", "aux2."), "inception_v3": ("AuxLogits.",)}
@@ -44,18 +43,7 @@ def list_model_names() -> list[str]:
 def _check_name(name: str) -> None:
     if pretrained.is_timm(name):
         return  # timm answers for its own names (pretrained.timm_model)
-    names = list_model_names()
-    if name in names:
-        return
-    base = re.split(r"[._-]?(pretrained|weights)", name, flags=re.I)[0].lower()
-    if base != name.lower() or "_Weights" in name:
-        arch = next((n for n in names if n.replace("_", "") == base.replace("_", "")), "resnet50")
-        raise UserError(f"--model {name!r} asks for pretrained weights; use --model {arch} --pretrained "
-                        "(downloaded once into .cache/, see docs/training.md)")
-    close = difflib.get_close_matches(name.lower(), names, n=4, cutoff=0.5)
-    hint = (f"did you mean {', '.join(close)}?" if close else "list the names with: python -c "
-            "\"from dlenv.model.models import list_model_names; print(list_model_names())\"")
-    raise UserError(f"--model {name!r} is not a torchvision classification model; {hint}")
+    modelnames.check_name(name, list_model_names())  # the CLI asked the same before torch loaded
 
 
 def build_model(name: str, /, num_classes: int, weights: str | Path | None = None,

@@ -49,6 +49,7 @@ from dlenv.options.values import (
     int_list,
     model_args_text,
     on_off_auto,
+    open_fraction,
     parse_bool,
     parse_float,
     parse_int,
@@ -322,7 +323,7 @@ class PruneConfig:
     model: str | None = opt(None, "the run file's FILE.py:factory again, to trust one outside the working "
                                   "folder", parse=_str)
     amount: float = opt(0.3, "share of the weights to remove, in (0, 1): those of smallest magnitude "
-                             "(global L1 pruning)")
+                             "(global L1 pruning)", parse=open_fraction)
     structured: bool = opt(False, "remove whole channels of smallest L1 norm (smaller and faster) instead of "
                                   "zeroing single weights")
     data: str | None = opt(None, "validation data for top-1 before and after; default: the run file's",

@@ -16,6 +16,7 @@ from typing import Any
 
 from dlenv.errors import UserError
 from dlenv.options.cpus import usable_cpus
+from dlenv.options.typos import word_hint
 from dlenv.options.values import parse_bool, parse_float, parse_int, parse_str
 
 _PARSERS: dict[type, Callable[[Any], Any]] = {bool: parse_bool, int: parse_int, float: parse_float, str: parse_str}
@@ -62,7 +63,8 @@ def parse_option(f: Any, value: Any, here: bool = True) -> Any:
     except (TypeError, ValueError) as e:
         raise UserError(f"{flag(f.name)} {value!r}: {e}; see --help") from None
     if md["choices"] and v not in md["choices"]:
-        raise UserError(f"{flag(f.name)} {value!r} is not one of: {', '.join(md['choices'])}")
+        near = word_hint(str(v), md["choices"])  # `--format onx`: did you mean onnx?
+        raise UserError(f"{flag(f.name)} {value!r} is not one of: {', '.join(md['choices'])}{near}")
     numbers = list(v) if isinstance(v, tuple) else [v]  # a list's bounds hold for each of its numbers
     for x in numbers:
         if not isinstance(x, (int, float)) or isinstance(x, bool):

@@ -99,6 +99,16 @@ def on_off_auto(v: Any) -> str:
     return _auto_or(v, lambda x: "on" if parse_bool(x) else "off", lambda x: True, "expected auto, on or off")
 
 
+def open_fraction(v: Any) -> float:
+    """A share strictly between 0 and 1 (prune's --amount); a percentage (30) is told its fraction."""
+    f = parse_float(v)
+    if 0.0 < f < 1.0:
+        return f
+    if 1.0 < f < 100.0:
+        raise ValueError(f"{f:g} is outside (0, 1); as a share, {f:g}% is {f / 100:g}")
+    raise ValueError(f"{f:g} is outside (0, 1): a share, e.g. 0.3")
+
+
 def ratio_or_auto(v: Any) -> float | str:
     """A fraction in [0, 1], or the word 'auto'."""
     return _auto_or(v, parse_float, lambda f: 0.0 <= f <= 1.0, "expected 'auto' or a fraction between 0 and 1")
