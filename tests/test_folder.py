@@ -197,3 +197,101 @@ def test_two_folders_of_one_name_in_two_forms_are_refused_naming_both(tmp_path, 
 ])
 def test_class_key_is_the_nfc_form(a, b, same):
     assert (folder.class_key(a) == folder.class_key(b)) is same
+
+
+# --------------------------------------------------------------------------------------------- bounded walk
+# issue 52 item 5: `data/root -> /` walked the whole file system. The walk stays inside the data folder, never
+# enters the kernel's file systems and counts its entries against folder.MAX_ENTRIES.
+
+#: (id, how the dataset root is made from tmp_path, what the one line says)
+ROOTS_NOT_A_DATASET = [
+    ("root-is-slash", lambda t: _link(t / "root", "/"), "the whole file system"),
+    ("root-through-two-links", lambda t: _link(t / "root", str(_link(t / "hop", "/"))), "the whole file system"),
+    ("root-dot-dots", lambda t: t / ("../" * 40), "the whole file system"),
+    ("root-is-proc", lambda t: _link(t / "root", "/proc"), "a folder of the kernel"),
+    ("root-is-proc-self", lambda t: _link(t / "root", "/proc/self"), "a folder of the kernel"),
+    ("root-is-sys", lambda t: _link(t / "root", "/sys"), "a folder of the kernel"),
+    ("root-is-dev", lambda t: _link(t / "root", "/dev"), "a folder of the kernel"),
+]
+
+
+def _link(p: Path, target: str) -> Path:
+    p.symlink_to(target)
+    return p
+
+
+@pytest.mark.parametrize(("make", "said"), [c[1:] for c in ROOTS_NOT_A_DATASET],
+                         ids=[c[0] for c in ROOTS_NOT_A_DATASET])
+def test_a_root_that_leads_to_the_system_is_one_line(tmp_path, make, said):
+    root = make(tmp_path)
+    if not root.exists():
+        pytest.skip(f"{root} not on this machine")
+    with pytest.raises(UserError) as e:
+        find_layout(root)
+    assert said in str(e.value) and "pass the folder that holds the class folders" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def _outside(tmp_path: Path) -> Path:
+    make_image_folder(tmp_path / "elsewhere", classes=("fox",), per_class=2)
+    return tmp_path / "elsewhere" / "fox"
+
+
+#: (id, what is added to ds (cat/ and dog/ of 3 images each) -> links left out, classes found)
+LINKS = [
+    ("class-link-outside", lambda t, ds: _link(ds / "fox", str(_outside(t))), 1, ["cat", "dog"]),
+    ("class-link-to-slash", lambda t, ds: _link(ds / "fox", "/"), 1, ["cat", "dog"]),
+    ("class-link-to-home", lambda t, ds: _link(ds / "fox", str(Path.home())), 1, ["cat", "dog"]),
+    ("class-link-to-proc", lambda t, ds: _link(ds / "fox", "/proc"), 0, ["cat", "dog"]),
+    ("class-link-by-dotdot", lambda t, ds: _link(ds / "fox", "../elsewhere/fox") and _outside(t), 1, ["cat", "dog"]),
+    ("class-link-inside", lambda t, ds: _link(ds / "kitten", "cat"), 0, ["cat", "dog", "kitten"]),
+    ("class-link-to-root", lambda t, ds: _link(ds / "all", "."), 0, ["all", "cat", "dog"]),
+    ("loop-of-two", lambda t, ds: _link(ds / "a", "b") and _link(ds / "b", "a"), 0, ["cat", "dog"]),
+    ("loop-to-self", lambda t, ds: _link(ds / "me", "me"), 0, ["cat", "dog"]),
+    ("link-to-parent-below-class", lambda t, ds: _link(ds / "cat" / "up", ".."), 0, ["cat", "dog"]),
+    ("link-to-slash-below-class", lambda t, ds: _link(ds / "cat" / "all", "/"), 0, ["cat", "dog"]),
+    ("image-named-link-to-proc", lambda t, ds: _link(ds / "cat" / "x.jpg", "/proc/self/environ"), 0, ["cat", "dog"]),
+]
+
+
+@pytest.mark.parametrize(("add", "left_out", "classes"), [c[1:] for c in LINKS], ids=[c[0] for c in LINKS])
+def test_links_are_followed_only_inside_the_data_folder(tmp_path, caplog, add, left_out, classes):
+    ds = tmp_path / "ds"
+    make_image_folder(ds, classes=("cat", "dog"), per_class=3)
+    add(tmp_path, ds)
+    lay = find_layout(ds, val_split=0.0)
+    assert lay.classes == classes and len(lay.outside) == left_out
+    assert all(str(ds) in p and "/proc/" not in p for p, _ in lay.train)
+    assert len([p for p, y in lay.train if lay.classes[y] == "cat"]) == 3  # nothing followed below a class
+    warned = [r.getMessage() for r in caplog.records if "outside the dataset" in r.getMessage()]
+    assert len(warned) == (1 if left_out else 0)
+    if left_out:
+        assert "links are followed only inside the data folder" in warned[0] and "\n" not in warned[0]
+
+
+def test_a_root_that_is_a_link_is_followed(tmp_path):
+    make_image_folder(tmp_path / "real", classes=("cat", "dog"), per_class=2)
+    lay = find_layout(_link(tmp_path / "data", str(tmp_path / "real")), val_split=0.0)
+    assert lay.classes == ["cat", "dog"] and lay.outside == []
+
+
+@pytest.mark.parametrize(("budget", "ok"), [(10, False), (20, False), (40, True), (1000, True)])
+def test_the_walk_counts_its_entries_against_a_budget(tmp_path, monkeypatch, budget, ok):
+    make_image_folder(tmp_path / "ds", classes=("cat", "dog"), per_class=14)  # 2 folders (listed twice) + 28 images
+    monkeypatch.setattr(folder, "MAX_ENTRIES", budget)
+    if ok:
+        assert len(find_layout(tmp_path / "ds", val_split=0.0).train) == 28
+        return
+    with pytest.raises(UserError) as e:
+        find_layout(tmp_path / "ds")
+    assert f"more than {budget:,} files and folders" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("where", ["/usr", "/usr/lib"])
+def test_a_system_folder_as_dataset_ends_at_the_budget(tmp_path, monkeypatch, where):
+    """data/root -> /usr: a tree of its own, not the file system's root; the budget ends its walk in one line."""
+    monkeypatch.setattr(folder, "MAX_ENTRIES", 2000)
+    with pytest.raises(UserError) as e:
+        find_layout(_link(tmp_path / "root", where))
+    assert f"more than 2,000 files and folders where class folders are looked for (it leads to {where})" in str(e.value)
+    assert "\n" not in str(e.value)

@@ -385,7 +385,7 @@ def test_a_folder_or_fifo_named_like_weights_is_one_line_not_a_hang(tmp_path, na
         runstate.load_state(path, SAFE)
     line = str(e.value)
     assert "\n" not in line and str(path) in line and "No such device" not in line
-    assert ("a folder" if kind == "folder" else "not a regular file") in line, line
+    assert ("a folder" if kind == "folder" else "a named pipe (FIFO)") in line, line
     assert cli_main(["val", "--weights", str(path), *COMMON]) == 2
     assert "No such device" not in error_line(capsys)
 

@@ -21,7 +21,7 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from dlenv.data.folder import _scan, similar_classes, special_line
+from dlenv.data.folder import _scan, outside_line, similar_classes, special_line
 from dlenv.errors import UserError, host_memory_short, printable
 from dlenv.files.safeio import IMAGE_FILE, open_regular
 from dlenv.options.cpus import usable_cpus
@@ -235,6 +235,7 @@ def dataset_report(root: str | Path, val_split: float = 0.2, seed: int = 0, chec
         "duplicates": _cross_duplicates(splits, sizes),
         "other_files": {"count": len(other), "examples": other[:5]},
         "not_regular": layout.special,
+        "links_outside": layout.outside,
     }
 
 
@@ -318,6 +319,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"  ... and {len(dups) - 10} more (--json lists all)")
     if report.get("not_regular"):
         lines.append(f"warning   {special_line(report['not_regular'])}")
+    if report.get("links_outside"):
+        lines.append(f"warning   {outside_line(report['links_outside'])}")
     other = report["other_files"]
     if other["count"]:
         lines.append(f"ignored   {other['count']} non-image file(s), e.g. {other['examples'][0]}")

@@ -154,8 +154,9 @@ def sniff(path: Path) -> tuple[str, str | None] | None:
     bytes), else None."""
     if path.is_dir():
         return "a folder", f"pass the .pth file inside it (e.g. {path / 'best_model.pth'})"
-    if not safeio.is_regular(path):  # a FIFO would block open() until a writer comes
-        return "not a regular file (a named pipe, a device or a socket)", "pass a regular file"
+    kind = safeio.irregular(path)  # a FIFO would block open() until a writer comes; /proc/self/mem fails reads
+    if kind:
+        return kind, "pass a regular file"
     with safeio.open_regular(path, "weights file") as fh:
         head = fh.read(512)
     if is_safetensors(path):
