@@ -133,7 +133,7 @@ def test_bare_run_file_names_the_newest_runs(ws):
     # the fixture dates exp2's files after exp's
     assert find_weights("best_model.pth") == (Path("runs/exp2/best_model.pth"),
                                               "--weights best_model.pth: runs/exp2/best_model.pth (the newest run's "
-                                              "of 2 runs)")
+                                              "of 2 runs, by file time: it has no readable config.yaml)")
     assert find_weights("last.pth")[0] == Path("runs/exp2/last.pth")
     assert find_weights("runs/exp/best_model.pth") == (Path("runs/exp/best_model.pth"), None)  # a path: itself
     assert find_weights("other.pth") == (Path("other.pth"), None)  # not a run file's name: the reader says

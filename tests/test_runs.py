@@ -220,3 +220,96 @@ def test_the_trainer_keeps_the_file_while_it_runs_and_removes_it_at_the_end(tmp_
         assert summary["exit_code"] == (143 if end == "sigterm" else 0)
     assert seen and all(seen)
     assert not lock_file.exists() and Path(lock_file.parent / "config.yaml").is_file()
+
+
+# ---------------------------------------------------------------------------------------------------
+# "The newest run" is the one that started last, as its config.yaml records (issue 52 item 5): a run unpacked
+# with its files dated 2100 was what --weights best_model.pth and --resume auto took.
+
+Y2100 = 4_102_444_800.0
+NOW = time.time()
+
+
+def _run(project: Path, name: str, started: object = None, mtime: float | None = None,
+         config: bytes | None = None) -> Path:
+    """project/name with last.pth and best_model.pth dated `mtime`, and a config.yaml recording `started`."""
+    folder = project / name
+    folder.mkdir(parents=True)
+    if config is not None:
+        (folder / "config.yaml").write_bytes(config)
+    elif started is not None:
+        (folder / "config.yaml").write_text(f"# dlenv train: ...\n# started: {started}\nepochs: 1\n")
+    for f in (runfolder.LAST, runfolder.BEST):
+        (folder / f).write_bytes(b"x")
+        if mtime is not None:
+            os.utime(folder / f, (mtime, mtime))
+    return folder
+
+
+def test_the_newest_run_is_the_last_started_whatever_its_files_say(tmp_path):
+    _run(tmp_path, "old", started=runfolder.started_note(NOW - 3600), mtime=Y2100)  # unpacked, dated 2100
+    _run(tmp_path, "new", started=runfolder.started_note(NOW - 60), mtime=0)        # dated 1970
+    _run(tmp_path, "mid", started=int(NOW - 600), mtime=NOW)
+    path, line = runfolder.find_weights(runfolder.BEST, tmp_path)
+    assert path == tmp_path / "new" / runfolder.BEST
+    assert "(the newest run's of 3 runs, by the start its config.yaml records)" in line
+    path, line = runfolder.find_resume_said("auto", tmp_path)
+    assert path == tmp_path / "new" / runfolder.LAST and line.startswith(f"--resume auto: {path} ")
+    assert runfolder.find_resume("auto", tmp_path) == path
+
+
+#: (id, the run "odd" as made, whether it is chosen over "plain" (no config.yaml, file dated an hour ago),
+#: what the line says)
+ODD_RUNS = [
+    ("no-config-future-file", dict(mtime=Y2100), False, "by file time: it has no readable config.yaml"),
+    ("no-config-1970-file", dict(mtime=0.0), False, "by file time: it has no readable config.yaml"),
+    ("no-config-newer-file", dict(mtime=NOW - 60), True, "by file time: it has no readable config.yaml"),
+    ("recorded-start", dict(started=int(NOW - 60), mtime=0.0), True, "by the start its config.yaml records"),
+    ("start-in-2100", dict(started=int(Y2100), mtime=Y2100), False, "by file time"),
+    ("start-a-string", dict(started="yesterday", mtime=NOW), True, "its config.yaml's start 'yesterday' is not a time"),
+    ("start-huge-int", dict(started="9" * 400, mtime=Y2100), False, "by file time"),
+    ("start-negative", dict(started=-5, mtime=NOW), True, "its config.yaml's start '-5' is not a time"),
+    ("start-float", dict(started="1.7e9", mtime=NOW), True, "is not a time"),
+    ("start-zero", dict(started=0, mtime=NOW), True, "its config.yaml's start 1970-01-01 is before any run"),
+    ("start-empty", dict(started="", mtime=NOW), True, "its config.yaml's start '' is not a time"),
+    ("start-control-chars", dict(started="\x1b[2J", mtime=NOW), True, "'\\\\x1b[2J' is not a time"),
+    ("start-far-down", dict(config=b"# x\n" * 20_000 + f"# started: {int(NOW)}\n".encode(), mtime=NOW), True,
+     "records no start"),
+    ("config-not-utf8", dict(config=b"# started: \xff\xfe\n", mtime=NOW), True, "is not a time"),
+]
+
+
+@pytest.mark.parametrize(("made", "chosen", "said"), [c[1:] for c in ODD_RUNS], ids=[c[0] for c in ODD_RUNS])
+def test_a_run_without_a_plausible_start_falls_back_and_says_why(tmp_path, made, chosen, said):
+    _run(tmp_path, "plain", mtime=NOW - 3600)
+    _run(tmp_path, "odd", **made)
+    path, line = runfolder.find_weights(runfolder.LAST, tmp_path)
+    assert path.parent.name == ("odd" if chosen else "plain"), line
+    assert "\n" not in line and "\x1b" not in line
+    assert said in line, line
+    if not chosen:  # the line gives the chosen run's reason; the one left out has its own
+        t, why = runfolder.recorded_start(tmp_path / "odd")
+        assert t is None and why
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder", "link-to-proc"])
+def test_a_config_yaml_that_is_no_regular_file_is_no_start(tmp_path, kind):
+    folder = _run(tmp_path, "exp", mtime=NOW)
+    cfg = folder / "config.yaml"
+    {"fifo": lambda: os.mkfifo(cfg), "folder": cfg.mkdir,
+     "link-to-proc": lambda: cfg.symlink_to("/proc/self/environ")}[kind]()
+    assert runfolder.recorded_start(folder) == (None, "it has no readable config.yaml")  # and it did not block
+
+
+def test_config_yaml_records_the_start_and_a_rewrite_keeps_it(tmp_path):
+    from dlenv.runfolder import trainstate
+
+    path = tmp_path / "config.yaml"
+    trainstate.write_config_yaml(path, {"epochs": 1}, {"precision": "fp32"}, started=NOW - 100)
+    assert runfolder.recorded_start(tmp_path)[0] == int(NOW - 100)
+    trainstate.write_config_yaml(path, {"epochs": 2}, {"precision": "fp32"})  # a replan's rewrite
+    assert runfolder.recorded_start(tmp_path)[0] == int(NOW - 100)
+    assert trainstate.read_config_notes(path)["started"].startswith(f"{int(NOW - 100)} (")
+    import yaml
+
+    assert yaml.safe_load(path.read_text()) == {"epochs": 2}  # a comment: --cfg still reads the file

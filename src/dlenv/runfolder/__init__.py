@@ -19,7 +19,12 @@ of one folder all the same (`--exist-ok`, or two resumes of one run): the traine
 leaves no lock, as the kernel releases a flock with its process. `find_resume` turns
 `--resume PATH|auto` into a run-state path: auto is the newest `last.pth` under the project folder;
 `find_weights` turns a bare `--weights best_model.pth` (or `last.pth`) that names no file into the newest
-run's file, for val, predict, prune and export.
+run's file, for val, predict, prune and export. "Newest" is by the start each run records in its config.yaml
+(`# started: SECONDS (DATE)`, written when the run or its latest resume started), read bounded and checked:
+a file's modification time is whatever the archive or the copy it came from said (a run unpacked dated
+2100 was picked over every run trained here). A run without a plausible recorded start is judged by its
+file's time, and one whose file is dated in the future is never preferred; the line that names the chosen
+file says which.
 The names of a run folder's files are written here once (LAST, BEST; dlenv.files.runstate writes and
 reads them). No torch here: importing any module of this package runs this one first.
 """
@@ -32,12 +37,13 @@ import errno
 import fcntl
 import os
 import re
+import time
 import weakref
 from pathlib import Path
 from typing import Any
 
 from dlenv import invocation
-from dlenv.errors import UserError
+from dlenv.errors import UserError, printable
 from dlenv.files import safeio
 
 LOCK_FILE = ".dlenv.lock"
@@ -45,6 +51,14 @@ LOCK_FILE = ".dlenv.lock"
 LAST = "last.pth"
 #: the weights of the best epoch with what it takes to use them (dlenv.runfolder.trainstate.slim)
 BEST = "best_model.pth"
+#: the note of config.yaml's head that records when the run (or its latest resume) started
+STARTED = "started"
+#: how far past this machine's clock a recorded time may lie (a run copied from a machine whose clock is ahead)
+CLOCK_SKEW_S = 3600
+#: no run started before 2000-01-01 (a time of 0, 1970, is a file that lost its date)
+EARLIEST = 946_684_800
+#: the most of config.yaml read for its start (the note is in its first lines)
+_HEAD_BYTES = 64 * 1024
 
 
 class RunLock:
@@ -171,44 +185,116 @@ def new_run_dir(project: str | Path, name: str, exist_ok: bool = False) -> Path:
             path = project / f"{stem}{sep}{n}"
 
 
+def started_note(t: float) -> str:
+    """config.yaml's value of STARTED for time `t`: whole seconds since 1970, then the date for people."""
+    return f"{int(t)} ({time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(t))})"
+
+
+def _date(t: float) -> str:
+    try:
+        return time.strftime("%Y-%m-%d", time.gmtime(t))
+    except (OverflowError, OSError, ValueError):
+        return f"{t:.3g} s"
+
+
+def _plausible(t: float) -> str | None:
+    """Why `t` cannot be when a run started (in the future beyond CLOCK_SKEW_S, or before 2000), else None."""
+    if t > time.time() + CLOCK_SKEW_S:
+        return f"{_date(t)} is in the future"
+    return f"{_date(t)} is before any run" if t < EARLIEST else None
+
+
+def recorded_start(run_dir: str | Path) -> tuple[float | None, str]:
+    """(when the run in `run_dir` started, as its config.yaml records it, or None; why not when None).
+
+    The file is read up to _HEAD_BYTES, only as a regular file; the value must be whole seconds
+    (`# started: 1718000000 (...)`) that `_plausible` accepts."""
+    try:
+        with safeio.open_regular(Path(run_dir) / "config.yaml", "config.yaml") as fh:
+            head = fh.read(_HEAD_BYTES).decode("utf-8", "replace")
+    except (UserError, OSError):
+        return None, "it has no readable config.yaml"
+    found = re.search(rf"^# {STARTED}: (.*)$", head, re.M)
+    if not found:
+        return None, "its config.yaml records no start"
+    value = found[1].strip()
+    number = re.fullmatch(r"(\d{1,12})(?: \(.*\))?", value)
+    if not number:
+        return None, f"its config.yaml's start {printable(value[:24])!r} is not a time"
+    t = float(number[1])
+    why = _plausible(t)
+    return (None, f"its config.yaml's start {why}") if why else (t, "")
+
+
+def newest(files: list[Path]) -> tuple[Path, str]:
+    """(the file of the run that started last, how that was judged). Runs are ordered by `recorded_start`;
+    one without it by its file's modification time, unless that time is in the future (then it comes last).
+    Ties go to the later name."""
+    keyed = []
+    for f in files:
+        t, why = recorded_start(f.parent)
+        if t is None:
+            mtime = f.stat().st_mtime
+            ahead = mtime > time.time() + CLOCK_SKEW_S
+            t = float("-inf") if ahead else mtime
+            if ahead:
+                why += f", and its file is dated {_date(mtime)}, in the future: it comes last"
+        keyed.append((t, str(f), f, why))
+    keyed.sort(key=lambda k: (k[0], k[1]))
+    best = keyed[-1]
+    if best[3]:
+        return best[2], f"by file time: {best[3]}"
+    unsure = sum(1 for k in keyed if k[3])
+    without = f"; {unsure} without one by file time" if unsure else ""
+    return best[2], f"by the start its config.yaml records{without}"
+
+
 def find_weights(weights: str, project: str | Path = "runs") -> tuple[Path, str | None]:
     """(the file `--weights` means, the line that says which when it was looked up, else None).
 
     A path that exists is itself. A bare run-file name (best_model.pth or last.pth, no folder) that is no
-    file here is the newest project/*/<name> (by modification time), so `--weights best_model.pth` after
+    file here is the newest project/*/<name> (`newest`), so `--weights best_model.pth` after
     a run means that run's. Anything else is returned as given, for the reader to judge. Raises
     UserError for a bare run-file name when no run has that file.
     """
     path = Path(weights)
     if path.exists() or path.name not in (BEST, LAST) or path.parent != Path("."):
         return path, None
-    found = sorted(Path(project).glob(f"*/{path.name}"), key=lambda p: p.stat().st_mtime)
+    found = [p for p in Path(project).glob(f"*/{path.name}") if p.is_file()]
     if not found:
         raise UserError(f"--weights {weights}: no such file here and no run under {project}/ has one; train a "
                         f"run first ({invocation.command('train', '')}) or pass its path "
                         f"(e.g. {project}/exp/{path.name})")
-    others = f" of {len(found)} runs" if len(found) > 1 else ""
-    return found[-1], f"--weights {weights}: {found[-1]} (the newest run's{others})"
+    chosen, how = newest(found)
+    others = f" of {len(found)} runs, {how}" if len(found) > 1 else ""
+    return chosen, f"--weights {weights}: {printable(chosen)} (the newest run's{others})"
 
 
 def find_resume(resume: str, project: str | Path = "runs") -> Path:
-    """The checkpoint to resume: `resume` itself, or for 'auto' the newest project/*/last.pth.
+    """The checkpoint to resume: `resume` itself, or for 'auto' the newest project/*/last.pth (`newest`).
 
     Raises UserError when the file does not exist or no run has a last.pth.
     """
+    return find_resume_said(resume, project)[0]
+
+
+def find_resume_said(resume: str, project: str | Path = "runs") -> tuple[Path, str | None]:
+    """(`find_resume`, the line that names the file --resume auto chose and how, else None)."""
     if resume.strip().lower() == "auto":
-        candidates = sorted(Path(project).glob(f"*/{LAST}"), key=lambda p: p.stat().st_mtime)
+        candidates = [p for p in Path(project).glob(f"*/{LAST}") if p.is_file()]
         if not candidates:
             raise UserError(f"--resume auto found no {project}/*/{LAST} to continue; start a run first "
                             "or pass the checkpoint path")
-        return candidates[-1]
+        chosen, how = newest(candidates)
+        others = f" of {len(candidates)} runs, {how}" if len(candidates) > 1 else ""
+        return chosen, f"--resume auto: {printable(chosen)} (the newest run's{others})"
     path = Path(resume)
     if path.is_dir():
         path = path / LAST
     if not path.is_file():
         raise UserError(f"--resume {resume}: no such checkpoint; pass a {LAST} path "
                         f"(e.g. {project}/exp/{LAST}) or --resume auto")
-    return path
+    return path, None
 
 
 def resumed_device(cfg: Any) -> Any:

@@ -22,6 +22,7 @@ best_model.pth again from it; it also removes the temporary files killed writes 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,11 +176,17 @@ def last_good(path: Path | None) -> str:
     return "No checkpoint was written yet."
 
 
-def write_config_yaml(path: Path, options: dict[str, Any], notes: dict[str, Any]) -> None:
-    """config.yaml: the resolved options (reusable with --cfg) and, as comments, what they resolved to."""
+def write_config_yaml(path: Path, options: dict[str, Any], notes: dict[str, Any], started: float | None = None
+                      ) -> None:
+    """config.yaml: the resolved options (reusable with --cfg) and, as comments, when the run started (`started`:
+    the start the file records already, else now; what `runfolder.newest` orders runs by) and what the options
+    resolved to."""
     import yaml
 
-    head = ["# dlenv train: the options of this run, resolved; rerun with: dlenv train --cfg <this file>"]
+    if started is None:
+        started = runfolder.recorded_start(path.parent)[0] or time.time()
+    head = ["# dlenv train: the options of this run, resolved; rerun with: dlenv train --cfg <this file>",
+            f"# {runfolder.STARTED}: {runfolder.started_note(started)}"]
     head += [f"# {k}: {v}" for k, v in notes.items()]
     write_text(path, "\n".join(head) + "\n" + yaml.safe_dump(options, sort_keys=False))
 
@@ -204,6 +211,7 @@ class Resume:
     inexact: list[str] = dataclasses.field(default_factory=list)  # given flags that make it differ from the run
     best: dict[str, Any] | None = None  # best_model.pth's content when the saved state is the best one
     limits: list[str] = dataclasses.field(default_factory=list)  # why this resume is not exact (`restore`)
+    found: str | None = None    # the line naming the file --resume auto chose, and how
     new_end: tuple[int, int] | None = None  # (the run's --epochs, the new one) when --epochs changes its end
     nothing_left: str | None = None  # --epochs N of a run that has trained exactly N epochs: the line that says so
 
@@ -222,12 +230,12 @@ def open_resume(cfg: TrainConfig) -> tuple[TrainConfig, Resume | None]:
     training checkpoint (through runstate.load_state, for a missing or unsafe one)."""
     if not cfg.resume:
         return cfg, None
-    path = runfolder.find_resume(cfg.resume, cfg.project)
+    path, found = runfolder.find_resume_said(cfg.resume, cfg.project)
     ckpt = runstate.load_state(path, weights.LoadPolicy.of(cfg))
     modelsource.check_resume(ckpt, cfg.model, f"--resume {path}")  # a model of your own: the import rule
     asked, saved_epochs = cfg.epochs, _saved_epochs(ckpt)
     cfg, ignored, inexact = resume_config(ckpt, cfg, path)
-    resume = Resume(ckpt, path, ignored, inexact)
+    resume = Resume(ckpt, path, ignored, inexact, found=found)
     if saved_epochs is not None and cfg.epochs != saved_epochs:
         resume.new_end = (saved_epochs, cfg.epochs)
     if asked is not None and asked == int(ckpt["epoch"]) and not int(ckpt.get("batch_in_epoch") or 0):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,8 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
         return {"run_dir": resume.run_dir, "status": "done", "exit_code": 0, "epochs": cfg.epochs}
     dist = distributed.join(cfg)
     say = console.printer(dist.is_main)
+    if resume is not None and resume.found:
+        say(resume.found)
     if resume is not None and resume.new_end:
         say(console.new_end_line(*resume.new_end, int(resume.ckpt["step"])))
     if resume is not None and resume.ignored:
@@ -191,7 +194,7 @@ def open_run(decided: plan.TrainPlan, resume: trainstate.Resume | None, dist: di
         options["name"] = run_dir.name  # the folder it got (exp2), not the name asked for (exp)
         lock = runfolder.lock_run_dir(run_dir)  # held for the run's life: a second run here is refused
         trainstate.settle_best(run_dir, resume, state.best_metric, print)
-        trainstate.write_config_yaml(run_dir / "config.yaml", options, decided.notes(device))
+        trainstate.write_config_yaml(run_dir / "config.yaml", options, decided.notes(device), started=time.time())
         if state.epoch or state.batch_in_epoch:
             results.truncate_after(run_dir / "results.csv", state.epoch)
     meta = {"model_name": cfg.model, "num_classes": len(decided.data.classes), "class_names": decided.data.classes,
