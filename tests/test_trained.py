@@ -73,9 +73,13 @@ def test_a_bare_state_dict_needs_model_and_says_the_size_it_takes(tmp_path):
     said = []
     t = open_trained(path, SAFE, "small_cnn", say=said.append)
     assert t.kind == STATE_DICT and t.class_names == ("0", "1", "2") and t.img_size == 224 and t.ckpt == {}
-    assert t.precision is None and len(said) == 1 and "image size: 224" in said[0]
-    assert open_trained(path, SAFE, "small_cnn", img_size=48, say=said.append).img_size == 48
-    assert len(said) == 1  # --img-size given: nothing to say
+    assert t.precision is None and len(said) == 1 and said[0].startswith("preprocessing: 224 px (assumed), "
+                                                                         "normalize imagenet (assumed)")
+    t = open_trained(path, SAFE, "small_cnn", img_size=48, prep={"normalize": "none"}, say=said.append)
+    assert t.img_size == 48 and t.norm == ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0)) and t.resize == "crop"
+    # what is still assumed is said, beside what was given
+    assert len(said) == 2 and said[1].startswith("preprocessing: 48 px (--img-size), normalize none (--normalize), "
+                                                 "resize crop (assumed): ")
 
 
 @pytest.mark.parametrize("case,phrase", [

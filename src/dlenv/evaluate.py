@@ -454,7 +454,7 @@ def main(cfg: Any) -> int:
         check_output(cfg.out, "--out", folder=True)
     device = resolve_device(cfg.device)
     trained = open_trained(weights, LoadPolicy.of(cfg), cfg.model, kinds=(CHECKPOINT, STATE_DICT), verb="val",
-                           img_size=cfg.img_size)
+                           img_size=cfg.img_size, prep={"normalize": cfg.normalize, "resize": cfg.resize})
     model, class_names = trained.model, list(trained.class_names)
     bare = trained.kind == STATE_DICT
     root, samples, data_classes, what = resolve_data(cfg.data, trained.ckpt)
@@ -468,7 +468,8 @@ def main(cfg: Any) -> int:
     size = trained.img_size
     loader = build_eval_loader(samples, size, cfg.batch_size, cfg.workers,  # sized there (decide_workers)
                                # --pretrained weights' own mean, std and resampling
-                               norm=trained.norm, interpolation=trained.interpolation)
+                               norm=trained.norm, interpolation=trained.interpolation,
+                               crop=trained.resize != "full")
     mode, why = val_precision(cfg.precision, cfg.amp, trained.precision, device)
     how = f"{mode}: {why}; --precision fp32 to change" if mode != "fp32" else why
     print(f"validating {weights} on {len(samples)} images from {root}, {what} ({device}, {size}px, {how})")
@@ -487,7 +488,8 @@ def main(cfg: Any) -> int:
     refuse_non_finite(logits, model, mode, weights)  # before any report: argmax of NaN is class 0
     metrics = compute_metrics(logits, targets, class_names)
     metrics.update({"weights": str(weights), "data": str(root), "img_size": int(size),
-                    "device": str(device), "amp": mode != "fp32", "precision": mode})
+                    "normalize": [list(v) for v in trained.norm] if trained.norm else "imagenet",
+                    "resize": trained.resize, "device": str(device), "amp": mode != "fp32", "precision": mode})
     errors = error_rows(logits, targets, paths, class_names)
     print(format_report(metrics))
     write_reports(out, metrics, errors)

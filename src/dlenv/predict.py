@@ -80,7 +80,8 @@ def open_model(cfg: Any, device: torch.device, say: Any = print) -> Trained:
     """The model cfg.weights holds (any kind dlenv.runfolder.trained opens), with --classes and --img-size."""
 
     return open_trained(cfg.weights, LoadPolicy.of(cfg), cfg.model, verb="predict", classes=cfg.classes,
-                        img_size=cfg.img_size, device=device, say=say)
+                        img_size=cfg.img_size, device=device, say=say,
+                        prep={"normalize": cfg.normalize, "resize": cfg.resize})
 
 
 class FlipAverage(torch.nn.Module):
@@ -185,7 +186,8 @@ def video_frames(path: Path, stride: int) -> Iterator[tuple[int, Any]]:
 def _video_batches(path: Path, stride: int, opened: Trained, batch_size: int) -> Iterator[tuple[torch.Tensor, Any]]:
     """(images, frame numbers) batches of the video through val's eval transform."""
 
-    transform = build_transforms(opened.img_size, False, norm=opened.norm, interpolation=opened.interpolation)
+    transform = build_transforms(opened.img_size, False, norm=opened.norm, interpolation=opened.interpolation,
+                                 crop=opened.resize != "full")
     images, frames = [], []
     for n, im in video_frames(path, stride):
         images.append(transform(im))
@@ -224,7 +226,7 @@ def run(opened: Trained, source: Source, cfg: Any, device: torch.device, mode: s
     else:
         samples = [(p, i) for i, p in enumerate(source.paths)]  # the label is the index: each row's path
         loader = build_eval_loader(samples, opened.img_size, cfg.batch_size, cfg.workers, norm=opened.norm,
-                                   interpolation=opened.interpolation)
+                                   interpolation=opened.interpolation, crop=opened.resize != "full")
         try:
             logits, _ = predict(net, loader, device, mode=mode, progress=True, what="predicting")
         except BadImageError as e:  # every image failed: the dataset found none to stand in

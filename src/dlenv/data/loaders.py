@@ -38,11 +38,13 @@ log = logging.getLogger("dlenv.data")
 
 def build_transforms(img_size: int, train: bool, scale: tuple[float, float] = (0.08, 1.0),
                      ratio: tuple[float, float] = (3 / 4, 4 / 3), hflip: bool = True,
-                     norm: tuple[tuple, tuple] | None = None, interpolation: str = "bilinear") -> Callable:
+                     norm: tuple[tuple, tuple] | None = None, interpolation: str = "bilinear",
+                     crop: bool = True) -> Callable:
     """torchvision transforms: train = RandomResizedCrop(img_size, scale, ratio) + horizontal flip (if
-    `hflip`); eval = Resize(img_size * 256/224) + CenterCrop(img_size); both resize with `interpolation`
-    ('bilinear', 'bicubic' or 'nearest': pretrained weights' own) and end in ToTensor + Normalize by
-    `norm` (mean, std): pretrained weights' own, else ImageNet's."""
+    `hflip`); eval = Resize(img_size * 256/224) + CenterCrop(img_size), or without `crop` the whole image
+    resized to img_size x img_size (a script's `Resize((N, N))`, val/predict --resize full); both resize with
+    `interpolation` ('bilinear', 'bicubic' or 'nearest': pretrained weights' own) and end in ToTensor +
+    Normalize by `norm` (mean, std): pretrained weights' own, else ImageNet's."""
     from torchvision import transforms as T
 
     mean, std = norm or (IMAGENET_MEAN, IMAGENET_STD)
@@ -50,6 +52,8 @@ def build_transforms(img_size: int, train: bool, scale: tuple[float, float] = (0
     if train:
         head = [T.RandomResizedCrop(img_size, scale=scale, ratio=ratio, interpolation=mode)]
         head += [T.RandomHorizontalFlip()] if hflip else []
+    elif not crop:
+        head = [T.Resize((img_size, img_size), interpolation=mode)]
     else:
         head = [T.Resize(_eval_resize(img_size), interpolation=mode), T.CenterCrop(img_size)]
     return T.Compose([*head, T.ToTensor(), T.Normalize(mean, std)])
@@ -367,17 +371,17 @@ def build_loaders(layout: Any, plan: Any, train_sampler: Any = None, pin_memory:
 
 def build_eval_loader(samples: Sequence[tuple[str, int]], img_size: int, batch_size: int,
                       workers: int | str, bad_images: str = "skip", norm: tuple[tuple, tuple] | None = None,
-                      interpolation: str = "bilinear") -> SafeLoader:
+                      interpolation: str = "bilinear", crop: bool = True) -> SafeLoader:
     """A loader over eval transforms in sample order, for one pass (the i-th prediction is the i-th
     sample's), decoded by Pillow, with `workers` sized here (`decide_workers`: val, predict and prune give
     the option as is; a reduction is logged, as these verbs have no plan to say it). A skipped bad file's
     slot holds its substitute; `loader.bad_paths` lists those files after the pass, so their predictions
-    can be dropped."""
+    can be dropped. `crop` as build_transforms'."""
     n, why = decide_workers(workers, batch_size, img_size)
     if why:
         log.warning("%s", why)
-    ds = ImageDataset(samples, build_transforms(img_size, False, norm=norm, interpolation=interpolation), bad_images,
-                      _decode_fn("pil", _eval_resize(img_size)))
+    transform = build_transforms(img_size, False, norm=norm, interpolation=interpolation, crop=crop)
+    ds = ImageDataset(samples, transform, bad_images, _decode_fn("pil", _eval_resize(img_size) if crop else img_size))
     return make_loader(ds, batch_size, n, None, False, shuffle=False)
 
 

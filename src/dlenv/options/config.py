@@ -34,8 +34,10 @@ from dlenv.options.declare import (  # noqa: F401 (BATCH_MAX, IMG_SIZE_MAX: conf
     decode_overlap,
     flag,  # noqa: F401 (config.flag: the spelling of an option on the command line)
     image_channels,
+    normalize_option,
     opt,
     parse_option,
+    resize_option,
     trust_pickle,
     workers_here,
 )
@@ -217,8 +219,10 @@ class ValConfig:
                                   "FILE.py:factory again, to trust one outside the working folder", parse=_str)
     trust_pickle: bool = trust_pickle()
     batch_size: int = opt(64, "batch size", min=1, max=BATCH_MAX, why=BATCH_WHY)
-    img_size: int | None = opt(None, "image size; default: the run file's", parse=_int, min=16,
-                               max=IMG_SIZE_MAX, why=IMG_WHY)
+    img_size: int | None = opt(None, "image size; default: the run file's (a bare state dict's preprocess.yaml, "
+                                     "else 224)", parse=_int, min=16, max=IMG_SIZE_MAX, why=IMG_WHY)
+    normalize: str = normalize_option()
+    resize: str = resize_option()
     workers: int | str = opt("auto", "DataLoader worker processes: a number (0: load in the main "
                                      "process; at most 4 per CPU, or 64), or auto", parse=workers_or_auto,
                              here=workers_here)

@@ -17,7 +17,7 @@ from typing import Any
 from dlenv.errors import UserError
 from dlenv.options.cpus import usable_cpus
 from dlenv.options.typos import word_hint
-from dlenv.options.values import parse_bool, parse_float, parse_int, parse_str
+from dlenv.options.values import normalize_value, parse_bool, parse_float, parse_int, parse_str
 
 _PARSERS: dict[type, Callable[[Any], Any]] = {bool: parse_bool, int: parse_int, float: parse_float, str: parse_str}
 
@@ -126,6 +126,21 @@ def image_channels() -> Any:
     return opt(3, "image channels the model takes: 3 (RGB) or 1 (grayscale: images are converted to one "
                   "channel, normalised with one mean and std), for a model whose first layer takes one channel "
                   "(MNIST's)", parse=parse)
+
+
+def normalize_option() -> Any:
+    """--normalize, declared once for the commands that run a trained model on images (val, predict)."""
+    return opt("auto", "the normalisation after ToTensor: imagenet, none, or MEAN,STD (three means and three stds, "
+                       "e.g. 0.5,0.5,0.5,0.25,0.25,0.25); auto: the weights' own (a dlenv run file's; a bare state "
+                       "dict's preprocess.yaml beside it, else imagenet)", parse=normalize_value)
+
+
+def resize_option() -> Any:
+    """--resize, declared once beside --normalize (val, predict)."""
+    return opt("auto", "how an image becomes --img-size square: crop (its shorter side to 8/7 of the size, then "
+                       "the centre: dlenv's), full (the whole image squeezed to the size, as "
+                       "transforms.Resize((N, N))); auto: the weights' own (preprocess.yaml, else crop)",
+               choices=("auto", "crop", "full"))
 
 
 def decode_overlap() -> Any:

@@ -17,7 +17,9 @@ from dlenv.options.declare import (
     DEVICE_HELP,
     IMG_SIZE_MAX,
     IMG_WHY,
+    normalize_option,
     opt,
+    resize_option,
     trust_pickle,
     workers_here,
 )
@@ -58,8 +60,10 @@ class PredictConfig:
     trust_pickle: bool = trust_pickle()
     classes: tuple | None = opt(None, "class names in the model's output order, comma-separated, for a file "
                                       "that has none (a TorchScript export, a bare state dict)", parse=class_list)
-    img_size: int | None = opt(None, "image size; default: the run file's", parse=parse_int, min=16,
-                               max=IMG_SIZE_MAX, why=IMG_WHY)
+    img_size: int | None = opt(None, "image size; default: the run file's (a bare state dict's preprocess.yaml, "
+                                     "else 224)", parse=parse_int, min=16, max=IMG_SIZE_MAX, why=IMG_WHY)
+    normalize: str = normalize_option()
+    resize: str = resize_option()
     topk: int = opt(5, "classes and probabilities listed per image (at most the model's class count)", min=1)
     batch_size: int = opt(64, "batch size", min=1, max=BATCH_MAX, why=BATCH_WHY)
     workers: int | str = opt("auto", "DataLoader worker processes: a number (0: load in the main process; at "

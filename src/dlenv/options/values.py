@@ -109,6 +109,41 @@ def open_fraction(v: Any) -> float:
     raise ValueError(f"{f:g} is outside (0, 1): a share, e.g. 0.3")
 
 
+#: what --normalize (and preprocess.yaml's normalize:) may hold: per channel, for images in [0, 1] (ToTensor's)
+NORM_MEAN_RANGE, NORM_STD_RANGE = (-1.0, 2.0), (1e-3, 10.0)
+
+
+def normalize_value(v: Any) -> str:
+    """--normalize: 'auto', 'none', 'imagenet', or MEAN,STD as 6 numbers (three means, three stds) or 2 (one of
+    each, for every channel), also a YAML list; returned as its canonical text ('0.5,0.5,0.5,0.25,0.25,0.25')."""
+    if isinstance(v, str) and v.strip().lower() in ("auto", "none", "imagenet"):
+        return v.strip().lower()
+    parts = list(v) if isinstance(v, (list, tuple)) else parse_str(v).replace(" ", "").split(",")
+    if len(parts) not in (2, 6):
+        raise ValueError("expected none, imagenet, or MEAN,STD: three means and three stds (6 numbers, e.g. "
+                         "0.5,0.5,0.5,0.25,0.25,0.25) or one of each (0.5,0.25)")
+    numbers = [parse_float(p) for p in parts]
+    if len(numbers) == 2:
+        numbers = [numbers[0]] * 3 + [numbers[1]] * 3
+    if any(not NORM_MEAN_RANGE[0] <= m <= NORM_MEAN_RANGE[1] for m in numbers[:3]) or any(
+            not NORM_STD_RANGE[0] <= s <= NORM_STD_RANGE[1] for s in numbers[3:]):
+        scale = " (the 0-255 scale? divide by 255)" if max(numbers) > 10 else ""
+        raise ValueError(f"means must lie in [{NORM_MEAN_RANGE[0]:g}, {NORM_MEAN_RANGE[1]:g}] and stds in "
+                         f"[{NORM_STD_RANGE[0]:g}, {NORM_STD_RANGE[1]:g}], for images in [0, 1]{scale}")
+    return ",".join(f"{x:g}" for x in numbers)
+
+
+def normalization(value: str) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """(mean, std) of a canonical --normalize value: 'none' is (0, 1) per channel; None for 'imagenet' (and
+    'auto', decided elsewhere): the loaders' default, ImageNet's."""
+    if value in ("auto", "imagenet"):
+        return None
+    if value == "none":
+        return (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+    numbers = tuple(float(x) for x in value.split(","))
+    return numbers[:3], numbers[3:]
+
+
 def ratio_or_auto(v: Any) -> float | str:
     """A fraction in [0, 1], or the word 'auto'."""
     return _auto_or(v, parse_float, lambda f: 0.0 <= f <= 1.0, "expected 'auto' or a fraction between 0 and 1")

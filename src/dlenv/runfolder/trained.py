@@ -21,6 +21,7 @@ itself reads files through dlenv.files.runstate.
 
 from __future__ import annotations
 
+import dataclasses
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,12 +38,13 @@ from dlenv.files.weights import LoadPolicy, is_bare_state_dict, is_run_state
 from dlenv.model import pretrained
 from dlenv.model.models import model_from_state
 from dlenv.options import config
+from dlenv.runfolder import preprocess
 
 CHECKPOINT, STATE_DICT, TORCHSCRIPT, ONNX = "checkpoint", "state_dict", "torchscript", "onnx"
 #: every kind of file `open_trained` opens
 ALL_KINDS = (CHECKPOINT, STATE_DICT, TORCHSCRIPT, ONNX)
 #: the image size taken when a file does not say
-DEFAULT_SIZE = 224
+DEFAULT_SIZE = preprocess.DEFAULTS["img_size"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class Trained:
     interpolation: str                 # the resampling of the resize
     precision: str | None              # as trained: fp32, amp (the device's dtype), fp16, bf16; None: not said
     ckpt: dict[str, Any] = field(default_factory=dict, repr=False)  # a checkpoint's own entries ({}: other kinds)
+    resize: str = "crop"               # crop (dlenv's centre crop) or full (the whole image to the size)
 
     @property
     def config(self) -> dict[str, Any]:
@@ -171,20 +174,34 @@ def _open_onnx(path: Path, classes: tuple | None, img_size: int | None, device: 
 
 def open_trained(path: str | Path, policy: LoadPolicy, model: str | None = None, *,
                  kinds: tuple[str, ...] = ALL_KINDS, verb: str = "this command", classes: tuple | None = None,
-                 img_size: int | None = None, device: Any = None,
+                 img_size: int | None = None, device: Any = None, prep: dict[str, Any] | None = None,
                  say: Callable[[str], Any] = print) -> Trained:
+    """The trained model `path` holds, prepared as `prep` (--normalize and --resize) says; see `_open`."""
+    given = {"img_size": img_size, **(prep or {})}
+    trained = _open(Path(path), policy, model, kinds, verb, classes, given, device)
+    if trained.kind == STATE_DICT:  # weights dlenv did not write: what is assumed, and from where
+        how = preprocess.for_foreign(trained.path, given, "a bare state dict")
+    else:
+        own = preprocess.Preprocessing(trained.img_size, trained.norm, trained.resize, "")
+        how = preprocess.overridden(own, given)
+    if how.said:
+        say(how.said)
+    return dataclasses.replace(trained, img_size=how.img_size, norm=how.norm, resize=how.resize)
+
+
+def _open(path: Path, policy: LoadPolicy, model: str | None, kinds: tuple[str, ...], verb: str,
+          classes: tuple | None, given: dict[str, Any], device: Any) -> Trained:
     """The trained model `path` holds, opened under `policy` (what --trust-pickle allows).
 
     `model` is --model (a bare state dict's architecture, or a model of your own named again); `kinds`
-    the kinds of file the command (`verb`, for messages) takes; `classes` and `img_size` are --classes
-    and --img-size (a file's own class names must agree with --classes; --img-size wins over its size);
-    `device` where an ONNX file will run (its onnxruntime provider); `say` prints the one note (an image
-    size the file does not give). Raises UserError for a missing, foreign, unsafe or corrupt file, a kind
-    the command does not take, a bare state dict without --model, weights that do not fit their
+    the kinds of file the command (`verb`, for messages) takes; `classes` is --classes (a file's own class
+    names must agree with it); `given` holds --img-size, which wins over a file's size (and --normalize,
+    --resize: open_trained's); `device` where an ONNX file will run (its onnxruntime provider). Raises
+    UserError for a missing, foreign, unsafe or corrupt file, a kind the command does not take, a bare state dict without --model, weights that do not fit their
     architecture, invalid saved options, and --classes that do not fit the model.
     """
 
-    path = Path(path)
+    img_size = given.get("img_size")
     if is_onnx(path):
         if ONNX not in kinds:
             raise _refuse_kind(path, ONNX, verb)
@@ -198,10 +215,7 @@ def open_trained(path: str | Path, policy: LoadPolicy, model: str | None = None,
         raise _refuse_kind(path, STATE_DICT, verb,
                            "a bare state dict" if is_bare_state_dict(ckpt) else "not a dlenv checkpoint")
     net, names, size = model_from_state(ckpt, model, source=str(path))
-    size = img_size or size
-    if size is None:
-        size = DEFAULT_SIZE
-        say(f"image size: {DEFAULT_SIZE} ({printable(str(path))} does not say; set --img-size to change it)")
+    size = img_size or size or DEFAULT_SIZE  # a bare state dict's: decided by open_trained (preprocess)
     saved = dict(ckpt.get("config") or {}) if named else {}
     return Trained(path, CHECKPOINT if named else STATE_DICT, net.cpu().eval(),
                    class_names_for(classes, list(names), named, path), int(size), pretrained.norm_of(ckpt),
