@@ -504,3 +504,29 @@ def test_val_reports_go_into_the_run_folder_whatever_folder_it_runs_in(tmp_path,
     assert sorted(p.name for p in here.iterdir()) == ["best_model.pth"]  # nothing written where it ran
     assert sorted(p.name for p in run.iterdir()) == ["best_model.pth", "val", "val-dataset"]
     assert f"reports in {run / 'val-dataset'}/" in capsys.readouterr().out
+
+
+_SLOW = pytest.mark.slow  # a val each, ~10 s on a loaded 2-core VM: the first case runs in every lane
+
+
+@pytest.mark.parametrize("hostile", [
+    pytest.param("c$\\frac$", id="frac"),
+    *(pytest.param(n, id=i, marks=_SLOW) for n, i in (
+        ("$$", "dollars"), ("$LR $BS", "two-dollars"), ("^_{x}", "sub-sup"), ("x" * 200, "long"),
+        ("two\nlines", "newline"), ("\u202egnp.exe", "rtl"), ("\u05e9\u05dc\u05d5\u05dd $a$", "hebrew")))])
+def test_val_with_math_in_a_class_name_writes_every_report(tmp_path, capsys, hostile):
+    from dlenv.data.folder import find_layout
+
+    data = tmp_path / "data"
+    for name in (hostile, "dog", "fox"):
+        make_image_folder(data, classes=(name,), per_class=2, size=(20, 20))
+    classes = list(find_layout(data, val_split=0.0, seed=0).classes)
+    assert hostile in classes
+    weights = _dlenv_ckpt(tmp_path / "runs" / "exp" / "best_model.pth", class_names=classes)
+    code = cli_main(["val", "--weights", str(weights), "--data", str(data), "--workers", "0", "--batch-size", "4",
+                     "--device", "cpu"])
+    assert code == 0, capsys.readouterr().err
+    out = tmp_path / "runs" / "exp" / "val"
+    assert _read_csv(out / "confusion_matrix.csv")[0][1:] == classes
+    assert {r[1] for r in _read_csv(out / "errors.csv")[1:]} == set(classes) - {classes[0]}
+    assert (out / "confusion_matrix.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
