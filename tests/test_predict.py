@@ -423,6 +423,13 @@ def test_class_names_print_escaped_as_train_prints_them(name, shown):
     assert lines == [f"  a.png  {shown} 90.0%  (then {shown} 10.0%)"]
 
 
+def test_the_answer_lines_list_every_class_of_the_topk():
+    """--topk 5 on a 4-class model says all 4 are listed: the line lists all 4, not the best two."""
+    top = [("a", 0.6), ("b", 0.25), ("c", 0.1), ("d", 0.05)]
+    (line,) = predict.answer_lines([predict.Prediction("x.png", None, top)])
+    assert line == "  x.png  a 60.0%  (then b 25.0%, c 10.0%, d 5.0%)"
+
+
 def test_an_onnx_files_hostile_class_names_reach_the_terminal_escaped(trained, tmp_path, monkeypatch, capsys):
     import shutil
 

@@ -450,7 +450,8 @@ def keeps_run(cfg: Any, n: int, video: bool) -> bool:
 
 
 def answer_lines(preds: list[Prediction]) -> list[str]:
-    """One line per image: its name, its top class and probability, and the runner-up. Names are written as
+    """One line per image: its name, its top class and probability, and the rest of its --topk (the line
+    --topk's note promises: every class listed when the model has fewer). Names are written as
     train's data report writes them (dlenv.errors.printable): a class name from a file's metadata or a
     dataset's folders that holds an escape sequence, a newline or U+202E shows it instead of acting on the
     terminal."""
@@ -458,6 +459,6 @@ def answer_lines(preds: list[Prediction]) -> list[str]:
     lines = []
     for p in preds:
         (best, q), *rest = p.top
-        second = f"  (then {printable(rest[0][0])} {rest[0][1]:.1%})" if rest else ""
+        second = f"  (then {', '.join(f'{printable(n)} {v:.1%}' for n, v in rest)})" if rest else ""
         lines.append(f"  {printable(p.path):<{width}}  {printable(best)} {q:.1%}{second}")
     return lines
