@@ -336,3 +336,70 @@ def test_gpu_busy_gives_a_short_epoch_its_one_sample_and_tries_nvml_once(monkeyp
     for _ in range(3):  # three epochs
         assert idle.start().stop() is None
     assert opened == [1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# A record that cannot be written, a command that cannot start
+
+
+ENDS_WITH_A_MARK = "import os, sys, time; time.sleep(0.6); open(os.environ['DONE'], 'w').write('x'); sys.exit(3)"
+
+
+@pytest.mark.parametrize("full", [("watch.csv",), ("watch.csv", "watch.md", "watch.png")],
+                         ids=["watch.csv", "every file"])
+def test_a_record_on_a_full_disk_says_so_and_the_commands_status_comes_back(tmp_path, monkeypatch, no_gpu, full):
+    out = tmp_path / "rec"
+    out.mkdir()
+    (out / "watch.csv").symlink_to("/dev/full")  # every write: ENOSPC
+    if "watch.md" in full:
+        def no_space(path, *a, **k):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(run, "write_text", no_space)
+        monkeypatch.setattr(run, "plot", no_space)
+    monkeypatch.setenv("DONE", str(tmp_path / "done"))
+    lines: list[str] = []
+    status = run.watch([sys.executable, "-c", ENDS_WITH_A_MARK], out, interval=0.1, say=lines.append)
+    assert status == 3 and (tmp_path / "done").is_file()  # the command ran to its end, its status is watch's
+    failed = [ln for ln in lines if "cannot write" in ln]
+    assert len(failed) == len(full), lines
+    assert all(name in line for name, line in zip(full, failed, strict=True))
+    assert "recording stopped" in failed[0] and "\n" not in failed[0]
+    assert "exit status 3" in lines[-1]
+
+
+def _not_executable(tmp_path: Path) -> str:
+    p = tmp_path / "train.py"
+    p.write_text("print('hi')\n")
+    return str(p)
+
+
+def _no_shebang(tmp_path: Path) -> str:
+    p = tmp_path / "train.sh"
+    p.write_text("echo hi\n")
+    p.chmod(0o755)
+    return str(p)
+
+
+def _binary_garbage(tmp_path: Path) -> str:
+    p = tmp_path / "model.bin"
+    p.write_bytes(b"\x00\x01\x02 not an ELF")
+    p.chmod(0o755)
+    return str(p)
+
+
+@pytest.mark.parametrize("make, code, says", [
+    (lambda t: "no-such-program-x", 127, "not found on PATH"),
+    (lambda t: str(t / "missing.py"), 127, "not found on PATH"),
+    (_not_executable, 126, "permission denied; chmod +x"),
+    (_no_shebang, 126, "not a program the system can run (a script without a #! line?)"),
+    (_binary_garbage, 126, "not a program the system can run"),
+    (lambda t: str(t), 126, "cannot be run"),
+], ids=["not-on-path", "missing-file", "not-executable", "no-shebang", "garbage", "a-folder"])
+def test_a_command_that_cannot_start_is_one_line_with_a_shells_status(tmp_path, monkeypatch, capsys, no_gpu,
+                                                                       make, code, says):
+    monkeypatch.chdir(tmp_path)
+    command = make(tmp_path)
+    assert cli.main(["watch", "--", command]) == code
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
