@@ -287,11 +287,11 @@ def guard(base: Path, env: dict[str, str] | None = None) -> list[str]:
         try:
             for intruder in found:
                 stackguard.remove(intruder, base)
-            said.append(f"{FILE} put {names} into {site}, over this image's PyTorch stack; removed it, so the "
-                        "image's stays (a requirement or a dependency of one asks for it: remove that "
-                        f"requirement, or use {_MODERN.split(';')[0]})")
+            said.append(f"{site} held {names}, over this image's PyTorch stack; removed it, so the image's stays "
+                        f"(a line of {FILE} or a dependency of one asks for it: remove that requirement; a newer "
+                        "PyTorch is the modern profile's, docs/docker.md)")
         except OSError as e:
-            said.append(f"{FILE} put {names} into {site}, over this image's PyTorch stack, and it could not be "
+            said.append(f"{site} held {names}, over this image's PyTorch stack, and it could not be "
                         f"removed ({e.strerror}: {e.filename})")
     elsewhere = stackguard.shadowed(stack, base, env or dict(os.environ))
     if elsewhere:
