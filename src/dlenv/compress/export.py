@@ -162,6 +162,7 @@ def export_onnx_int8(cfg: Any, src: Trained, inputs: torch.Tensor, loader: Any, 
 
     cpu = torch.device("cpu")
     model = common.cpu_copy(src.model)
+    quantize.check_quantizable(model, inputs, cfg.quantize)
     with torch.no_grad():
         ref = model(inputs.float().cpu()).float()
     checked: dict[str, Any] = {}
@@ -240,6 +241,7 @@ def main(cfg: Any) -> int:
     model: torch.nn.Module = src.model
     device = torch.device("cpu")
     if cfg.quantize != "none":
+        quantize.check_quantizable(common.cpu_copy(model), inputs, cfg.quantize)
         model = _quantize(cfg, src, loader, example)
     elif cfg.half:
         device = torch.device("cuda")

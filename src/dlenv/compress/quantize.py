@@ -13,14 +13,21 @@ ONNX (`onnx_int8`): the float ONNX file quantized by onnxruntime's own `quantize
 fuses them into QLinearConv and friends), its activation ranges calibrated (MinMax) on batches of the
 run's data prepared as `dlenv val` prepares them. Not `quantize_dynamic`: on a convnet it gives
 ConvInteger, which onnxruntime's CPU provider does not run.
+
+Before either, `check_quantizable` refuses weights int8 cannot scale, in one line naming the layer: a value
+that is not finite, or one past HUGE_WEIGHT, and a layer whose outputs on the check images are not finite
+(weights of 3e38 made numpy warn of overflow and onnxruntime stop on "AssertionError: scale issue").
 """
 
 from __future__ import annotations
 
 import copy
+import errno
+import itertools
 import logging
 import os
 import re
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -29,7 +36,46 @@ import torch
 from torch import nn
 
 from dlenv import compat
-from dlenv.errors import UserError, first_line, optional_import
+from dlenv.errors import UserError, environment_fault, first_line, optional_import, with_path
+
+#: the largest |weight| int8 takes: a layer's range (max - min, up to twice this) over 255 is its scale, and
+#: the range, the scale and the sums they enter must stay inside float32 (which ends at 3.4e38) with room to
+#: spare; no trained layer comes near (their weights are mostly below 10)
+HUGE_WEIGHT = 1e30
+
+
+def check_quantizable(model: nn.Module, inputs: torch.Tensor, mode: str) -> None:
+    """Raise UserError, naming the layer, when `model` holds a weight (or buffer) that is not finite or past
+    HUGE_WEIGHT, or a layer's output on `inputs` is not finite: int8 cannot scale such values."""
+    out = "; use another run file (one from before the values grew), or export float (drop --quantize)"
+    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if not t.is_floating_point() or not t.numel():
+            continue
+        if not bool(torch.isfinite(t).all()):
+            raise UserError(f"--quantize {mode}: {name} holds values that are not finite (NaN or inf): the run "
+                            f"that wrote these weights diverged, and int8 cannot scale them{out}")
+        top = float(t.detach().abs().max())
+        if top > HUGE_WEIGHT:
+            raise UserError(f"--quantize {mode}: {name} reaches {top:.3g}, past the {HUGE_WEIGHT:.0e} int8 can "
+                            f"scale in float32{out}")
+    names = {m: n for n, m in model.named_modules() if n}
+    first: list[nn.Module] = []
+
+    def hook(module: nn.Module, _inp: Any, output: Any) -> None:
+        if not first and torch.is_tensor(output) and output.is_floating_point() and not bool(
+                torch.isfinite(output).all()):
+            first.append(module)
+
+    handles = [m.register_forward_hook(hook) for m in names]
+    try:
+        with torch.no_grad():
+            model(inputs.float().cpu())
+    finally:
+        for h in handles:
+            h.remove()
+    if first:
+        raise UserError(f"--quantize {mode}: the outputs of layer {names[first[0]]} ({type(first[0]).__name__}) are "
+                        f"not finite on the check images, so int8 has no range to scale them to{out}")
 
 
 def check_available(mode: str) -> None:
@@ -192,6 +238,17 @@ def calibration_batches(loader: Any, n: int) -> Iterable[torch.Tensor]:
 QDQ_MIN_OPSET = 13
 
 
+def _disk_fault(e: BaseException | None) -> OSError | None:
+    """The OSError of a machine fault (no space, quota, read-only, ...) that `e` is or was raised from, else None."""
+    for _ in range(8):
+        if e is None:
+            return None
+        if isinstance(e, OSError) and (environment_fault(e) or e.errno in (errno.ENOSPC, errno.EDQUOT)):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def onnx_int8(float_path: Path, out: Path, calibration: Iterable[torch.Tensor]) -> int:
     """Write to `out` the static int8 QDQ form of the float ONNX file `float_path`, calibrated on the
     `calibration` batches (float32 images, as the model takes them); returns how many batches calibrated.
@@ -226,10 +283,15 @@ def onnx_int8(float_path: Path, out: Path, calibration: Iterable[torch.Tensor]) 
     # session optimization. (Not CalibMaxIntermediateOutputs either: 1.23 drops each chunk it "merges".)
     logging.disable(logging.WARNING)
     try:
-        quantize_static(str(float_path), str(out), Batches(), quant_format=QuantFormat.QDQ, per_channel=True,
-                        activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
-                        calibrate_method=CalibrationMethod.MinMax)
+        with warnings.catch_warnings():  # numpy's overflow warnings: check_quantizable judged the values first
+            warnings.simplefilter("ignore", RuntimeWarning)
+            quantize_static(str(float_path), str(out), Batches(), quant_format=QuantFormat.QDQ, per_channel=True,
+                            activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+                            calibrate_method=CalibrationMethod.MinMax)
     except Exception as e:  # onnxruntime's quantizer on the user's graph: its first line, not a dlenv bug
+        fault = _disk_fault(e)
+        if fault is not None:  # a full disk or the like: the machine, not the model (the CLI's exit 5)
+            raise with_path(fault, out) from None
         if fed == 0:
             raise UserError("--quantize int8: no calibration images (the data gave no batch); pass --data with "
                             "class folders of images") from None
