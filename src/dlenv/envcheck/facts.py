@@ -17,7 +17,8 @@ from typing import Any
 
 from dlenv import __version__
 from dlenv.envcheck.kernels import Kernel
-from dlenv.errors import first_line
+from dlenv.errors import UserError, first_line
+from dlenv.files import requirements
 from dlenv.options.cpus import auto_workers, usable_cpus
 
 #: The trainer's default batch and image size, to size the /dev/shm the DataLoader workers need.
@@ -66,6 +67,8 @@ class Facts:
     nvimgcodec: str | None = None      # nvImageCodec's version, where it loads (GPU JPEG decoding)
     nvimgcodec_fix: str = ""           # where it does not: what to install
     requirements: Any = None           # projectreqs.Status: the workspace's requirements.txt, as the image installs it
+    requirements_met: Any = None       # files.requirements.judged: the working folder's, against this Python
+                                       # (None: no file; a str: why it could not be read)
 
 
 def cudnn_string(v: int | None) -> str | None:
@@ -232,6 +235,10 @@ def collect(workers: int | str = "auto", workspace: str | Path | None = None) ->
     from dlenv.envcheck.projectreqs import status
 
     facts.requirements = status()
+    try:
+        facts.requirements_met = requirements.judged()
+    except UserError as e:  # not a small text file: said, not fatal
+        facts.requirements_met = str(e)
     return facts
 
 

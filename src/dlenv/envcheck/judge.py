@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from dlenv.envcheck.facts import Facts, Gpu
 from dlenv.envcheck.kernels import TOLERANCE
 from dlenv.envcheck.pins import MODERN_ENV_FILE, pin_matches
+from dlenv.files import requirements
 from dlenv.options.cpus import SMALL_SHM, workers_that_fit
 
 #: Oldest Linux driver per CUDA major version (CUDA's minor version compatibility covers the rest).
@@ -277,7 +278,7 @@ def checks(facts: Facts, allow_cpu: bool = False) -> list[Check]:
     out.append(Check("info", "CPUs", f"{facts.cpus} usable" + (
         f" (of {facts.host_cpus} on the host: affinity or docker --cpus)"
         if facts.host_cpus != facts.cpus else "")))
-    out += _requirements_check(facts)
+    out += _requirements_check(facts) + _installed_check(facts)
     return out
 
 
@@ -292,6 +293,19 @@ def _requirements_check(facts: Facts) -> list[Check]:
     if s is None or not s.file:
         return []
     return [Check(_REQUIREMENTS.get(s.state, "info"), "requirements", s.detail, s.fix)]
+
+
+def _installed_check(facts: Facts) -> list[Check]:
+    """The working folder's requirements.txt held against this Python (dlenv.files.requirements): each
+    requirement installed, missing or at another version; nothing without the file."""
+    met = facts.requirements_met
+    if met is None:
+        return []
+    if isinstance(met, str):
+        return [Check("warn", "packages", met, "")]
+    status, line, fix = requirements.summary([m if isinstance(m, requirements.Judged) else requirements.Judged(**m)
+                                              for m in met])
+    return [Check(status, "packages", line, fix)]
 
 
 def verdict(facts: Facts, results: list[Check], allow_cpu: bool = False) -> tuple[bool, str]:

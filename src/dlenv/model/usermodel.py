@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dlenv.errors import UserError, first_line
+from dlenv.files import requirements
 from dlenv.options.values import parse_model_args  # the --model-args value, as dlenv.options.config parses it
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,13 @@ def where(e: BaseException, file: Path | None) -> str:
     return f" at line {lines[-1]} of {shown(file)}" if lines else ""
 
 
+def _missing(e: BaseException) -> str:
+    """For a module the model's code imports and this Python lacks (einops): whether requirements.txt lists it."""
+    if isinstance(e, ModuleNotFoundError) and e.name:
+        return requirements.missing_module_hint(e.name)
+    return ""
+
+
 def _import_file(ref: Reference) -> tuple[Any, Path, str]:
     path = ref.path()
     if not path.is_file():
@@ -148,7 +156,7 @@ def _import_file(ref: Reference) -> tuple[Any, Path, str]:
         except (Exception, SystemExit) as e:
             del sys.modules[name]
             raise UserError(f"--model {ref.text}: importing {ref.target} failed{where(e, path)}: "
-                            f"{first_line(e)}") from None
+                            f"{first_line(e)}{_missing(e)}") from None
     return module, path, sha
 
 
@@ -161,7 +169,7 @@ def _import_module(ref: Reference) -> tuple[Any, Path | None, str | None]:
             raise UserError(f"--model {ref.text}: no module {e.name!r} in {Path.cwd()} or the installed "
                             "packages; run from your project folder, or name a file: --model "
                             f"path/to/file.py:{ref.factory}") from None
-        raise UserError(f"--model {ref.text}: importing {ref.target} failed: {first_line(e)}") from None
+        raise UserError(f"--model {ref.text}: importing {ref.target} failed: {first_line(e)}{_missing(e)}") from None
     except (Exception, SystemExit) as e:
         raise UserError(f"--model {ref.text}: importing {ref.target} failed: {first_line(e)}") from None
     origin = getattr(module, "__file__", None)
