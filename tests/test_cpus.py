@@ -90,15 +90,15 @@ def test_taskset_one_core_gives_one_thread_in_a_child():
 @pytest.mark.slow
 def test_a_run_on_one_core_sets_torch_and_openmp_to_one_thread():
     """What the trainer applies (dlenv.train.run.use_threads of the plan's threads) in a child on one core:
-    PyTorch's intra-op and inter-op threads, and OMP_NUM_THREADS for its children."""
+    PyTorch's intra-op threads, and OMP_NUM_THREADS for its children."""
     code = ("import os; os.sched_setaffinity(0, {0}); os.environ.pop('OMP_NUM_THREADS', None); import torch; "
             "torch.set_num_threads(2); from dlenv.train.plan import _threads; from dlenv.train.run import use_threads; "
             "d = _threads(1); use_threads(d.value); "
-            "print(torch.get_num_threads(), torch.get_num_interop_threads(), os.environ['OMP_NUM_THREADS'], d.why)")
+            "print(torch.get_num_threads(), os.environ['OMP_NUM_THREADS'], d.why)")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.startswith("1 1 1 1 CPU (affinity 1 of"), out.stdout
+    assert out.stdout.startswith("1 1 1 CPU (affinity 1 of"), out.stdout
 
 
 @pytest.mark.parametrize("n_cpus, workers", [(1, 1), (2, 2), (4, 4), (8, 8), (9, 8), (10, 8), (12, 10),

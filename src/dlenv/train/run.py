@@ -22,7 +22,6 @@ under DDP (dlenv.cluster.distributed), validation sums are reduced over all of t
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -153,12 +152,11 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def use_threads(n: int) -> None:
-    """PyTorch's intra-op threads, its inter-op threads where they can still be set (only before the first
-    inter-op work of the process), and OpenMP's and MKL's in child processes: `n` (the plan's `threads`).
-    A variable the user set is kept (it decided `n` already)."""
+    """PyTorch's intra-op threads, and OpenMP's and MKL's in child processes: `n` (the plan's `threads`). A
+    variable the user set is kept (it decided `n` already). Inter-op threads are left as they are: they can be
+    set only before the process's first inter-op work, and torch 1.13 aborts the process (no exception) when
+    that has happened, as it has after an earlier run or probe in the same process."""
     torch.set_num_threads(n)
-    with contextlib.suppress(RuntimeError):  # set once per process, before any inter-op work: an earlier run's stays
-        torch.set_num_interop_threads(n)
     for k in THREAD_VARIABLES:
         os.environ.setdefault(k, str(n))
 
