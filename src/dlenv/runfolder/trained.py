@@ -197,8 +197,9 @@ def _open(path: Path, policy: LoadPolicy, model: str | None, kinds: tuple[str, .
     the kinds of file the command (`verb`, for messages) takes; `classes` is --classes (a file's own class
     names must agree with it); `given` holds --img-size, which wins over a file's size (and --normalize,
     --resize: open_trained's); `device` where an ONNX file will run (its onnxruntime provider). Raises
-    UserError for a missing, foreign, unsafe or corrupt file, a kind the command does not take, a bare state dict without --model, weights that do not fit their
-    architecture, invalid saved options, and --classes that do not fit the model.
+    UserError for a missing, foreign, unsafe or corrupt file, a kind the command does not take, a bare
+    state dict without --model, weights that do not fit their architecture, invalid saved options,
+    and --classes that do not fit the model.
     """
 
     img_size = given.get("img_size")

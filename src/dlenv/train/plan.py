@@ -17,7 +17,8 @@ headers for --img-size auto and the CPU recipe); the model's structure for --che
 (a copy built without weights, on PyTorch's meta device where it has one); real training steps for
 --batch-size auto and --checkpoint-ratio auto on a GPU and for --amp on a CPU (kept per machine,
 dlenv.train.cpuprobe); one training step of the model for --amp (a copy, at 2 images); one forward of
-a model of your own, built without weights, to check it gives logits before anything is probed. The run's random streams are left as the seed set them.
+a model of your own, built without weights, to check it gives logits before anything is probed. The run's
+random streams are left as the seed set them.
 
 A new decision is a field of `TrainPlan` holding an `auto.Decision` (value, why), made in `decide`
 and written to config.yaml by `notes` as `<name>_rule`.
