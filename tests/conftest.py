@@ -147,6 +147,10 @@ def tiny(monkeypatch):
         return built[-1]
 
     monkeypatch.setattr(dlenv.model.models, "build_model", build)
+    # the CLI's check of a --model name before torch loads knows torchvision's names, not this stand-in's
+    import dlenv.model.modelnames
+
+    monkeypatch.setattr(dlenv.model.modelnames, "OWN_NAMES", {*dlenv.model.modelnames.OWN_NAMES, "tiny", "tiny-nonorm"})
     return built
 
 
