@@ -186,6 +186,21 @@ def _read_until(proc: subprocess.Popen, marker: str, timeout: float) -> list[str
         timer.cancel()
     raise AssertionError(f"no line starting with {marker!r}:\n{''.join(lines)}{proc.stderr.read()[-3000:]}")
 
+def _stopped_in_epoch_1(args: list[str], env: dict, marker: str):
+    """`dlenv train ARGS` launched, SIGTERM once `marker` (epoch 1's line) is out; (process, stdout, stderr)."""
+    launcher = subprocess.Popen([sys.executable, "-m", "dlenv", "train", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        head = _read_until(launcher, marker, timeout=300)
+        launcher.send_signal(signal.SIGTERM)
+        out, err = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    return launcher, "".join(head) + out, err
+
+
 
 @pytest.mark.slow
 def test_launch_sigterm_saves_once_then_resumes_on_one_process(tmp_path):
@@ -199,22 +214,12 @@ def test_launch_sigterm_saves_once_then_resumes_on_one_process(tmp_path):
     project = tmp_path / "runs"
     common = ["--workers", "0", "--device", "cpu"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "dlenv", "train", "--data", str(tmp_path / "ds"), "--model", "squeezenet1_1",
-         "--img-size", "32", "--batch-size", "2", "--accum-steps", "2", "--epochs", "4", "--gpus", "2",
-         "--project", str(project), *common], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        # the signal goes once epoch 1's line is out (the handlers are in place by then) and lands in one of
-        # the three epochs left; the timeouts are safety nets far above the phases (13 s to epoch 1, 3 s to
-        # stop, 10 s to resume on this 2-core box at load 8; a fixed 10 epochs took the resume past 300 s)
-        head = _read_until(launcher, "epoch 1/4:", timeout=300)
-        launcher.send_signal(signal.SIGTERM)
-        out, err = launcher.communicate(timeout=300)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-    out = "".join(head) + out
+    # the signal goes once epoch 1's line is out (the handlers are in place by then) and lands in one of
+    # the three epochs left; the timeouts are safety nets far above the phases (13 s to epoch 1, 3 s to
+    # stop, 10 s to resume on this 2-core box at load 8; a fixed 10 epochs took the resume past 300 s)
+    launcher, out, err = _stopped_in_epoch_1(
+        ["--data", str(tmp_path / "ds"), "--model", "squeezenet1_1", "--img-size", "32", "--batch-size", "2",
+         "--accum-steps", "2", "--epochs", "4", "--gpus", "2", "--project", str(project), *common], env, "epoch 1/4:")
     assert launcher.returncode == 143, out + err[-3000:]
     assert "batch 2 x 2 accum x 2 GPU = 8" in out
     assert out.count("stopped by SIGTERM; saved") == 1, out
@@ -245,20 +250,10 @@ def test_the_printed_resume_line_resumes_on_the_processes_launched(tmp_path):
     make_train_val(tmp_path / "ds", per_class=8)
     project = tmp_path / "runs"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "dlenv", "train", "--data", str(tmp_path / "ds"), "--model", "squeezenet1_1",
-         "--img-size", "32", "--batch-size", "2", "--epochs", "3", "--gpus", "2", "--dist-timeout", "300",
-         "--project", str(project), "--workers", "0", "--device", "cpu"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        head = _read_until(launcher, "epoch 1/3:", timeout=300)
-        launcher.send_signal(signal.SIGTERM)
-        out, err = launcher.communicate(timeout=300)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-    out = "".join(head) + out
+    launcher, out, err = _stopped_in_epoch_1(
+        ["--data", str(tmp_path / "ds"), "--model", "squeezenet1_1", "--img-size", "32", "--batch-size", "2",
+         "--epochs", "3", "--gpus", "2", "--dist-timeout", "300", "--project", str(project), "--workers", "0",
+         "--device", "cpu"], env, "epoch 1/3:")
     assert launcher.returncode == 143, out + err[-3000:]
     printed = [ln.split("Resume with: ", 1)[1] for ln in out.splitlines() if "Resume with: " in ln]
     assert printed == [f"dlenv train --resume {project / 'exp' / 'last.pth'} --gpus 2 --dist-timeout 300"], out
