@@ -19,7 +19,7 @@ def test_a_kernel_gets_its_memory_back_after_each_out_of_memory_and_trains_with_
     """Three tries in one kernel, as a notebook user makes them (issue 54): a batch that does not fit, one
     that does, the first again. After each failure the bytes allocated are within 64 MiB of what they were
     before the first cell, although the kernel keeps the last exception; the runs that fit report the same
-    peak and speed."""
+    peak and speed. A run that fits comes first, so that neither compared run pays cuDNN's autotuning."""
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
@@ -40,7 +40,8 @@ huge = int(torch.cuda.get_device_properties(0).total_memory / 2**30 / 21 * 256 *
            "print('RESULT', json.dumps({'peak': out['peak_alloc_gib'], 'img_s': out['img_per_s']}))"
     failing = {"tags": ["raises-exception"]}  # shown, and kept by the kernel (sys.last_value)
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(setup),
+    warm = "train(config.build(TrainConfig, **base, model='resnet50', img_size=176, batch_size=96))"
+    nb.cells = [nbformat.v4.new_code_cell(setup), nbformat.v4.new_code_cell(warm),  # cuDNN's autotuning, paid once
                 nbformat.v4.new_code_cell(oom, metadata=failing), nbformat.v4.new_code_cell(held),
                 nbformat.v4.new_code_cell(fits),
                 nbformat.v4.new_code_cell(oom, metadata=failing), nbformat.v4.new_code_cell(held),
@@ -52,13 +53,13 @@ huge = int(torch.cuda.get_device_properties(0).total_memory / 2**30 / 21 * 256 *
         text = "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
         return json.loads(text.split(f"{key} ", 1)[1].splitlines()[0])
 
-    for i in (1, 4):
+    for i in (2, 5):
         assert any(o.get("ename") == "UserError" or "out of memory" in str(o.get("evalue", "")).lower()
                    for o in nb.cells[i].outputs), nb.cells[i].outputs
-    held_after = [said(nb.cells[i], "HELD") for i in (2, 5)]
+    held_after = [said(nb.cells[i], "HELD") for i in (3, 6)]
     assert all(abs(h) <= 64 * 2**20 for h in held_after), \
         f"bytes still allocated after each out-of-memory (the kernel keeps the exception): {held_after}"
-    a, b = (said(nb.cells[i], "RESULT") for i in (3, 6))
+    a, b = (said(nb.cells[i], "RESULT") for i in (4, 7))
     assert a["peak"] < 16, f"peak {a['peak']:.1f} GiB in a kernel that hit an out-of-memory, for a run that needs ~3"
     assert abs(a["peak"] - b["peak"]) <= 0.05 * b["peak"]
     assert a["img_s"] > 0.5 * b["img_s"] and b["img_s"] > 0.5 * a["img_s"]

@@ -450,9 +450,9 @@ class TrainStepProbe:
         """Release the probe's model, optimizer state and their GPU memory."""
         self.parts = None
         if self.device.type == "cuda":
-            import torch
+            from dlenv.engine import memory
 
-            torch.cuda.empty_cache()
+            memory.release_cached()
 
 
 def make_train_step_probe(model_factory: Callable[[], Any], precision_mode: str, checkpoint: bool | float,

@@ -228,6 +228,14 @@ def release_failed_step(exc: BaseException | None) -> None:
         seen.add(id(exc))
         traceback.clear_frames(exc.__traceback__)  # skips the frames still running
         exc = exc.__cause__ or exc.__context__
+    release_cached()
+
+
+def release_cached() -> None:
+    """After a run or a probe is over: collect its garbage, then give back the BLAS workspaces and the cached
+    blocks, so what stays allocated is what the caller's own tensors hold (a notebook's next cell starts
+    where the first began). Not between the steps of a run: the workspaces and blocks would be taken again."""
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
+        compat.clear_blas_workspaces()
         torch.cuda.empty_cache()
