@@ -74,11 +74,15 @@ def pip_lines() -> list[str]:
 
 
 def constraint_lines() -> list[str]:
-    """torch, torchvision, torchaudio pinned to what is installed (those installed)."""
+    """torch, torchvision, torchaudio pinned to exactly what is installed (those installed): `===` where the
+    version has no local label, since `torch==1.13.1` also admits `1.13.1+anything` (PEP 440), and a
+    requirements.txt naming such a build would replace the image's torch under the constraint; the rule
+    of dlenv.envcheck.stackguard.pin_lines, which this build-time script cannot import."""
     out = []
     for name in TORCH_STACK:
         try:
-            out.append(f"{name}=={metadata.version(name)}")
+            v = metadata.version(name)
+            out.append(f"{name}=={v}" if "+" in v else f"{name}==={v}")
         except metadata.PackageNotFoundError:
             continue
     return out

@@ -463,3 +463,20 @@ def test_the_conda_lock_refuses_an_unknown_kind():
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "lock_env.py"), "conda", "mamba", "x"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.startswith("usage: lock_env.py"), r.stderr
+
+
+def test_the_lock_holds_the_pytorch_stack_at_its_exact_version_string():
+    """PIP_CONSTRAINT's lines admit the installed build only: `torch==1.13.1` would also take `1.13.1+evil`."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "lock_env.py"), "constraints"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.split()
+    assert any(line.startswith("torch=") for line in lines), lines
+    for line in lines:
+        req = Requirement(line)
+        installed = metadata.version(req.name)
+        assert req.specifier.contains(installed) and not req.specifier.contains(installed.split("+")[0] + "+evil")
