@@ -120,6 +120,34 @@ def test_no_model_step_where_the_machine_already_says_fp32(amp, native, tmp_path
     assert decided.value == "fp32"
 
 
+@pytest.mark.parametrize("mine,others_fp32,expected", [
+    ("bf16", False, "bf16"),  # every process chose bf16
+    ("bf16", True, "fp32"),   # another read a verdict of fp32 (or its model's step failed): all train in fp32
+    ("fp32", False, "fp32"),  # this one chose fp32 before any model step: it still takes part in the vote
+    ("fp32", True, "fp32"),
+])
+def test_the_processes_of_a_run_agree_on_the_precision_in_one_vote(mine, others_fp32, expected, monkeypatch):
+    """Each rank decides alone, then all agree in one collective that every rank reaches whatever it
+    decided: a collective only the ranks choosing bf16 reached hung two CPU processes (CI, --gpus 2)."""
+    from dlenv.train import plan
+
+    votes = []
+
+    def agree(value, op):
+        votes.append((value, op))
+        return max(float(value), float(others_fp32))
+
+    monkeypatch.setattr(plan.distributed, "agree", agree)
+    monkeypatch.setattr(plan.auto, "decide_precision", lambda *a, **k: auto.Decision(mine, "as this rank measured"))
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(amp=True, amp_dtype="auto")
+    decided = plan._precision(cfg, torch.device("cpu"), SimpleNamespace())
+    assert votes == [(mine == "fp32", "max")] and decided.value == expected
+    if mine == "bf16" and others_fp32:
+        assert "another process of this run trains in fp32" in decided.why
+
+
 # ---------------------------------------------------------------------------------------------------
 # The trainer.
 

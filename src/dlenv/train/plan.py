@@ -401,18 +401,22 @@ def _channels_last(cfg: TrainConfig, device: torch.device, convolutional: bool) 
 
 def _precision(cfg: TrainConfig, device: torch.device, spec: ModelSpec) -> Decision:
     # CPU --amp: fp32 at once on a CPU without bf16 instructions; else a probe of a second, kept per machine;
-    # then, on any device, one step of the run's model in the mode chosen (every rank agrees: fp32 if any failed)
+    # then, on any device, one step of the run's model in the mode chosen. Each rank decides alone (one may
+    # read the verdict another has just kept, or time bf16 a little differently), so all of them then agree
+    # once, whatever each decided: fp32 if any chose it. (A collective inside the model's step, which only
+    # ranks that chose bf16 reach, hung two CPU processes.)
     def model_step(mode: str) -> str | None:
-        failed = auto.amp_step_error(lambda: spec.build(with_weights=False), mode, device, spec.img_size.value,
-                                     spec.num_classes)
-        if distributed.agree(failed is not None, "max") and failed is None:
-            return "it failed on another process"
-        return failed
+        return auto.amp_step_error(lambda: spec.build(with_weights=False), mode, device, spec.img_size.value,
+                                   spec.num_classes)
 
-    return auto.decide_precision(cfg.amp, cfg.amp_dtype, device, cpuprobe.cpu_probe_seconds,
-                                 cache=cpuprobe.cpu_amp_cache(),
-                                 native=cpuprobe.cpu_bf16_native() if device.type == "cpu" else None,
-                                 model_step=model_step)
+    decided = auto.decide_precision(cfg.amp, cfg.amp_dtype, device, cpuprobe.cpu_probe_seconds,
+                                    cache=cpuprobe.cpu_amp_cache(),
+                                    native=cpuprobe.cpu_bf16_native() if device.type == "cpu" else None,
+                                    model_step=model_step)
+    if distributed.agree(decided.value == "fp32", "max") and decided.value != "fp32":
+        return Decision("fp32", f"--amp: another process of this run trains in fp32 (this one chose "
+                        f"{decided.value}: {decided.why}), so every process does")
+    return decided
 
 
 def _batch_split(cfg: TrainConfig, dist: distributed.DistInfo, located: pipeline.Located, probe: auto.Probe,
