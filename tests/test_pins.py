@@ -272,7 +272,12 @@ def test_the_pip_lock_lists_what_pip_installed_exactly():
 
 def test_the_pip_constraints_hold_the_installed_torch_stack():
     lines = lock_env().constraint_lines()
-    assert f"torch=={installed('torch')}" in lines and f"torchvision=={installed('torchvision')}" in lines
+
+    def exactly(name):  # the whole version string: `===` unless a local label makes `==` exact
+        v = installed(name)
+        return f"{name}=={v}" if "+" in v else f"{name}==={v}"
+
+    assert exactly("torch") in lines and exactly("torchvision") in lines
     assert all(ln.split("==")[0] in ("torch", "torchvision", "torchaudio") for ln in lines)
 
 
