@@ -353,3 +353,20 @@ def test_run_folders_with_math_in_their_names_plot_as_text(tmp_path, capsys, nam
     texts = _axis(fig, "Validation top-1").get_legend().get_texts()
     assert sorted(t.get_text() for t in texts) == sorted(plots.cut(n) for n in names)
     assert not any(t.get_parse_math() or t.get_usetex() for t in texts)  # each name as its characters, not math
+
+
+@pytest.mark.parametrize("head, labels", [
+    ("# classes: 4\n", {"top-1"}),            # every class is in the top 5: top-5 means nothing
+    ("# classes: 5\n", {"top-1"}),
+    ("# classes: 10\n", {"top-1", "top-5"}),
+    ("", {"top-1", "top-5"}),                 # a config.yaml that records no class count: drawn as before
+    (None, {"top-1", "top-5"}),               # no config.yaml at all
+])
+def test_results_png_draws_top5_only_with_more_than_5_classes(tmp_path, head, labels):
+    run = _make_run(tmp_path / "exp", epochs=2)
+    if head is not None:
+        (run / "config.yaml").write_text("# dlenv train: the options of this run\n" + head + "model: tiny\n")
+    fig = plots.plot_run(read_results(run / "results.csv"), "exp", plots.run_classes(run))
+    acc = _axis(fig, "Validation accuracy")
+    assert {ln.get_label() for ln in acc.get_lines()} == labels
+    assert {t.get_text() for t in acc.get_legend().get_texts()} == labels

@@ -21,6 +21,7 @@ from typing import Any
 
 from dlenv import invocation
 from dlenv.errors import UserError, need_folder, printable
+from dlenv.files import safeio
 from dlenv.files.atomic import write_atomic
 from dlenv.options.cfgfile import load_yaml
 from dlenv.runfolder import drawing
@@ -159,12 +160,25 @@ def _note(ax: Any, text: str) -> None:
             fontsize=10, wrap=True)
 
 
+def run_classes(run: Path) -> int | None:
+    """How many classes the run trained on, from the `# classes: N` note at the head of its config.yaml
+    (the first 8 KiB are read), or None when it records none."""
+    try:
+        with safeio.open_regular(run / CONFIG, CONFIG) as fh:
+            head = fh.read(8192).decode("utf-8", errors="replace")
+    except (OSError, UserError):
+        return None
+    found = re.search(r"^# classes: (\d{1,9})$", head, re.M)
+    return int(found.group(1)) if found else None
+
+
 @drawing.settings()
-def plot_run(df: Any, title: str):
+def plot_run(df: Any, title: str, classes: int | None = None):
     """The results.png figure of one run's results (a DataFrame from `read_results`).
 
     Returns a matplotlib Figure with one Axes per entry of PANELS (title as in PANELS); each plotted
-    column is a Line2D labelled as in PANELS, its ydata the CSV's values (data wait in %).
+    column is a Line2D labelled as in PANELS, its ydata the CSV's values (data wait in %). With `classes`
+    known and at most 5, top-5 is not drawn: every class is in the top 5, so it reads 100% and means nothing.
     """
     fig = drawing.new_figure(figsize=(15, 8.5), layout="constrained")
     axes = fig.subplots(2, 3).ravel()
@@ -180,7 +194,7 @@ def plot_run(df: Any, title: str):
         all_epochs, all_values = [], []
         for col, label in cols:
             epochs, values = _series(df, col)
-            if not epochs:
+            if not epochs or (col == "top5" and classes is not None and classes <= 5):
                 continue
             ax.plot(epochs, values, marker=marker, markersize=4, label=label)
             all_epochs += epochs
@@ -330,7 +344,7 @@ def plot_log_dir(log_dir: str | Path) -> list[Path]:
         df = df.sort_values("epoch")
         about[label] = describe_run(run)
         title = f"{label} ({about[label]})" if about[label] else label
-        written.append(save_figure(plot_run(df, title), run / "results.png"))
+        written.append(save_figure(plot_run(df, title, run_classes(run)), run / "results.png"))
         frames[label] = df
         print(f"{label}: {len(df)} epoch(s) -> {run / 'results.png'}")
     if not frames:
