@@ -5,6 +5,7 @@ no-GPU line, and `dlenv watch -- ...` on the command line."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 from dlenv import cli
 from dlenv.errors import UserError
 from dlenv.options import config
-from dlenv.watch import advice, probes, run
+from dlenv.watch import advice, probes, record, run
 
 GIB = 1024 ** 3
 
@@ -403,3 +404,20 @@ def test_a_command_that_cannot_start_is_one_line_with_a_shells_status(tmp_path, 
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("gpus", [1, 0])
+def test_watch_png_legends_sit_beside_the_panels_and_disk_reads_say_whole_machine(gpus):
+    samples = _series([0, 90, 95, 10, 92], disk=[0, 50, 80, 0, 5])
+    if not gpus:
+        samples = [dataclasses.replace(s, gpus=[]) for s in samples]
+    fig = record.figure(samples, ["H100"] * gpus, "watch: python train.py", n_cpus=4)
+    fig.canvas.draw()
+    panels = [ax for ax in fig.axes if ax.get_legend() is not None]
+    assert len(panels) == (3 if gpus else 1)
+    for ax in panels:  # no legend box overlaps the area where the lines are drawn
+        box, area = ax.get_legend().get_window_extent(), ax.get_window_extent()
+        assert box.x0 >= area.x1, (ax.get_title(), box, area)
+    host = [t.get_text() for t in panels[-1].get_legend().get_texts()]
+    assert any("disk reads" in t and "whole machine" in t for t in host), host
+    assert "machine" in fig.axes[-1].get_ylabel()

@@ -35,8 +35,21 @@ def csv_row(s: Sample) -> list[Any]:
 
 @drawing.settings()
 def plot(samples: Sequence[Sample], names: Sequence[str], path: Path, title: str, n_cpus: int = 1) -> Path:
-    """The timeline: GPU utilisation and memory (% of the card), power (% of its limit), host CPU and
-    the command's CPU, disk reads."""
+    """watch.png, the timeline of `figure`, written atomically. Returns its path."""
+    fig = figure(samples, names, title, n_cpus)
+    write_atomic(Path(path), lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+    return Path(path)
+
+
+#: every legend sits right of its panel (past the twin axis's labels), so none covers a line
+_OUTSIDE = {"fontsize": 7, "loc": "upper left", "bbox_to_anchor": (1.1, 1.0), "borderaxespad": 0.0}
+
+
+@drawing.settings()
+def figure(samples: Sequence[Sample], names: Sequence[str], title: str, n_cpus: int = 1):
+    """The timeline as a matplotlib Figure: GPU utilisation and memory (% of the card), power (% of its limit),
+    host CPU and the command's CPU, and the machine's disk reads (every process's, not only the command's:
+    /proc/diskstats counts the disks, not who read)."""
     t = [s.t for s in samples]
     panels = 3 if names else 1
     fig = drawing.new_figure(figsize=(11, 2.6 * panels + 0.6))
@@ -50,7 +63,7 @@ def plot(samples: Sequence[Sample], names: Sequence[str], path: Path, title: str
                     label=f"GPU {i} memory (% of card)")
         ax.set_ylim(-2, 105)
         ax.set_ylabel("%")
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(**_OUTSIDE)
         ax.set_title("GPU utilisation and memory", fontsize=9)
         ax = axes[1]
         for i in range(len(names)):
@@ -59,7 +72,7 @@ def plot(samples: Sequence[Sample], names: Sequence[str], path: Path, title: str
             if limit:
                 ax.axhline(limit, color="grey", lw=0.8, ls=":", label=f"GPU {i} power limit")
         ax.set_ylabel("W")
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(**_OUTSIDE)
         ax.set_title("GPU power", fontsize=9)
     ax = axes[-1]
     ax.plot(t, [s.host_cpu for s in samples], label="CPUs it may use, % busy", lw=1.2, color="tab:red")
@@ -70,17 +83,16 @@ def plot(samples: Sequence[Sample], names: Sequence[str], path: Path, title: str
     ax.set_xlabel("seconds")
     ax2 = ax.twinx()
     ax2.plot(t, [None if s.disk_read is None else s.disk_read / MIB for s in samples], lw=0.8, color="tab:purple",
-             label="disk reads, MiB/s")
-    ax2.set_ylabel("MiB/s")
+             label="disk reads, whole machine, MiB/s")
+    ax2.set_ylabel("machine's disk reads, MiB/s")
     ax2.set_ylim(bottom=0)
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=7, loc="upper right")
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], **_OUTSIDE)
     ax.set_title("host", fontsize=9)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    write_atomic(Path(path), lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
-    return Path(path)
+    return fig
 
 
 def _at(s: Sample, i: int, name: str) -> float | None:
