@@ -33,6 +33,8 @@ def ws(tmp_path, monkeypatch):
             os.utime(tmp_path / "runs" / run / name, (1000 + i, 1000 + i))
     (tmp_path / "notes.txt").write_text("a file\n")
     (tmp_path / "photo.png").write_bytes(b"x")
+    (tmp_path / "textures.zip").write_bytes(b"x")
+    (tmp_path / "data" / "birds.tar.gz").write_bytes(b"x")
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -58,6 +60,10 @@ TYPOS = [
     (["plot", "--log-dir", "./rnus"], "--log-dir ./rnus: no such folder; did you mean runs?"),
     (["data-report", "data/dgits"], "dataset folder data/dgits: no such folder; did you mean data/digits?"),
     (["bench-data", "--data", "data/digitz"], "did you mean data/digits?"),
+    (["unpack", "texture.zip"], "archive texture.zip: no such file; did you mean textures.zip?"),
+    (["unpack", "birds.tar.gz"], "archive birds.tar.gz: no such file; did you mean data/birds.tar.gz?"),
+    (["unpack", "bird.tar.gz"], "did you mean data/birds.tar.gz?"),
+    (["unpack", "nothing.7z"], "archive nothing.7z: no such file; pass the path of a .zip"),
 ]
 
 

@@ -39,6 +39,7 @@ INPUTS: dict[str, tuple[str, ...]] = {
     "predict": ("weights", "source"),
     "plot": ("log_dir",),
     "bench-data": ("data",),
+    "unpack": ("archive",),
 }
 #: command -> the options that name an output (made if missing, but not under a regular file)
 OUTPUTS: dict[str, tuple[str, ...]] = {
@@ -54,10 +55,13 @@ FIXES = {
     "resume": "pass a last.pth path (e.g. runs/exp/last.pth) or --resume auto",
     "source": "pass an image, a folder, a glob, a video or - (paths on stdin)",
     "log_dir": "pass the folder of your runs (e.g. runs)",
+    "archive": "pass the path of a .zip, .tar(.gz/.bz2/.xz) or .7z file (e.g. data/pets.zip)",
 }
 #: what a missing input is called
 WHAT = {"data": "no such folder", "dir": "no such folder", "log_dir": "no such folder", "weights": "not found",
-        "resume": "no such checkpoint"}
+        "resume": "no such checkpoint", "archive": "no such file"}
+#: where else a missing input is looked for: `dlenv unpack pets.zip` may mean data/pets.zip
+ALSO_UNDER = {"archive": "data"}
 #: the commands that read a trained model's file: a bare best_model.pth / last.pth is the newest run's
 RUN_FILES = ("val", "predict", "prune", "export")
 #: train's --weights names a file when it looks like one (a bare word like DEFAULT is the models' to explain)
@@ -83,7 +87,8 @@ def check(command: str, cfg: Any, say: Any = print) -> Any:
             continue
         if name == "data":
             _split_for_root(str(value))
-        must_exist(_flag(name), str(value), FIXES.get(name), what=WHAT.get(name, "no such file or folder"))
+        must_exist(_flag(name), str(value), FIXES.get(name), what=WHAT.get(name, "no such file or folder"),
+                   also_under=ALSO_UNDER.get(name))
     model = getattr(cfg, "model", None)
     if isinstance(model, str) and ":" in model and model.rpartition(":")[0].endswith(".py"):
         must_exist("--model", model.rpartition(":")[0], "pass FILE.py:factory with the file's path "
@@ -160,12 +165,15 @@ def _checked(command: str, name: str, value: str) -> bool:
 
 
 def must_exist(flag: str, path: str, fix: str | None = None, shown: str | None = None, tail: str = "",
-               what: str = "no such file or folder") -> None:
+               what: str = "no such file or folder", also_under: str | None = None) -> None:
     """Raise UserError unless `path` exists: "FLAG PATH: no such file or folder; did you mean NEAR?" (a near
-    name of each missing part among its siblings, when every part has one), else "...; FIX"."""
+    name of each missing part among its siblings, when every part has one; else, for a relative path, the
+    same under the folder `also_under`), else "...; FIX"."""
     if os.path.lexists(path):
         return
     near = did_you_mean(path)
+    if near is None and also_under and not os.path.isabs(path):
+        near = did_you_mean(os.path.join(also_under, path))
     if near:
         hint = f"did you mean {printable(near + tail)}?"
     else:
@@ -203,4 +211,6 @@ def _under_file(flag: str, path: str) -> None:
 
 
 def _flag(name: str) -> str:
-    return "dataset folder" if name == "dir" else "--" + name.replace("_", "-")  # data-report's is positional
+    if name in ("dir", "archive"):  # data-report's and unpack's are positional
+        return {"dir": "dataset folder", "archive": "archive"}[name]
+    return "--" + name.replace("_", "-")
