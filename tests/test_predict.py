@@ -446,3 +446,13 @@ def test_an_onnx_files_hostile_class_names_reach_the_terminal_escaped(trained, t
     assert "\x1b" not in out and "\x07" not in out
     answers = [line for line in out.splitlines() if line.startswith("  ")]
     assert len(answers) == 1 and any(h[2] in answers[0] for h in HOSTILE_NAMES[:3]), out  # no faked line
+
+
+@pytest.mark.parametrize("name, q, want", [
+    ("cat", 0.87, "cat  87%"),
+    ("golden_retriever", 0.5, "golden_retriever  50%"),              # 16 characters: whole
+    ("golden_retriever_puppy", 1.0, "golden_retrie...  100%"),        # cut, and the cut is shown
+    ("a\x1b[2Jb", 0.05, "a\\x1b[2Jb  5%"),                            # printable, as the answer lines
+])
+def test_contact_sheet_caption_keeps_class_and_probability_apart(name, q, want):
+    assert predict.caption(name, q) == want

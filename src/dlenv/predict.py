@@ -303,6 +303,13 @@ CELL, COLUMNS, SHEET_MAX = 160, 10, 100
 CAPTION = 28
 
 
+def caption(name: str, q: float) -> str:
+    """A thumbnail's caption on a contact sheet: the class (printable, cut to 16 characters with "...") and its
+    probability, two spaces apart, so "cat  87%" never reads as one word even where a long name is cut."""
+    name = printable(name)
+    return f"{name if len(name) <= 16 else name[:13] + '...'}  {q:.0%}"
+
+
 def _sheet(cells: list[tuple[Any, str, str]]) -> Any:
     """One contact sheet: each (image, caption, name) as a thumbnail with its caption below, in a grid."""
     from PIL import Image, ImageDraw
@@ -369,7 +376,7 @@ def save_images(run_dir: Path, preds: list[Prediction], source: Source, stride: 
         if len(preds) > 1:
             thumb = im.copy()
             thumb.thumbnail((CELL, CELL))  # only the thumbnail is kept until its sheet is written
-            cells.append((thumb, f"{p.top[0][0][:16]} {p.top[0][1]:.0%}", os.path.basename(p.path)))
+            cells.append((thumb, caption(*p.top[0]), os.path.basename(p.path)))
             if len(cells) == SHEET_MAX:
                 flush()
     if cells:
