@@ -79,8 +79,9 @@ def _add_option(parser: Any, f: Any) -> None:
         parser.add_argument(config.flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
                             default=argparse.SUPPRESS, help=help_text)
     else:
-        parser.add_argument(config.flag(f.name), dest=f.name, default=argparse.SUPPRESS,
-                            metavar=f.name.upper(), choices=None, help=help_text)
+        nargs = md.get("nargs")  # `--compare A B`
+        parser.add_argument(config.flag(f.name), dest=f.name, default=argparse.SUPPRESS, nargs=nargs,
+                            metavar=("A", "B") if nargs == 2 else f.name.upper(), choices=None, help=help_text)
 
 
 def build_parser() -> argparse.ArgumentParser:

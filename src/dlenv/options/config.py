@@ -42,6 +42,7 @@ from dlenv.options.declare import (  # noqa: F401 (BATCH_MAX, IMG_SIZE_MAX: conf
     workers_here,
 )
 from dlenv.options.predict_options import PredictConfig
+from dlenv.options.runs_options import PlotConfig, RunsConfig
 from dlenv.options.server_options import LabConfig, TensorboardConfig
 from dlenv.options.values import (
     auto_float,
@@ -234,13 +235,6 @@ class ValConfig:
 
 
 @dataclass(frozen=True)
-class PlotConfig:
-    """Options of `plot`."""
-
-    log_dir: str = opt("runs", "folder of runs (each with results.csv), or one run folder")
-
-
-@dataclass(frozen=True)
 class UnpackConfig:
     """Options of `unpack`."""
 
@@ -390,6 +384,7 @@ COMMANDS: dict[str, Command] = {c.name: c for c in [
             "Validate a weights file: metrics, per-class report, confusion matrix, errors."),
     Command("plot", PlotConfig, "dlenv.runfolder.plots:main",
             "Plot each run's results.csv (and compare runs)."),
+    Command("runs", RunsConfig, "dlenv.runfolder.runsview:main", "Every run in one table; two runs compared."),
     Command("bench-memory", BenchMemoryConfig, "dlenv.bench.memory:main",
             "Measure memory and speed: FP32, AMP, checkpointing, both; allocator settings."),
     Command("bench-data", BenchDataConfig, "dlenv.bench.data:main",

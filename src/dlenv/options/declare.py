@@ -25,7 +25,7 @@ _PARSERS: dict[type, Callable[[Any], Any]] = {bool: parse_bool, int: parse_int, 
 def opt(default: Any, help: str, *, parse: Callable[[Any], Any] | None = None,
         choices: tuple[str, ...] | None = None, positional: bool = False,
         min: float | None = None, max: float | None = None, why: str | None = None,
-        here: Callable[[], tuple[int, str]] | None = None, bare: str | None = None) -> Any:
+        here: Callable[[], tuple[int, str]] | None = None, bare: str | None = None, nargs: int | None = None) -> Any:
     """Declare one option: its default, its help line, and how a string becomes its value.
 
     `parse` defaults to the type of `default`; give it when the default is None or mixed ('auto'|int).
@@ -33,7 +33,7 @@ def opt(default: Any, help: str, *, parse: Callable[[Any], Any] | None = None,
     `max`. `here` is a bound that depends on this machine: () -> (most, why), applied to what a user
     gives now (flags, --cfg), not to the options a saved run was made with. `choices` bound strings.
     `bare` is the value of the flag given without one (`--compile` = `--compile on`), for options that
-    were once plain switches.
+    were once plain switches. `nargs` is how many words the flag takes on the command line (`--compare A B`).
     """
     if parse is None:
         if default is None:
@@ -41,7 +41,7 @@ def opt(default: Any, help: str, *, parse: Callable[[Any], Any] | None = None,
         parse = _PARSERS[type(default)]
     return field(default=default, metadata={
         "help": help, "parse": parse, "choices": choices, "positional": positional,
-        "min": min, "max": max, "why": why, "here": here, "bare": bare,
+        "min": min, "max": max, "why": why, "here": here, "bare": bare, "nargs": nargs,
     })
 
 

@@ -35,6 +35,8 @@ VERBS: tuple[tuple[str, tuple[tuple[str, str, str], ...]], ...] = (
         ("val", "metrics, per-class report, confusion matrix, errors of a weights file",
          "dlenv val --weights best_model.pth"),
         ("plot", "plot each run's results.csv (and compare runs)", "dlenv plot --log-dir runs"),
+        ("runs", "every run in one table: epochs, best top-1, img/s, memory, how it ended",
+         "dlenv runs --sort top1"),
         ("predict", "predict images, a folder, a glob, a video or stdin paths",
          "dlenv predict --weights best_model.pth --source photo.jpg"),
     )),
@@ -101,6 +103,12 @@ EXAMPLES: dict[str, tuple[tuple[str, str], ...]] = {
         ("dlenv val --weights runs/exp/best_model.pth --data data/pets/val", "on a folder of class folders"),
         ("dlenv val --weights resnet50_from_elsewhere.pth --model resnet50 --data data/pets/val",
          "a bare state dict from another tool"),
+    ),
+    "runs": (
+        ("dlenv runs", "every run under runs/: model, data, epochs, best top-1, img/s, peak memory, wall, status"),
+        ("dlenv runs --sort top1", "best first"),
+        ("dlenv runs --compare exp exp2", "the options and decisions that differ, final metrics, where time went"),
+        ("dlenv runs --format csv > runs.csv", "the data behind the table (or --format json)"),
     ),
     "prune": (
         ("dlenv prune --weights runs/exp/best_model.pth --amount 0.3",

@@ -141,6 +141,12 @@ def _parse(data: bytes) -> tuple[list[str], list[dict[str, str]], list[int]]:
     return header, rows, bad
 
 
+def parse_rows(data: bytes) -> tuple[list[str], list[dict[str, str]], list[int]]:
+    """(header, rows, numbers of the lines that could not be read) of results.csv's bytes, read by the caller
+    (bounded, a regular file: dlenv.runfolder.runs); rows as text. See `_parse`."""
+    return _parse(data)
+
+
 def _is_number(s: str) -> bool:
     try:
         return math.isfinite(float(s))

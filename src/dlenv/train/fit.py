@@ -33,7 +33,7 @@ from dlenv.errors import EXIT_NONFINITE, EXIT_OOM, UserError, host_memory_line
 from dlenv.files import runstate
 from dlenv.files.atomic import write_text
 from dlenv.model import finetune
-from dlenv.runfolder import results, trainstate
+from dlenv.runfolder import results, runstatus, trainstate
 from dlenv.runfolder.trainstate import TrainState
 from dlenv.train import console, loop
 from dlenv.train.loop import Replan
@@ -65,6 +65,18 @@ class Run:
 def fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Data, run: Run,
         say: Callable[[str], None], rebuild: Callable[[TrainPlan], pipeline.Data],
         on_step: Callable[[TrainState], None] | None = None) -> dict[str, Any]:
+    """`_fit`, with how it ended recorded in the run folder's status.yaml by the main process
+    (dlenv.runfolder.runstatus: finished, stopped with its resume line, failed with its one line)."""
+    flags = launch.relaunch_flags(decided.config)
+    with runstatus.recording(run.dir if run.is_main else None,
+                             lambda: f"Resume with: {console.way_on(run.last, flags)}") as record:
+        record["summary"] = _fit(decided, parts, state, data, run, say, rebuild, on_step)
+        return record["summary"]
+
+
+def _fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Data, run: Run,
+         say: Callable[[str], None], rebuild: Callable[[TrainPlan], pipeline.Data],
+         on_step: Callable[[TrainState], None] | None = None) -> dict[str, Any]:
     """Epochs until the plan's are done or a signal stops the run; returns the summary (see `train`).
 
     A stop saves last.pth at the step boundary the loop stopped at. Non-finite losses and CUDA or host out
@@ -150,8 +162,9 @@ def _close_loaders(data: pipeline.Data) -> None:
 
 def _stopped(summary: dict[str, Any], signum: int | None, last_path: Path | None, say,
              flags: list[str]) -> dict[str, Any]:
-    say(console.stopped_line(signum, last_path, flags))
-    summary.update(status="interrupted", exit_code=console.SIGNAL_EXIT.get(signum, 130))
+    line = console.stopped_line(signum, last_path, flags)
+    say(line)
+    summary.update(status="interrupted", exit_code=console.SIGNAL_EXIT.get(signum, 130), line=line)
     return summary
 
 
