@@ -185,6 +185,9 @@ def _dlenv(**change):
     ({"config": ["lr"]}, "its 'config' is ['lr'], not a mapping of options"),
     ({"train_state": {"chunks": "x"}}, "its 'train_state' is"),
     ({"model": {"fc.weight": "not a tensor"}}, "its 'model' is 'dict', not a state dict of tensors"),
+    ({"epoch_loss": [float("inf"), 3]}, "its 'epoch_loss' is [inf, 3], not [a finite sum of losses, a count]"),
+    ({"epoch_loss": [1.5, -1]}, "its 'epoch_loss' is [1.5, -1]"),
+    ({"epoch_loss": [1.5]}, "its 'epoch_loss' is [1.5]"),
 ])
 def test_entries_of_the_wrong_type_are_refused_naming_them(tmp_path, change, message):
     path = runstate.save_state(_dlenv(**change), tmp_path / "c.pth")

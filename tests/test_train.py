@@ -110,6 +110,9 @@ def test_resume_is_bit_exact(tmp_path, data, tiny, stop_at, signum):
     assert all(torch.equal(ma[k]["momentum_buffer"], mb[k]["momentum_buffer"]) for k in ma)
     rows = results.read_results(Path(resumed["run_dir"]) / "results.csv")
     assert list(rows["epoch"]) == [1, 2, 3]
+    # the stopped epoch's train_loss is the mean over all its steps, the ones before the stop too
+    straight = results.read_results(Path(full["run_dir"]) / "results.csv")
+    assert list(rows["train_loss"]) == list(straight["train_loss"])
 
 
 def test_signal_mid_accumulation_finishes_the_window_then_saves(tmp_path, data, tiny, monkeypatch):

@@ -23,7 +23,8 @@ gives is bounded (`check_entries`):
     img_size      int
     config        dlenv.options.config.to_dict(TrainConfig)
     epoch         completed epochs; step: optimizer steps done; batch_in_epoch: micro-batches done in
-                  the current epoch (a mid-epoch save resumes there)
+                  the current epoch (a mid-epoch save resumes there); epoch_loss: [sum, count] of the finite
+                  losses of those micro-batches (the resumed epoch's train_loss is the whole epoch's mean)
     best_metric   best val top-1 so far (float or None)
     optimizer, scaler, scheduler, ema    state dicts (or None)
     sampler       {"seed", "epoch", "position", "world_size"} of the training sampler (or None)
@@ -46,6 +47,7 @@ same on both profiles and load on either.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +186,9 @@ def check_entries(ckpt: Any, path: str | Path) -> None:
             ("epoch", "a count of epochs", lambda v: _is_int(v, 0, MAX_COUNT)),
             ("step", "a count of steps", lambda v: _is_int(v, 0, MAX_COUNT)),
             ("batch_in_epoch", "a count of batches", lambda v: _is_int(v, 0, MAX_COUNT)),
+            ("epoch_loss", "[a finite sum of losses, a count]",
+             lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and isinstance(v[0], float)
+             and math.isfinite(v[0]) and _is_int(v[1], 0, MAX_COUNT)),
             ("world_size", "a number of GPUs from 1 to 65,536", lambda v: _is_int(v, 1, 65536)),
             ("best_metric", "an accuracy or None",
              lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))),

@@ -71,6 +71,9 @@ class TrainState:
     best_epoch: int | None = None   # the epoch whose end set best_metric (best_model.pth's weights)
     oom_retries: int = 0        # re-plans at half the micro-batch after CUDA out of memory
     skipped_run: int = 0        # consecutive skipped (fp16 overflow) optimizer steps
+    # (sum, count) of the finite losses of the current epoch's micro-batches before this process took it up: a
+    # mid-epoch save keeps them, so the resumed epoch's train_loss is the whole epoch's mean
+    epoch_loss: tuple[float, int] = (0.0, 0)
 
     def saved(self) -> dict[str, int]:
         return {"micro_batch": self.micro_batch, "accum_steps": self.accum_steps, "oom_retries": self.oom_retries}
@@ -90,6 +93,7 @@ def payload(parts: Parts, state: TrainState, sampler: Any, meta: dict[str, Any],
         "model": parts.bare.state_dict(),
         **meta,
         "epoch": state.epoch, "step": state.step, "batch_in_epoch": state.batch_in_epoch,
+        "epoch_loss": [float(state.epoch_loss[0]), int(state.epoch_loss[1])],
         "best_metric": state.best_metric, "best_epoch": state.best_epoch,
         "optimizer": parts.optimizer.state_dict(),
         "scaler": parts.precision.state_dict(),
@@ -336,6 +340,8 @@ def restore(resume: Resume, parts: Parts, state: TrainState, sampler: Any, rank:
         state.position = sampler.start
         # an older split run counted its batches before the split (`_unsplit`)
         state.batch_in_epoch = int(ckpt["batch_in_epoch"]) * _chunks(ckpt) if state.position else 0
+        # an older run file has none: the resumed epoch's loss is then the mean of the resumed steps
+        state.epoch_loss = tuple(ckpt.get("epoch_loss") or (0.0, 0)) if state.batch_in_epoch else (0.0, 0)
     resume.ckpt = None  # free its tensors
     return _rank_rng(resume, ckpt, rank, world)
 

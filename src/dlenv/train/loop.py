@@ -90,7 +90,7 @@ def train_one_epoch(parts: Parts, state: TrainState, epoch: Epoch, rescue: Rescu
     """
     batches, total, stop, monitor = epoch.batches, epoch.total, epoch.stop, epoch.monitor
     parts.model.train()
-    tally = _Tally(parts.device, monitor, epoch.progress)
+    tally = _Tally(parts.device, monitor, epoch.progress, state.epoch_loss)
     window = _Window()
     watch = _CompileWatch(parts, tally)
     interrupted = False
@@ -123,7 +123,10 @@ def train_one_epoch(parts: Parts, state: TrainState, epoch: Epoch, rescue: Rescu
         if stepped and stop.at_step():
             interrupted = state.batch_in_epoch < total
             break
-    return tally.finish(interrupted)
+    stats = tally.finish(interrupted)
+    # a stop mid-epoch keeps the epoch's loss so far for the run file: the resume continues the same mean
+    state.epoch_loss = tally.sums() if interrupted else (0.0, 0)
+    return stats
 
 
 def _step(parts: Parts, state: TrainState, monitor: MemoryMonitor | None,
@@ -180,10 +183,12 @@ class _Tally:
     """The epoch's running numbers: loss (kept on the device), images, time, data wait, and the checks
     made every CHECK_EVERY micro-batches (progress, non-finite runs)."""
 
-    def __init__(self, device: torch.device, monitor: MemoryMonitor, progress: Any):
+    def __init__(self, device: torch.device, monitor: MemoryMonitor, progress: Any,
+                 carried: tuple[float, int] = (0.0, 0)):
         self.device, self.monitor, self.progress = device, monitor, progress
-        self.total = torch.zeros((), device=device)
-        self.finite = torch.zeros((), device=device)
+        # a resumed epoch goes on from the saved sum and count: the same float32 additions as without the stop
+        self.total = torch.full((), float(carried[0]), device=device)
+        self.finite = torch.full((), float(carried[1]), device=device)
         self.bad_run = torch.zeros((), device=device)
         self.images, self.waited, self.compile_s = 0, 0.0, 0.0
         self.t0 = time.perf_counter()
@@ -216,6 +221,11 @@ class _Tally:
         """(mean finite loss so far, current run of non-finite losses); waits for the GPU."""
         total, finite, bad = torch.stack([self.total, self.finite, self.bad_run]).tolist()
         return (total / finite if finite else float("nan")), int(bad)
+
+    def sums(self) -> tuple[float, int]:
+        """(sum, count) of the epoch's finite losses so far, the resumed epoch's before this process included."""
+        total, finite = torch.stack([self.total, self.finite]).tolist()
+        return float(total), int(finite)
 
     @staticmethod
     def due(done: int, total: int) -> bool:
