@@ -1,4 +1,5 @@
-"""`dlenv lab` and `dlenv tensorboard`: JupyterLab and TensorBoard on this Python, each in one command.
+"""`dlenv lab`, `dlenv tensorboard` and `dlenv mlflow`: JupyterLab, TensorBoard and the MLflow UI on this Python,
+each in one command.
 
 Each command builds a `Launch` (the server's command line, its environment, the lines printed first)
 from its options and this machine, in pure functions the tests call, then prints those lines and
@@ -340,6 +341,41 @@ def tensorboard(cfg: Any) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------
+# MLflow
+
+#: what `dlenv mlflow` execs with `python -c` (as TENSORBOARD_START: no module of the working folder first)
+MLFLOW_START = ("import sys\n"
+                "if sys.path[:1] == ['']: del sys.path[0]\n"
+                "from mlflow.cli import cli\n"
+                "cli(prog_name='mlflow')\n")
+
+
+def mlflow_launch(cfg: Any, environ: Mapping[str, str], *, python: str) -> Launch:
+    """The MLflow UI `dlenv mlflow` becomes: `mlflow server` over the local SQLite store train --mlflow writes,
+    one worker, no login (as TensorBoard)."""
+    host = listen_host(cfg.host, environ)
+    store = Path(cfg.store).absolute()
+    argv = [python, "-c", MLFLOW_START, "server", f"--backend-store-uri=sqlite:///{store}", f"--host={host}",
+            f"--port={cfg.port}", "--workers=1"]
+    runs = "" if store.is_file() else " (no runs yet; they appear as `dlenv train --mlflow` writes them)"
+    lines = [f"dlenv mlflow: serving {printable(str(store))}{runs}",
+             f"dlenv mlflow: open {open_url(host, cfg.port)} ({reach_hint(host, cfg.port, environ)})"]
+    return Launch(argv, dict(environ), lines)
+
+
+def mlflow_ui(cfg: Any) -> int:
+    """`dlenv mlflow`: becomes the MLflow UI over cfg.store (returns only by raising UserError)."""
+    from dlenv.options.server_options import MlflowConfig
+
+    if not installed("mlflow"):
+        raise UserError(f"MLflow is not installed in this Python ({sys.executable}); the dlenv image has it, "
+                        "elsewhere: python -m pip install -r requirements.txt", EXIT_FAULT)
+    if Path(cfg.store) != Path(MlflowConfig().store) and not Path(cfg.store).is_file():
+        raise UserError(f"--store {printable(cfg.store)}: no such file; pass the mlflow.db train --mlflow wrote "
+                        "(in the folder you trained in), or leave --store out")
+    launch = mlflow_launch(cfg, os.environ, python=sys.executable)
+    check_port(listen_host(cfg.host, os.environ), cfg.port, "another MLflow server?")
+    return become(launch)
 
 
 def installed(module: str) -> bool:

@@ -43,7 +43,7 @@ from dlenv.options.declare import (  # noqa: F401 (BATCH_MAX, IMG_SIZE_MAX: conf
 )
 from dlenv.options.predict_options import PredictConfig
 from dlenv.options.runs_options import PlotConfig, RunsConfig
-from dlenv.options.server_options import LabConfig, TensorboardConfig
+from dlenv.options.server_options import LabConfig, MlflowConfig, TensorboardConfig
 from dlenv.options.values import (
     auto_float,
     auto_int,
@@ -206,6 +206,8 @@ class TrainConfig:
     exist_ok: bool = opt(False, "write into an existing run folder instead of a new name")
     resume: str | None = opt(None, "continue a run: a last.pth path, or auto (the newest run's)", parse=_str)
     tensorboard: bool = opt(False, "also write TensorBoard event files")
+    mlflow: bool = opt(False, "log to MLflow (MLFLOW_TRACKING_URI, else ./mlflow.db); on when that variable is set")
+    mlflow_weights: bool = opt(False, "with MLflow, also send best_model.pth and last.pth as artifacts")
 
 
 @dataclass(frozen=True)
@@ -400,6 +402,8 @@ COMMANDS: dict[str, Command] = {c.name: c for c in [
             "Start JupyterLab on port 8888 (this Python as its kernel); prints the URL with its token."),
     Command("tensorboard", TensorboardConfig, "dlenv.servers:tensorboard",
             "Serve the runs' TensorBoard event files (train --tensorboard) on port 6006."),
+    Command("mlflow", MlflowConfig, "dlenv.servers:mlflow_ui",
+            "Serve the MLflow UI over the local store (train --mlflow) on port 5000."),
 ]}
 
 

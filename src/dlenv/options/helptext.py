@@ -50,6 +50,7 @@ VERBS: tuple[tuple[str, tuple[tuple[str, str, str], ...]], ...] = (
         ("verify-env", "versions, GPUs, real kernels, /dev/shm and disk; one verdict", "dlenv verify-env"),
         ("lab", "JupyterLab on port 8888 with this Python as its kernel", "dlenv lab"),
         ("tensorboard", "serve the runs' TensorBoard event files on port 6006", "dlenv tensorboard"),
+        ("mlflow", "serve the MLflow UI over the local store (train --mlflow) on port 5000", "dlenv mlflow"),
         ("test", "the quick tests with a progress line and an ETA", "dlenv test"),
     )),
 )
@@ -84,7 +85,7 @@ GROUPS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
         ("precision and memory", ("amp", "amp_dtype", "batch_size", "accum_steps", "effective_batch", "checkpoint",
                                   "checkpoint_ratio", "channels_last", "compile")),
         ("run", ("cfg", "device", "gpus", "nnodes", "node_rank", "master_addr", "master_port", "dist_timeout",
-                 "project", "name", "exist_ok", "resume", "tensorboard")),
+                 "project", "name", "exist_ok", "resume", "tensorboard", "mlflow", "mlflow_weights")),
     ),
 }
 

@@ -48,3 +48,12 @@ class TensorboardConfig:
                                "writes them)")
     port: int = opt(6006, "port to listen on (publish the same one: docker run -p 6006:6006)", min=1, max=65535)
     host: str = opt("auto", HOST_HELP, parse=host_or_auto)
+
+
+@dataclass(frozen=True)
+class MlflowConfig:
+    """Options of `mlflow`."""
+
+    store: str = opt("mlflow.db", "the local store train --mlflow writes (a SQLite file in the working folder)")
+    port: int = opt(5000, "port to listen on (publish the same one: docker run -p 5000:5000)", min=1, max=65535)
+    host: str = opt("auto", HOST_HELP, parse=host_or_auto)

@@ -52,6 +52,7 @@ class Run:
     lock: Any = None            # runfolder.RunLock: a second run in this folder is refused while it lives
     advised: bool = False       # the data-wait explanation is given once per run
     held: int = 0               # bytes of the GPU the process held before the run (not counted in its peaks)
+    tracker: Any = None         # dlenv.train.tracking.Tracker (MLflow), or None
 
     @property
     def last(self) -> Path | None:
@@ -241,6 +242,8 @@ class _Epochs:
         rng = distributed.gather(runstate.rng_state())  # each rank's streams: a resume gives each its own
         if run.is_main:
             results.append_row(run.dir / "results.csv", row)
+            if run.tracker is not None:
+                run.tracker.epoch(row, state.step)
             if run.tb is not None:
                 for k, v in row.items():
                     if isinstance(v, (int, float)) and k != "epoch":
