@@ -211,6 +211,31 @@ def test_nonfinite_losses_stop_with_exit_4_and_keep_the_last_good_checkpoint(tmp
     assert last["epoch"] == 1 and all(torch.isfinite(v).all() for v in last["model"].values())
 
 
+@pytest.mark.parametrize("error", [UserError("the first step went wrong"), TypeError("forward() got 2 arguments")])
+def test_a_run_that_fails_before_its_first_epoch_says_where_its_folder_is(tmp_path, data, tiny, monkeypatch, capsys,
+                                                                         error):
+    """A new run's folder holds only config.yaml when its first step fails: the failing line (a UserError's own,
+    else a line before the traceback) names the folder; a resumed run's folder is never named so."""
+    real = loop.forward_backward
+
+    def broken(*a, **k):
+        raise type(error)(*error.args)  # a new one each time: the note is added to the error raised
+
+    monkeypatch.setattr(loop, "forward_backward", broken)
+    with pytest.raises(type(error)) as err:
+        train_mod.train(tiny_config(tmp_path, data, epochs=1))
+    run = tmp_path / "runs" / "exp"
+    said = str(err.value) if isinstance(error, UserError) else capsys.readouterr().err
+    assert f"nothing was trained: the run folder {run} holds no results, only this attempt's config.yaml" in said, said
+    assert (run / "config.yaml").is_file() and len(said.strip().splitlines()) == 1
+    monkeypatch.setattr(loop, "forward_backward", real)
+    first = train_mod.train(tiny_config(tmp_path / "b", data, epochs=1))
+    monkeypatch.setattr(loop, "forward_backward", broken)
+    with pytest.raises(type(error)) as err:
+        train_mod.train(tiny_config(tmp_path / "b", data, epochs=2, resume=str(Path(first["run_dir"]) / "last.pth")))
+    assert "nothing was trained" not in str(err.value) + capsys.readouterr().err
+
+
 def test_cuda_oom_stops_with_advice_and_exit_3(tmp_path, data, tiny, monkeypatch):
     real = loop.forward_backward
 

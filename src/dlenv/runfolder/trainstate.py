@@ -201,6 +201,15 @@ def read_config_notes(path: Path) -> dict[str, str]:
     return dict(ln[2:].split(": ", 1) for ln in text.splitlines() if ln.startswith("# ") and ": " in ln)
 
 
+def nothing_trained(run_dir: Path | None) -> str | None:
+    """For a new run's folder that its failure leaves before the first epoch's files (results.csv, last.pth):
+    the words that say where it is and what it holds; None for no folder or one with results."""
+    if run_dir is None or (run_dir / "results.csv").exists() or (run_dir / "last.pth").exists():
+        return None
+    return (f"nothing was trained: the run folder {run_dir} holds no results, only this attempt's config.yaml; "
+            "delete it, or keep it as the record of this attempt")
+
+
 # ---------------------------------------------------------------------------------------------------
 # Resuming.
 

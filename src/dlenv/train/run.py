@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from dlenv import __version__, compat, runfolder
+from dlenv import compat, runfolder
 from dlenv.cluster import distributed, launch
 from dlenv.cluster.devices import resolve_device
 from dlenv.engine import memory
@@ -39,7 +39,7 @@ from dlenv.files import runstate
 from dlenv.options.config import TrainConfig
 from dlenv.runfolder import results, trainstate
 from dlenv.runfolder.trainstate import TrainState
-from dlenv.train import console, parts, plan, tracking
+from dlenv.train import console, parts, plan
 from dlenv.train.fit import Run, fit
 
 
@@ -84,8 +84,6 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
     if resume is not None and resume.nothing_left:  # --epochs N of a run N epochs long: nothing to join or build
         console.printer(os.environ.get("RANK", "0") == "0")(resume.nothing_left)
         return {"run_dir": resume.run_dir, "status": "done", "exit_code": 0, "epochs": cfg.epochs}
-    if os.environ.get("RANK", "0") == "0":  # only rank 0 tracks: MLflow missing is said before anything is built
-        tracking.require(cfg.mlflow)
     dist = distributed.join(cfg)
     say = console.printer(dist.is_main)
     if resume is not None and resume.found:
@@ -124,16 +122,7 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
     say(decided.start_line(device, bool(state.epoch or state.batch_in_epoch), run.dir))
     if rng is not None:  # last: building the model drew from these streams
         runstate.set_rng_state(rng)
-    run.tracker = _tracker(decided, run.dir, device, say) if dist.is_main else None
-    if run.tracker is None:
-        return fit(decided, built, state, data, run, say, lambda p: parts.build_data(p, device, dist, say), on_step)
-    status = "FAILED"
-    try:
-        summary = fit(decided, built, state, data, run, say, lambda p: parts.build_data(p, device, dist, say), on_step)
-        status = "FINISHED" if summary["status"] == "done" else "KILLED"
-        return summary
-    finally:  # the end of the MLflow run, however fit ended: artifacts, what was not sent, the status
-        run.tracker.close(status)
+    return fit(decided, built, state, data, run, say, lambda p: parts.build_data(p, device, dist, say), on_step)
 
 
 class _GlobalSettings:
@@ -211,24 +200,6 @@ def open_run(decided: plan.TrainPlan, resume: trainstate.Resume | None, dist: di
             "model_source": decided.model.provenance}
     tb = _tensorboard(run_dir) if cfg.tensorboard and dist.is_main else None
     return Run(run_dir, meta, tb, dist.is_main, lock)
-
-
-def _tracker(decided: plan.TrainPlan, run_dir: Path, device: torch.device, say: Callable[[str], None]
-             ) -> tracking.Tracker | None:
-    """The run's MLflow tracker (--mlflow or MLFLOW_TRACKING_URI; dlenv.train.tracking), or None: the options and
-    what they resolved to as params, where it ran as tags."""
-    cfg = decided.config
-    if not tracking.wanted(cfg.mlflow, os.environ):
-        return None
-    tags = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": str(torch.__version__), "dlenv": str(__version__)}
-    commit = tracking.git_commit(Path.cwd())
-    if commit:
-        tags["git_commit"] = commit
-    options = decided.options()
-    options["name"] = run_dir.name
-    params = {**tracking.flat(options), **tracking.flat(decided.notes(device), "auto.")}
-    return tracking.open_tracker(cfg.mlflow, cfg.mlflow_weights, run_dir, say, params, tags)
 
 
 def _tensorboard(run_dir: Path):
