@@ -23,6 +23,7 @@ under DDP (dlenv.cluster.distributed), validation sums are reduced over all of t
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from dlenv import compat, runfolder
+from dlenv import __version__, compat, runfolder
 from dlenv.cluster import distributed, launch
 from dlenv.cluster.devices import resolve_device
 from dlenv.engine import memory
@@ -39,7 +40,7 @@ from dlenv.files import runstate
 from dlenv.options.config import TrainConfig
 from dlenv.runfolder import results, trainstate
 from dlenv.runfolder.trainstate import TrainState
-from dlenv.train import console, parts, plan
+from dlenv.train import console, parts, plan, tracking
 from dlenv.train.fit import Run, fit
 
 
@@ -60,30 +61,39 @@ def train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None = None)
     Raises UserError for bad input, CUDA out of memory (exit_code 3) and a run of non-finite losses
     (exit_code 4); the last good checkpoint is intact in each case.
     """
+    opened: dict[str, Path | None] = {}  # the new run folder, once made: a failure says where it is
     try:
         with console.StartUp(), _GlobalSettings():  # fit's console.Stop takes the signals for the loop
-            summary = _train(cfg, on_step)
+            summary = _train(cfg, on_step, opened)
     except Stopped as e:  # nothing trained yet: one line, and a resumed run's files untouched
         console.printer(os.environ.get("RANK", "0") == "0")(console.stopped_early_line(e.signum, cfg.resume,
                                                                                      launch.relaunch_flags(cfg)))
         return {"run_dir": None, "status": "interrupted", "exit_code": console.SIGNAL_EXIT[e.signum]}
-    except (UserError, RuntimeError, MemoryError) as e:
+    except Exception as e:  # re-raised below (a model of your own may raise any error)
         # The run is over; what the caller keeps is its one line. A notebook keeps the last exception
         # (sys.last_value) and with it the traceback's frames, _train's and fit's, whose locals are the run:
         # the model, the loaders, the batch on the GPU (2.5 GB of an H100 after an out-of-memory). Those
         # frames have returned now, so their locals can go, and the memory with them (docs/memory.md).
         if isinstance(e, UserError) or compat.is_oom(e):
             memory.release_failed_step(e)
+        where = trainstate.nothing_trained(opened.get("run_dir"))
+        if where and isinstance(e, UserError):
+            e.args = (f"{e}; {where}",)
+        elif where:  # the traceback follows; this line says where the folder it leaves is
+            print(f"dlenv train: {where}", file=sys.stderr, flush=True)
         raise
     distributed.cleanup()  # after a normal end only: with a dead peer, teardown could wait for it
     return summary
 
 
-def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> dict[str, Any]:
+def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None, opened: dict[str, Path | None]
+           ) -> dict[str, Any]:
     cfg, resume = trainstate.open_resume(cfg)
     if resume is not None and resume.nothing_left:  # --epochs N of a run N epochs long: nothing to join or build
         console.printer(os.environ.get("RANK", "0") == "0")(resume.nothing_left)
         return {"run_dir": resume.run_dir, "status": "done", "exit_code": 0, "epochs": cfg.epochs}
+    if os.environ.get("RANK", "0") == "0":  # only rank 0 tracks: MLflow missing is said before anything is built
+        tracking.require(cfg.mlflow)
     dist = distributed.join(cfg)
     say = console.printer(dist.is_main)
     if resume is not None and resume.found:
@@ -118,11 +128,21 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None) -> di
     for line in resume.limits if resume is not None else ():
         say(f"--resume: {line}")
     run = open_run(decided, resume, dist, device, state)
+    opened["run_dir"] = run.dir if run.is_main and resume is None else None  # never a resumed run's
     run.held = held
     say(decided.start_line(device, bool(state.epoch or state.batch_in_epoch), run.dir))
     if rng is not None:  # last: building the model drew from these streams
         runstate.set_rng_state(rng)
-    return fit(decided, built, state, data, run, say, lambda p: parts.build_data(p, device, dist, say), on_step)
+    run.tracker = _tracker(decided, run.dir, device, say) if dist.is_main else None
+    if run.tracker is None:
+        return fit(decided, built, state, data, run, say, lambda p: parts.build_data(p, device, dist, say), on_step)
+    status = "FAILED"
+    try:
+        summary = fit(decided, built, state, data, run, say, lambda p: parts.build_data(p, device, dist, say), on_step)
+        status = "FINISHED" if summary["status"] == "done" else "KILLED"
+        return summary
+    finally:  # the end of the MLflow run, however fit ended: artifacts, what was not sent, the status
+        run.tracker.close(status)
 
 
 class _GlobalSettings:
@@ -200,6 +220,24 @@ def open_run(decided: plan.TrainPlan, resume: trainstate.Resume | None, dist: di
             "model_source": decided.model.provenance}
     tb = _tensorboard(run_dir) if cfg.tensorboard and dist.is_main else None
     return Run(run_dir, meta, tb, dist.is_main, lock)
+
+
+def _tracker(decided: plan.TrainPlan, run_dir: Path, device: torch.device, say: Callable[[str], None]
+             ) -> tracking.Tracker | None:
+    """The run's MLflow tracker (--mlflow or MLFLOW_TRACKING_URI; dlenv.train.tracking), or None: the options and
+    what they resolved to as params, where it ran as tags."""
+    cfg = decided.config
+    if not tracking.wanted(cfg.mlflow, os.environ):
+        return None
+    tags = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": str(torch.__version__), "dlenv": str(__version__)}
+    commit = tracking.git_commit(Path.cwd())
+    if commit:
+        tags["git_commit"] = commit
+    options = decided.options()
+    options["name"] = run_dir.name
+    params = {**tracking.flat(options), **tracking.flat(decided.notes(device), "auto.")}
+    return tracking.open_tracker(cfg.mlflow, cfg.mlflow_weights, run_dir, say, params, tags)
 
 
 def _tensorboard(run_dir: Path):
