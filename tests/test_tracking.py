@@ -156,6 +156,7 @@ def test_the_mlflow_verb_serves_the_local_store_on_the_loopback(tmp_path):
     assert f"--backend-store-uri=sqlite:///{tmp_path / 'mlflow.db'}" in launch.argv
     assert "--host=127.0.0.1" in launch.argv and "--port=5123" in launch.argv
     assert "no runs yet" in launch.lines[0] and "http://127.0.0.1:5123/" in launch.lines[1]
+    assert launch.env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"  # seven processes that serve no run
     assert "--host=0.0.0.0" in mlflow_launch(cfg, {"DLENV_IMAGE": "1"}, python="/py").argv
 
 
@@ -167,7 +168,7 @@ def test_a_real_server_then_the_server_gone(here, data, tiny, capsys, monkeypatc
     server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", f"--backend-store-uri=sqlite:///{here}/mlflow.db",
                                f"--artifacts-destination={here}/art", "--host=127.0.0.1", f"--port={port}",
                                "--workers=1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
+                              env=mlflow_launch(MlflowConfig(), os.environ, python="").env, start_new_session=True)
     uri = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60

@@ -360,7 +360,9 @@ def mlflow_launch(cfg: Any, environ: Mapping[str, str], *, python: str) -> Launc
     runs = "" if store.is_file() else " (no runs yet; they appear as `dlenv train --mlflow` writes them)"
     lines = [f"dlenv mlflow: serving {printable(str(store))}{runs}",
              f"dlenv mlflow: open {open_url(host, cfg.port)} ({reach_hint(host, cfg.port, environ)})"]
-    return Launch(argv, dict(environ), lines)
+    # MLflow 3's job runner (GenAI evaluation jobs: seven more processes, ~270 MB each) serves nothing of a run's
+    env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **environ}
+    return Launch(argv, env, lines)
 
 
 def mlflow_ui(cfg: Any) -> int:

@@ -256,7 +256,8 @@ def open_tracker(flag: bool, weights: bool, run_dir: Path, say: Callable[[str], 
     from mlflow.tracking import MlflowClient  # optional: inside mlflow
 
     _redact_logs(uri)
-    logging.getLogger("alembic").setLevel(logging.WARNING)  # the local store's migration log, once per new store
+    for name in ("alembic", "mlflow.store.db.utils"):  # a new local store's migration log: not for the console
+        logging.getLogger(name).setLevel(logging.WARNING)
     tracker = Tracker(MlflowClient(tracking_uri=uri), entities, uri, run_dir, say, weights)
     tracker.start(params, tags)
     if not tracker.down:
