@@ -92,12 +92,17 @@ def test_stopped_then_resumed_is_one_mlflow_run_with_every_epoch_once(here, data
     assert part["exit_code"] == 143
     _, run = run_of(part["run_dir"])
     assert run.info.status == "KILLED"
+    report = Path(part["run_dir"], "val")  # a val report made meanwhile goes along; a link in it does not
+    report.mkdir()
+    (report / "metrics.json").write_text("{}")
+    (report / "errors.csv").symlink_to(here / "mlflow.db")
     resumed = train_mod.train(tiny_config(here, data, resume=str(Path(part["run_dir"]) / "last.pth")))
     assert resumed["exit_code"] == 0
     client, again = run_of(part["run_dir"])
     assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
     assert len(client.search_runs([run.info.experiment_id])) == 1
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train_loss")) == [1, 2, 3]
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "val")] == ["val/metrics.json"]
 
 
 @pytest.mark.parametrize("uri", [

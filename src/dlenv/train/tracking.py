@@ -37,8 +37,8 @@ REQUIREMENT = "mlflow>=3.17,<3.18"
 #: a dead server costs seconds, not minutes: MLflow's defaults are 120 s a request and 7 retries with backoff
 HTTP_ENV = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
             "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0"}
-ARTIFACTS = ("config.yaml", "results.csv", "results.png", "memory.md", "val_report.md", "val_report.csv",
-             "confusion_matrix.png")
+ARTIFACTS = ("config.yaml", "results.csv", "results.png", "memory.md")
+REPORTS = "val*"                  # `dlenv val`'s report folders in the run folder (val/, val-test/)
 WEIGHTS = ("best_model.pth", "last.pth")
 _PARAM_CHARS = 6000               # MLflow's limit on a param's value
 
@@ -198,6 +198,12 @@ class Tracker:
         for name in (*ARTIFACTS, *(WEIGHTS if self.weights else ())):
             if (self.run_dir / name).is_file():
                 self.client.log_artifact(self.run_id, str(self.run_dir / name))
+        # a val report already there (a run continued in its folder): its files, never what a link points to
+        for folder in sorted(self.run_dir.glob(REPORTS)):
+            if folder.is_dir() and not folder.is_symlink():
+                for f in sorted(folder.iterdir()):
+                    if f.suffix in (".json", ".csv", ".png") and f.is_file() and not f.is_symlink():
+                        self.client.log_artifact(self.run_id, str(f), folder.name)
 
     def _try(self, work: Callable[[], None]) -> bool:
         try:
