@@ -212,7 +212,7 @@ class Tracker:
         except Exception as e:  # MLflow's, requests', sqlite's: a tracker never stops training
             if not self.said:
                 self.said = True
-                what = redact(" ".join(str(e).split())[:200], self.uri)
+                what = redact(" ".join(str(e).split()), self.uri)[:200]  # cut after: never half a password
                 self.say(f"MLflow at {shown(self.uri)} failed ({type(e).__name__}: {what}); training goes on, "
                          "results.csv has every epoch; what was not sent is tried again at the end (is the server "
                          f"up? unset {URI_ENV} or leave out --mlflow to train without it)")
@@ -222,7 +222,7 @@ class Tracker:
     def _left_behind(self) -> None:
         epochs = sorted({m.step for m in self.pending})
         self.say(f"MLflow: not sent to {shown(self.uri)}: {len(epochs)} epoch(s) of metrics, the artifacts and the "
-                 f"run's end; every value is in {self.run_dir} (results.csv, config.yaml)")
+                 f"run's end; every value is in {printable(str(self.run_dir))} (results.csv, config.yaml)")
 
 
 def _kept_run_id(run_dir: Path) -> str | None:
@@ -241,9 +241,9 @@ def require(flag: bool) -> None:
     """Refuse a run that tracks (`wanted`) where MLflow is not installed: one line naming the package, before
     anything is built. Raises UserError."""
     if wanted(flag, os.environ):
-        how = "--mlflow" if flag else f"{URI_ENV} (set)"
+        how, off = ("--mlflow", "leave out --mlflow") if flag else (f"{URI_ENV} is set", f"unset {URI_ENV}")
         if optional_import("mlflow", f"{how}: MLflow is not installed in this Python; install it with python -m pip "
-                                     f"install '{REQUIREMENT}', or train without {how}") is None:
+                                     f"install '{REQUIREMENT}', or {off} to train without it") is None:
             raise UserError(f"{how}: MLflow is not installed")  # not reached: optional_import raised
 
 
