@@ -230,4 +230,12 @@ def module_of(name: str, is_dir: bool) -> str | None:
     for suffix in machinery.all_suffixes():
         if name.endswith(suffix) and name[: -len(suffix)].isidentifier():
             return name[: -len(suffix)]
+    # an extension module built for another Python (numpy.cpython-310-x86_64-linux-gnu.so read by 3.11, a
+    # .pyd): the image's Python would import it, so it counts by the module name before its first dot
+    if name.endswith(_ANY_PYTHONS_MODULE) and name.split(".", 1)[0].isidentifier():
+        return name.split(".", 1)[0]
     return None
+
+
+#: module-file endings of any CPython, whatever its version or platform (this one's are machinery's)
+_ANY_PYTHONS_MODULE = (".py", ".pyc", ".pyw", ".so", ".pyd")
