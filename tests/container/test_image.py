@@ -334,3 +334,36 @@ def test_default_64mb_shm_never_crashes(docker_client, image, tmp_path, workers)
     else:  # or it stopped with one line that names the way out
         lines = [ln for ln in output.splitlines() if ln.strip()]
         assert re.search(r"--ipc=host|--shm-size", lines[-1]), output[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------------
+# A model of one's own with --amp, on the image's torch (issue 53 item 1)
+
+
+def _ln_vit_source() -> str:
+    """tests/usermodels.py's LN_VIT: lucidrains' patch embedding (LayerNorm, Linear, LayerNorm), whose bf16
+    step fails on the CPU with PyTorch 1.13.1."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("usermodels", Path(__file__).parents[1] / "usermodels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.LN_VIT
+
+
+@pytest.mark.parametrize("amp", [["--amp"], ["--amp", "--amp-dtype", "bf16"]])
+def test_train_py_amp_checkpoint_on_a_vit_of_ones_own(docker_client, image, tmp_path, amp):
+    """`python train.py --amp --checkpoint` in an uploaded project with a ViT of its own trains (it crashed with
+    'expected scalar type BFloat16 but found Float' in the image): bf16 only where the model's step runs in it."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "vit.py").write_text(_ln_vit_source())
+    shutil.copy(Path(__file__).parents[2] / "workspace" / "train.py", tmp_path / "train.py")
+    script = (DEMO + "python train.py --model models/vit.py:ViT --checkpoint --data data/demo --workers 0 "
+              "--epochs 1 --max-steps 2 --img-size 16 --batch-size 2 --device cpu " + " ".join(amp))
+    status, output = run(docker_client, image, ["sh", "-c", script], volumes=mounted(tmp_path))
+    assert status == 0 and "bug in dlenv" not in output, output[-3000:]
+    assert epochs_done(tmp_path) == [1], output[-2000:]
+    start = next(line for line in output.splitlines() if line.startswith("training models/vit.py:ViT"))
+    if "--amp-dtype" in amp:  # asked for by name: the model's step is tried, and fails on this torch
+        assert "one bf16 training step of this model failed on cpu with PyTorch 1.13.1" in output, output[-3000:]
+        assert "cpu fp32" in start, start
