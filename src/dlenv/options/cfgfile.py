@@ -100,6 +100,11 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     Only a regular file of at most CONFIG_FILE_LIMIT bytes is read (`dlenv.files.safeio`: a FIFO or
     /dev/zero is refused at once instead of hanging), and aliases are refused (`_options_loader`).
     """
+    return read_yaml(path)[0]
+
+
+def read_yaml(path: str | Path) -> tuple[dict[str, Any], str]:
+    """`load_yaml`'s mapping and the text it was read from (its comments: config.yaml's notes), one read."""
     import yaml
 
     from dlenv.files.safeio import read_regular
@@ -126,11 +131,11 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     except ValueError as e:  # a constructor outside a mapping (the whole file one bad date)
         raise UserError(f"config file {p}: a value YAML cannot read ({_shown(e, 120)})") from None
     if data is None:
-        return {}
+        return {}, text
     if not isinstance(data, dict):
         raise UserError(f"config file {p} must hold a mapping of option: value, not a "
                         f"{type(data).__name__}")
-    return data
+    return data, text
 
 
 def options_in(yaml_file: str | Path, valid: set[str], train: set[str], keep: tuple[str, ...], command: str,

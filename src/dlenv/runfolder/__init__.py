@@ -185,6 +185,11 @@ def new_run_dir(project: str | Path, name: str, exist_ok: bool = False) -> Path:
             path = project / f"{stem}{sep}{n}"
 
 
+def config_notes(text: str) -> dict[str, str]:
+    """The `# key: value` notes config.yaml carries above the options (what auto chose, and why), from its text."""
+    return dict(ln[2:].split(": ", 1) for ln in text.splitlines() if ln.startswith("# ") and ": " in ln)
+
+
 def started_note(t: float) -> str:
     """config.yaml's value of STARTED for time `t`: whole seconds since 1970, then the date for people."""
     return f"{int(t)} ({time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(t))})"

@@ -21,10 +21,9 @@ from typing import Any
 
 from dlenv import invocation
 from dlenv.errors import UserError, need_folder, printable
-from dlenv.files import safeio
 from dlenv.files.atomic import write_atomic
-from dlenv.options.cfgfile import load_yaml
-from dlenv.runfolder import drawing
+from dlenv.options.cfgfile import read_yaml
+from dlenv.runfolder import config_notes, drawing
 from dlenv.runfolder.results import COLUMNS, read_results
 
 RESULTS = "results.csv"
@@ -83,20 +82,29 @@ def run_colors(n: int) -> list[Any]:
     return [tuple(turbo(0.05 + 0.9 * i / (n - 1))) for i in range(n)]
 
 
-def describe_run(run: Path) -> str | None:
-    """'MODEL on DATA' from the run's config.yaml (`resnet18 on digits`), or None without a readable one.
-
-    The file is read as any config file (size-limited, no aliases); only string values are shown,
-    printable and cut to _NAME_CHARS. A file that cannot be read is said in one line and the run is
-    plotted without the description.
-    """
+def run_config(run: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """(options, notes) of the run's config.yaml, read once as any config file (size-limited, no aliases);
+    ({}, {}) without one, and for one that cannot be read, which is said in one line (the run is still
+    plotted, without its description)."""
     path = run / CONFIG
     if not path.is_file():
-        return None
+        return {}, {}
     try:
-        options = load_yaml(path)
+        options, text = read_yaml(path)
     except UserError as e:
         print(f"note: {e}; {run.name} is plotted without its data and model")
+        return {}, {}
+    return options, config_notes(text)
+
+
+def describe_run(run: Path) -> str | None:
+    """'MODEL on DATA' from the run's config.yaml (`resnet18 on digits`), or None without a readable one."""
+    return describe(run_config(run)[0])
+
+
+def describe(options: dict[str, Any]) -> str | None:
+    """'MODEL on DATA' from a run's options; only string values are shown, printable and cut to _NAME_CHARS."""
+    if not options:
         return None
 
     def text(value: Any) -> str | None:
@@ -161,15 +169,14 @@ def _note(ax: Any, text: str) -> None:
 
 
 def run_classes(run: Path) -> int | None:
-    """How many classes the run trained on, from the `# classes: N` note at the head of its config.yaml
-    (the first 8 KiB are read), or None when it records none."""
-    try:
-        with safeio.open_regular(run / CONFIG, CONFIG) as fh:
-            head = fh.read(8192).decode("utf-8", errors="replace")
-    except (OSError, UserError):
-        return None
-    found = re.search(r"^# classes: (\d{1,9})$", head, re.M)
-    return int(found.group(1)) if found else None
+    """How many classes the run trained on, from the `# classes: N` note of its config.yaml, or None."""
+    return classes_of(run_config(run)[1])
+
+
+def classes_of(notes: dict[str, str]) -> int | None:
+    """The `classes` note as a count (1 to 9 digits), or None."""
+    found = re.fullmatch(r"\d{1,9}", notes.get("classes", "").strip())
+    return int(found.group(0)) if found else None
 
 
 @drawing.settings()
@@ -342,9 +349,10 @@ def plot_log_dir(log_dir: str | Path) -> list[Path]:
         if unknown:
             print(f"note: {run / RESULTS} has columns this version does not plot: {', '.join(unknown)}")
         df = df.sort_values("epoch")
-        about[label] = describe_run(run)
+        options, notes = run_config(run)  # one read of config.yaml for the legend and the classes
+        about[label] = describe(options)
         title = f"{label} ({about[label]})" if about[label] else label
-        written.append(save_figure(plot_run(df, title, run_classes(run)), run / "results.png"))
+        written.append(save_figure(plot_run(df, title, classes_of(notes)), run / "results.png"))
         frames[label] = df
         print(f"{label}: {len(df)} epoch(s) -> {run / 'results.png'}")
     if not frames:

@@ -21,8 +21,8 @@ from typing import Any
 
 from dlenv.errors import UserError, need_folder, printable
 from dlenv.files import safeio
-from dlenv.options.cfgfile import load_yaml
-from dlenv.runfolder import LAST, results, runstatus
+from dlenv.options.cfgfile import load_yaml, read_yaml
+from dlenv.runfolder import LAST, config_notes, results, runstatus
 from dlenv.runfolder.plots import CONFIG, RESULTS, natural_key
 
 #: how deep under --log-dir run folders are looked for (runs/<name>, runs/<project>/<name>, ...)
@@ -117,14 +117,12 @@ def read_config(run: Path) -> tuple[dict[str, Any], dict[str, str]]:
     if not os.path.lexists(path):
         return {}, {}
     try:
-        options = load_yaml(path)
-        text = safeio.read_text(path, what="config.yaml")
+        options, text = read_yaml(path)
     except UserError as e:
         raise UserError(f"config.yaml: {str(e).split(', e.g.')[0]}") from None
     except OSError as e:
         raise UserError(f"config.yaml: {e.strerror}") from None
-    notes = dict(ln[2:].split(": ", 1) for ln in text.splitlines()[:200] if ln.startswith("# ") and ": " in ln)
-    return options, notes
+    return options, config_notes(text)
 
 
 def read_epochs(run: Path) -> list[dict[str, str]]:

@@ -26,8 +26,6 @@ STATUS = "status.yaml"
 STATES = ("running", "finished", "stopped", "failed")
 #: the longest line kept (an error's first line, cut)
 LINE_CHARS = 400
-#: the most of status.yaml read (it holds two short lines)
-STATUS_LIMIT = 16 * 1024
 
 
 def write_status(run_dir: str | Path, status: str, line: str = "") -> None:

@@ -197,8 +197,7 @@ def write_config_yaml(path: Path, options: dict[str, Any], notes: dict[str, Any]
 
 def read_config_notes(path: Path) -> dict[str, str]:
     """The `# key: value` notes `write_config_yaml` put above the options (what auto chose, and why)."""
-    text = Path(path).read_text(encoding="utf-8")
-    return dict(ln[2:].split(": ", 1) for ln in text.splitlines() if ln.startswith("# ") and ": " in ln)
+    return runfolder.config_notes(Path(path).read_text(encoding="utf-8"))
 
 
 def nothing_trained(run_dir: Path | None) -> str | None:
