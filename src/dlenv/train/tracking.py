@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dlenv.errors import UserError, optional_import, printable
+from dlenv.files import safeio
 from dlenv.files.atomic import write_text
 
 URI_ENV = "MLFLOW_TRACKING_URI"
@@ -139,7 +140,7 @@ class Tracker:
     def epoch(self, row: Mapping[str, Any], step: int) -> None:
         """One results.csv row as metrics at MLflow step = its epoch, with `optimizer_step`."""
         ts, epoch = int(time.time() * 1000), int(row["epoch"])
-        values = {**{k: v for k, v in row.items()}, "optimizer_step": step}
+        values = {**row, "optimizer_step": step}
         self.pending += [self.entities.Metric(k, float(v), ts, epoch) for k, v in values.items()
                          if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))]
         if not self.down:
@@ -227,12 +228,9 @@ class Tracker:
 
 def _kept_run_id(run_dir: Path) -> str | None:
     """The MLflow run id a run folder keeps (a file read as untrusted: small, hex only), or None."""
-    path = run_dir / RUN_ID_FILE
     try:
-        if not path.is_file() or path.stat().st_size > 100:
-            return None
-        text = path.read_text(encoding="ascii", errors="replace").strip()
-    except OSError:
+        text = safeio.read_regular(run_dir / RUN_ID_FILE, 100, RUN_ID_FILE).decode("ascii", "replace").strip()
+    except (OSError, UserError):  # none, or not a small regular file (a FIFO, a link to a kernel file, ...)
         return None
     return text if re.fullmatch(r"[0-9a-f]{32}", text) else None
 
@@ -242,9 +240,8 @@ def require(flag: bool) -> None:
     anything is built. Raises UserError."""
     if wanted(flag, os.environ):
         how, off = ("--mlflow", "leave out --mlflow") if flag else (f"{URI_ENV} is set", f"unset {URI_ENV}")
-        if optional_import("mlflow", f"{how}: MLflow is not installed in this Python; install it with python -m pip "
-                                     f"install '{REQUIREMENT}', or {off} to train without it") is None:
-            raise UserError(f"{how}: MLflow is not installed")  # not reached: optional_import raised
+        optional_import("mlflow", f"{how}: MLflow is not installed in this Python; install it with python -m pip "
+                                  f"install '{REQUIREMENT}', or {off} to train without it")  # UserError without it
 
 
 def open_tracker(flag: bool, weights: bool, run_dir: Path, say: Callable[[str], None],
