@@ -210,7 +210,9 @@ def _under_file(flag: str, path: str) -> None:
                             "so nothing can be written under it; choose another path")
 
 
+#: how a line names a positional input (data-report's folder, unpack's archive): it has no flag
+POSITIONAL = {"dir": "dataset folder", "archive": "archive"}
+
+
 def _flag(name: str) -> str:
-    if name in ("dir", "archive"):  # data-report's and unpack's are positional
-        return {"dir": "dataset folder", "archive": "archive"}[name]
-    return "--" + name.replace("_", "-")
+    return POSITIONAL.get(name) or "--" + name.replace("_", "-")
