@@ -10,6 +10,7 @@ import importlib.util
 import os
 import signal
 
+import gpushare
 import pytest
 from imagedata import make_image_folder
 from usermodels import isolated_imports, write_project
@@ -71,29 +72,12 @@ def _gpu_memory_census(request):
 
 @pytest.fixture(autouse=True)
 def _one_gpu_shared_by_workers(request):
-    """`pytest -m gpu -n 3` (scripts/gpu_all.sh): the workers share one GPU. Most GPU tests use a few GiB and
-    run side by side; a `whole_gpu` test (one that fills the card to an out-of-memory, caps it, or compares
-    speeds) runs alone. A readers-writer lock on a file the workers share, with a turnstile so that a
-    waiting `whole_gpu` test is not starved by a stream of shared ones. Outside xdist: nothing."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if not run or "gpu" not in request.keywords:
+    """The workers of `pytest -m gpu -n 4` share one GPU; a `whole_gpu` test has it alone (gpushare.py)."""
+    if "gpu" not in request.keywords:
         yield
         return
-    import fcntl
-    import tempfile
-
-    base = os.path.join(tempfile.gettempdir(), f"dlenv-gpu-{run}")
-    alone = "whole_gpu" in request.keywords
-    with open(base + ".turnstile", "a") as gate, open(base + ".lock", "a") as lock:
-        fcntl.flock(gate, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(gate, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with gpushare.share("whole_gpu" in request.keywords, request.node.nodeid):
+        yield
 
 
 def pytest_addoption(parser):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import gpushare
 import pytest
 import torch
 
@@ -18,8 +19,9 @@ from dlenv.options.config import TrainConfig
 from dlenv.runfolder import results
 from dlenv.train import loop
 
-# whole_gpu: these fill the card to an out-of-memory, cap it or compare speeds (conftest); one worker
-pytestmark = [pytest.mark.gpu, pytest.mark.whole_gpu, pytest.mark.xdist_group("train_gpu")]
+# whole_gpu on the tests that probe the card for the largest batch or compare speeds (gpushare.py); the rest
+# share the card with the tests beside them, an out-of-memory test on a 24 GiB card of its own
+pytestmark = pytest.mark.gpu
 
 
 def run(tmp_path, **kw):
@@ -60,15 +62,14 @@ def test_amp_and_checkpointing_cut_the_peak(tmp_path):
 
 
 def test_real_out_of_memory_exits_3_with_advice(tmp_path):
-    total = torch.cuda.get_device_properties(0).total_memory / 2**30
-    batch = int(total / 21 * 256 * 2)  # ResNet-50 fp32 needs ~21 GiB at 256 x 224 px: twice the card
-    with pytest.raises(UserError) as err:
+    with gpushare.card_of() as batch, pytest.raises(UserError) as err:  # twice the card
         run(tmp_path, model="resnet50", img_size=224, batch_size=batch, max_steps=1)
     assert err.value.exit_code == train_mod.EXIT_OOM
     assert "--amp" in str(err.value) and f"micro-batch {batch}" in str(err.value)
     torch.cuda.empty_cache()
 
 
+@pytest.mark.whole_gpu
 def test_batch_size_auto_fits_and_trains_and_gives_its_probes_memory_back(tmp_path):
     before = torch.cuda.memory_allocated()
     out = run(tmp_path, batch_size="auto", amp=True, max_steps=2)
@@ -77,6 +78,7 @@ def test_batch_size_auto_fits_and_trains_and_gives_its_probes_memory_back(tmp_pa
     assert abs(torch.cuda.memory_allocated() - before) <= 64 * 2**20
 
 
+@pytest.mark.whole_gpu
 def test_oom_during_training_is_retried_with_auto(tmp_path, monkeypatch):
     real = loop.forward_backward
     calls = {"n": 0}
@@ -153,6 +155,7 @@ def _notes(out) -> dict:
     return {**read_config_notes(path), **yaml.safe_load(path.read_text(encoding="utf-8"))}
 
 
+@pytest.mark.whole_gpu
 def test_checkpoint_ratio_auto_recomputes_only_what_the_card_needs(tmp_path):
     """Uncapped, a ResNet-50 batch of 128 at 160 px fits without recompute: no block is checkpointed.
     With the card capped below that run's peak, auto checkpoints some blocks, the run fits, and its
@@ -166,20 +169,16 @@ def test_checkpoint_ratio_auto_recomputes_only_what_the_card_needs(tmp_path):
     said = _notes(free)
     assert said["checkpoint_ratio"] == 0.0 and f"0 of {n} blocks" in said["checkpoint_rule"]
     peak = rows(free).iloc[-1]["mem_alloc_gib"]
-    total = torch.cuda.get_device_properties(0).total_memory / 2**30
     cap = 0.75 * peak + 0.5  # the weights, optimizer state and cuDNN workspace stay; activations must shrink
-    torch.cuda.empty_cache()  # the first run's cached blocks: the cap counts what is reserved
-    torch.cuda.set_per_process_memory_fraction(cap / total)
-    try:
+    with gpushare.card_of(cap):
         capped = run(tmp_path / "b", **kw)
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
     said = _notes(capped)
     assert capped["exit_code"] == 0 and rows(capped).iloc[-1]["oom_retries"] == 0
     assert 0 < said["checkpoint_ratio"] <= 1 and "blocks" in said["checkpoint_rule"], said["checkpoint_rule"]
     assert rows(capped).iloc[-1]["mem_alloc_gib"] < cap
 
 
+@pytest.mark.whole_gpu
 def test_two_runs_after_a_real_out_of_memory_report_the_same_peak_and_speed(tmp_path):
     """A notebook keeps its last exception (sys.last_value), and so did this suite (pytest.raises): a
     caught out-of-memory kept the frames of the failed step, 134 GiB of an H200 that only Python's cycle
@@ -187,15 +186,15 @@ def test_two_runs_after_a_real_out_of_memory_report_the_same_peak_and_speed(tmp_
     30x slower (docs/memory.md). Now the trainer frees the failed step before its one line, and each run
     starts from collected garbage and an empty cache. A first run warms cuDNN's autotuner for the shapes the
     two runs share, so neither pays it (8 steps at H200 speed are shorter than the autotuning)."""
-    total = torch.cuda.get_device_properties(0).total_memory / 2**30
     kw = dict(model="resnet50", img_size=176, batch_size=96, amp=True, max_steps=8)
     run(tmp_path / "warm", **kw)
     kept = []  # as a notebook keeps it
     before = torch.cuda.memory_allocated()
-    try:
-        run(tmp_path / "oom", model="resnet50", img_size=224, batch_size=int(total / 21 * 256 * 2), max_steps=1)
-    except UserError as e:
-        kept.append(e)
+    with gpushare.card_of() as batch:
+        try:
+            run(tmp_path / "oom", model="resnet50", img_size=224, batch_size=batch, max_steps=1)
+        except UserError as e:
+            kept.append(e)
     assert kept and kept[0].exit_code == train_mod.EXIT_OOM
     assert torch.cuda.memory_allocated() - before <= 64 * 2**20, "the failed run's tensors outlived its one line"
     held = torch.empty(2**30, dtype=torch.uint8, device="cuda")  # a tensor the user keeps: not the run's
