@@ -1,4 +1,4 @@
-"""dlenv.train.loop's rescue of a batch's forward and backward (Rescue.attempts), case by case: what the
+"""dlenv.train.loop's rescue of a batch's forward and backward (Rescue.run), case by case: what each
 attempt raised -> how many attempts ran, what propagated, what the rescue said. The whole loop trains in
 test_train.py and test_train_auto.py (a real failed compile); a real out-of-memory error in test_train_gpu.py."""
 
@@ -48,13 +48,16 @@ def test_an_attempt_is_rescued_or_its_error_propagates(errors, eager, retry_oom,
     state.batch_in_epoch, state.position = 6, 48
     raised, ran, models = list(errors), [], []
 
+    def step(on, images, targets, scale, sync, monitor):  # forward_backward's arguments
+        assert (on, images, targets, sync, monitor) == (parts, "images", "targets", window.closing, None)
+        ran.append(round(1 / scale))  # the loss is divided by the window's size
+        models.append(parts.model)
+        if raised:
+            raise raised.pop(0)
+        return "loss"
+
     def attempts() -> int:
-        for attempt in rescue.attempts(window, total=8):
-            with attempt:
-                ran.append(window.size)
-                models.append(parts.model)
-                if raised:
-                    raise raised.pop(0)
+        assert rescue.run(step, "images", "targets", window, 8, None) == "loss"
         return len(ran)
 
     if isinstance(outcome, int):

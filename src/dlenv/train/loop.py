@@ -104,13 +104,10 @@ def train_one_epoch(parts: Parts, state: TrainState, epoch: Epoch, rescue: Rescu
         n = images.shape[0]
         window.open(state, total)
         record = monitor if state.batch_in_epoch % CHECK_EVERY == 0 else None
-        # forward and backward of loss / window size; after a failed compile, once more eagerly (the window,
-        # and so its size, starts again at this batch)
+        # forward and backward of loss / window size; after a failed compile once more eagerly, and a CUDA
+        # out of memory under --batch-size auto raises Replan (Rescue.run)
         with watch(images.shape):
-            for attempt in rescue.attempts(window, total):
-                with attempt:
-                    loss = forward_backward(parts, images, targets, 1.0 / window.size, sync=window.closing,
-                                            monitor=record)
+            loss = rescue.run(forward_backward, images, targets, window, total, record)
         tally.add(loss, n)
         state.batch_in_epoch += 1
         state.position += n
@@ -294,50 +291,32 @@ class Rescue:
                  retry_oom: bool = False):
         self.parts, self.state, self.progress, self.say, self.retry_oom = parts, state, progress, say, retry_oom
 
-    def attempts(self, window: _Window, total: int) -> Iterator[_Attempt]:
-        """Attempts at a batch's forward and backward, each a context its code runs in: one, and after a
-        failed compile one more with the eager model. Raises Replan for an out-of-memory error it takes."""
+    def run(self, step: Callable[..., torch.Tensor], images: torch.Tensor, targets: torch.Tensor,
+            window: _Window, total: int, monitor: MemoryMonitor | None) -> torch.Tensor:
+        """`step(parts, images, targets, 1 / window size, sync=, monitor=)` (dlenv.engine.step.forward_backward),
+        and its loss: once, and after a failed compile once more with the eager model. Raises Replan for an
+        out-of-memory error it takes; any other error propagates."""
         parts, state = self.parts, self.state
-        while True:
-            attempt = _Attempt(parts.eager is not None, self.retry_oom)
-            yield attempt
-            if attempt.reason is None:
-                return
-            # here, after the attempt's block, the failed step's tensors are already freed
+        while True:  # at most twice: the eager model's compile errors are not taken (parts.eager is None then)
+            try:
+                return step(parts, images, targets, 1.0 / window.size, sync=window.closing, monitor=monitor)
+            except Exception as e:  # a stop signal is a BaseException: on its way out, never taken
+                oom = self.retry_oom and compat.is_oom(e)
+                failed_compile = parts.eager is not None and not compat.is_oom(e) and compat.is_compile_error(e)
+                if not (oom or failed_compile):
+                    raise
+                reason = first_line(compat.cause_chain(e)[-1])  # the root: compile wraps a backend's error
+            # here, out of the except block, the error is gone and with it the failed step's frames and tensors:
+            # only its line is kept
             parts.optimizer.zero_grad(set_to_none=True)
             self.progress.update(state.batch_in_epoch, float("nan"), 0.0, 0.0)
-            if attempt.oom:
+            if oom:
                 torch.cuda.empty_cache()  # give the fragments of the failed step back before the smaller plan
-                raise Replan(attempt.reason, window.rewind(state))
+                raise Replan(reason, window.rewind(state))
             dropped = f"; {window.done} micro-batch(es) of this window are skipped" if window.done else ""
             parts.model, parts.eager = parts.eager, None
-            self.say(f"--compile: torch.compile failed ({attempt.reason}); training eagerly from here{dropped}")
+            self.say(f"--compile: torch.compile failed ({reason}); training eagerly from here{dropped}")
             window.restart(state, total)
-
-
-class _Attempt:
-    """One attempt of Rescue.attempts: takes the error its block raised if the rescue can act on it (an
-    out-of-memory error with `retry_oom`, a compile error while an eager model is kept), keeping the
-    reason's line only, so that the failed step's tensors go with the error; any other error propagates."""
-
-    def __init__(self, compiled: bool, retry_oom: bool):
-        self.compiled, self.retry_oom = compiled, retry_oom
-        self.reason: str | None = None
-        self.oom = False
-
-    def __enter__(self) -> _Attempt:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: Any) -> bool:
-        if not isinstance(e, Exception):
-            return False  # done, or a stop signal (a BaseException) on its way out
-        oom = self.retry_oom and compat.is_oom(e)
-        failed_compile = self.compiled and not compat.is_oom(e) and compat.is_compile_error(e)
-        if not (oom or failed_compile):
-            return False
-        self.reason = first_line(compat.cause_chain(e)[-1])  # the root: compile wraps a backend's error
-        self.oom = oom
-        return True
 
 
 # ---------------------------------------------------------------------------------------------------
