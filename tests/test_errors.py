@@ -8,6 +8,7 @@ import os
 import pytest
 
 from dlenv import cli, errors
+from dlenv.archives import ARCHIVE_SUFFIXES
 from dlenv.errors import cut_at_word, environment_fault, first_line, printable, torch_write_failure, with_path
 
 # errno -> words the line must hold besides the path
@@ -316,10 +317,11 @@ def test_need_folder_passes_a_folder_and_a_link_to_one(tmp_path):
     errors.need_folder(tmp_path / "l", "--data", "x")
 
 
-def test_need_folders_archive_names_are_unpacks():
-    from dlenv.data.unpack.names import ARCHIVE_SUFFIXES
-
-    assert errors._ARCHIVE_SUFFIXES == ARCHIVE_SUFFIXES
+@pytest.mark.parametrize("suffix", ARCHIVE_SUFFIXES)
+def test_need_folder_names_every_suffix_of_the_formats_table_as_an_archive(tmp_path, suffix):
+    (tmp_path / f"pets{suffix.upper()}").write_bytes(b"x")
+    with pytest.raises(errors.UserError, match="is an archive, not a folder; unpack it first"):
+        errors.need_folder(tmp_path / f"pets{suffix.upper()}", "--data", "x")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from dlenv import cli
+from dlenv import archives, cli
+from dlenv.archives import ARCHIVE_SUFFIXES, FORMATS
 from dlenv.data import unpack as archive
-from dlenv.data.unpack import MARKER, guard
+from dlenv.data.unpack import MARKER, formats, guard
 from dlenv.errors import UserError
 from dlenv.options import config
 
@@ -178,6 +179,42 @@ def test_format_is_read_from_content_not_suffix(tmp_path):
                                         ("c.7z", "c"), ("d.tar.xz", "d"), ("noext", "noext")])
 def test_archive_stem(name, stem):
     assert archive.archive_stem(Path(name)) == stem
+
+
+# ---------------------------------------------------------------------------------------------------
+# The one table of formats (dlenv.archives.FORMATS): detection, the dispatch and the suffixes read it.
+
+
+def test_every_row_names_a_reader_and_suffixes_that_never_overlap():
+    for fmt in FORMATS:
+        assert callable(getattr(formats, fmt.reader)), fmt.name
+        assert fmt.magic or fmt.sniff, f"{fmt.name}: nothing tells it"
+    # no suffix ends with another: the order of ARCHIVE_SUFFIXES never decides a name
+    assert not [(a, b) for a in ARCHIVE_SUFFIXES for b in ARCHIVE_SUFFIXES if a != b and a.endswith(b)]
+    assert {n for n in dir(formats) if n.startswith("unpack_")} == {f.reader for f in FORMATS}
+
+
+def test_the_tables_lines_read_as_before():
+    assert archives.names_said() == "zip, tar, tar.gz, tar.bz2, tar.xz or 7z"
+    assert archives.suffixes_said() == ".zip, .tar(.gz/.bz2/.xz) or .7z"
+    assert sorted(ARCHIVE_SUFFIXES) == sorted((".tar.gz", ".tar.bz2", ".tar.xz", ".tgz", ".tbz2", ".tbz", ".txz",
+                                               ".tar", ".zip", ".7z"))
+
+
+@pytest.mark.parametrize("head, fmt", [
+    (b"BZh" + bytes(254) + b"ustar" + bytes(250), "tar.bz2"),  # a row's magic is tried before tar's mark
+    (b"PK\x05\x06" + bytes(508), "zip"),
+    (bytes(512), "tar"),                                       # zeros: an empty tar
+])
+def test_magic_bytes_come_before_a_mark_further_in(tmp_path, head, fmt):
+    (tmp_path / "a").write_bytes(head)
+    assert archive.detect_format(tmp_path / "a") == fmt
+
+
+def test_a_file_of_no_format_names_every_row(tmp_path):
+    (tmp_path / "a.bin").write_bytes(b"hello, not an archive" * 40)
+    with pytest.raises(UserError, match=r"its content is no zip, tar, tar.gz, tar.bz2, tar.xz or 7z\); check"):
+        archive.detect_format(tmp_path / "a.bin")
 
 
 def test_default_destination_is_data_stem(tmp_path, monkeypatch):

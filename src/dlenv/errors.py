@@ -7,7 +7,7 @@ own message for a write that failed under it) into such a line, naming the path 
 CLI applies it to every verb in one place. Anything else is a bug and keeps its traceback, followed by
 `BUG_REPORT`. A stop signal is `Stopped`, a BaseException no `except Exception` takes for a failure
 of its own, and noted by `stop` where no library can lose it (`check_stop`). No torch here: `dlenv --help`
-imports this module.
+imports this module; of dlenv it reads only the table of archive formats (dlenv.archives).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import os
 import re
 from types import ModuleType
 from typing import NoReturn
+
+from dlenv.archives import ARCHIVE_SUFFIXES
 
 # Every exit status a dlenv command ends with, in this one table (docs/faults.md shows it; a test
 # checks that the two agree and that no two meanings share a value). A launcher reads them: torchrun's
@@ -347,11 +349,6 @@ def with_path(exc: OSError, path: str | os.PathLike) -> OSError:
     return exc
 
 
-#: dlenv.data.unpack.names.ARCHIVE_SUFFIXES, the archive names `dlenv unpack` takes; a copy, held equal by a
-#: test, since this module sits below that one (importing it would close an import circle)
-_ARCHIVE_SUFFIXES = (".tar.gz", ".tar.bz2", ".tar.xz", ".tgz", ".tbz2", ".tbz", ".txz", ".tar", ".zip", ".7z")
-
-
 def need_folder(path: str | os.PathLike, flag: str, fix: str) -> None:
     """Raise UserError unless `path` is a folder, in one line that tells a missing folder from a file:
     "FLAG PATH: no such folder; FIX", or "FLAG PATH is a file, not a folder; FIX" (an archive is named
@@ -361,7 +358,7 @@ def need_folder(path: str | os.PathLike, flag: str, fix: str) -> None:
     shown = printable(os.fspath(path))
     if not os.path.exists(path):
         raise UserError(f"{flag} {shown}: no such folder; {fix}")
-    if os.fspath(path).lower().endswith(_ARCHIVE_SUFFIXES):
+    if os.fspath(path).lower().endswith(ARCHIVE_SUFFIXES):
         raise UserError(f"{flag} {shown} is an archive, not a folder; unpack it first (invoke unpack {shown}) "
                         "and pass the folder it makes")
     raise UserError(f"{flag} {shown} is a file, not a folder; {fix}")

@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dlenv import archives
 from dlenv.errors import UserError, printable
 from dlenv.model import modelnames
 from dlenv.options import typos
@@ -55,7 +56,7 @@ FIXES = {
     "resume": "pass a last.pth path (e.g. runs/exp/last.pth) or --resume auto",
     "source": "pass an image, a folder, a glob, a video or - (paths on stdin)",
     "log_dir": "pass the folder of your runs (e.g. runs)",
-    "archive": "pass the path of a .zip, .tar(.gz/.bz2/.xz) or .7z file (e.g. data/pets.zip)",
+    "archive": f"pass the path of a {archives.suffixes_said()} file (e.g. data/pets.zip)",
 }
 #: what a missing input is called
 WHAT = {"data": "no such folder", "dir": "no such folder", "log_dir": "no such folder", "weights": "not found",

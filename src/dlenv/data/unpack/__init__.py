@@ -2,7 +2,8 @@
 
 Archives come from strangers, so every member is checked before a byte of it is written:
 
-- the format is read from the file's first bytes (zip, tar, tar.gz/.bz2/.xz, 7z), not its suffix;
+- the format is read from the file's first bytes (zip, tar, tar.gz/.bz2/.xz, 7z: dlenv.archives.FORMATS, the
+  one table of formats), not its suffix;
 - member names with `..` or an absolute path, links that point outside the destination or that a
   later member would be written through, device and FIFO members, a total beyond the free disk and
   a compression ratio that marks a bomb are refused with one line (tar links also pass through
@@ -25,7 +26,7 @@ decoded to their real characters, backslash separators become folders, macOS/Win
 folder is flattened into the destination.
 
 The parts: `names` (the format, safe member names, zip code pages), `guard` (the byte budget and the
-writer that checks every member), `formats` (zip, tar, 7z) and `swap` (temporary folders, locking,
+writer that checks every member), `formats` (the member readers the table names) and `swap` (temporary folders, locking,
 the swap into place).
 """
 
@@ -46,7 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dlenv.data.unpack.formats import unpack_7z, unpack_tar, unpack_zip
+from dlenv.archives import BY_NAME
+from dlenv.data.unpack import formats
 from dlenv.data.unpack.guard import Budget, Writer, _free_bytes, _size
 from dlenv.data.unpack.names import archive_stem, detect_format, guess_name_codec, importable_names, module_of
 from dlenv.data.unpack.swap import (
@@ -150,7 +152,7 @@ def _extract_and_swap(src: Path, parent: Path, result: UnpackResult, name_encodi
     `result.dest`."""
     from tqdm import tqdm  # lazy: only an unpack draws a bar
 
-    fmt, dest = result.format, result.dest
+    fmt, dest = BY_NAME[result.format], result.dest
     tmp = parent / f".{dest.name}.unpack-{os.getpid()}-tmp"
     where = str(src)
     in_main = threading.current_thread() is threading.main_thread()
@@ -160,21 +162,16 @@ def _extract_and_swap(src: Path, parent: Path, result: UnpackResult, name_encodi
     tmp.mkdir()
     try:
         size = src.stat().st_size
-        with open(src, "rb") as raw, tqdm(total=None if fmt == "zip" or fmt == "7z" else size, unit="B",
+        with open(src, "rb") as raw, tqdm(total=None if fmt.listed else size, unit="B",
                                            unit_scale=True, unit_divisor=1024, desc=printable(src.name),
                                            mininterval=0.5,
                                            delay=1.0, leave=False,
                                            disable=None if progress else True) as bar:  # None: not in logs
             budget = Budget(where, size, _free_bytes(parent), max_ratio, parent, bar,
-                             raw if fmt.startswith("tar") else None)
+                             None if fmt.listed else raw)
             w = Writer(tmp, where, budget, keep_code)
             try:
-                if fmt == "zip":
-                    result.name_encoding = unpack_zip(raw, w, name_encoding)
-                elif fmt == "7z":
-                    unpack_7z(raw, w)
-                else:
-                    unpack_tar(raw, fmt, w)
+                result.name_encoding = getattr(formats, fmt.reader)(raw, w, fmt, name_encoding)
                 reaches_root = w.finish()
             except UserError:
                 raise

@@ -1,8 +1,11 @@
-"""The formats: zip, tar (plain, gz, bz2, xz) and 7z, each read member by member into the guard's
-writer (dlenv.data.unpack.guard), with each format's own damage turned into one line."""
+"""The member readers of the formats in dlenv.archives.FORMATS: zip, tar (plain, gz, bz2, xz) and 7z, each read
+member by member into the guard's writer (dlenv.data.unpack.guard), with each format's own damage turned into one
+line. A reader is `unpack_X(raw, w, fmt, name_encoding)`, named by its row, and returns the code page it decoded
+member names from (zip), else None."""
 
 from __future__ import annotations
 
+import importlib
 import lzma
 import os
 import stat
@@ -14,6 +17,7 @@ import zlib
 from pathlib import Path
 from typing import BinaryIO
 
+from dlenv.archives import ArchiveFormat
 from dlenv.data.unpack.guard import Writer
 from dlenv.data.unpack.names import _zip_names, clean_name
 from dlenv.errors import UserError
@@ -26,7 +30,7 @@ def _zip_mtime(info: zipfile.ZipInfo) -> float | None:
         return None
 
 
-def unpack_zip(raw: BinaryIO, w: Writer, encoding: str) -> str | None:
+def unpack_zip(raw: BinaryIO, w: Writer, fmt: ArchiveFormat, encoding: str) -> str | None:
     try:
         zf = zipfile.ZipFile(raw)
     except zipfile.BadZipFile as e:
@@ -108,26 +112,17 @@ class _HeaderRecorder:
         return self.fileobj.tell()
 
 
-def _decompressed(raw: BinaryIO, fmt: str) -> BinaryIO:
-    if fmt == "tar.gz":
-        import gzip
-
-        return gzip.GzipFile(fileobj=raw, mode="rb")
-    if fmt == "tar.bz2":
-        import bz2
-
-        return bz2.BZ2File(raw, mode="rb")
-    if fmt == "tar.xz":
-        return lzma.LZMAFile(raw, mode="rb")
-    return raw
+def _decompressed(raw: BinaryIO, fmt: ArchiveFormat) -> BinaryIO:
+    """The tar inside a compressed one: the module its row names (gzip, bz2, lzma) opens the stream."""
+    return importlib.import_module(fmt.compression).open(raw, "rb") if fmt.compression else raw
 
 
-def unpack_tar(raw: BinaryIO, fmt: str, w: Writer) -> None:
+def unpack_tar(raw: BinaryIO, w: Writer, fmt: ArchiveFormat, encoding: str) -> None:
     stream = _HeaderRecorder(_decompressed(raw, fmt))
     try:
         tf = tarfile.open(fileobj=stream, mode="r:")  # noqa: SIM115 (closed by the `with tf` below)
     except tarfile.ReadError as e:
-        what = "is compressed but holds no tar archive, or is damaged" if "." in fmt else "is a damaged tar"
+        what = "is compressed but holds no tar archive, or is damaged" if fmt.compression else "is a damaged tar"
         raise UserError(f"{w.where} {what} ({e}); check the file or download it again") from None
     with tf:
         for m in tf:
@@ -204,7 +199,7 @@ class _SevenZipSink:
             self.kind = "done"
 
 
-def unpack_7z(raw: BinaryIO, w: Writer) -> None:
+def unpack_7z(raw: BinaryIO, w: Writer, fmt: ArchiveFormat, encoding: str) -> None:
     import py7zr
     import py7zr.exceptions
 

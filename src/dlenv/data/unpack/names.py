@@ -16,11 +16,10 @@ import zlib
 from importlib import machinery
 from pathlib import Path
 
+from dlenv.archives import ARCHIVE_SUFFIXES, FORMATS, names_said
 from dlenv.errors import UserError
 
 _JUNK_FILES = {".ds_store", "thumbs.db", "desktop.ini"}
-#: the archive names `dlenv unpack` takes (errors.need_folder names a file of these as an archive)
-ARCHIVE_SUFFIXES = (".tar.gz", ".tar.bz2", ".tar.xz", ".tgz", ".tbz2", ".tbz", ".txz", ".tar", ".zip", ".7z")
 #: what a dataset never needs and Python or a shell would run: sources and bytecode (`python -m` in the
 #: unpacked folder imports a `dlenv/` or `argparse.py` from it before the installed one), extension
 #: modules and shared libraries, scripts and Windows executables. By name, case-folded: that is how an
@@ -35,7 +34,8 @@ _ZIP_UNICODE_PATH = 0x7075
 
 
 def detect_format(path: Path) -> str:
-    """The archive format from the file's content: zip, 7z, tar, tar.gz, tar.bz2 or tar.xz.
+    """The archive format from the file's content: the name of its row in dlenv.archives.FORMATS (zip, tar,
+    tar.gz, tar.bz2, tar.xz or 7z), by the rows' magic bytes, then by a mark further in (tar's header).
 
     Raises UserError for an empty file, a format we do not unpack, or a file that is no archive.
     """
@@ -43,18 +43,12 @@ def detect_format(path: Path) -> str:
         head = fh.read(512)
     if not head:
         raise UserError(f"{path} is empty (0 bytes); download it again")
-    if head[:4] in (b"PK\x03\x04", b"PK\x05\x06", b"PK\x07\x08"):
-        return "zip"
-    if head[:6] == b"7z\xbc\xaf\x27\x1c":
-        return "7z"
-    if head[:2] == b"\x1f\x8b":
-        return "tar.gz"
-    if head[:3] == b"BZh":
-        return "tar.bz2"
-    if head[:6] == b"\xfd7zXZ\x00":
-        return "tar.xz"
-    if head[257:262] == b"ustar" or _is_v7_tar(head) or (len(head) == 512 and not any(head)):  # zeros: empty tar
-        return "tar"
+    for fmt in FORMATS:
+        if head.startswith(fmt.magic):
+            return fmt.name
+    for fmt in FORMATS:
+        if fmt.sniff is not None and fmt.sniff(head):
+            return fmt.name
     if head[:7] in (b"Rar!\x1a\x07\x00", b"Rar!\x1a\x07\x01"):
         raise UserError(f"{path} is a RAR archive, which dlenv does not unpack; unpack it with unrar, or "
                         "re-pack it as .zip or .tar.gz")
@@ -62,19 +56,8 @@ def detect_format(path: Path) -> str:
         raise UserError(f"{path} is zstd-compressed; run `zstd -d {path}` and unpack the .tar it gives")
     if zipfile.is_zipfile(path):  # a self-extracting zip: code first, the zip at the end
         return "zip"
-    raise UserError(f"{path} is not an archive dlenv can unpack (its content is no zip, tar, tar.gz, "
-                    "tar.bz2, tar.xz or 7z); check the file or download it again")
-
-
-def _is_v7_tar(head: bytes) -> bool:
-    """An old (pre-POSIX) tar header: a valid header checksum is the only mark it has."""
-    if len(head) < 512:
-        return False
-    try:
-        stored = int(head[148:156].replace(b"\x00", b" ").strip() or b"-1", 8)
-    except ValueError:
-        return False
-    return stored == sum(head[:148]) + 8 * 32 + sum(head[156:512])
+    raise UserError(f"{path} is not an archive dlenv can unpack (its content is no {names_said()}); check the "
+                    "file or download it again")
 
 
 def archive_stem(path: Path) -> str:
