@@ -99,6 +99,20 @@ def test_resume_keeps_this_runs_kernels_and_restores_the_state():
     assert float(opt.state[next(iter(net.parameters()))]["step"]) == 2.0
 
 
+def test_every_optimizer_of_the_one_list_is_an_option_with_defaults_and_builds():
+    from dlenv.options.config import OPTIMIZERS, TrainConfig, build
+
+    assert build(TrainConfig, optimizer=OPTIMIZERS[-1]).optimizer == OPTIMIZERS[-1]
+    for name in OPTIMIZERS:  # a name added to the list fails here until engine/optim.py gives it all of these
+        assert optim.default_lr(name, 256) > 0 and optim.default_weight_decay(name) >= 0
+        assert optim.resolve_optimizer(name, 10) == name
+        built, probed = optim.build_optimizer(Net(), name, 0.1, 1e-4), optim.probe_optimizer(Net().parameters(), name)
+        assert type(built) is type(probed) and type(built).__name__.lower() == name
+    assert {optim.resolve_optimizer("auto", n) for n in (1, 10**6)} <= set(OPTIMIZERS)
+    with pytest.raises(ValueError, match="'lion' is not sgd or adamw"):
+        optim.probe_optimizer(Net().parameters(), "lion")
+
+
 def test_auto_optimizer_is_adamw_for_short_runs_sgd_for_long():
     assert optim.resolve_optimizer("auto", optim.AUTO_SGD_FROM_STEPS - 1) == "adamw"
     assert optim.resolve_optimizer("auto", optim.AUTO_SGD_FROM_STEPS) == "sgd"

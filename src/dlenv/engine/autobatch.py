@@ -363,12 +363,11 @@ class TrainStepProbe:
                  steps: int = 1, optimizer: str = "sgd", autotune: bool = False):
         import torch
 
+        from dlenv.engine.optim import probe_optimizer
         from dlenv.engine.precision import Precision
         from dlenv.engine.step import Parts
         from dlenv.model.checkpointing import apply_checkpointing
 
-        if optimizer not in ("sgd", "adamw"):
-            raise ValueError(f"optimizer {optimizer!r} is not sgd or adamw")
         self.device = torch.device(device)
         self.img_size, self.num_classes, self.steps, self.autotune = img_size, num_classes, steps, autotune
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
@@ -376,9 +375,7 @@ class TrainStepProbe:
         if checkpoint:
             apply_checkpointing(model, ratio=1.0 if checkpoint is True else float(checkpoint))
         model = model.to(self.device, memory_format=self.memory_format).train()
-        params = model.parameters()
-        opt = (torch.optim.SGD(params, lr=1e-4, momentum=0.9) if optimizer == "sgd"
-               else torch.optim.AdamW(params, lr=1e-5))
+        opt = probe_optimizer(model.parameters(), optimizer)
         self.parts = Parts.plain(model, opt, Precision(precision_mode, self.device), self.memory_format)
 
     def _train(self, batch: int) -> None:

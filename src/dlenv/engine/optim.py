@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 import torch
 from torch import nn
 
 from dlenv import compat
+from dlenv.options.config import OPTIMIZERS
 
 # parameter names (suffixes) that are embeddings or tokens: no weight decay, as for norms and biases
 _NO_DECAY_NAMES = ("pos_embedding", "class_token", "cls_token", "pos_embed",
@@ -46,7 +48,7 @@ def default_lr(optimizer: str, effective_batch: int) -> float:
         return 0.1 * effective_batch / 256
     if optimizer == "adamw":
         return 1e-3
-    raise ValueError(f"unknown optimizer {optimizer!r}")
+    raise ValueError(f"unknown optimizer {optimizer!r}; use {' or '.join(OPTIMIZERS)}")
 
 
 def default_weight_decay(optimizer: str) -> float:
@@ -89,7 +91,18 @@ def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
                                **compat.optimizer_kernels(torch.optim.SGD, on_cuda))
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, **compat.optimizer_kernels(torch.optim.AdamW, on_cuda))
-    raise ValueError(f"unknown optimizer {name!r}; use sgd or adamw")
+    raise ValueError(f"unknown optimizer {name!r}; use {' or '.join(OPTIMIZERS)}")
+
+
+def probe_optimizer(params: Any, name: str) -> torch.optim.Optimizer:
+    """The optimizer a memory probe trains with (dlenv.engine.stepprobe): `name`'s kind, whose state (SGD's
+    momentum, AdamW's two moments) is what a run's optimizer keeps, at a small rate and torch's default
+    kernels. Raises ValueError for a name not in OPTIMIZERS."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-4, momentum=0.9)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-5)
+    raise ValueError(f"optimizer {name!r} is not {' or '.join(OPTIMIZERS)}")
 
 
 #: param-group keys that say how the step runs, not what it computes: this run's own choice is kept on resume

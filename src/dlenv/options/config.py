@@ -74,6 +74,9 @@ _bool, _int, _float, _str = parse_bool, parse_int, parse_float, parse_str
 
 #: the largest --seed: torch, NumPy and the samplers take 64-bit seeds, and each rank adds its number
 SEED_MAX = 2**63 - 1
+#: the optimizers `--optimizer` names besides auto, the one list of them: dlenv.engine.optim gives each its
+#: defaults and builds it (for the run and for a memory probe)
+OPTIMIZERS = ("sgd", "adamw")
 _DECODERS = ("auto", "pil", "cv2", "tvio", "nvjpeg", "nvimgcodec")
 @dataclass(frozen=True)
 class TrainConfig:
@@ -170,9 +173,9 @@ class TrainConfig:
     # optimization
     epochs: int | None = opt(None, "epochs to train, or auto: 10, or the CPU recipe's on the demo data without "
                                    "a GPU", parse=auto_int, min=1, max=EPOCHS_MAX, why=EPOCHS_WHY)
-    optimizer: str = opt("auto", "sgd, adamw, or auto: AdamW for runs under 10,000 optimizer steps (it "
-                                 "converges faster from scratch), SGD for longer ones",
-                         choices=("auto", "sgd", "adamw"))
+    optimizer: str = opt("auto", f"{', '.join(OPTIMIZERS)}, or auto: AdamW for runs under 10,000 optimizer steps "
+                                 "(it converges faster from scratch), SGD for longer ones",
+                         choices=("auto", *OPTIMIZERS))
     lr: float | None = opt(None, "peak learning rate; default 0.1 x batch/256 for SGD (batch = images per "
                                  "optimizer step), 1e-3 for AdamW", parse=_float, min=0.0)
     momentum: float = opt(0.9, "SGD momentum", min=0.0, max=1.0)
