@@ -256,25 +256,25 @@ def test_a_real_checkpoint_costs_a_small_part_of_the_budget(tmp_path):
     budget = picklework.Budget()
     picklework.play(io.BytesIO(data), lambda pid: pickleguard.Storage(2**40), budget=budget)
     assert budget.spent < pickleguard.MAX_WORK // 100, budget.spent
-    got = weights.read(tmp_path / "c.pth", weights.SAFE)
+    got = weights.read(tmp_path / "c.pth", weights.SAFE)[0]
     assert got["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999) and got["config"]["size"] == (3, 4)
 
 
 def test_the_decoder_visits_a_shared_container_once(monkeypatch):
-    """weights.decode (floats back from their hex) on a 60-level DAG of dicts and lists, as torch.load
+    """runstate.decode (floats back from their hex) on a 60-level DAG of dicts and lists, as torch.load
     under --trust-pickle may return it: each container once, not each of its 2**60 paths."""
     node: object = {"x": {"__float__": (0.5).hex()}}
     for _ in range(60):
         node = {"a": [node, node], "b": node}
     calls = []
-    real = weights.decode
+    real = runstate.decode
 
     def counted(obj, seen=None):
         calls.append(1)
         return real(obj, seen)
 
-    monkeypatch.setattr(weights, "decode", counted)
-    out = weights.decode(node)
+    monkeypatch.setattr(runstate, "decode", counted)
+    out = runstate.decode(node)
     assert len(calls) <= 6 * 60 + 10, len(calls)
     for _ in range(60):
         assert out["a"][0] is out["a"][1] is out["b"]  # still shared, decoded once

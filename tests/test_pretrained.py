@@ -67,7 +67,7 @@ def test_a_miss_downloads_once_then_hits_without_a_request(resnet18_server, cwd,
     assert pretrained.fetch(w) == got and len(requests) == 1  # the hit asks nobody
     monkeypatch.setenv(pretrained.OFFLINE_ENV, "1")
     assert pretrained.fetch(w) == got  # and needs no connection
-    sd = pretrained.load_state(w, got)  # through dlenv.files.weights' allowlist: no --trust-pickle
+    sd = pretrained.fetched_state_dict(w, got)  # through dlenv.files.weights' allowlist: no --trust-pickle
     assert all(torch.equal(sd[k], v) for k, v in state.items())
 
 
@@ -193,7 +193,7 @@ def test_timm_miss_then_hit_through_hf_endpoint(timm_server, cwd, monkeypatch):
     assert pretrained.fetch(w) == got and len(requests) == n  # the hit asks nobody
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert pretrained.fetch(w) == got  # and needs no connection
-    built = models.build_model("timm/resnet18", 4, pretrained_state=pretrained.load_state(w, got))
+    built = models.build_model("timm/resnet18", 4, pretrained_state=pretrained.fetched_state_dict(w, got))
     assert torch.equal(built.conv1.weight, model.conv1.weight) and built.fc.out_features == 4
 
 
@@ -367,7 +367,7 @@ def test_timm_says_the_head_starts_fresh(timm_server, cwd, caplog):
     import logging
 
     w = pretrained.resolve("timm/resnet18", "DEFAULT")
-    state = pretrained.load_state(w, pretrained.fetch(w))
+    state = pretrained.fetched_state_dict(w, pretrained.fetch(w))
     with caplog.at_level(logging.WARNING):
         pretrained.timm_model("timm/resnet18", 4, state, {})
     said = [r.getMessage() for r in caplog.records]

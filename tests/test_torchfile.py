@@ -330,7 +330,7 @@ def test_a_pretrained_file_with_a_matching_hash_prefix_is_judged_like_any_other(
     cached.parent.mkdir(parents=True)
     cached.write_bytes(blob)
     with pytest.raises(UserError) as e:
-        pretrained.load_state(w, pretrained.fetch(w, progress=False))
+        pretrained.fetched_state_dict(w, pretrained.fetch(w, progress=False))
     assert "\n" not in str(e.value) and "refusing to unpickle" in str(e.value)
     assert MARKER not in capfd.readouterr().out
 
@@ -582,7 +582,7 @@ def test_attack_variants_are_refused_in_one_line_or_load_as_they_are(tmp_path, m
     path = tmp_path / "w.pth"
     path.write_bytes(make(marker))
     if reason is None:
-        got = weights.read(path, weights.LoadPolicy())
+        got = weights.read(path, weights.LoadPolicy())[0]
         assert all(isinstance(v, torch.Tensor) for v in got.values()), got
         return
     with pytest.raises(UserError) as e:

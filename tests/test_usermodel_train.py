@@ -30,7 +30,7 @@ from dlenv.compress import export_main, prune_main
 from dlenv.engine.precision import Precision
 from dlenv.errors import UserError
 from dlenv.evaluate import main as val_main
-from dlenv.files import runstate, weights
+from dlenv.files import runstate
 from dlenv.model import checkpointing, models, usermodel
 from dlenv.options import config, values
 from dlenv.options.config import ExportConfig, PruneConfig, TrainConfig, ValConfig
@@ -93,7 +93,7 @@ def test_each_model_trains_an_epoch_with_amp_and_checkpointing(project, monkeypa
     sha = hashlib.sha256((project / "models" / name).read_bytes()).hexdigest()
     for f in ("last.pth", "best_model.pth"):
         ck = torch.load(run / f, map_location="cpu", weights_only=True)  # plain types only
-        src = weights.decode(ck)["model_source"]
+        src = runstate.decode(ck)["model_source"]
         assert src == {"ref": ref, "sha256": sha, "args": args, "file": str(project / "models" / name)}
         assert ck["model_name"] == ref and ck["img_size"] == 16
 

@@ -29,7 +29,7 @@ import dlenv
 from dlenv import compat
 from dlenv.cli import main as cli_main
 from dlenv.errors import UserError
-from dlenv.files import pickleguard, runstate, torchfile, weights
+from dlenv.files import pickleguard, runstate, torchfile
 from dlenv.files.weights import SAFE, LoadPolicy
 from dlenv.model.models import build_model
 
@@ -364,11 +364,11 @@ def test_consent_opens_what_torch_allows_and_only_from_the_command_line(trained,
 @pytest.mark.parametrize("typed, in_yaml, want", [(None, True, False), (True, False, True), ("true", True, True),
                                                   (None, False, False)])
 def test_only_the_command_line_can_consent(typed, in_yaml, want):
-    from dlenv.options import config
+    from dlenv.options import config, declare
 
     cfg = config.build(config.ValConfig, trust_pickle=in_yaml)  # as a --cfg file would set it
     given = {} if typed is None else {"trust_pickle": typed}
-    cfg = weights.command_line_consent(cfg, given)
+    cfg = declare.command_line_consent(cfg, given)
     assert cfg.trust_pickle is want and LoadPolicy.of(cfg).trust_pickle is want
 
 
@@ -407,7 +407,7 @@ def test_save_checkpoint_to_safetensors_writes_weights_and_description_without_p
     with pytest.raises(pickle.UnpicklingError):
         pickle.loads(raw)
     back = runstate.load_state(path)
-    assert weights.is_run_state(back)
+    assert runstate.is_run_state(back)
     assert back["class_names"] == ["a", "b", "c"] and back["img_size"] == 64 and back["config"]["lr"] == 0.001
     assert torch.equal(back["model"]["fc.weight"], state["model"]["fc.weight"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["w.safetensors"]

@@ -203,15 +203,14 @@ def _stoppable():
 def run_command(name: str, given: dict[str, Any], yaml_file: str | None = None) -> int:
     """Build `name`'s config from `given` flags (and a YAML file) and run it; returns the exit code."""
     from dlenv import pathcheck  # lazy: as in _add_options
-    from dlenv.files import weights
-    from dlenv.options import config
+    from dlenv.options import config, declare
     cmd = config.COMMANDS[name]
     loading = True
     cfg = None
     try:
         if yaml_file is not None:
             pathcheck.must_exist("--cfg", yaml_file, what="no such file")
-        cfg = weights.command_line_consent(config.build(cmd.config, yaml_file, **given), given)
+        cfg = declare.command_line_consent(config.build(cmd.config, yaml_file, **given), given)
         cfg = pathcheck.check(name, cfg)  # every path option, before PyTorch loads
         module, func = cmd.target.split(":")
         with _stoppable():

@@ -40,30 +40,138 @@ epoch whose end set best_metric.
 Writes go to a temporary file in the same folder, are fsynced and `os.replace`d into place, so a
 `kill -9` at any moment leaves the previous file or the new one, never half of one.
 
-Every Python float in a run file is stored encoded (dlenv.files.weights.encode: PyTorch 1.13's
-weights_only loader knows no float opcode) and `weights.read` gives it back exact, so the files are the
-same on both profiles and load on either.
+Every Python float in a run file is stored encoded (`encode`: PyTorch 1.13's weights_only loader knows no
+float opcode) and `load_state` gives it back exact (`decode`), so the files are the same on both profiles and
+load on either. This module owns the format: its tag (FORMAT), `is_run_state`, the float encoding and a
+.safetensors run file's metadata; dlenv.files.weights only reads the bytes safely.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dlenv import __version__
-from dlenv.errors import UserError
+from dlenv.errors import UserError, printable
 from dlenv.files import weights
 from dlenv.files.atomic import write_file
-from dlenv.files.weights import FORMAT
+
+#: what dlenv's own run files say they are
+FORMAT = "dlenv/1"
+_FLOAT = "__float__"
 
 #: bounds on what a file may say (its weights must fit a model built from these numbers)
 MAX_IMG_SIZE = 2048
 MAX_CLASSES = 100_000
 MAX_NAME = 256
 MAX_COUNT = 10**12
+
+
+def is_run_state(obj: Any) -> bool:
+    """A dlenv run file's dict (last.pth, best_model.pth, a prune's output): its entries are this module's."""
+    return isinstance(obj, dict) and obj.get("format") == FORMAT and "model" in obj
+
+
+# ---------------------------------------------------------------------------------------------------
+# dlenv's encoding: floats, and a run file's description as safetensors metadata
+#
+# PyTorch 1.13's weights_only loader knows no float opcode (2.x does), so every Python float (a learning
+# rate, a config value, the GradScaler's scale) is written as {"__float__": float.hex()} and turned back
+# into the exact float on reading: the files are the same on both profiles and load on either.
+
+
+def encode(obj: Any) -> Any:
+    """`obj` with every float replaced by {"__float__": hex}; containers without floats are kept as is."""
+    if isinstance(obj, float):
+        return {_FLOAT: obj.hex()}
+    if isinstance(obj, dict):
+        items = {k: encode(v) for k, v in obj.items()}
+        if all(items[k] is obj[k] for k in obj):
+            return obj  # unchanged (a model state dict keeps its OrderedDict and _metadata)
+        return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
+    if isinstance(obj, (list, tuple)):
+        items = [encode(v) for v in obj]
+        if all(a is b for a, b in zip(items, obj, strict=True)):
+            return obj
+        return type(obj)(items) if type(obj) in (list, tuple) else list(items)
+    return obj
+
+
+def decode(obj: Any, seen: dict[int, tuple[Any, Any]] | None = None) -> Any:
+    """Undo `encode`. Each container is decoded once however often the file shares it (`seen`: id -> (it,
+    what it became)): a walk down every path of 50 dicts each holding the next twice is 2**50 steps long."""
+    seen = {} if seen is None else seen
+    if not isinstance(obj, (dict, list, tuple)):
+        return obj
+    if id(obj) in seen:
+        return seen[id(obj)][1]
+    if isinstance(obj, dict):
+        if len(obj) == 1 and _FLOAT in obj and isinstance(obj[_FLOAT], str):
+            out: Any = float.fromhex(obj[_FLOAT])
+        else:
+            seen[id(obj)] = (obj, obj)  # decoded in place
+            for k, v in obj.items():
+                obj[k] = decode(v, seen)
+            return obj
+    elif isinstance(obj, list):
+        out = [decode(v, seen) for v in obj]
+    else:
+        out = tuple(decode(v, seen) for v in obj)
+    seen[id(obj)] = (obj, out)
+    return out
+
+
+def save_run_safetensors(state: dict[str, Any], path: Path) -> Path:
+    """A dlenv run file's weights with its description as string metadata; a bare state dict as it is."""
+    if not is_run_state(state):
+        return weights.save_safetensors(state, path)
+    meta = {"format": FORMAT, "model_name": str(state["model_name"]), "num_classes": str(int(state["num_classes"])),
+            "class_names": json.dumps(list(state["class_names"])),
+            "img_size": str(int(state["img_size"])) if state.get("img_size") else "",
+            "config": json.dumps(state.get("config") or {}, default=str)}
+    if state.get("model_source"):
+        meta["model_source"] = json.dumps(state["model_source"], default=str)
+    if state.get("widths"):  # a channel-pruned model (dlenv.model.shrink)
+        meta["widths"] = json.dumps(state["widths"])
+    return weights.save_safetensors(state["model"], path, meta)
+
+
+def _from_safetensors(tensors: dict[str, Any], meta: dict[str, str], path: Path) -> dict[str, Any]:
+    """A .safetensors file's `tensors` and `meta`: dlenv's own (metadata format "dlenv/1") as a run file's
+    dict, any other (Hugging Face and timm write {"format": "pt"}, or none) as the bare state dict."""
+    if meta.get("format") != FORMAT:
+        return tensors
+
+    def count(key: str) -> int | None:
+        text = meta.get(key, "").strip()
+        if not text:
+            return None
+        if not (text.isdigit() and len(text) <= 12):
+            raise ValueError(f"{key} {text[:20]!r} is not a count")
+        return int(text)
+
+    try:
+        ckpt = {"format": FORMAT, "model": tensors, "model_name": meta["model_name"],
+                "num_classes": count("num_classes"), "class_names": json.loads(meta["class_names"]),
+                "img_size": count("img_size"), "config": json.loads(meta.get("config") or "{}")}
+        if meta.get("model_source"):
+            ckpt["model_source"] = json.loads(meta["model_source"])
+        if meta.get("widths"):
+            ckpt["widths"] = json.loads(meta["widths"])
+    except (KeyError, ValueError) as e:
+        raise UserError(f"{printable(str(path))}: its dlenv metadata is incomplete or malformed "
+                        f"({printable(str(e))[:80]}); load it as a bare state dict with --model NAME, or export "
+                        "it again") from None
+    return ckpt
+
+
+# ---------------------------------------------------------------------------------------------------
+# Saving and loading
 
 
 class _KeepFirstError:
@@ -103,8 +211,8 @@ def save_state(state: dict[str, Any], path: str | Path) -> Path:
     """
     path = Path(path)
     if weights.is_safetensors(path):
-        return weights.save_run_safetensors(state, path)
-    state = weights.encode(state)
+        return save_run_safetensors(state, path)
+    state = encode(state)
 
     def write(fh: Any) -> None:
         out = _KeepFirstError(fh)
@@ -120,7 +228,7 @@ def export_safetensors(ckpt: dict[str, Any], model: Any, out: Path) -> int:
     """`dlenv export --format safetensors`: `model`'s weights and `ckpt`'s description to `out`, then
     read back and compared tensor by tensor. Returns 0 when identical, 1 when not (the file is kept)."""
     state = {**ckpt, "format": FORMAT, "model": model.state_dict()}
-    weights.save_run_safetensors(state, out)
+    save_run_safetensors(state, out)
     back = load_state(out)
     want = state["model"]
     same = (set(back["model"]) == set(want)
@@ -137,13 +245,16 @@ def export_safetensors(ckpt: dict[str, Any], model: Any, out: Path) -> int:
 
 
 def load_state(path: str | Path, policy: weights.LoadPolicy = weights.SAFE) -> Any:
-    """What the weights file at `path` holds (`weights.read`: sniffed, read, decoded), with a dlenv run
-    file's entries checked and bounded (`check_entries`). `policy`: what --trust-pickle allows.
+    """What the weights file at `path` holds (`weights.read`: sniffed and read), decoded: a dlenv run file
+    as its dict (floats exact, a .safetensors run file's description from its metadata), its entries
+    checked and bounded (`check_entries`); any other file as it is (a bare state dict, a dict around
+    one). `policy`: what --trust-pickle allows.
 
     Raises UserError naming the file for whatever `weights.read` refuses and for a run file whose entries
     have wrong types or numbers out of bounds.
     """
-    obj = weights.read(path, policy)
+    held, meta = weights.read(path, policy)
+    obj = _from_safetensors(held, meta, Path(path)) if weights.is_safetensors(path) else decode(held)
     check_entries(obj, path)
     return obj
 
@@ -170,7 +281,7 @@ def check_entries(ckpt: Any, path: str | Path) -> None:
     other than a dlenv run file passes unchecked (its tensors are bounded by the bytes the file holds). Raises UserError
     naming the file, the entry and the bound.
     """
-    if not weights.is_run_state(ckpt):
+    if not is_run_state(ckpt):
         return
     path = Path(path)
     if not weights.is_bare_state_dict(ckpt["model"]):

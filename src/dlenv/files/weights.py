@@ -23,23 +23,22 @@ safetensors (`*.safetensors`)
     the metadata describes a dlenv model and bounds every number in it.
 
 `read(path, policy)` is the one way in: it says what a path is when it is no weights file at all (a
-folder, a FIFO, an empty file, a CSV, a TorchScript export), reads a .safetensors or a pickle, and
-decodes dlenv's own encoding (floats, the description a .safetensors run file keeps as metadata).
-dlenv.files.runstate checks a run file's entries on what it returns; the state-dict helpers that put
-weights into a model are dlenv.model.statedict's.
+folder, a FIFO, an empty file, a CSV, a TorchScript export) and reads a .safetensors or a pickle, as
+stored. A run file's format (its tag, dlenv's float encoding, the description a .safetensors run file
+keeps as metadata) is dlenv.files.runstate's: `runstate.load_state` is this read, decoded and checked.
+The state-dict helpers that put weights into a model are dlenv.model.statedict's.
 
-Consent is a `LoadPolicy` passed to each read, from the command's options: nothing global.
-Every file is opened through dlenv.files.safeio: regular files only, so a folder or a FIFO named x.pth is one
-line, not a hang. No torch import at module level: the CLI imports this module for --help.
+Consent is a `LoadPolicy` passed to each read, from the command's options: nothing global (the rule that
+only the command line consents is dlenv.options.declare.command_line_consent's). Every file is opened
+through dlenv.files.safeio: regular files only, so a folder or a FIFO named x.pth is one line, not a hang.
+No torch import at module level: a command's module imports LoadPolicy before PyTorch loads.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import pickle
 import zipfile
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,9 +48,6 @@ from dlenv.files import pickleguard, safeio, torchfile
 from dlenv.files.atomic import write_atomic
 
 SUFFIX = ".safetensors"
-#: what dlenv's own run files say they are (dlenv.files.runstate describes their entries)
-FORMAT = "dlenv/1"
-_FLOAT = "__float__"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -67,24 +63,14 @@ class LoadPolicy:
 
     @classmethod
     def of(cls, cfg: Any) -> LoadPolicy:
-        """The policy a command's options ask for (`trust_pickle` as typed: `command_line_consent`)."""
+        """The policy a command's options ask for (`trust_pickle` as typed on the command line:
+        dlenv.options.declare.command_line_consent)."""
         return cls(trust_pickle=getattr(cfg, "trust_pickle", False) is True)
 
 
 #: the policy that needs no consent: files the allowlist passes, and safetensors
 SAFE = LoadPolicy()
 
-
-def command_line_consent(cfg: Any, given: dict[str, Any]) -> Any:
-    """`cfg` with trust_pickle as typed on the command line: a value from a YAML file is dropped, so a
-    config file someone sends cannot switch the check off (nor pass it on to torchrun workers)."""
-    if not hasattr(cfg, "trust_pickle"):
-        return cfg
-    import dataclasses
-
-    typed = given.get("trust_pickle", False)
-    typed = typed is True or str(typed).strip().lower() in ("1", "true", "yes", "on")
-    return dataclasses.replace(cfg, trust_pickle=typed)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -108,10 +94,11 @@ def refusal(path: Path, reason: str) -> str:
             f"came from ({loader})")
 
 
-def read(path: str | Path, policy: LoadPolicy = SAFE) -> Any:
-    """What the weights file at `path` holds, on the CPU, decoded: a dlenv run file as its dict (floats
-    exact, a .safetensors run file's description from its metadata), any other file as it is (a bare
-    state dict, a dict around one). `policy`: what --trust-pickle allows.
+def read(path: str | Path, policy: LoadPolicy = SAFE) -> tuple[Any, dict[str, str]]:
+    """(what the weights file at `path` holds, on the CPU, as stored; its string metadata): a pickle's
+    object as built, with no metadata ({}); a .safetensors file's tensors and metadata
+    (`read_safetensors`). dlenv.files.runstate.load_state decodes a run file from these. `policy`: what
+    --trust-pickle allows.
 
     Raises UserError naming the file for a missing file, one that is not a PyTorch file at all (a
     folder, a FIFO, an empty file, a CSV, YAML or other text, a zip of something else, a TorchScript
@@ -127,9 +114,9 @@ def read(path: str | Path, policy: LoadPolicy = SAFE) -> Any:
         raise UserError(f"{printable(str(path))} is {what[0]}, not a PyTorch weights file; "
                         + (what[1] or "pass a .pth file written by torch.save (e.g. runs/exp/best_model.pth)"))
     if is_safetensors(path):
-        return _from_safetensors(path)
+        return read_safetensors(path)
     try:
-        return decode(_load_pickle(path, policy))
+        return _load_pickle(path, policy), {}
     except UserError:  # this module's own lines: a refused, forged or damaged pickle
         raise
     except pickle.UnpicklingError as e:
@@ -183,11 +170,6 @@ def sniff(path: Path) -> tuple[str, str | None] | None:
         first = text.strip().splitlines()[0][:40] if text.strip() else ""
         return f"a text file (it starts {first!r})", None
     return f"another kind of file (it starts with bytes {head[:4].hex(' ')})", None
-
-
-def is_run_state(obj: Any) -> bool:
-    """A dlenv run file's dict (last.pth, best_model.pth, a prune's output): its entries are runstate's."""
-    return isinstance(obj, dict) and obj.get("format") == FORMAT and "model" in obj
 
 
 def is_bare_state_dict(obj: Any) -> bool:
@@ -248,100 +230,6 @@ def read_safetensors(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
         raise UserError(f"{printable(str(path))} is not a readable safetensors file ({printable(first)}); "
                         "export it again, or check that the download finished") from None
     return state, {str(k): str(v) for k, v in meta.items()}
-
-
-# ---------------------------------------------------------------------------------------------------
-# dlenv's encoding: floats, and a run file's description as safetensors metadata
-#
-# PyTorch 1.13's weights_only loader knows no float opcode (2.x does), so every Python float (a learning
-# rate, a config value, the GradScaler's scale) is written as {"__float__": float.hex()} and turned back
-# into the exact float on reading: the files are the same on both profiles and load on either.
-
-
-def encode(obj: Any) -> Any:
-    """`obj` with every float replaced by {"__float__": hex}; containers without floats are kept as is."""
-    if isinstance(obj, float):
-        return {_FLOAT: obj.hex()}
-    if isinstance(obj, dict):
-        items = {k: encode(v) for k, v in obj.items()}
-        if all(items[k] is obj[k] for k in obj):
-            return obj  # unchanged (a model state dict keeps its OrderedDict and _metadata)
-        return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
-    if isinstance(obj, (list, tuple)):
-        items = [encode(v) for v in obj]
-        if all(a is b for a, b in zip(items, obj, strict=True)):
-            return obj
-        return type(obj)(items) if type(obj) in (list, tuple) else list(items)
-    return obj
-
-
-def decode(obj: Any, seen: dict[int, tuple[Any, Any]] | None = None) -> Any:
-    """Undo `encode`. Each container is decoded once however often the file shares it (`seen`: id -> (it,
-    what it became)): a walk down every path of 50 dicts each holding the next twice is 2**50 steps long."""
-    seen = {} if seen is None else seen
-    if not isinstance(obj, (dict, list, tuple)):
-        return obj
-    if id(obj) in seen:
-        return seen[id(obj)][1]
-    if isinstance(obj, dict):
-        if len(obj) == 1 and _FLOAT in obj and isinstance(obj[_FLOAT], str):
-            out: Any = float.fromhex(obj[_FLOAT])
-        else:
-            seen[id(obj)] = (obj, obj)  # decoded in place
-            for k, v in obj.items():
-                obj[k] = decode(v, seen)
-            return obj
-    elif isinstance(obj, list):
-        out = [decode(v, seen) for v in obj]
-    else:
-        out = tuple(decode(v, seen) for v in obj)
-    seen[id(obj)] = (obj, out)
-    return out
-
-
-def save_run_safetensors(state: dict[str, Any], path: Path) -> Path:
-    """A dlenv run file's weights with its description as string metadata; a bare state dict as it is."""
-    if not is_run_state(state):
-        return save_safetensors(state, path)
-    meta = {"format": FORMAT, "model_name": str(state["model_name"]), "num_classes": str(int(state["num_classes"])),
-            "class_names": json.dumps(list(state["class_names"])),
-            "img_size": str(int(state["img_size"])) if state.get("img_size") else "",
-            "config": json.dumps(state.get("config") or {}, default=str)}
-    if state.get("model_source"):
-        meta["model_source"] = json.dumps(state["model_source"], default=str)
-    if state.get("widths"):  # a channel-pruned model (dlenv.model.shrink)
-        meta["widths"] = json.dumps(state["widths"])
-    return save_safetensors(state["model"], path, meta)
-
-
-def _from_safetensors(path: Path) -> dict[str, Any]:
-    """A .safetensors file: dlenv's own (metadata format "dlenv/1") as a run file's dict, any other
-    (Hugging Face and timm write {"format": "pt"}, or none) as the bare state dict."""
-    tensors, meta = read_safetensors(path)
-    if meta.get("format") != FORMAT:
-        return tensors
-
-    def count(key: str) -> int | None:
-        text = meta.get(key, "").strip()
-        if not text:
-            return None
-        if not (text.isdigit() and len(text) <= 12):
-            raise ValueError(f"{key} {text[:20]!r} is not a count")
-        return int(text)
-
-    try:
-        ckpt = {"format": FORMAT, "model": tensors, "model_name": meta["model_name"],
-                "num_classes": count("num_classes"), "class_names": json.loads(meta["class_names"]),
-                "img_size": count("img_size"), "config": json.loads(meta.get("config") or "{}")}
-        if meta.get("model_source"):
-            ckpt["model_source"] = json.loads(meta["model_source"])
-        if meta.get("widths"):
-            ckpt["widths"] = json.loads(meta["widths"])
-    except (KeyError, ValueError) as e:
-        raise UserError(f"{printable(str(path))}: its dlenv metadata is incomplete or malformed "
-                        f"({printable(str(e))[:80]}); load it as a bare state dict with --model NAME, or export "
-                        "it again") from None
-    return ckpt
 
 
 # ---------------------------------------------------------------------------------------------------

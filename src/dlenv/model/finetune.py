@@ -79,7 +79,7 @@ class Plan:
         None."""
         if not self.fetch:
             return None
-        return pretrained.load_state(self.weights, pretrained.fetch(self.weights), self.load_policy)
+        return pretrained.fetched_state_dict(self.weights, pretrained.fetch(self.weights), self.load_policy)
 
     def prepare(self, model: nn.Module, num_classes: int) -> Recipe:
         return prepare(model, self.weights, num_classes, self.backbone_lr, self.freeze_epochs)

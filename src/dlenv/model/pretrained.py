@@ -259,7 +259,7 @@ def timm_fixed_size(model: str) -> bool:
 
 def timm_model(model: str, num_classes: int, state: dict[str, Any] | None, kwargs: dict[str, Any]) -> Any:
     """timm's `create_model(arch, num_classes=..., **kwargs)`; with `state` (fetched by `fetch`, read by
-    `load_state`) it goes through timm's own pretrained loading (its filters, e.g. a ViT's position
+    `fetched_state_dict`) it goes through timm's own pretrained loading (its filters, e.g. a ViT's position
     embedding resized to img_size; the classifier dropped when the class count differs). Never
     downloads: timm is handed the state dict. Raises UserError for an unknown name or bad arguments."""
     timm = _import_timm(model)
@@ -429,10 +429,10 @@ def _fetch_hub(w: Weights, progress: bool) -> Path:
 # Loading: through dlenv.files.weights' safe path
 
 
-def load_state(w: Weights, path: Path, policy: weights.LoadPolicy | None = None) -> dict[str, Any]:
-    """The state dict in the fetched file, read through dlenv.files.weights' checks like any --weights file
-    (`policy`: what --trust-pickle allows; None: the allowlist only). Raises UserError for a refused or
-    unreadable file."""
+def fetched_state_dict(w: Weights, path: Path, policy: weights.LoadPolicy | None = None) -> dict[str, Any]:
+    """The state dict in the file `fetch` gave for `w`, read through dlenv.files.weights' checks like any
+    --weights file (`policy`: what --trust-pickle allows; None: the allowlist only). Raises UserError for a
+    refused or unreadable file."""
     from dlenv.errors import first_line
     from dlenv.files import weights
 
@@ -440,7 +440,7 @@ def load_state(w: Weights, path: Path, policy: weights.LoadPolicy | None = None)
         if weights.is_safetensors(path):
             obj = weights.read_safetensors(path)[0]
         else:
-            obj = weights.read(path, policy or weights.SAFE)
+            obj = weights.read(path, policy or weights.SAFE)[0]
     except UserError:
         raise
     except Exception as e:  # the loader failed on these bytes although their checksum matched

@@ -44,9 +44,9 @@ def shown_keys(keys: list[str], n: int) -> str:
 
 
 def state_dict_of(obj: Any, path: Path) -> dict[str, torch.Tensor]:
-    """The weights `obj` (what `weights.read` gave for --weights `path`) holds, as a bare state dict with
+    """The weights `obj` (what `runstate.load_state` gave for --weights `path`) holds, as a bare state dict with
     its keys cleaned. Raises UserError when it holds none."""
-    if weights.is_run_state(obj):
+    if runstate.is_run_state(obj):
         return dict(obj["model"])
     # Other tools nest the weights under "state_dict" (Lightning, timm) or "model" (torchvision refs).
     for key in ("state_dict", "model"):

@@ -1,7 +1,7 @@
 """Declaring an option: `opt` (its default, help line, parser and bounds), `parse_option` (a value checked
 against them, refused in one line naming the flag), and the bounds and words several commands' options
 share (--batch-size, --img-size, --device, --trust-pickle, --channels, --decode-overlap, the most --workers on
-this machine).
+this machine), and the rule that only the command line consents to --trust-pickle (`command_line_consent`).
 
 dlenv.options.config declares every command's options with these (dlenv.options.predict_options and
 dlenv.options.server_options too); what a typed value means is dlenv.options.values. No torch here: `dlenv --help` and
@@ -10,6 +10,7 @@ dlenv.options.server_options too); what a typed value means is dlenv.options.val
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import field
 from typing import Any
@@ -156,3 +157,14 @@ def trust_pickle() -> Any:
     return opt(False, "hand torch.load(weights_only=True) a .pth that holds more than tensors and plain data, "
                       "or a TorchScript file (dlenv's run files and state dicts never need it; docs/weights.md); "
                       "only for files you trust. Command line only")
+
+
+def command_line_consent(cfg: Any, given: dict[str, Any]) -> Any:
+    """`cfg` with trust_pickle as typed on the command line (`given`: the flags typed): a value from a YAML
+    file is dropped, so a config file someone sends cannot switch the check off (nor pass it on to torchrun
+    workers). dlenv.files.weights.LoadPolicy.of reads the result."""
+    if not hasattr(cfg, "trust_pickle"):
+        return cfg
+    typed = given.get("trust_pickle", False)
+    typed = typed is True or str(typed).strip().lower() in ("1", "true", "yes", "on")
+    return dataclasses.replace(cfg, trust_pickle=typed)

@@ -33,8 +33,8 @@ import torch
 from dlenv import compat, invocation
 from dlenv.errors import UserError, printable
 from dlenv.files import onnxmodel, safeio
-from dlenv.files.runstate import load_state
-from dlenv.files.weights import LoadPolicy, is_bare_state_dict, is_run_state
+from dlenv.files.runstate import is_run_state, load_state
+from dlenv.files.weights import LoadPolicy, is_bare_state_dict
 from dlenv.model import pretrained
 from dlenv.model.models import model_from_state
 from dlenv.options import config

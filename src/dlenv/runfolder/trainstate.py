@@ -274,7 +274,7 @@ def check_new_end(epochs: int, ckpt: dict[str, Any], path: Path) -> None:
 def resume_config(ckpt: dict[str, Any], given: TrainConfig, path: Path) -> tuple[TrainConfig, list[str], list[str]]:
     """(the saved run's options with only where it runs taken from this command, the flags given that a
     resume cannot change, the flags given that make it differ from the run: 'FLAG N (the run's M)')."""
-    if not weights.is_run_state(ckpt) or "config" not in ckpt or "optimizer" not in ckpt:
+    if not runstate.is_run_state(ckpt) or "config" not in ckpt or "optimizer" not in ckpt:
         raise UserError(f"--resume {path}: not a dlenv training checkpoint (no optimizer state); "
                         "pass a last.pth from runs/<name>/, or start from its weights with --weights")
     saved = _unsplit(config.from_dict(TrainConfig, ckpt["config"]), ckpt)
