@@ -206,7 +206,7 @@ def test_nonfinite_losses_stop_with_exit_4_and_keep_the_last_good_checkpoint(tmp
     with pytest.raises(UserError, match="not finite|non-finite") as err:
         train_mod.train(tiny_config(tmp_path, data, epochs=3), on_step=on_step)
     assert err.value.exit_code == train_mod.EXIT_NONFINITE
-    assert "last good checkpoint" in str(err.value)
+    assert "last good run file" in str(err.value)
     last = runstate.load_state(tmp_path / "runs" / "exp" / "last.pth")
     assert last["epoch"] == 1 and all(torch.isfinite(v).all() for v in last["model"].values())
 
@@ -302,7 +302,7 @@ def test_corrupt_or_foreign_resume_file_is_refused(tmp_path, data):
     with pytest.raises(UserError, match="corrupt"):
         train_mod.train(tiny_config(tmp_path, data, resume=str(bad)))
     torch.save({"fc.weight": torch.zeros(2, 2)}, bad)
-    with pytest.raises(UserError, match="not a dlenv training checkpoint"):
+    with pytest.raises(UserError, match="not a dlenv run file to resume"):
         train_mod.train(tiny_config(tmp_path, data, resume=str(bad)))
 
 
@@ -444,7 +444,7 @@ def test_config_yaml_records_each_setup_decision_and_why(tmp_path, data, tiny):
 
 
 def test_the_train_package_runs_nothing_of_the_trainer_for_its_loop():
-    """`from dlenv.train.loop import ...` (and dlenv.engine.step, which autobatch and bench train with) loads the
+    """`from dlenv.train.loop import ...` (and dlenv.engine.step, which the batch probe and bench train with) loads the
     loop alone: the package's face hands train/main on only when they are asked for."""
     code = ("import sys, dlenv.train.loop, dlenv.engine.step; "
             "print(sorted(m for m in sys.modules if m.startswith('dlenv.train')))")

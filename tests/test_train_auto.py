@@ -1,7 +1,7 @@
 """dlenv.train.auto and what the trainer does with it: --compile auto/on/off (the rule, the line it
 says, config.yaml, compile time kept out of img/s, the fall back to eager when compiling fails) and
 --checkpoint-ratio auto off the GPU. The probe behind the ratio on a GPU is tested in
-test_autobatch.py (against a fake memory limit) and test_train_gpu.py."""
+test_checkpointsearch.py (against a fake memory limit) and test_train_gpu.py."""
 
 from __future__ import annotations
 
@@ -363,11 +363,11 @@ def test_no_checkpoint_leaves_no_checkpoint_rule(tmp_path, data, tiny):
 
 
 # ---------------------------------------------------------------------------------------------------
-# --checkpoint-ratio auto on a GPU, with the probe's answer faked (the probe itself: test_autobatch.py).
+# --checkpoint-ratio auto on a GPU, with the probe's answer faked (the search itself: test_checkpointsearch.py).
 
 
 def _search(blocks, n, fits_all=True):
-    from dlenv.engine.autobatch import CheckpointSearch
+    from dlenv.engine.checkpointsearch import CheckpointSearch
 
     return lambda *a, **k: CheckpointSearch(blocks, n, fits_all)
 
@@ -388,9 +388,9 @@ def _broken(*a, **k):
     (_oom, 1.0, "may still not fit"),
 ])
 def test_checkpoint_ratio_auto_takes_the_probes_answer(probe, ratio, says, monkeypatch):
-    import dlenv.engine.autobatch
+    import dlenv.engine.checkpointsearch
 
-    monkeypatch.setattr(dlenv.engine.autobatch, "fewest_checkpoint_blocks", probe)
+    monkeypatch.setattr(dlenv.engine.checkpointsearch, "fewest_checkpoint_blocks", probe)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Fake GPU")
     said: list = []
     c = config.build(TrainConfig, checkpoint=True, batch_size=64, model="resnet18")
@@ -420,18 +420,18 @@ def test_the_model_is_built_checkpointed_at_the_planned_ratio(ratio):
     ({"checkpoint_ratio": 0.25}, 0.25, "--checkpoint-ratio 0.25"),
 ])
 def test_checkpoint_ratio_auto_does_not_probe_when_nothing_to_decide(given, ratio, says, monkeypatch):
-    import dlenv.engine.autobatch
+    import dlenv.engine.checkpointsearch
 
-    monkeypatch.setattr(dlenv.engine.autobatch, "fewest_checkpoint_blocks", _broken)  # never called
+    monkeypatch.setattr(dlenv.engine.checkpointsearch, "fewest_checkpoint_blocks", _broken)  # never called
     c = config.build(TrainConfig, checkpoint=True, model="resnet18", **given)
     got, why = auto.checkpoint_ratio(c, 8, _probe(), 64, print)
     assert got == ratio and says in why
 
 
 def test_checkpoint_ratio_auto_lets_a_real_error_through(monkeypatch):
-    import dlenv.engine.autobatch
+    import dlenv.engine.checkpointsearch
 
-    monkeypatch.setattr(dlenv.engine.autobatch, "fewest_checkpoint_blocks", _broken)
+    monkeypatch.setattr(dlenv.engine.checkpointsearch, "fewest_checkpoint_blocks", _broken)
     c = config.build(TrainConfig, checkpoint=True, batch_size=64, model="resnet18")
     with pytest.raises(RuntimeError, match="own bug"):
         auto.checkpoint_ratio(c, 8, _probe(), 64, print)

@@ -253,7 +253,7 @@ def test_a_changed_file_is_refused_and_named_again_warns_in_one_line(trained, pr
         _val(trained)  # not the code the run recorded: not imported unless the user names it
     with caplog.at_level(logging.WARNING, logger="dlenv.model.modelsource"):
         assert _val(trained, model="models/resnet.py:build") == 0
-    assert [m for m in caplog.messages if "differs from the file this checkpoint was trained with" in m] == [
+    assert [m for m in caplog.messages if "differs from the file this run was trained with" in m] == [
         m for m in caplog.messages if "models/resnet.py" in m] and len(caplog.messages) == 1
 
 
@@ -310,7 +310,7 @@ def test_resume_with_ema_is_bit_exact(project):
 def test_batch_size_auto_probes_the_same_model(project, monkeypatch):
     """The probe builds the model as the run does: the factory with its arguments (a GPU measures it:
     tests/test_usermodel_train.py::test_gpu_...)."""
-    import dlenv.engine.autobatch as autobatch
+    from dlenv.engine import autobatch, stepprobe
     from dlenv.train import auto
 
     built = []
@@ -319,7 +319,7 @@ def test_batch_size_auto_probes_the_same_model(project, monkeypatch):
         built.append(factory())
         return type("P", (), {"close": lambda self: None, "rate": lambda self, b: 1.0})()
 
-    monkeypatch.setattr(autobatch, "make_train_step_probe", probe)
+    monkeypatch.setattr(stepprobe, "make_train_step_probe", probe)
     monkeypatch.setattr(autobatch, "fastest_batch", lambda rate, **k: autobatch.BatchChoice(24, "a fake card"))
     from dlenv.train.plan import ModelSpec
 

@@ -8,7 +8,7 @@ starts from the same seeded weights and trains on the same seeded batch, so the 
 N steps shows what AMP and checkpointing cost in accuracy (nothing measurable, or they are wrong).
 
 The auto-ratio row is AMP with only as many of the model's repeated blocks checkpointed as this
-GPU needs for the batch: a worker first searches the fewest that fit (dlenv.engine.autobatch.
+GPU needs for the batch: a worker first searches the fewest that fit (dlenv.engine.checkpointsearch.
 fewest_checkpoint_blocks, as `--checkpoint-ratio auto` does), then another measures AMP with those.
 
 Per configuration: peak memory allocated and reserved over the timed steps, images/s, both as

@@ -32,9 +32,11 @@ import torch
 from dlenv.bench.memory import GIB, NO_SEARCH_ON_CPU, NUM_CLASSES, SEED, fragmentation_schedule
 from dlenv.cluster.devices import resolve_device
 from dlenv.compat import is_oom
-from dlenv.engine.autobatch import fewest_checkpoint_blocks, make_train_step_probe, search_max_batch
+from dlenv.engine.autobatch import search_max_batch
+from dlenv.engine.checkpointsearch import fewest_checkpoint_blocks
 from dlenv.engine.precision import Precision, resolve_precision
 from dlenv.engine.step import Parts, train_step
+from dlenv.engine.stepprobe import make_train_step_probe
 from dlenv.errors import UserError, first_line, host_memory_short
 from dlenv.model import usermodel
 from dlenv.model.checkpointing import apply_checkpointing
@@ -201,7 +203,7 @@ def measure_max_batch(spec: dict[str, Any]) -> dict[str, Any]:
 def measure_checkpoint_search(spec: dict[str, Any]) -> dict[str, Any]:
     """The fewest of the model's repeated blocks to checkpoint for the spec's batch to fit (in a worker).
 
-    Runs `dlenv.engine.autobatch.fewest_checkpoint_blocks` at the spec's precision: status "ok" with
+    Runs `dlenv.engine.checkpointsearch.fewest_checkpoint_blocks` at the spec's precision: status "ok" with
     ckpt_blocks, ckpt_n_blocks, ckpt_ratio, ckpt_fits_all, ckpt_tries and ckpt_search_s; status
     "skipped" with the reason on a CPU.
     """

@@ -9,7 +9,7 @@ on GPUs, gloo on CPUs, with a timeout, so a dead or stuck rank stops the run wit
 every rank must share (a stop signal, an auto batch size), and `gather` for what rank 0 saves of every
 rank (its random streams). Every helper is a no-op in a single process, so
 the trainer calls them unconditionally. Starting the processes is `dlenv.cluster.launch`'s job; the batch
-arithmetic for another number of GPUs is `dlenv.engine.autobatch`'s.
+arithmetic for another number of GPUs is `dlenv.engine.batchsplit`'s.
 """
 
 from __future__ import annotations

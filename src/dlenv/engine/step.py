@@ -2,7 +2,7 @@
 `train_step`.
 
 The trainer's epoch (dlenv.train.loop), the --batch-size auto and --checkpoint-ratio auto probes
-(dlenv.engine.autobatch), bench-memory and bench-data (dlenv.bench) and prune's fine-tuning all train through
+(dlenv.engine.stepprobe), bench-memory and bench-data (dlenv.bench) and prune's fine-tuning all train through
 these functions, so what they measure is what a run does. It sits below all of them: it imports only
 torch, dlenv.cluster.distributed (DDP's no_sync) and the memory monitor's type.
 

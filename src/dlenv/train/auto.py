@@ -21,7 +21,7 @@ more; on a CPU the generated code gains little and the compile takes longest; Py
 torch.compile at all.
 
 --checkpoint-ratio auto recomputes the fewest of the repeated blocks that let the run's micro-batch
-fit on this GPU, found by real training steps (dlenv.engine.autobatch.fewest_checkpoint_blocks). With
+fit on this GPU, found by real training steps (dlenv.engine.checkpointsearch.fewest_checkpoint_blocks). With
 --batch-size auto the batch is chosen to fill the card with every block checkpointed, so all are;
 on a CPU none are (`cpu_checkpoint_ratio`: recomputing costs time there, to save memory a CPU run
 rarely lacks), and the start line names no checkpointing.
@@ -39,7 +39,7 @@ from torch import nn
 
 from dlenv import compat
 from dlenv.cluster import distributed
-from dlenv.engine import autobatch
+from dlenv.engine import autobatch, checkpointsearch, stepprobe
 from dlenv.engine.precision import Precision, resolve_precision
 from dlenv.engine.step import Parts, train_step
 from dlenv.errors import UserError
@@ -233,8 +233,9 @@ def _checkpoint_ratio(cfg: Any, n: int, probe: Probe, micro_batch: int) -> Decis
     # what the input keeps on the GPU during training (--synthetic's batch) is held while probing
     held = torch.empty(probe.resident, dtype=torch.uint8, device=device) if probe.resident else None
     try:
-        found = autobatch.fewest_checkpoint_blocks(probe.build, probe.precision, probe.img_size, probe.num_classes,
-                                                   device, micro_batch, channels_last=probe.channels_last)
+        found = checkpointsearch.fewest_checkpoint_blocks(probe.build, probe.precision, probe.img_size,
+                                                          probe.num_classes, device, micro_batch,
+                                                          channels_last=probe.channels_last)
         blocks = found.blocks
     except RuntimeError as e:  # the probe's own model or optimizer did not fit: the least memory, then
         if not compat.is_oom(e):
@@ -263,8 +264,8 @@ def auto_batch(probe: Probe, checkpoint: float | bool, upper: int, say: Callable
         raise UserError(f"--batch-size {mode} measures GPU memory and needs a CUDA device; "
                         "give a number, e.g. --batch-size 32")
 
-    trial = autobatch.make_train_step_probe(probe.build, probe.precision, checkpoint, probe.img_size, probe.num_classes,
-                                  probe.device, channels_last=probe.channels_last)
+    trial = stepprobe.make_train_step_probe(probe.build, probe.precision, checkpoint, probe.img_size, probe.num_classes,
+                                           probe.device, channels_last=probe.channels_last)
     held = torch.empty(probe.resident, dtype=torch.uint8, device=probe.device) if probe.resident else None
     try:
         if mode == "max":

@@ -41,7 +41,7 @@ from dlenv.data import pipeline
 from dlenv.data.demo import default_data, train_defaults
 from dlenv.data.plan import InputOptions, InputPlan
 from dlenv.data.sampler import ResumableSampler
-from dlenv.engine import autobatch
+from dlenv.engine import batchsplit
 from dlenv.engine.optim import default_lr, default_weight_decay, resolve_optimizer
 from dlenv.engine.precision import DTYPES
 from dlenv.files.weights import SAFE, LoadPolicy
@@ -428,13 +428,13 @@ def _batch_split(cfg: TrainConfig, dist: distributed.DistInfo, located: pipeline
         n = auto.auto_batch(probe, auto.start_ratio(cfg) if cfg.checkpoint else False, upper, say, cfg.batch_size)
         return int(distributed.agree(n, "min"))
 
-    micro, accum = autobatch.resolve_batch(cfg.batch_size, cfg.accum_steps, cfg.effective_batch, dist.world_size,
+    micro, accum = batchsplit.resolve_batch(cfg.batch_size, cfg.accum_steps, cfg.effective_batch, dist.world_size,
                                            measure)
     why = (f"--batch-size {cfg.batch_size}" + (" (measured)" if cfg.batch_size in ("auto", "max") else "")
            + (f", --effective-batch {cfg.effective_batch}" if cfg.effective_batch else
               f", --accum-steps {cfg.accum_steps}"))
     if resume is not None:
-        micro, accum, note = autobatch.resume_split(micro, accum, resume.saved_world, dist.world_size)
+        micro, accum, note = batchsplit.resume_split(micro, accum, resume.saved_world, dist.world_size)
         if note:
             say(note)
             why = note
