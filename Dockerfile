@@ -81,11 +81,11 @@ RUN --mount=type=bind,from=miniforge,source=/miniforge.sh,target=/tmp/miniforge.
 
 # Only the env file and requirements.txt: editing the package or the tests never rebuilds the env.
 # requirements.txt sits beside the env file because conda runs pip in the env file's folder (`-r`).
-# conda-meta/pinned gets every conda pin of the env file (scripts/lock_env.py), so a `conda install`
+# conda-meta/pinned gets every conda pin of the env file (scripts/tools/lock_env.py), so a `conda install`
 # inside the image cannot swap Python, PyTorch, NumPy or MKL.
 ARG ENV_FILE=environment.yml
 COPY ${ENV_FILE} requirements.txt /tmp/env/
-RUN --mount=type=bind,source=scripts/lock_env.py,target=/tmp/lock_env.py \
+RUN --mount=type=bind,source=scripts/tools/lock_env.py,target=/tmp/lock_env.py \
     if [ "${TARGETARCH}" = arm64 ] && [ "${ENV_FILE}" = environment.yml ]; then \
         echo "the default profile (PyTorch 1.13.1, CUDA 11.6) has no linux-aarch64 builds; build arm64 with environment.modern.yml (docs/docker.md, arm64)" >&2; \
         exit 1; \
@@ -143,12 +143,12 @@ ENV PATH=/opt/conda/envs/dl/bin:/opt/conda/bin:${PATH}:/root/workspace/.dlenv/cu
 
 COPY --from=env /opt/conda /opt/conda
 
-# Fail the build, not the first training run (scripts/check_build.py): a CPU build of torch or one for
+# Fail the build, not the first training run (scripts/tools/check_build.py): a CPU build of torch or one for
 # another CUDA, NumPy or OpenCV that don't load with it, torchvision's or torchaudio's native libraries
 # missing. Then record the lock in /opt/dlenv/lock: conda's explicit list (URLs and MD5s; a conda env
 # without conda fails here, a pip-built env has none), the packages pip installed, and the constraints
 # that keep `pip install` from replacing the PyTorch stack (docs/docker.md, "The lock", rebuilds from them).
-RUN --mount=type=bind,source=scripts,target=/tmp/scripts \
+RUN --mount=type=bind,source=scripts/tools,target=/tmp/scripts \
     python /tmp/scripts/check_build.py --cuda "${TORCH_CUDA}" --env-file "${DLENV_ENV_FILE}" \
     && mkdir -p /opt/dlenv/lock \
     && python /tmp/scripts/lock_env.py conda "${ENV_KIND}" /opt/dlenv/lock/conda-explicit.txt \
@@ -170,7 +170,7 @@ RUN if [ "${ENV_KIND}" = conda ]; then \
     && chmod 755 /root \
     && python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (dl)" >/dev/null
 
-COPY --chmod=755 scripts/entrypoint.sh /usr/local/bin/dlenv-entrypoint
+COPY --chmod=755 scripts/tools/entrypoint.sh /usr/local/bin/dlenv-entrypoint
 # invoke reads /etc/invoke.yaml before it looks for tasks: its search root, /opt/dlenv, makes
 # `invoke VERB` reach dlenv's tasks from any folder, whatever tasks.py or tasks/ a mounted project has.
 COPY --chmod=644 docker/etc/invoke.yaml /etc/invoke.yaml

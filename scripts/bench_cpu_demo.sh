@@ -2,7 +2,7 @@
 # The CPU demo's numbers (docs/training.md, "The demo on a CPU"): the README's `dlenv train` and its
 # --amp / --checkpoint variants and ResNet-18, each pinned to its own pair of cores (taskset), all at
 # once, on a machine with at least 12 quiet cores and no GPU in use. Run from the repository root,
-# with dlenv importable (the .venv of scripts/setup-cpu.sh). Logs go to $OUT (default runs/bench-cpu).
+# with dlenv importable (the .venv of scripts/tools/setup-cpu.sh). Logs go to $OUT (default runs/bench-cpu).
 set -euo pipefail
 OUT=${OUT:-runs/bench-cpu}
 mkdir -p "$OUT"

@@ -1,4 +1,4 @@
-"""What the input benchmarks of scripts/ (bench_pipeline.py, profile_feed.py) do first on their host: hold
+"""What the input benchmarks of scripts/ (bench_pipeline.py) do first on their host: hold
 the process to its first N CPUs, as `taskset` would, and check that the device they time is there."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The Dockerfile and .dockerignore, checked by reading them (no Docker engine needed), and the scripts the
-build runs (scripts/check_build.py), run here on this lane's packages.
+build runs (scripts/tools/check_build.py), run here on this lane's packages.
 
 The Dockerfile is parsed into stages and instructions (tests/dockerfile.py), and what the image promises
 is asserted on that structure: the installer per architecture, the order of layers (env before code),
@@ -136,7 +136,7 @@ def test_env_is_created_from_the_env_file_alone_pinned_and_cleaned_in_the_same_r
     run = builder[i_run][1]
     assert "conda clean -afy" in run and "--name dl" in run and "${ENV_FILE}" in run
     assert re.search(r"lock_env\.py pinned \"/tmp/env/\$\{ENV_FILE\}\"\s*> /opt/conda/envs/dl/conda-meta/pinned", run)
-    assert "source=scripts/lock_env.py" in run
+    assert "source=scripts/tools/lock_env.py" in run
     copies = [a for i, a in builder[:i_run] if i == "COPY"]
     assert copies == ["${ENV_FILE} requirements.txt /tmp/env/"], "only the env file may feed the env layer"
     assert arg_default(builder, "ENV_FILE") == "environment.yml"
@@ -152,7 +152,7 @@ def test_arm64_with_the_default_profile_stops_with_a_reason():
 def test_build_check_runs_the_check_script_for_the_profiles_cuda():
     runtime = STAGES["runtime"]
     check = runtime[index(runtime, "RUN", r"check_build\.py")][1]
-    assert '--cuda "${TORCH_CUDA}"' in check and "--mount=type=bind,source=scripts," in check
+    assert '--cuda "${TORCH_CUDA}"' in check and "--mount=type=bind,source=scripts/tools," in check
     # the default expected CUDA is environment.yml's pytorch-cuda pin
     env = yaml.safe_load((ROOT / "environment.yml").read_text(encoding="utf-8"))
     cuda = next(d.split("=")[1] for d in env["dependencies"] if isinstance(d, str) and "pytorch-cuda=" in d)
@@ -241,7 +241,7 @@ def test_workdir_entrypoint_and_labels():
     entry = entrypoint()
     assert entry[0].endswith("/tini") and "--" in entry
     assert entry[-1] == "/usr/local/bin/dlenv-entrypoint"
-    index(runtime, "COPY", r"scripts/entrypoint\.sh\s+/usr/local/bin/dlenv-entrypoint")
+    index(runtime, "COPY", r"scripts/tools/entrypoint\.sh\s+/usr/local/bin/dlenv-entrypoint")
     labels = " ".join(a for i, a in runtime if i == "LABEL")
     for key in ("title", "description", "licenses", "base.name"):
         assert f"org.opencontainers.image.{key}=" in labels
@@ -264,7 +264,7 @@ def test_runtime_stage_uses_no_apt_and_leaves_no_pip_cache():
 
 
 def _check(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "check_build.py"), *args],
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "tools" / "check_build.py"), *args],
                           capture_output=True, text=True, timeout=300)
 
 
@@ -288,7 +288,7 @@ def test_build_check_fails_for_torch_of_another_cuda():
 
 
 def test_build_check_source_covers_decode_nms_and_torchaudio():
-    text = (ROOT / "scripts" / "check_build.py").read_text(encoding="utf-8")
+    text = (ROOT / "scripts" / "tools" / "check_build.py").read_text(encoding="utf-8")
     for needle in ("io.decode_jpeg(io.encode_jpeg(", "ops.nms(", "AF.lfilter(", "torch.from_numpy(", "import cv2"):
         assert needle in text
 
@@ -344,9 +344,9 @@ def dockerignore() -> list[str]:
 def test_dockerignore_keeps_what_the_image_copies_and_mounts():
     patterns = dockerignore()
     needed = ["environment.yml", "environment.modern.yml", "requirements.txt", "requirements-dev.txt",
-              "pyproject.toml", "README.md", "tasks.py", "scripts/entrypoint.sh", "scripts/check_build.py",
-              "scripts/lock_env.py", "docker/etc/invoke.yaml", "src/dlenv/__init__.py",
-              "src/dlenv/envcheck/pins.py", "tests/conftest.py", "tests/container/conftest.py",
+              "pyproject.toml", "README.md", "tasks.py", "scripts/tools/entrypoint.sh",
+              "scripts/tools/check_build.py", "scripts/tools/lock_env.py", "docker/etc/invoke.yaml",
+              "src/dlenv/__init__.py", "src/dlenv/envcheck/pins.py", "tests/conftest.py", "tests/container/conftest.py",
               "workspace/README.md", "workspace/data/README.md"]
     kept_out = [p for p in needed if ignored(p, patterns)]
     assert not kept_out, f".dockerignore drops files the image needs: {kept_out}"
@@ -375,7 +375,7 @@ def test_ignore_matcher_itself():
 
 
 def test_entrypoint_gives_a_user_without_home_a_writable_one(tmp_path):
-    script = ROOT / "scripts" / "entrypoint.sh"
+    script = ROOT / "scripts" / "tools" / "entrypoint.sh"
     env = {**os.environ, "HOME": "/nonexistent/home"}
     out = subprocess.run(["bash", str(script), "sh", "-c", 'echo "$HOME"; test -w "$HOME"'],
                          capture_output=True, text=True, env=env)
@@ -391,7 +391,7 @@ def test_entrypoint_gives_a_user_without_home_a_writable_one(tmp_path):
 def test_entrypoint_names_the_user_for_getpass(tmp_path, given, want):
     import pwd
 
-    script = ROOT / "scripts" / "entrypoint.sh"
+    script = ROOT / "scripts" / "tools" / "entrypoint.sh"
     env = {k: v for k, v in os.environ.items() if k not in ("USER", "LOGNAME")} | given | {"HOME": str(tmp_path)}
     out = subprocess.run(["bash", str(script), sys.executable, "-c",
                           "import getpass, json, os; print(json.dumps([getpass.getuser(), os.environ['USER'], "
@@ -441,14 +441,14 @@ def test_the_image_lane_starts_dockerd_without_networking_and_builds_and_runs_wi
 
 
 # ---------------------------------------------------------------------------------------------------
-# The lock's conda half (scripts/lock_env.py conda KIND FILE), as the runtime stage runs it
+# The lock's conda half (scripts/tools/lock_env.py conda KIND FILE), as the runtime stage runs it
 
 
 @pytest.mark.parametrize("kind", ["conda", "pip"])
 def test_the_conda_lock_follows_the_env_kind_and_a_missing_conda_fails_plainly(tmp_path, kind):
     out = tmp_path / "conda-explicit.txt"
     env = {**os.environ, "PATH": str(tmp_path)}  # no conda anywhere on it
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "lock_env.py"), "conda", kind, str(out)],
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "tools" / "lock_env.py"), "conda", kind, str(out)],
                        capture_output=True, text=True, env=env, timeout=60)
     assert "Traceback" not in r.stderr
     if kind == "conda":  # a conda image without conda is a broken build, never a silent skip
@@ -460,7 +460,7 @@ def test_the_conda_lock_follows_the_env_kind_and_a_missing_conda_fails_plainly(t
 
 
 def test_the_conda_lock_refuses_an_unknown_kind():
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "lock_env.py"), "conda", "mamba", "x"],
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "tools" / "lock_env.py"), "conda", "mamba", "x"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.startswith("usage: lock_env.py"), r.stderr
 
@@ -471,7 +471,7 @@ def test_the_lock_holds_the_pytorch_stack_at_its_exact_version_string():
 
     from packaging.requirements import Requirement
 
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "lock_env.py"), "constraints"],
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "tools" / "lock_env.py"), "constraints"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.split()

@@ -1,7 +1,7 @@
 """The image's ENTRYPOINT, run on this machine exactly as the Dockerfile writes it, around a real training.
 
 The ENTRYPOINT line is read from the Dockerfile and each image path mapped back to what the image puts
-there (tests/dockerfile.py): /usr/local/bin/dlenv-entrypoint is scripts/entrypoint.sh, and tini, which
+there (tests/dockerfile.py): /usr/local/bin/dlenv-entrypoint is scripts/tools/entrypoint.sh, and tini, which
 the image installs from conda-forge, is the tini on PATH (.ci/run installs Debian's when it is missing).
 So a flag added to tini or a line added to the entrypoint is tested here as the image will run it.
 

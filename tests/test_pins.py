@@ -211,7 +211,7 @@ def test_installed_packages_satisfy_requirements_txt():
 
 
 # ---------------------------------------------------------------------------------------------------
-# setuptools, the tensorboard command and the image's lock (scripts/lock_env.py)
+# setuptools, the tensorboard command and the image's lock (scripts/tools/lock_env.py)
 
 
 def test_setuptools_stays_below_82_everywhere_it_is_named():
@@ -237,7 +237,7 @@ def test_the_tensorboard_command_runs():
 def lock_env():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("lock_env", ROOT / "scripts" / "lock_env.py")
+    spec = importlib.util.spec_from_file_location("lock_env", ROOT / "scripts" / "tools" / "lock_env.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

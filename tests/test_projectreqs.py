@@ -1,4 +1,4 @@
-"""A project's requirements.txt (issue 44 item 2), simulated on the host: scripts/entrypoint.sh as the image
+"""A project's requirements.txt (issue 44 item 2), simulated on the host: scripts/tools/entrypoint.sh as the image
 runs it installs the file once into PYTHONUSERBASE (a folder of the workspace) under the profile's PyTorch
 pins, from a folder of wheels made here (no network), again only when the file changes; a requirement
 that would replace torch or NumPy is one line naming it and the modern profile; verify-env reports it.
@@ -36,7 +36,7 @@ from dlenv.envcheck.projectreqs import (
     status,
 )
 
-ENTRYPOINT = ROOT / "scripts" / "entrypoint.sh"
+ENTRYPOINT = ROOT / "scripts" / "tools" / "entrypoint.sh"
 
 
 def base_python() -> Path:

@@ -44,9 +44,9 @@ def test_readme_cpu_install_has_the_right_form():
     and CI's newest lane's on a newer Python; the install itself runs in the slow test below."""
     from dlenv.envcheck.pins import read_pins
 
-    assert _steps("cpu-main-job") == ["bash scripts/setup-cpu.sh", ". .venv/bin/activate",
+    assert _steps("cpu-main-job") == ["bash scripts/tools/setup-cpu.sh", ". .venv/bin/activate",
                                       "dlenv verify-env --allow-cpu", "dlenv train"]
-    script = (ROOT / "scripts" / "setup-cpu.sh").read_text()
+    script = (ROOT / "scripts" / "tools" / "setup-cpu.sh").read_text()
     pins = read_pins(ROOT / "environment.yml")
     image = " ".join(f"{n}=={pins[n].removeprefix('==').removesuffix('.*')}" for n in ("torch", "torchvision",
                                                                                           "torchaudio"))
@@ -164,8 +164,8 @@ def test_setup_without_a_python_310_says_how_to_get_one(tmp_path):
     old = bin_dir / "python3"
     old.write_text("#!/bin/sh\nexit 1\n")  # what `python3 -c 'assert sys.version_info >= (3, 10)'` does on 3.8
     old.chmod(0o755)
-    r = subprocess.run([shutil.which("bash"), str(ROOT / "scripts" / "setup-cpu.sh")], capture_output=True, text=True,
-                       env={"PATH": str(bin_dir), "HOME": str(tmp_path)}, timeout=60)
+    r = subprocess.run([shutil.which("bash"), str(ROOT / "scripts" / "tools" / "setup-cpu.sh")], capture_output=True,
+                       text=True, env={"PATH": str(bin_dir), "HOME": str(tmp_path)}, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stdout + r.stderr
     assert "no Python 3.10 or newer found" in r.stderr and "pyenv install 3.10" in r.stderr
     assert r.stdout == ""  # nothing was set up

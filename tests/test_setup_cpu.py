@@ -1,4 +1,4 @@
-"""scripts/setup-cpu.sh keeps invoke's reach inside the clone: no ~/.invoke.yaml, other projects keep theirs.
+"""scripts/tools/setup-cpu.sh keeps invoke's reach inside the clone: no ~/.invoke.yaml, other projects keep theirs.
 
 The script, sourced, only defines its functions; `set_up_invoke` (its last step, without the PyTorch
 download) runs here with HOME in a temporary folder. Then, with a venv active as `. .venv/bin/activate`
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "setup-cpu.sh"
+SCRIPT = ROOT / "scripts" / "tools" / "setup-cpu.sh"
 VENV = Path(sys.prefix)
 #: what an earlier setup-cpu.sh wrote (dlenv.invocation.set_up_invoke), for a clone at /home/u/dlenv
 OLD = ("# written by dlenv (scripts/setup-cpu.sh): `invoke VERB` finds dlenv's tasks from any folder;\n"

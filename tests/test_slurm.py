@@ -1,4 +1,4 @@
-"""The scheduler lane (.ci/slurm-lane): scripts/slurm_train.sbatch as written on a real one-host Slurm cluster
+"""The scheduler lane (.ci/slurm-lane): scripts/tools/slurm_train.sbatch as written on a real one-host Slurm cluster
 (munged, slurmctld and two slurmd on 127.0.0.1: two node names of one CPU each), with its venv line, its two
 nodes x one task as two ranks talking gloo on the CPU.
 
@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "slurm_train.sbatch"
+SCRIPT = ROOT / "scripts" / "tools" / "slurm_train.sbatch"
 LANE = os.environ.get("DLENV_SLURM_LANE")
 EPOCHS = 3
 #: the demo data, 16 + 4 images a class: 20 optimizer steps an epoch at 4 images a rank (the ranks vote on a

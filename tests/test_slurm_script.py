@@ -1,4 +1,4 @@
-"""scripts/slurm_train.sbatch with stand-ins for Slurm's commands: what each task runs, on every host lane in
+"""scripts/tools/slurm_train.sbatch with stand-ins for Slurm's commands: what each task runs, on every host lane in
 seconds. (The script on a real Slurm cluster, stopped and requeued: tests/test_slurm.py, in .ci/slurm-lane.)
 
 The stand-ins: `scontrol` answers for a 2-node allocation (gpu-a at 10.0.0.1, gpu-b) and logs a requeue;
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "slurm_train.sbatch"
+SCRIPT = ROOT / "scripts" / "tools" / "slurm_train.sbatch"
 
 _SCONTROL = textwrap.dedent("""\
     #!/bin/bash

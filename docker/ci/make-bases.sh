@@ -69,7 +69,7 @@ fi
 command -v pyenv >/dev/null || die "pyenv is not installed (the env's Python 3.10 comes from pyenv $py_version)"
 src=$(pyenv prefix "$py_version" 2>/dev/null) || die "pyenv has no Python $py_version (pyenv install $py_version)"
 env=dlenv-ci-env:$(stamp_of docker/ci/make-bases.sh docker/ci/env-requirements.py environment.yml \
-    requirements.txt requirements-dev.txt scripts/lock_env.py | cut -c1-10)-py$py_version
+    requirements.txt requirements-dev.txt scripts/tools/lock_env.py | cut -c1-10)-py$py_version
 if have_image "$env"; then
     say "$env is there (cached)"
 else
@@ -107,7 +107,7 @@ else
         -r requirements-dev.txt 2> >(grep -v '^WARNING: Location' >&2) >&2
     # what conda would hold in place (the real builder writes the same file with the same script)
     mkdir -p "$stage$prefix/conda-meta"
-    "$py" scripts/lock_env.py pinned environment.yml > "$stage$prefix/conda-meta/pinned"
+    "$py" scripts/tools/lock_env.py pinned environment.yml > "$stage$prefix/conda-meta/pinned"
     # The old prefix, wherever it was written down: sysconfig's build data, python3.10-config, pkg-config,
     # and the #! line of every script (pip wrote this stage's path there).
     grep -rlI --null -e "$src" -e "$stage" "$stage$prefix/bin" "$stage$prefix/lib/pkgconfig" \

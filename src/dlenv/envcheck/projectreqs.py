@@ -1,7 +1,7 @@
 """A project's requirements.txt in the image: installed once, into the mounted workspace, never over PyTorch.
 
 The people this image is for upload a project with a `requirements.txt` beside `train.py`. The image's
-entrypoint (scripts/entrypoint.sh) installs it at container start when it changed since the last
+entrypoint (scripts/tools/entrypoint.sh) installs it at container start when it changed since the last
 install, so a new container does not install it again:
 
 - where: pip's user scheme under PYTHONUSERBASE, which the Dockerfile sets to a folder of the workspace

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's CPU quick start, step 1: .venv with PyTorch and dlenv, on a machine without a GPU.
 #
-#   bash scripts/setup-cpu.sh          (from the root of a clone; then: . .venv/bin/activate)
+#   bash scripts/tools/setup-cpu.sh          (from the root of a clone; then: . .venv/bin/activate)
 #
 # Python: the first of python3.10, pyenv's 3.10, then python3.13 / 3.12 / 3.11 / python3 if >= 3.10.
 # 3.10 gets the image's pins (environment.yml: torch 1.13.1); a newer Python gets the pins CI's
@@ -13,7 +13,7 @@
 # folder while .venv is active, and a project of yours keeps its own tasks.py (set_up_invoke, below,
 # also takes out the ~/.invoke.yaml an earlier version wrote).
 #
-# Sourced (`. scripts/setup-cpu.sh`) it only defines its functions, so tests run set_up_invoke alone.
+# Sourced (`. scripts/tools/setup-cpu.sh`) it only defines its functions, so tests run set_up_invoke alone.
 CPU_INDEX=https://download.pytorch.org/whl/cpu
 IMAGE_PINS="torch==1.13.1 torchvision==0.14.1 torchaudio==0.13.1"
 NEWEST_PINS="torch==2.14.1 torchvision==0.29.1"
@@ -52,7 +52,7 @@ set_up_invoke() {
 
 main() {
   set -euo pipefail
-  cd "$(dirname "$0")/.."
+  cd "$(dirname "$0")/../.."
   local start PY ver pins
   start=$(date +%s)
   PY=$(find_python) || {
