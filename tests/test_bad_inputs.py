@@ -275,8 +275,8 @@ def test_wrong_file_as_weights(ws, verb, file, expect, capsys, monkeypatch):
 
 @pytest.mark.parametrize(("file", "expect"), [
     *[(f, e) for f, e in WRONG_FILES if f not in ("ds", "bad/missing.pth")],
-    ("ds", "--resume ds: no such checkpoint"),  # a folder means its last.pth
-    ("bad/missing.pth", "--resume bad/missing.pth: no such checkpoint"),
+    ("ds", "--resume ds: no such run file"),  # a folder means its last.pth
+    ("bad/missing.pth", "--resume bad/missing.pth: no such run file"),
 ], ids=[*(f for f, _ in WRONG_FILES if f not in ("ds", "bad/missing.pth")), "ds", "bad/missing.pth"])
 def test_wrong_file_as_resume(ws, file, expect, capsys, monkeypatch):
     _refused(ws, ["train", "--resume", file, "--device", "cpu"], expect, capsys, monkeypatch)
@@ -353,7 +353,7 @@ OUTPUTS = [
     (["prune", "--device", "cpu", "--weights", "runs/exp/best_model.pth", "--out", "bad/afile/p.pth"],
      "bad/afile is a file"),
     (["prune", "--device", "cpu", "--weights", "runs/exp/best_model.pth", "--out", "runs/exp/best_model.pth"],
-     "is the input checkpoint"),
+     "is the input run file"),
     (["train", *DATA, "--project", "bad/afile"], "cannot create --project folder bad/afile"),
     (["train", *DATA, "--project", "bad/afile/runs"], "cannot create --project folder bad/afile/runs"),
     (["train", *DATA, "--name", "x" * 300], "is too long for the file system"),

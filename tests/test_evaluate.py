@@ -419,14 +419,14 @@ def test_val_of_non_finite_weights_is_refused_with_exit_4(tmp_path, val_data, ca
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
     assert "NaN or inf outputs" in lines[0] and "no accuracy can be reported" in lines[0]
-    assert "hold NaN or inf (e.g. " in lines[0] and "earlier checkpoint" in lines[0]
+    assert "hold NaN or inf (e.g. " in lines[0] and "earlier run file" in lines[0]
     assert "top-1" not in captured.out
     assert sorted(p.name for p in out.iterdir()) == ["metrics.json"]
     assert (out / "metrics.json").read_text() == '{"top1": 91.0}'
 
 
 @pytest.mark.parametrize(("rows", "mode", "weights_ok", "expect"), [
-    ("all", "fp32", False, ["every one of the 4 images", "weight tensors hold NaN", "earlier checkpoint"]),
+    ("all", "fp32", False, ["every one of the 4 images", "weight tensors hold NaN", "earlier run file"]),
     ("one", "fp32", False, ["1 of 4 images", "weight tensors hold NaN"]),
     ("one", "fp16", True, ["1 of 4 images", "fp16 overflowed", "--precision fp32"]),
     ("all", "bf16", True, ["every one", "bf16 overflowed"]),

@@ -155,7 +155,7 @@ def test_train_says_the_host_ran_out_at_its_micro_batch(tmp_path, data, tiny, mo
     assert err.count("\n") == 1 and "Traceback" not in err and "bug in dlenv" not in err, err
     assert err.startswith(f"dlenv train: error: out of host memory (RAM): {what} at batch size 4, image size 16")
     assert "--batch-size 2 --accum-steps 2" in err
-    assert f"The last good checkpoint is {tmp_path / 'runs' / 'exp' / 'last.pth'}." in err
+    assert f"The last good run file is {tmp_path / 'runs' / 'exp' / 'last.pth'}." in err
 
 
 def test_a_peer_error_is_not_confused_with_the_host_out_of_memory():

@@ -178,7 +178,7 @@ def test_named_again_with_model_it_is_the_users_choice(project, tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="dlenv.model.modelsource"):
         modelsource.check_source(_source("models/resnet.py:build", tmp_path / "proj" / "models" / "vit.py"),
                                "models/resnet.py:build", "ck")
-    assert "differs from the file this checkpoint was trained with" in caplog.messages[0]
+    assert "differs from the file this run was trained with" in caplog.messages[0]
 
 
 @pytest.mark.parametrize("source, match", [

@@ -45,7 +45,7 @@ TYPOS = [
     (["train", "--data", "dta/digts/train"], "did you mean data/digits/train?"),
     (["train", "--data", "elsewhere"], "--data elsewhere: no such folder; pass a folder of class folders"),
     (["train", "--resume", "runs/exp3/last.pth"], "did you mean runs/exp/last.pth?"),
-    (["train", "--resume", "nothing/last.pth"], "--resume nothing/last.pth: no such checkpoint"),
+    (["train", "--resume", "nothing/last.pth"], "--resume nothing/last.pth: no such run file"),
     (["train", "--weights", "runs/exp/bset_model.pth"], "did you mean runs/exp/best_model.pth?"),
     (["train", "--model", "modles/net.py:build"], "--model modles/net.py:build: no such file; did you mean "
                                                   "models/net.py:build?"),

@@ -58,7 +58,7 @@ def test_resume_auto_is_the_newest_last_pth(tmp_path):
         os.utime(f, (t, t))
     assert runfolder.find_resume("auto", tmp_path) == tmp_path / "exp2" / "last.pth"
     assert runfolder.find_resume(str(tmp_path / "exp"), tmp_path) == tmp_path / "exp" / "last.pth"
-    with pytest.raises(UserError, match="no such checkpoint"):
+    with pytest.raises(UserError, match="no such run file"):
         runfolder.find_resume(str(tmp_path / "missing.pth"), tmp_path)
 
 

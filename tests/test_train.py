@@ -206,7 +206,7 @@ def test_nonfinite_losses_stop_with_exit_4_and_keep_the_last_good_checkpoint(tmp
     with pytest.raises(UserError, match="not finite|non-finite") as err:
         train_mod.train(tiny_config(tmp_path, data, epochs=3), on_step=on_step)
     assert err.value.exit_code == train_mod.EXIT_NONFINITE
-    assert "last good checkpoint" in str(err.value)
+    assert "last good run file" in str(err.value)
     last = runstate.load_state(tmp_path / "runs" / "exp" / "last.pth")
     assert last["epoch"] == 1 and all(torch.isfinite(v).all() for v in last["model"].values())
 
@@ -302,7 +302,7 @@ def test_corrupt_or_foreign_resume_file_is_refused(tmp_path, data):
     with pytest.raises(UserError, match="corrupt"):
         train_mod.train(tiny_config(tmp_path, data, resume=str(bad)))
     torch.save({"fc.weight": torch.zeros(2, 2)}, bad)
-    with pytest.raises(UserError, match="not a dlenv training checkpoint"):
+    with pytest.raises(UserError, match="not a dlenv run file to resume"):
         train_mod.train(tiny_config(tmp_path, data, resume=str(bad)))
 
 

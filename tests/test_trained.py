@@ -13,7 +13,7 @@ from dlenv.files.runstate import FORMAT, save_state
 from dlenv.files.weights import SAFE, LoadPolicy
 from dlenv.model.models import build_model
 from dlenv.options import config
-from dlenv.runfolder.trained import CHECKPOINT, STATE_DICT, TORCHSCRIPT, open_trained, trained_precision
+from dlenv.runfolder.trained import RUN_FILE, STATE_DICT, TORCHSCRIPT, open_trained, trained_precision
 
 CLASSES = ["cat", "dog", "fox"]
 SIZE = 32
@@ -55,7 +55,7 @@ def test_the_saved_options_name_the_precision_trained_in(saved, precision):
 def test_a_checkpoint_opens_with_everything_it_records(tmp_path):
     path = _ckpt(tmp_path / "best_model.pth", amp=True, amp_dtype="bf16")
     t = open_trained(path, SAFE)
-    assert t.kind == CHECKPOINT and t.class_names == tuple(CLASSES) and t.img_size == SIZE
+    assert t.kind == RUN_FILE and t.class_names == tuple(CLASSES) and t.img_size == SIZE
     assert t.norm is None and t.interpolation == "bilinear" and t.precision == "bf16"
     assert t.config["model"] == "small_cnn" and t.ckpt["epoch"] == 1
     assert not t.model.training and all(p.device.type == "cpu" for p in t.model.parameters())
@@ -84,7 +84,7 @@ def test_a_bare_state_dict_needs_model_and_says_the_size_it_takes(tmp_path):
 
 @pytest.mark.parametrize("case,phrase", [
     ("bare state dict, checkpoint only", "is a bare state dict, without class names"),
-    ("onnx, checkpoint only", "is an ONNX export; prune takes the checkpoint it was exported from"),
+    ("onnx, checkpoint only", "is an ONNX export; prune takes the run file it was exported from"),
     ("torchscript, checkpoint only", "a TorchScript model (an export)"),
     ("torchscript without consent", "a program: loading it runs the code it holds"),
     ("torchscript without classes", "stores no class names or image size"),
@@ -98,9 +98,9 @@ def test_what_a_command_cannot_open_is_one_line(case, phrase, tmp_path):
     bare = tmp_path / "bare.pth"
     torch.save(_model().state_dict(), bare)
     calls = {
-        "bare state dict, checkpoint only": lambda: open_trained(bare, SAFE, kinds=(CHECKPOINT,), verb="prune"),
-        "onnx, checkpoint only": lambda: open_trained(tmp_path / "m.onnx", SAFE, kinds=(CHECKPOINT,), verb="prune"),
-        "torchscript, checkpoint only": lambda: open_trained(ts, TRUST, kinds=(CHECKPOINT, STATE_DICT)),
+        "bare state dict, checkpoint only": lambda: open_trained(bare, SAFE, kinds=(RUN_FILE,), verb="prune"),
+        "onnx, checkpoint only": lambda: open_trained(tmp_path / "m.onnx", SAFE, kinds=(RUN_FILE,), verb="prune"),
+        "torchscript, checkpoint only": lambda: open_trained(ts, TRUST, kinds=(RUN_FILE, STATE_DICT)),
         "torchscript without consent": lambda: open_trained(ts, SAFE, classes=("a", "b", "c"), img_size=SIZE),
         "torchscript without classes": lambda: open_trained(ts, TRUST, img_size=SIZE),
         "torchscript at a size it cannot run": lambda: open_trained(ts, TRUST, classes=("a", "b", "c"), img_size=8),

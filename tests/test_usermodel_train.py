@@ -253,7 +253,7 @@ def test_a_changed_file_is_refused_and_named_again_warns_in_one_line(trained, pr
         _val(trained)  # not the code the run recorded: not imported unless the user names it
     with caplog.at_level(logging.WARNING, logger="dlenv.model.modelsource"):
         assert _val(trained, model="models/resnet.py:build") == 0
-    assert [m for m in caplog.messages if "differs from the file this checkpoint was trained with" in m] == [
+    assert [m for m in caplog.messages if "differs from the file this run was trained with" in m] == [
         m for m in caplog.messages if "models/resnet.py" in m] and len(caplog.messages) == 1
 
 

@@ -1,9 +1,9 @@
 """Validation metrics and reports: `dlenv val`.
 
-`main` rebuilds the model from a checkpoint alone (architecture, classes and image size are stored in
+`main` rebuilds the model from a run file alone (architecture, classes and image size are stored in
 it; `--model` only names the architecture of a bare state dict from another tool), runs it over a
 folder of class folders, prints loss, top-1, top-5 and a per-class precision/recall/F1 table, and
-writes the reports into `--out` (default: val/ in the checkpoint's run folder, `run_folder`; val-<data>/ for
+writes the reports into `--out` (default: val/ in the run file's run folder, `run_folder`; val-<data>/ for
 other data, `report_folder`):
 
     metrics.json           everything below, machine-readable
@@ -40,7 +40,7 @@ from dlenv.files.weights import LoadPolicy
 from dlenv.progress import Progress
 from dlenv.runfolder import drawing
 from dlenv.runfolder.plots import save_figure
-from dlenv.runfolder.trained import CHECKPOINT, STATE_DICT, open_trained
+from dlenv.runfolder.trained import RUN_FILE, STATE_DICT, open_trained
 
 #: the report files `main` writes, in the order it writes them
 REPORT_FILES = ("metrics.json", "per_class.csv", "confusion_matrix.csv", "confusion_matrix.png", "errors.csv")
@@ -184,7 +184,7 @@ def refuse_non_finite(logits: torch.Tensor, model: torch.nn.Module, mode: str, w
     what = f"{n_bad} of {n} images" if n_bad < n else f"every one of the {n} images"
     if broken:
         cause = (f"{len(broken)} of its weight tensors hold NaN or inf (e.g. {broken[0]}): the run that saved it "
-                 "diverged or the file is damaged; validate an earlier checkpoint (last.pth, best_model.pth)")
+                 "diverged or the file is damaged; validate an earlier run file (last.pth, best_model.pth)")
     elif mode != "fp32":
         cause = f"its weights are finite, so {mode} overflowed; validate with --precision fp32"
     else:
@@ -359,10 +359,10 @@ def _samples_of(root: Path, val_split: float, seed: int, trained_on: bool) -> tu
     return list(layout.val), list(layout.classes), f"the {val_split:g} held out for validation (seed {seed})"
 
 
-def resolve_data(data: str | None, ckpt: Any) -> tuple[Path, list, list[str], str]:
-    """(root, samples, classes, what) to validate on: `data` (--data), else the data the checkpoint was
+def resolve_data(data: str | None, run_file: Any) -> tuple[Path, list, list[str], str]:
+    """(root, samples, classes, what) to validate on: `data` (--data), else the data the run file was
     trained on (the part it held out), else the demo data when it was trained on that."""
-    train_cfg = ckpt.get("config") if isinstance(ckpt, dict) else None
+    train_cfg = run_file.get("config") if isinstance(run_file, dict) else None
     train_cfg = train_cfg if isinstance(train_cfg, dict) else {}
     val_split = float(train_cfg.get("val_split") or 0.2)
     seed = int(train_cfg.get("seed") or 0)
@@ -371,13 +371,13 @@ def resolve_data(data: str | None, ckpt: Any) -> tuple[Path, list, list[str], st
         need_folder(root, "--data", "pass a folder of class folders or a dataset with val/")
         return (root, *_samples_of(root, val_split, seed, trained_on=False))
     if not train_cfg:
-        raise UserError("this checkpoint does not say what data it was trained on; pass --data FOLDER")
+        raise UserError("this run file does not say what data it was trained on; pass --data FOLDER")
     if train_cfg.get("synthetic"):
-        raise UserError("this checkpoint was trained on synthetic data (--synthetic); pass --data FOLDER")
+        raise UserError("this run file was trained on synthetic data (--synthetic); pass --data FOLDER")
     if train_cfg.get("data"):
         root = Path(train_cfg["data"])
         if not root.is_dir():
-            raise UserError(f"the checkpoint was trained on {root}, which is not found from here; "
+            raise UserError(f"the run file was trained on {root}, which is not found from here; "
                             "pass --data FOLDER")
     else:
 
@@ -385,32 +385,32 @@ def resolve_data(data: str | None, ckpt: Any) -> tuple[Path, list, list[str], st
     return (root, *_samples_of(root, val_split, seed, trained_on=True))
 
 
-def match_classes(data_classes: list[str], ckpt_classes: list[str], bare: bool, where: Path) -> list[int]:
-    """Map each data class index to the checkpoint's class index; UserError naming any difference.
+def match_classes(data_classes: list[str], trained_classes: list[str], bare: bool, where: Path) -> list[int]:
+    """Map each data class index to the run file's class index; UserError naming any difference.
 
     A bare state dict has no class names: the data's (sorted) classes are taken when the counts agree.
     Names are compared in Unicode NFC (a folder spelled NFD on one machine is the same class).
     """
-    data_classes, ckpt_classes = [class_key(c) for c in data_classes], [class_key(c) for c in ckpt_classes]
+    data_classes, trained_classes = [class_key(c) for c in data_classes], [class_key(c) for c in trained_classes]
     if bare:
-        if len(data_classes) != len(ckpt_classes):
+        if len(data_classes) != len(trained_classes):
             raise UserError(f"{where} has {len(data_classes)} classes but the state dict's head has "
-                            f"{len(ckpt_classes)} outputs; pass data with the classes it was trained on")
+                            f"{len(trained_classes)} outputs; pass data with the classes it was trained on")
         return list(range(len(data_classes)))
-    missing = [c for c in ckpt_classes if c not in data_classes]
-    extra = [c for c in data_classes if c not in ckpt_classes]
+    missing = [c for c in trained_classes if c not in data_classes]
+    extra = [c for c in data_classes if c not in trained_classes]
     if missing or extra:
         def some(xs: list[str]) -> str:
             return ", ".join(xs[:8]) + (f" and {len(xs) - 8} more" if len(xs) > 8 else "")
-        parts = ([f"missing {len(missing)} of the checkpoint's classes ({some(missing)})"] if missing else [])
-        parts += [f"has {len(extra)} class(es) the checkpoint does not know ({some(extra)})"] if extra else []
-        raise UserError(f"{where} {' and '.join(parts)}; validate on data with the checkpoint's "
-                        f"{len(ckpt_classes)} classes")
-    return [ckpt_classes.index(c) for c in data_classes]
+        parts = ([f"missing {len(missing)} of the run file's classes ({some(missing)})"] if missing else [])
+        parts += [f"has {len(extra)} class(es) the run file does not know ({some(extra)})"] if extra else []
+        raise UserError(f"{where} {' and '.join(parts)}; validate on data with the run file's "
+                        f"{len(trained_classes)} classes")
+    return [trained_classes.index(c) for c in data_classes]
 
 
 def run_folder(weights: Path) -> Path:
-    """The folder a checkpoint's reports go to without --out: the one the file lies in, a link followed to
+    """The folder a run file's reports go to without --out: the one the file lies in, a link followed to
     its target (a best_model.pth linked into the folder `val` is started from reports into its run
     folder), never the folder `val` happens to be started from."""
     return Path(os.path.realpath(weights)).parent if weights.is_symlink() else weights.parent
@@ -443,17 +443,17 @@ def report_folder(run_dir: Path, data: Path) -> Path:
 def main(cfg: Any) -> int:
     """`dlenv val`: validate cfg.weights on cfg.data and write the reports. Returns 0.
 
-    Raises UserError for a missing/unsafe/corrupt checkpoint, a bare state dict without --model, data
-    that is missing or has other classes than the checkpoint, or a bad --device.
+    Raises UserError for a missing/unsafe/corrupt run file, a bare state dict without --model, data
+    that is missing or has other classes than the run file, or a bad --device.
     """
 
     if not cfg.weights:
-        raise UserError("--weights is required: the checkpoint to validate (e.g. runs/exp/best_model.pth)")
+        raise UserError("--weights is required: the run file to validate (e.g. runs/exp/best_model.pth)")
     weights = Path(cfg.weights)
-    if cfg.out:  # a bad --out fails before the checkpoint is read
+    if cfg.out:  # a bad --out fails before the run file is read
         check_output(cfg.out, "--out", folder=True)
     device = resolve_device(cfg.device)
-    trained = open_trained(weights, LoadPolicy.of(cfg), cfg.model, kinds=(CHECKPOINT, STATE_DICT), verb="val",
+    trained = open_trained(weights, LoadPolicy.of(cfg), cfg.model, kinds=(RUN_FILE, STATE_DICT), verb="val",
                            img_size=cfg.img_size, prep={"normalize": cfg.normalize, "resize": cfg.resize})
     model, class_names = trained.model, list(trained.class_names)
     bare = trained.kind == STATE_DICT

@@ -60,7 +60,7 @@ FIXES = {
 }
 #: what a missing input is called
 WHAT = {"data": "no such folder", "dir": "no such folder", "log_dir": "no such folder", "weights": "not found",
-        "resume": "no such checkpoint", "archive": "no such file"}
+        "resume": "no such run file", "archive": "no such file"}
 #: where else a missing input is looked for: `dlenv unpack pets.zip` may mean data/pets.zip
 ALSO_UNDER = {"archive": "data"}
 #: the commands that read a trained model's file: a bare best_model.pth / last.pth is the newest run's

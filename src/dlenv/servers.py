@@ -275,7 +275,7 @@ def _some(names: list[str], most: int = 6, width: int = 60) -> str:
 #: TensorBoard's plugins (by plugin_name) that show what event files hold, and nothing else: `train
 #: --tensorboard` writes scalars, and a loop of the user's may write any of these summaries. "core" serves
 #: the page and the list of runs; "timeseries" is the Time Series dashboard. Left out: projector (it reads
-#: whatever file a projector_config.pbtxt or a checkpoint in a run folder names), debugger-v2 (debug dumps,
+#: whatever file a projector_config.pbtxt or a run file in a run folder names), debugger-v2 (debug dumps,
 #: not event files), the profile and what-if-tool redirects, and every plugin another package installs
 EVENT_PLUGINS = ("core", "timeseries", "scalars", "custom_scalars", "images", "audio", "graphs", "distributions",
                  "histograms", "text", "pr_curves", "hparams", "mesh")

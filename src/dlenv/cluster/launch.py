@@ -2,7 +2,7 @@
 
 `launch(cfg)` runs `python -m dlenv.cluster.launch <torchrun options> -m dlenv.cli train <flags>`: torchrun
 (`torch.distributed.run`) with N processes per node, the multi-node flags going to its rendezvous,
-and forwards SIGTERM/SIGINT/SIGHUP to it once, so rank 0 saves one checkpoint. `python -m dlenv.cluster.launch` is
+and forwards SIGTERM/SIGINT/SIGHUP to it once, so rank 0 saves one run file. `python -m dlenv.cluster.launch` is
 torchrun's main ending in one line that names the rank that failed, instead of a traceback.
 
 Nothing here imports torch at module level: the launching process only parses flags and waits.

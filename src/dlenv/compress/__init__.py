@@ -1,10 +1,10 @@
-"""Pruning, int8 quantization and export of a trained checkpoint, each re-validated.
+"""Pruning, int8 quantization and export of a trained run file, each re-validated.
 
-`dlenv prune` and `dlenv export` take a dlenv checkpoint (best_model.pth, last.pth), change or
+`dlenv prune` and `dlenv export` take a dlenv run file (best_model.pth, last.pth), change or
 convert the model, and measure what the change cost and bought on the same data: top-1, file size
 (raw and zipped), CPU latency, and for exports the largest difference from PyTorch's own outputs.
 
-    common.py    the checkpoint and data a command works on; sizes, latency, top-1, tables
+    common.py    the run file and data a command works on; sizes, latency, top-1, tables
     prune.py     global L1 / channel pruning made permanent, optional fine-tune (`prune_main`)
     quantize.py  dynamic and static int8 for CPU inference
     export.py    ONNX / TorchScript files and their output check (`export_main`)

@@ -10,7 +10,7 @@ out is smaller and faster, not the same model with zeros.
 `--amount` is the share of the model's parameters to remove, as for unstructured pruning. A conv loses
 channels on both sides, so its parameters fall with the square of the channel ratio: `remove_channels`
 searches the ratio that lands within `TOLERANCE` of the asked count (a handful of trial prunes of copies).
-The widths the pruned model has are what its checkpoint records (dlenv.model.shrink), so `val`, `predict` and
+The widths the pruned model has are what its run file records (dlenv.model.shrink), so `val`, `predict` and
 `export` rebuild it from the architecture's name and numbers alone.
 """
 

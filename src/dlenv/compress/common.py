@@ -1,8 +1,8 @@
 """What dlenv.compress works on and how it measures it.
 
-A command starts from a dlenv checkpoint opened by dlenv.runfolder.trained.open_trained (`open_weights`): the
+A command starts from a dlenv run file opened by dlenv.runfolder.trained.open_trained (`open_weights`): the
 model rebuilt from it, its class names, image size and preprocessing. Data for re-validation comes
-from `--data` or the data the checkpoint was trained on (the same rules as `dlenv val`). The
+from `--data` or the data the run file was trained on (the same rules as `dlenv val`). The
 measurements are the ones every compress report prints: top-1 on that data, parameters, serialized
 size raw and zipped (zip deflate, as a download or an artifact store would compress it), and the
 median CPU latency of one image with its spread (and the GPU's, where there is one).
@@ -28,25 +28,25 @@ from dlenv.errors import UserError
 from dlenv.evaluate import compute_metrics, match_classes, predict, resolve_data
 from dlenv.files.weights import SAFE, LoadPolicy
 from dlenv.runfolder import BEST
-from dlenv.runfolder.trained import CHECKPOINT, Trained, open_trained
+from dlenv.runfolder.trained import RUN_FILE, Trained, open_trained
 
 
 def open_weights(weights: str | None, verb: str, policy: LoadPolicy = SAFE, model: str | None = None) -> Trained:
-    """The dlenv checkpoint `weights` (--weights) names, opened by dlenv.runfolder.trained.open_trained (model on the
+    """The dlenv run file `weights` (--weights) names, opened by dlenv.runfolder.trained.open_trained (model on the
     CPU, in eval mode) under `policy` (--trust-pickle); `model` is --model (a model of your own named again).
 
     Raises UserError when --weights is missing, the file is missing/corrupt/unsafe, it is not a dlenv
-    checkpoint (a bare state dict, an export: no class names or image size to re-validate with), or the
+    run file (a bare state dict, an export: no class names or image size to re-validate with), or the
     weights don't fit the architecture.
     """
 
     if not weights:
-        raise UserError(f"--weights is required: the checkpoint to {verb} (e.g. runs/exp/{BEST})")
-    return open_trained(weights, policy, model, kinds=(CHECKPOINT,), verb=verb)
+        raise UserError(f"--weights is required: the run file to {verb} (e.g. runs/exp/{BEST})")
+    return open_trained(weights, policy, model, kinds=(RUN_FILE,), verb=verb)
 
 
 def _val_data(data: str | None, src: Trained) -> tuple[Path, list[tuple[str, int]]]:
-    """(root, samples) to measure on, with labels in the checkpoint's class order (as `dlenv val`)."""
+    """(root, samples) to measure on, with labels in the run file's class order (as `dlenv val`)."""
 
     root, samples, classes, _ = resolve_data(data, src.ckpt)  # the same choice of data as `dlenv val` makes
     remap = match_classes(list(classes), src.class_names, False, root)
@@ -57,9 +57,9 @@ def _val_data(data: str | None, src: Trained) -> tuple[Path, list[tuple[str, int
 
 
 def eval_loader(data: str | None, src: Trained, batch_size: int, workers: int | str) -> tuple[Path, Any]:
-    """(root, loader) over the images to re-validate on: --data, else the checkpoint's own val data.
+    """(root, loader) over the images to re-validate on: --data, else the run file's own val data.
 
-    Raises UserError when neither is there or its classes differ from the checkpoint's.
+    Raises UserError when neither is there or its classes differ from the run file's.
     """
 
     root, samples = _val_data(data, src)
@@ -68,7 +68,7 @@ def eval_loader(data: str | None, src: Trained, batch_size: int, workers: int | 
 
 
 def train_layout(src: Trained) -> Any:
-    """The training split of the data the checkpoint was trained on, labels in its class order.
+    """The training split of the data the run file was trained on, labels in its class order.
 
     Returns a dlenv.data.folder.Layout with an empty val split (for fine-tuning). Raises UserError
     when that data is not on this machine.
@@ -81,7 +81,7 @@ def train_layout(src: Trained) -> Any:
     remap = match_classes(list(layout.classes), src.class_names, False, root)
     train = [(p, remap[i]) for p, i in layout.train]
     if not train:
-        raise UserError(f"no training images in {root}; fine-tuning needs the data the checkpoint was "
+        raise UserError(f"no training images in {root}; fine-tuning needs the data the run file was "
                         "trained on")
     return dataclasses.replace(layout, classes=src.class_names, train=train, val=[], test=[])
 
@@ -115,7 +115,7 @@ def zipped_size(data: bytes) -> int:
 
 
 def saved_sizes(obj: Any) -> tuple[int, int]:
-    """(raw, zipped) bytes of torch.save(obj) (a state dict, a checkpoint) or torch.jit.save(obj)."""
+    """(raw, zipped) bytes of torch.save(obj) (a state dict, a run file) or torch.jit.save(obj)."""
     buf = io.BytesIO()
     if isinstance(obj, torch.jit.ScriptModule):
         compat.jit_save(obj, buf)

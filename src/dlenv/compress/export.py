@@ -1,8 +1,8 @@
-"""`dlenv export`: a checkpoint to ONNX or TorchScript (float32, fp16 or int8), checked against PyTorch.
+"""`dlenv export`: a run file to ONNX or TorchScript (float32, fp16 or int8), checked against PyTorch.
 
-The model is rebuilt from the checkpoint alone. Files have a dynamic batch axis (traced with one
+The model is rebuilt from the run file alone. Files have a dynamic batch axis (traced with one
 image, checked with a whole batch). The file is written to a temporary name, loaded back and run on
-real images from `--data` (or the checkpoint's own val data; random input only when there is none,
+real images from `--data` (or the run file's own val data; random input only when there is none,
 and the report says so); the largest absolute difference from PyTorch's output and the share of equal
 top-1 classes are reported, and only a file within `tolerance` is renamed into place:
 
@@ -83,7 +83,7 @@ def _torch_mode(quantize_option: str) -> str:
 
 
 def output_path(cfg: Any, src_path: Path) -> Path:
-    """--out, else <stem>[_fp16|_int8|_int8_dynamic|_int8_static].onnx / .torchscript.pt beside the checkpoint."""
+    """--out, else <stem>[_fp16|_int8|_int8_dynamic|_int8_static].onnx / .torchscript.pt beside the run file."""
     if cfg.out:
         out = check_output(cfg.out, "--out")
     else:
@@ -91,7 +91,7 @@ def output_path(cfg: Any, src_path: Path) -> Path:
                                         "_int8" if cfg.quantize == "int8" else f"_int8_{cfg.quantize}")
         out = src_path.with_name(f"{src_path.stem}{tag}{_SUFFIX[cfg.format]}")
     if out.resolve() == src_path.resolve():
-        raise UserError(f"--out {out} is the input checkpoint; write the export to another file")
+        raise UserError(f"--out {out} is the input run file; write the export to another file")
     return out
 
 
@@ -222,7 +222,7 @@ def main(cfg: Any) -> int:
     """`dlenv export`: write cfg.weights as ONNX or TorchScript and check it against PyTorch.
 
     Returns 0 when the exported outputs agree within `tolerance` (safetensors: 1 when reading it back
-    differs). Raises UserError for incompatible options (--half without CUDA, int8 ONNX), a checkpoint
+    differs). Raises UserError for incompatible options (--half without CUDA, int8 ONNX), a run file
     that is missing or has no class names, a model static quantization cannot handle, an environment
     that cannot export or run ONNX, and an exported file that disagrees with PyTorch or cannot be run
     (then nothing is written: whatever was at the output path stays).

@@ -1,4 +1,4 @@
-"""`dlenv prune`: pruning a trained checkpoint, re-validated, with what it bought measured.
+"""`dlenv prune`: pruning a trained run file, re-validated, with what it bought measured.
 
 Unstructured (default): `torch.nn.utils.prune.global_unstructured` with L1 ranks |w| across all conv
 and linear weights at once and zeroes the smallest `amount` of them, so layers lose different shares
@@ -8,11 +8,11 @@ shrinks. The report says so in one line.
 
 Structured (`--structured`): whole channels are removed, following the model's dependencies
 (dlenv.compress.channels, Torch-Pruning), until about `amount` of the parameters are gone. The model
-really is smaller and faster; its checkpoint records the new layer widths (dlenv.model.shrink), so `val`,
+really is smaller and faster; its run file records the new layer widths (dlenv.model.shrink), so `val`,
 `predict` and `export` rebuild it from the architecture's name and those numbers (never from code in the
-file). Before writing, the checkpoint is rebuilt that way and must give the pruned model's outputs.
+file). Before writing, the run file is rebuilt that way and must give the pruned model's outputs.
 
-`--finetune-epochs N` trains the pruned model on the checkpoint's training data through the trainer's
+`--finetune-epochs N` trains the pruned model on the run file's training data through the trainer's
 own step (dlenv.engine.step.train_step). Unstructured pruning keeps its masks attached meanwhile (the weight is
 weight_orig * mask on every forward, so pruned weights stay exactly zero), then makes them permanent.
 
@@ -125,16 +125,16 @@ def finetune(model: nn.Module, loader: Any, device: torch.device, epochs: int, l
     return losses
 
 
-def pruned_checkpoint(ckpt: dict[str, Any], model: nn.Module, info: dict[str, Any],
+def pruned_run_file(run_file: dict[str, Any], model: nn.Module, info: dict[str, Any],
                       widths: dict[str, list[int]] | None = None) -> dict[str, Any]:
-    """The input checkpoint with the pruned weights: same format, config and class names, and for a
+    """The input run file with the pruned weights: same format, config and class names, and for a
     channel-pruned model the layer `widths` it is rebuilt at (dlenv.model.shrink).
 
     Optimizer, scaler, scheduler and EMA states described the dense weights, so they are dropped
     (None): the result is for validation, prediction and export.
     """
 
-    state = dict(ckpt)
+    state = dict(run_file)
     state["model"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     for key in ("optimizer", "scaler", "scheduler", "ema"):
         if key in state:
@@ -169,19 +169,19 @@ def finetune_hint(top1_before: float, top1_after: float, finetune_epochs: int) -
 def _output_path(cfg: Any, src_path: Path) -> Path:
     out = check_output(cfg.out, "--out") if cfg.out else default_output(src_path, cfg.structured)
     if out.resolve() == src_path.resolve():
-        raise UserError(f"--out {out} is the input checkpoint; write the pruned one to another file")
+        raise UserError(f"--out {out} is the input run file; write the pruned one to another file")
     return out
 
 
 def _check_rebuilt(state: dict[str, Any], pruned: nn.Module, example: torch.Tensor, source: str) -> None:
-    """Rebuild the channel-pruned checkpoint as val and predict will (dlenv.model.models from the name and the
+    """Rebuild the channel-pruned run file as val and predict will (dlenv.model.models from the name and the
     widths) and compare its outputs with the pruned model's; raise UserError when they differ."""
 
     rebuilt = model_from_state(state, source=source)[0].eval()
     with torch.no_grad():
         a, b = rebuilt(example), pruned.eval()(example)
     if not torch.allclose(a, b, atol=1e-4, rtol=1e-4):
-        raise UserError(f"the pruned model rebuilt from its checkpoint gives other outputs (by up to "
+        raise UserError(f"the pruned model rebuilt from its run file gives other outputs (by up to "
                         f"{float((a - b).abs().max()):.3g}); nothing was written. Prune without --structured")
 
 
@@ -194,7 +194,7 @@ def _structured(src: Any, amount: float) -> tuple[nn.Module, dict[str, Any], dic
     lost = shrink.unsupported(pruned, dense)
     if lost:
         raise UserError(f"pruning channels resized {', '.join(lost[:3])}, a kind of layer dlenv cannot rebuild "
-                        "from a checkpoint; prune without --structured")
+                        "from a run file; prune without --structured")
     widths = shrink.widths_of(pruned, dense)
     print(f"removed {ratio:.1%} of the channels of every layer group ({len(widths)} layers resized)")
     return pruned, {"channel_ratio": ratio}, widths
@@ -225,7 +225,7 @@ def main(cfg: Any) -> int:
     fine-tuning ends by naming --finetune-epochs.
 
     Prints per-layer sparsity (unstructured) and a before/after table (top-1, parameters, sizes, CPU and
-    GPU latency). Returns 0. Raises UserError for an amount outside (0, 1), a checkpoint that is missing
+    GPU latency). Returns 0. Raises UserError for an amount outside (0, 1), a run file that is missing
     or has no class names, data that is missing or has other classes, a model whose channels cannot be
     removed or rebuilt, or a bad --device.
     """
@@ -263,7 +263,7 @@ def main(cfg: Any) -> int:
     info.update({"amount": amount, "structured": bool(cfg.structured), "finetune_epochs": int(cfg.finetune_epochs),
                  "source": str(src.path), "top1_before": before["top1"], "top1_after": after["top1"],
                  "params_before": common.count_params(dense), "params_after": common.count_params(model)})
-    state = pruned_checkpoint(src.ckpt, model, info, widths)
+    state = pruned_run_file(src.ckpt, model, info, widths)
     if widths:
         _check_rebuilt(state, model, torch.randn(2, 3, src.img_size, src.img_size), str(out))
     save_state(state, out)

@@ -174,7 +174,7 @@ def _images_under(d: Path, seen: _Seen) -> list[str]:
 def class_key(name: str) -> str:
     """What two class names are compared by: their NFC form. macOS and some zip tools write 'café' as
     'cafe' + a combining accent (NFD), others as one letter (NFC); the two look the same everywhere and
-    are one class. Val's matching of a checkpoint's class names to a folder's compares by this too."""
+    are one class. Val's matching of a run file's class names to a folder's compares by this too."""
     return unicodedata.normalize("NFC", name)
 
 

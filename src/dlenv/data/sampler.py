@@ -14,7 +14,7 @@ rather than in each loader, keeps every path (DataLoader, DeviceLoader, DDP shar
 arithmetic (`per_rank`, steps per epoch, the resume position) consistent.
 
 The sampler does not count what the DataLoader consumed (workers prefetch ahead of training); the
-trainer tracks the position of the batches it actually trained on and saves it in the checkpoint.
+trainer tracks the position of the batches it actually trained on and saves it in the run file.
 
 `SeededDraws` hands the same indices out as `Draw`s: ints that carry the seed of their sample's random
 augmentation, `draw_seed(seed, epoch, index)`. The dataset draws a sample's crop and flip from that seed
@@ -127,7 +127,7 @@ class ResumableSampler(Sampler[int]):
         return self.per_rank - self.start
 
     def state_dict(self, position: int) -> dict[str, int]:
-        """Plain-typed state for a checkpoint; `position` = samples of this epoch already trained on."""
+        """Plain-typed state for a run file; `position` = samples of this epoch already trained on."""
         return {"seed": self.seed, "epoch": self.epoch, "position": int(position),
                 "world_size": self.world_size}
 

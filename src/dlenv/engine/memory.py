@@ -183,7 +183,7 @@ def oom_message(batch_size: int, accum_steps: int, peak_gib: float, total_gib: f
     """
     head = (f"CUDA out of memory at micro-batch {batch_size} (accumulation {accum_steps}): the run had "
             f"reached {peak_gib:.2f} GiB allocated of the card's {total_gib:.1f} GiB. The last good "
-            "checkpoint is intact.")
+            "run file is intact.")
     tries = []
     if not amp:
         tries.append("--amp (half-size activations, usually faster too)")

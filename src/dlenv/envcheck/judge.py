@@ -274,7 +274,7 @@ def checks(facts: Facts, allow_cpu: bool = False) -> list[Check]:
     out.append(_shm_check(facts))
     low = facts.disk_free < 10 * 2**30
     out.append(Check("warn" if low else "ok", "disk", f"{_size(facts.disk_free)} free in {facts.disk_path}",
-                     "free some space: datasets and checkpoints need room" if low else ""))
+                     "free some space: datasets and run files need room" if low else ""))
     out.append(Check("info", "CPUs", f"{facts.cpus} usable" + (
         f" (of {facts.host_cpus} on the host: affinity or docker --cpus)"
         if facts.host_cpus != facts.cpus else "")))

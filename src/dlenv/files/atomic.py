@@ -1,15 +1,15 @@
 """Write a file whole or not at all: a temporary file beside it, renamed into place when complete.
 
 Every file dlenv writes goes through here (reports, plots, config.yaml, results.csv, exports,
-checkpoints, the image cache), so an interrupted run leaves the old file or the new one, never half
-of one. `durable=True` (checkpoints, the cache's index) also fsyncs the file before the rename and
+run files, the image cache), so an interrupted run leaves the old file or the new one, never half
+of one. `durable=True` (run files, the cache's index) also fsyncs the file before the rename and
 the folder after it, so the new file survives a power cut, not only a crash. A write that fails (a
 full disk, a read-only folder) leaves the old file too, and raises an OSError naming the
 destination, which the CLI prints as one line. `check_output` refuses an output path that cannot be
 a file or folder before any work is done. No torch here: plots import this module.
 
 The temporary file comes from `tempfile.mkstemp`, which creates it 0600 whatever the umask. A file
-that is renamed into place keeps that mode, so every report, figure and checkpoint would be private to
+that is renamed into place keeps that mode, so every report, figure and run file would be private to
 its writer while results.csv (opened normally) follows the umask. `file_mode()` gives the mode an
 ordinary `open()` would have created (0666 minus the umask), and the writers set it before the rename:
 with `docker run --user` and a group-shared folder, a run's files are readable by the group like any

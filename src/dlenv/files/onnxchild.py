@@ -381,7 +381,7 @@ class Child:
             self.close()
             if error.startswith("ModuleNotFoundError: No module named 'onnxruntime'"):
                 raise UserError("running an ONNX file needs onnxruntime (in requirements.txt: pip install -r "
-                                "requirements.txt); or pass the checkpoint it was exported from")
+                                "requirements.txt); or pass the run file it was exported from")
             raise broken_library("onnxruntime", head.get("error", ""))
         if head.get("kind") == "output":
             raise UserError(f"{self.name} {error}")

@@ -4,7 +4,7 @@
 string metadata (`metadata_props`): the dlenv format, the class names, the image size, the
 normalisation and the resampling. `open_file` reads a file back for `predict` (through
 dlenv.runfolder.trained.open_trained): the bytes of a regular file of bounded size are handed to onnxruntime
-(so no external-data path inside the file is followed), the metadata is bounded like a checkpoint's
+(so no external-data path inside the file is followed), the metadata is bounded like a run file's
 (dlenv.files.runstate's limits), and the graph's input shape must be images of one size, that of the metadata
 and of --img-size if given. A file another tool wrote has no metadata: its class names are then
 "0".."N-1" (or --classes), its size the input shape's (or --img-size).
@@ -87,7 +87,7 @@ def write_metadata(path: Path, meta: dict[str, str]) -> None:
 
 
 _NO_RUNTIME = ("running an ONNX file needs onnxruntime (in requirements.txt: pip install -r requirements.txt); or "
-               "pass the checkpoint it was exported from")
+               "pass the run file it was exported from")
 
 
 def _runtime() -> Any:

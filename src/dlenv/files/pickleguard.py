@@ -5,7 +5,7 @@ bytes; dlenv.files.torchfile reads both formats), and unpickling can run code. t
 restricts what it rebuilds, but its unpickler could be beaten before PyTorch 2.10 (CVE-2025-32434;
 CVE-2026-24747, memory corruption), and the default profile runs 1.13.1. So dlenv reads the pickle's
 opcodes with `pickletools.genops` (which parses and runs nothing) and plays them on a stack machine of
-its own. A file passes only when it holds what a state dict or a dlenv checkpoint needs:
+its own. A file passes only when it holds what a state dict or a dlenv run file needs:
 
 - data: None, bools, ints, floats, strings, bytes, tuples, lists, dicts, sets;
 - the globals `collections.OrderedDict`, `torch.Size`, `torch._utils._rebuild_tensor_v2` (and v1),
@@ -59,10 +59,10 @@ MAX_DIMS = 64
 #: opcodes in one pickle: a state dict takes ~20 per tensor; the bound keeps a 256 MiB pickle of one-byte
 #: EMPTY_LIST opcodes from taking minutes and tens of GB (each builds an object of ~80 bytes)
 MAX_OPS = 2**22
-#: nesting of containers: a checkpoint is a few levels deep; code that walks what it loaded recurses, and
+#: nesting of containers: a run file is a few levels deep; code that walks what it loaded recurses, and
 #: Python hashes a tuple key recursively in C (a key 300,000 deep crashed the interpreter)
 MAX_DEPTH = 64
-#: the work reading one file may cost, in steps (`Budget`; what real checkpoints cost: docs/weights.md)
+#: the work reading one file may cost, in steps (`Budget`; what real run files cost: docs/weights.md)
 MAX_WORK = 2**24
 #: different keys in one file that may share a hash value (strings hash with a per-process seed; ints that
 #: differ by multiples of 2**61 - 1 hash alike, 150,000 of them made one dict take quadratic time)

@@ -2,7 +2,7 @@
 
 `play` reads the opcodes with `pickletools.genops` (which parses and runs nothing) and plays them on inert
 values, one method per family of opcodes (data, the stack and its marks, containers, the memo, the few
-objects a checkpoint holds). One `Budget` per file counts every opcode, value stored, key hashed and value
+objects a run file holds). One `Budget` per file counts every opcode, value stored, key hashed and value
 a walk through the result would visit (dlenv.files.pickleguard's module doc says why: a few KB can describe 2**50
 steps); nesting is refused as containers are built, keys are checked before Python hashes them. No torch.
 """
@@ -49,7 +49,7 @@ class Budget:
         self.spent += n
         if self.spent > self.limit:
             raise Unbounded(f"{what}: reading it would take more than {self.limit:,} steps, more than a "
-                            "checkpoint does")
+                            "weights file does")
 
 
 class _Shape:
@@ -70,7 +70,7 @@ _KEY_SCALARS = (str, bytes, int, float, bool, type(None))
 
 class _Machine:
     """Plays one pickle's opcodes on inert values (`play`), one method per family of opcodes: data, the
-    stack and its marks, containers, the memo, and the few objects a checkpoint holds (globals, calls,
+    stack and its marks, containers, the memo, and the few objects a run file holds (globals, calls,
     BUILD, persistent ids). Every container it builds is shaped (`_Shape`), every key is checked before it
     is hashed, and all of it is counted against `budget`."""
 
@@ -92,7 +92,7 @@ class _Machine:
     def run(self, data: Any) -> Any:
         for count, (op, arg, _pos) in enumerate(pickletools.genops(data)):
             if count >= MAX_OPS:
-                raise Refused(f"a pickle of more than {MAX_OPS:,} opcodes, more than a checkpoint needs")
+                raise Refused(f"a pickle of more than {MAX_OPS:,} opcodes, more than a weights file needs")
             self.budget.spend(1, "its opcodes")
             if op.name == "STOP":
                 return _plain(self._pop(), self.budget)
@@ -323,7 +323,7 @@ def play(data: Any, persistent: Any, allow_globals: bool = True, build: Builder 
 
 def _plain(value: Any, budget: Budget) -> Any:
     """`value` once no container in it holds itself or nests deeper than MAX_DEPTH (code that walks a
-    checkpoint recurses), a walk through it visits at most MAX_OPS values however its containers are
+    run file recurses), a walk through it visits at most MAX_OPS values however its containers are
     shared (50 dicts each holding the next twice make a walk of 2**50 steps: every container is visited
     once here, and counts the values below it), and no stand-in for a global, storage type or bare storage
     is left in it as a value (only a tensor's arguments may be one; a dtype may be a value)."""

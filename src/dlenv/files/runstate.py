@@ -156,18 +156,18 @@ def _from_safetensors(tensors: dict[str, Any], meta: dict[str, str], path: Path)
         return int(text)
 
     try:
-        ckpt = {"format": FORMAT, "model": tensors, "model_name": meta["model_name"],
+        run_file = {"format": FORMAT, "model": tensors, "model_name": meta["model_name"],
                 "num_classes": count("num_classes"), "class_names": json.loads(meta["class_names"]),
                 "img_size": count("img_size"), "config": json.loads(meta.get("config") or "{}")}
         if meta.get("model_source"):
-            ckpt["model_source"] = json.loads(meta["model_source"])
+            run_file["model_source"] = json.loads(meta["model_source"])
         if meta.get("widths"):
-            ckpt["widths"] = json.loads(meta["widths"])
+            run_file["widths"] = json.loads(meta["widths"])
     except (KeyError, ValueError) as e:
         raise UserError(f"{printable(str(path))}: its dlenv metadata is incomplete or malformed "
                         f"({printable(str(e))[:80]}); load it as a bare state dict with --model NAME, or export "
                         "it again") from None
-    return ckpt
+    return run_file
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -224,10 +224,10 @@ def save_state(state: dict[str, Any], path: str | Path) -> Path:
     return write_file(path, write, durable=True)
 
 
-def export_safetensors(ckpt: dict[str, Any], model: Any, out: Path) -> int:
-    """`dlenv export --format safetensors`: `model`'s weights and `ckpt`'s description to `out`, then
+def export_safetensors(run_file: dict[str, Any], model: Any, out: Path) -> int:
+    """`dlenv export --format safetensors`: `model`'s weights and `run_file`'s description to `out`, then
     read back and compared tensor by tensor. Returns 0 when identical, 1 when not (the file is kept)."""
-    state = {**ckpt, "format": FORMAT, "model": model.state_dict()}
+    state = {**run_file, "format": FORMAT, "model": model.state_dict()}
     save_run_safetensors(state, out)
     back = load_state(out)
     want = state["model"]
@@ -240,7 +240,7 @@ def export_safetensors(ckpt: dict[str, Any], model: Any, out: Path) -> int:
     if not same:
         print(f"reading {out} back gave other tensors than the model's; do not use it")
         return 1
-    print("check: read back, every tensor identical to the checkpoint's")
+    print("check: read back, every tensor identical to the run file's")
     return 0
 
 
@@ -270,8 +270,8 @@ def _is_int(v: Any, low: int, high: int | None = None) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= low and (high is None or v <= high)
 
 
-def check_entries(ckpt: Any, path: str | Path) -> None:
-    """Refuse a dlenv checkpoint whose entries have the wrong type or disagree with each other.
+def check_entries(run_file: Any, path: str | Path) -> None:
+    """Refuse a dlenv run file whose entries have the wrong type or disagree with each other.
 
     Checks what the loaders read, each number within its bound (the module's MAX_*): num_classes,
     class_names (as many as num_classes), img_size, model_name, epoch, step, batch_in_epoch, world_size,
@@ -281,11 +281,11 @@ def check_entries(ckpt: Any, path: str | Path) -> None:
     other than a dlenv run file passes unchecked (its tensors are bounded by the bytes the file holds). Raises UserError
     naming the file, the entry and the bound.
     """
-    if not is_run_state(ckpt):
+    if not is_run_state(run_file):
         return
     path = Path(path)
-    if not weights.is_bare_state_dict(ckpt["model"]):
-        raise _bad_entry(path, "model", type(ckpt["model"]).__name__, "a state dict of tensors")
+    if not weights.is_bare_state_dict(run_file["model"]):
+        raise _bad_entry(path, "model", type(run_file["model"]).__name__, "a state dict of tensors")
     for key, expected, ok in (
             ("model_name", f"a model name of 1 to {MAX_NAME} characters",
              lambda v: isinstance(v, str) and v.strip() != "" and len(v) <= MAX_NAME),
@@ -308,18 +308,19 @@ def check_entries(ckpt: Any, path: str | Path) -> None:
              lambda v: v is None or isinstance(v, dict)),
             ("train_state", "a mapping of counts",
              lambda v: isinstance(v, dict) and all(_is_int(n, 0, MAX_COUNT) for n in v.values()))):
-        if key in ckpt and not ok(ckpt[key]):
-            raise _bad_entry(path, key, ckpt[key], expected)
-    if "num_classes" in ckpt and "class_names" in ckpt and len(ckpt["class_names"]) != ckpt["num_classes"]:
-        if not ckpt["class_names"]:
+        if key in run_file and not ok(run_file[key]):
+            raise _bad_entry(path, key, run_file[key], expected)
+    if ("num_classes" in run_file and "class_names" in run_file
+            and len(run_file["class_names"]) != run_file["num_classes"]):
+        if not run_file["class_names"]:
             raise UserError(f"{path} has no class names (its 'class_names' entry is empty); "
                             "use a run file written by dlenv train")
-        raise UserError(f"{path}: it lists {len(ckpt['class_names'])} class names for num_classes "
-                        f"{ckpt['num_classes']}; the file was edited or damaged, use another run file")
+        raise UserError(f"{path}: it lists {len(run_file['class_names'])} class names for num_classes "
+                        f"{run_file['num_classes']}; the file was edited or damaged, use another run file")
 
 
 def environment() -> dict[str, Any]:
-    """The versions and GPU a checkpoint was written with, as plain types."""
+    """The versions and GPU a run file was written with, as plain types."""
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     # str(): torch.__version__ is a TorchVersion, a class weights_only refuses to rebuild

@@ -33,7 +33,7 @@ from dlenv.files.picklework import Budget, play
 
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_PROTOCOL = 1001
-#: members of one zip: a checkpoint has one per storage (a model, its optimizer and EMA: tens of
+#: members of one zip: a run file has one per storage (a model, its optimizer and EMA: tens of
 #: thousands); a million empty ones would take Python's reader seconds and ~1 GB to list
 _MAX_MEMBERS = 2**19
 
@@ -114,7 +114,7 @@ def _directory_said(fh: BinaryIO) -> int:
     if end is None:
         raise Damaged("a damaged zip (no end record)")
     if end[zipfile._ECD_ENTRIES_TOTAL] > _MAX_MEMBERS:
-        raise Refused(f"a zip of {end[zipfile._ECD_ENTRIES_TOTAL]:,} members, more than a checkpoint has")
+        raise Refused(f"a zip of {end[zipfile._ECD_ENTRIES_TOTAL]:,} members, more than a weights file has")
     at = end[zipfile._ECD_LOCATION]
     if at >= 20:
         fh.seek(at - 20)
@@ -176,14 +176,14 @@ def _check_zip(archive: _TorchArchive, build: pickleguard.Builder) -> Any:
     present = set(names)
     if "constants.pkl" in present or any(n.startswith("code/") for n in names):
         # torch 1.13's torch.load hands such a file to torch.jit.load, even under weights_only=True
-        raise Refused("a TorchScript archive, not a checkpoint")
+        raise Refused("a TorchScript archive, not a weights file")
     if "data.pkl" not in present:
         raise Refused("a zip without data.pkl")
     if "byteorder" in present and archive.read("byteorder").strip() not in (b"little", b""):
         raise Refused("weights written on a big-endian machine (re-save them on this one)")
     size = archive.size("data.pkl")
     if size > pickleguard.PICKLE_LIMIT:
-        raise Refused(f"its pickle is {size:,} bytes, more than the {pickleguard.PICKLE_LIMIT:,} a checkpoint needs")
+        raise Refused(f"its pickle is {size:,} bytes, more than the {pickleguard.PICKLE_LIMIT:,} a weights file needs")
     data = archive.read("data.pkl")
     storages: dict[str, tuple[str, Storage]] = {}
 
@@ -215,7 +215,7 @@ class _Bounded:
     def _room(self, n: int) -> int:
         room = self.end - self.fh.tell()
         if n > room:
-            raise Damaged(f"its pickles are more than the {pickleguard.PICKLE_LIMIT:,} bytes a checkpoint needs")
+            raise Damaged(f"its pickles are more than the {pickleguard.PICKLE_LIMIT:,} bytes a weights file needs")
         return n
 
     def read(self, n: int = -1) -> bytes:

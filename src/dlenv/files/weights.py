@@ -6,7 +6,7 @@ pickle (`.pth`, `.pt`, anything but .safetensors)
     rebuilds, could itself be beaten before PyTorch 2.10 (the default profile runs 1.13.1). So torch.load
     never sees the file: dlenv.files.torchfile reads it through torch's own zip reader, dlenv.files.pickleguard plays
     its opcodes against an allowlist (the tensors, storages, OrderedDicts and plain data a state dict or a
-    dlenv checkpoint is made of, every tensor inside the bytes the file holds for it) and builds the
+    dlenv run file is made of, every tensor inside the bytes the file holds for it) and builds the
     tensors from the very bytes it judged. Such a file loads on any PyTorch, from anywhere, without a
     sidecar or a key: dlenv's own last.pth and best_model.pth, copied anywhere, and the plain state dicts
     torchvision, timm and `torch.save(model.state_dict())` write.

@@ -53,7 +53,7 @@ def build_model(name: str, /, num_classes: int, weights: str | Path | None = Non
     """A classification model with its head sized to `num_classes`; never downloads.
 
     `name` is a torchvision name, timm/<arch> or a model of your own. `weights` is a local file: a dlenv
-    checkpoint (its "model" entry) or a bare state dict; `pretrained_state` a state dict dlenv.model.pretrained
+    run file (its "model" entry) or a bare state dict; `pretrained_state` a state dict dlenv.model.pretrained
     fetched. A head whose class count differs from `num_classes` is skipped (fine-tuning starts it
     fresh). `kwargs` go to the builder (e.g. image_size=32 for a torchvision ViT, --model-args for timm's
     create_model). `model_args` (--model-args) join them as a mapping: a factory's keyword arguments may
@@ -106,7 +106,7 @@ def _weights_file(weights: Any, name: str) -> Path:
     path = Path(weights)
     if not path.exists():  # a folder or a wrong file: dlenv.files.runstate.load_state says what it is
         raise UserError(f"--weights {str(path)!r} not found; pass the path of a local .pth state dict "
-                        "or dlenv checkpoint")
+                        "or dlenv run file")
     return path
 
 
@@ -121,8 +121,8 @@ def load_weights(model: nn.Module, weights: str | Path, name: str, num_classes: 
     """
     path = _weights_file(weights, name)
 
-    ckpt = runstate.load_state(path, policy)
-    statedict.load_lenient(model, statedict.state_dict_of(ckpt, path), name, num_classes, f"--weights {path}",
+    run_file = runstate.load_state(path, policy)
+    statedict.load_lenient(model, statedict.state_dict_of(run_file, path), name, num_classes, f"--weights {path}",
                            AUX_HEADS.get(name, ()))
 
 
@@ -140,55 +140,55 @@ def is_convolutional(model: nn.Module) -> bool:
     return False
 
 
-def model_from_state(ckpt: Any, model_name: str | None = None, source: str = "checkpoint"):
-    """Rebuild the model from a loaded checkpoint alone.
+def model_from_state(run_file: Any, model_name: str | None = None, source: str = "the file"):
+    """Rebuild the model from a loaded run file alone.
 
-    Returns (model, class_names, img_size). A dlenv checkpoint carries its architecture, classes and
+    Returns (model, class_names, img_size). A dlenv run file carries its architecture, classes and
     image size; a bare state dict from another tool needs `model_name` (class names are then
     "0".."N-1" and img_size None). Raises UserError when the weights don't fit the architecture.
     """
-    if is_run_state(ckpt):
-        name = model_name or ckpt["model_name"]
-        sd = ckpt["model"]
-        num_classes = int(ckpt["num_classes"])
-        class_names = list(ckpt["class_names"])
-        img_size = ckpt.get("img_size")
-    elif is_bare_state_dict(ckpt):
+    if is_run_state(run_file):
+        name = model_name or run_file["model_name"]
+        sd = run_file["model"]
+        num_classes = int(run_file["num_classes"])
+        class_names = list(run_file["class_names"])
+        img_size = run_file.get("img_size")
+    elif is_bare_state_dict(run_file):
         if not model_name:
             raise UserError(f"{source} is a bare state dict with no architecture; name it with --model "
                             "(e.g. --model resnet18)")
         name = model_name
         # dlenv builds googlenet / inception_v3 without their auxiliary heads (training-only outputs)
         aux = AUX_HEADS.get(name, ())
-        sd = {k: v for k, v in statedict.strip_prefixes(ckpt).items() if not (aux and k.startswith(aux))}
+        sd = {k: v for k, v in statedict.strip_prefixes(run_file).items() if not (aux and k.startswith(aux))}
         num_classes = statedict.num_classes_from(sd, source)
         class_names = [str(i) for i in range(num_classes)]
         img_size = None
     else:
-        raise UserError(f"{source} is neither a dlenv checkpoint nor a state dict; "
+        raise UserError(f"{source} is neither a dlenv run file nor a state dict; "
                         "save one with torch.save(model.state_dict(), path)")
     if usermodel.is_reference(name):  # a model of your own: the import rule, then its factory and arguments
-        model = modelsource.rebuild(ckpt.get("model_source") if is_run_state(ckpt) else None, name,
+        model = modelsource.rebuild(run_file.get("model_source") if is_run_state(run_file) else None, name,
                                   num_classes, given=model_name, what=source)
-    elif pretrained.is_timm(name) and is_run_state(ckpt):
-        model = build_model(name, num_classes, model_args=_timm_args(ckpt, name, img_size, source))
+    elif pretrained.is_timm(name) and is_run_state(run_file):
+        model = build_model(name, num_classes, model_args=_timm_args(run_file, name, img_size, source))
     else:  # a torchvision ViT is built at the size it was trained at (a bare state dict: 224)
         size = img_size if isinstance(img_size, int) and not isinstance(img_size, bool) else None
         model = build_model(name, num_classes, **tvargs.builder_args(name, {}, size))
-    if is_run_state(ckpt):  # channel-pruned (prune --structured): its layers at their widths
-        shrink.apply_widths(model, ckpt.get("widths"), source)
+    if is_run_state(run_file):  # channel-pruned (prune --structured): its layers at their widths
+        shrink.apply_widths(model, run_file.get("widths"), source)
     statedict.load_strict(model, sd, source, name=name,
-                          num_classes=num_classes if is_run_state(ckpt) else None)
-    if is_run_state(ckpt) and isinstance(ckpt.get("config"), dict):  # trained with --channels 1
+                          num_classes=num_classes if is_run_state(run_file) else None)
+    if is_run_state(run_file) and isinstance(run_file.get("config"), dict):  # trained with --channels 1
 
-        grayscale.apply(model, ckpt["config"].get("channels"))
+        grayscale.apply(model, run_file["config"].get("channels"))
     return model, class_names, img_size
 
 
-def _timm_args(ckpt: dict[str, Any], name: str, img_size: Any, source: str) -> dict[str, Any]:
+def _timm_args(run_file: dict[str, Any], name: str, img_size: Any, source: str) -> dict[str, Any]:
     """create_model's arguments a timm run recorded (--model-args, img_size for a fixed-size architecture),
     read from the file and so bounded like any factory's (dlenv.model.modelsource.read_source)."""
-    config = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}
+    config = run_file.get("config") if isinstance(run_file.get("config"), dict) else {}
     try:
         args = usermodel.factory_kwargs(name, config.get("model_args"),
                                         img_size if isinstance(img_size, int) and not isinstance(img_size, bool)

@@ -1,6 +1,6 @@
 """Code a weights file names: when it is imported, and the factory arguments it gives, bounded.
 
-A dlenv checkpoint of a model of your own records where the model came from: `model_name`
+A dlenv run file of a model of your own records where the model came from: `model_name`
 ("models/net.py:build") and `model_source` ({ref, sha256, args, file}; dlenv.model.usermodel.provenance).
 val, prune, export and --resume rebuild the model from it, which means importing a file, which runs its
 code. A file someone sends could name any file. So:
@@ -74,7 +74,7 @@ def read_source(source: Any, what: str) -> tuple[str, str | None, dict[str, Any]
         raise UserError(f"{what}: its model_source gives {len(args)} factory arguments, more than {MAX_ARGS}; "
                         "the file was edited or damaged, use another run file")
     for k, v in args.items():
-        # num_classes comes from the checkpoint's own (bounded) entry, never from here. img_size is what
+        # num_classes comes from the run file's own (bounded) entry, never from here. img_size is what
         # the trainer gave a factory that takes one (usermodel.factory_kwargs) and so is in every such
         # record; it is a size the model is built to (a ViT's position table), bounded as one.
         if not (isinstance(k, str) and k.isidentifier() and k != "num_classes"):
@@ -169,7 +169,7 @@ def check_source(source: Any, given: str | None, what: str) -> Reference:
         ref = parse_reference(given)
         now = load(ref).sha256
         if sha and now and now != sha:
-            log.warning("%s: %s differs from the file this checkpoint was trained with (sha256 %s then, %s now); "
+            log.warning("%s: %s differs from the file this run was trained with (sha256 %s then, %s now); "
                         "building the model from it as it is", what, ref.target, sha[:12], now[:12])
         return ref
     ref = parse_reference(saved)
@@ -181,7 +181,7 @@ def check_source(source: Any, given: str | None, what: str) -> Reference:
 
 
 def rebuild(source: Any, name: str, num_classes: int, given: str | None, what: str) -> Any:
-    """A checkpoint's model of your own, from its factory and recorded arguments, after `check_source`.
+    """A run file's model of your own, from its factory and recorded arguments, after `check_source`.
     Without a source (a bare state dict, a file that names a reference but not its origin) only a
     reference the user gave with --model is built."""
     if source is None:
@@ -194,21 +194,21 @@ def rebuild(source: Any, name: str, num_classes: int, given: str | None, what: s
     return build(ref.text, num_classes, **read_source(source, what)[2])
 
 
-def check_resume(ckpt: Any, given: str | None, what: str) -> None:
+def check_resume(run_file: Any, given: str | None, what: str) -> None:
     """The rule before a resume builds the saved run's model. A resume builds the model its saved options
     name (config's `model`), whatever --model says, so that reference is the one checked: it passes
     when --model names it again (in any spelling), or when it is the reference model_source records and
     `project_model` accepts that. Raises UserError otherwise (nothing imported)."""
-    if not isinstance(ckpt, dict):
+    if not isinstance(run_file, dict):
         return
-    config = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}
-    target = config.get("model", ckpt.get("model_name"))
+    config = run_file.get("config") if isinstance(run_file.get("config"), dict) else {}
+    target = config.get("model", run_file.get("model_name"))
     if not is_reference(target):
         return  # a torchvision or timm name: no code of the file's
     if given and is_reference(given) and same_reference(parse_reference(given), parse_reference(target)):
-        check_source(ckpt.get("model_source") or {"ref": target}, target, what)  # vouched for: used
+        check_source(run_file.get("model_source") or {"ref": target}, target, what)  # vouched for: used
         return
-    source = ckpt.get("model_source")
+    source = run_file.get("model_source")
     if not source:
         rebuild(None, target, 1, None, what)  # refuses: a reference with no record of its origin
     saved, _, _ = read_source(source, what)

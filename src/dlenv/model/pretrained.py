@@ -214,11 +214,11 @@ def interpolation(value: Any) -> str:
     return "bicubic" if s in ("lanczos", "hamming") else "bilinear"
 
 
-def _weights_of(ckpt: Any) -> Weights | None:
-    """The --pretrained weights a dlenv checkpoint's run started from, looked up in the libraries'
+def _weights_of(run_file: Any) -> Weights | None:
+    """The --pretrained weights the run of a dlenv run file started from, looked up in the libraries'
     registries from the names its config holds (nothing is fetched); None without them, or when the names
     no longer resolve (val then says nothing it cannot stand behind)."""
-    config = ckpt.get("config") if isinstance(ckpt, dict) else None
+    config = run_file.get("config") if isinstance(run_file, dict) else None
     if not isinstance(config, dict) or not isinstance(config.get("pretrained"), str):
         return None
     try:
@@ -227,16 +227,16 @@ def _weights_of(ckpt: Any) -> Weights | None:
         return None
 
 
-def norm_of(ckpt: Any) -> tuple[tuple, tuple] | None:
-    """(mean, std) a dlenv checkpoint's run normalized by: its --pretrained weights' own, else None
+def norm_of(run_file: Any) -> tuple[tuple, tuple] | None:
+    """(mean, std) the run of a dlenv run file normalized by: its --pretrained weights' own, else None
     (ImageNet's)."""
-    w = _weights_of(ckpt)
+    w = _weights_of(run_file)
     return (tuple(w.mean), tuple(w.std)) if w else None
 
 
-def interpolation_of(ckpt: Any) -> str:
-    """The resampling a dlenv checkpoint's run resized with: its --pretrained weights' own, else bilinear."""
-    w = _weights_of(ckpt)
+def interpolation_of(run_file: Any) -> str:
+    """The resampling the run of a dlenv run file resized with: its --pretrained weights' own, else bilinear."""
+    w = _weights_of(run_file)
     return w.interpolation if w else "bilinear"
 
 

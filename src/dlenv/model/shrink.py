@@ -1,7 +1,7 @@
 """A channel-pruned architecture, rebuilt from numbers: the widths `dlenv prune --structured` records.
 
 Structured pruning removes whole channels, so the pruned model is no longer the architecture its name
-builds. Its checkpoint stays data, never code: beside the weights it records, for each layer whose width
+builds. Its run file stays data, never code: beside the weights it records, for each layer whose width
 changed, the layer's new numbers (`widths_of`):
 
     Conv1d/2d/3d       [in_channels, out_channels, groups]
@@ -23,7 +23,7 @@ from torch import nn
 
 from dlenv.errors import UserError, printable
 
-#: the layer types whose widths a checkpoint may change (exact types: a subclass may build differently)
+#: the layer types whose widths a run file may change (exact types: a subclass may build differently)
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _NORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 #: the most layers a file's widths may name
@@ -48,7 +48,7 @@ def _shapes(m: nn.Module) -> dict[str, tuple]:
 
 def unsupported(pruned: nn.Module, original: nn.Module) -> list[str]:
     """Layers of `pruned` whose own tensors changed shape from `original`'s but that `apply_widths` cannot
-    rebuild ("name (Type)"), in model order; [] when a checkpoint of `pruned` loads back."""
+    rebuild ("name (Type)"), in model order; [] when a run file of `pruned` loads back."""
     before = dict(original.named_modules())
     out = []
     for name, m in pruned.named_modules():
@@ -94,7 +94,7 @@ def _fits(m: nn.Module, dims: Any) -> str | None:
 def apply_widths(model: nn.Module, widths: Any, source: str) -> nn.Module:
     """`model` with each layer `widths` names replaced by one of those widths (in place; returned).
 
-    `widths` is a checkpoint's record (None or {}: nothing to do). Raises UserError naming `source` and
+    `widths` is a run file's record (None or {}: nothing to do). Raises UserError naming `source` and
     the layer for a record that is not a mapping of layer names to numbers, a layer the architecture
     does not have, or numbers that do not fit it.
     """

@@ -91,7 +91,7 @@ def load_strict(model: torch.nn.Module, sd: dict[str, Any], source: str | Path, 
     """`model.load_state_dict(sd)` (strict), with a UserError naming `source` when the weights don't fit.
 
     Keys missing or unexpected, or tensors of another shape, are counted and the first few named.
-    `num_classes` is what the checkpoint's metadata says: a head of another size is then called what
+    `num_classes` is what the run file's metadata says: a head of another size is then called what
     it is, metadata that disagrees with the weights.
     """
     own = model.state_dict()
@@ -130,7 +130,7 @@ def _overlaps(t: torch.Tensor) -> bool:
 
 def num_classes_from(sd: dict[str, Any], source: str) -> int:
     """The class count of a bare classification state dict: the rows of its last 2-D weight, a number
-    read from a file and so bounded as a dlenv checkpoint's num_classes (runstate.MAX_CLASSES), from a
+    read from a file and so bounded as a dlenv run file's num_classes (runstate.MAX_CLASSES), from a
     tensor whose every element is stored. Raises UserError naming the tensor, its shape and the bound."""
     weights = [(k, v) for k, v in sd.items() if k.endswith("weight") and v.ndim == 2]
     if not weights:

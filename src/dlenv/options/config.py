@@ -7,7 +7,7 @@ flag is added, renamed or documented in exactly one place. A config is built as
     defaults  <  optional YAML file (`--cfg`)  <  flags given
 
 by `build()`, which parses strings, checks choices and ranges, and refuses unknown keys with the list
-of valid ones. `to_dict()` gives plain types for config.yaml and checkpoints.
+of valid ones. `to_dict()` gives plain types for config.yaml and run files.
 
 This module must not import torch: `dlenv --help` and `invoke --list` import it.
 """
@@ -422,7 +422,7 @@ def options(cls: type) -> list[dataclasses.Field]:
 #: what a command other than train takes from a run's config.yaml (train's options, every one): the
 #: options that mean the same there. The others are left out, in one line: train's --weights is the
 #: file it started from, not the one to validate; its --data given to val would validate on every image
-#: of a folder of class folders (training images too), where the checkpoint names the held-out part.
+#: of a folder of class folders (training images too), where the run file names the held-out part.
 _FROM_RUN: dict[type, tuple[str, ...]] = {
     ValConfig: ("batch_size", "workers", "device"),
     PruneConfig: ("batch_size", "workers", "device"),
@@ -481,7 +481,7 @@ def _build(cls: type, yaml_file: str | Path | None, given: dict[str, Any], here:
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    """Plain-typed dict of a config (lists for tuples), for YAML files and checkpoints."""
+    """Plain-typed dict of a config (lists for tuples), for YAML files and run files."""
     out = {}
     for f in options(type(cfg)):
         v = getattr(cfg, f.name)

@@ -106,7 +106,7 @@ DEVICE_HELP = "cuda, cuda:N, cpu or auto (the first GPU if there is one)"
 BATCH_MAX = 2**20
 BATCH_WHY = "2^20 images, far more than any GPU holds; use auto for the largest that fits"
 #: the largest --img-size (and demo-data --size): the bound dlenv.files.runstate.MAX_IMG_SIZE puts on a
-#: checkpoint's img_size (a test holds the two equal; runstate imports torch, so it is not imported
+#: run file's img_size (a test holds the two equal; runstate imports torch, so it is not imported
 #: here). 1,000,000 px used to reach the model's forward and ask torch for 24 TB
 IMG_SIZE_MAX = 2048
 IMG_WHY = "the largest image size dlenv trains, validates or reads from a run file"

@@ -25,7 +25,7 @@ from dlenv.options.declare import (
 )
 from dlenv.options.values import folder_name, parse_int, parse_str, workers_or_auto
 
-#: the most class names --classes takes (dlenv.files.runstate.MAX_CLASSES bounds a checkpoint's the same way)
+#: the most class names --classes takes (dlenv.files.runstate.MAX_CLASSES bounds a run file's the same way)
 CLASSES_MAX = 100_000
 
 

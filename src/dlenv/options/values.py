@@ -273,7 +273,7 @@ def _arg_text(v: Any) -> str:
 
 
 def model_args_text(value: Any) -> str:
-    """The canonical 'k=v,...' form of --model-args (what config.yaml and checkpoints hold).
+    """The canonical 'k=v,...' form of --model-args (what config.yaml and run files hold).
 
     Raises ValueError for a malformed value (dlenv.options.config turns it into a one-line UserError)."""
     return ",".join(f"{k}={_arg_text(v)}" for k, v in parse_model_args(value).items())

@@ -134,7 +134,7 @@ def lock_run_dir(run_dir: str | Path) -> RunLock:
             owner = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
             os.close(fd)
             raise UserError(f"{run_dir} is in use by another run (process {owner}); two runs in one folder "
-                            "would mix their results.csv and checkpoints. Wait for it to end, or pass another "
+                            "would mix their results.csv and run files. Wait for it to end, or pass another "
                             "--name") from None
         if _same_file(fd, lock_path):
             break
@@ -276,7 +276,7 @@ def find_weights(weights: str, project: str | Path = "runs") -> tuple[Path, str 
 
 
 def find_resume(resume: str, project: str | Path = "runs") -> Path:
-    """The checkpoint to resume: `resume` itself, or for 'auto' the newest project/*/last.pth (`newest`).
+    """The run file to resume: `resume` itself, or for 'auto' the newest project/*/last.pth (`newest`).
 
     Raises UserError when the file does not exist or no run has a last.pth.
     """
@@ -289,7 +289,7 @@ def find_resume_said(resume: str, project: str | Path = "runs") -> tuple[Path, s
         candidates = [p for p in Path(project).glob(f"*/{LAST}") if p.is_file()]
         if not candidates:
             raise UserError(f"--resume auto found no {project}/*/{LAST} to continue; start a run first "
-                            "or pass the checkpoint path")
+                            "or pass the run file's path")
         chosen, how = newest(candidates)
         others = f" of {len(candidates)} runs, {how}" if len(candidates) > 1 else ""
         return chosen, f"--resume auto: {printable(chosen)} (the newest run's{others})"
@@ -297,7 +297,7 @@ def find_resume_said(resume: str, project: str | Path = "runs") -> tuple[Path, s
     if path.is_dir():
         path = path / LAST
     if not path.is_file():
-        raise UserError(f"--resume {resume}: no such checkpoint; pass a {LAST} path "
+        raise UserError(f"--resume {resume}: no such run file; pass a {LAST} path "
                         f"(e.g. {project}/exp/{LAST}) or --resume auto")
     return path, None
 

@@ -1,6 +1,6 @@
 """Figures from a run's results.csv: `dlenv plot --log-dir DIR`.
 
-Reads only `results.csv` (the contract in `dlenv.runfolder.results`), never a checkpoint or a running trainer, so
+Reads only `results.csv` (the contract in `dlenv.runfolder.results`), never a run file or a running trainer, so
 it works on a run still in progress, a single epoch included. For every run under DIR it writes
 `results.png` beside the CSV (losses, accuracy, learning rate, throughput, data wait, peak memory
 against epoch); with several runs it also writes `DIR/compare.png`, overlaying their val top-1 and

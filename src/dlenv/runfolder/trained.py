@@ -4,7 +4,7 @@ out of a file.
 It returns a frozen `Trained`: the model (on the CPU, in eval mode), its class names, its preprocessing
 (image size, normalisation, resampling), the precision it trained in, and the kind of file it came from:
 
-    checkpoint   dlenv's own file (best_model.pth, last.pth, a copy, its .safetensors export): the
+    run_file     dlenv's own file (best_model.pth, last.pth, a copy, its .safetensors export): the
                  architecture is rebuilt by name (a channel-pruned one at the widths it records, see
                  dlenv.model.shrink) and everything else read from it, every number bounded (dlenv.files.runstate)
                  and the saved training options checked (`check_saved_options`)
@@ -40,9 +40,9 @@ from dlenv.model.models import model_from_state
 from dlenv.options import config
 from dlenv.runfolder import preprocess
 
-CHECKPOINT, STATE_DICT, TORCHSCRIPT, ONNX = "checkpoint", "state_dict", "torchscript", "onnx"
+RUN_FILE, STATE_DICT, TORCHSCRIPT, ONNX = "run_file", "state_dict", "torchscript", "onnx"
 #: every kind of file `open_trained` opens
-ALL_KINDS = (CHECKPOINT, STATE_DICT, TORCHSCRIPT, ONNX)
+ALL_KINDS = (RUN_FILE, STATE_DICT, TORCHSCRIPT, ONNX)
 #: the image size taken when a file does not say
 DEFAULT_SIZE = preprocess.DEFAULTS["img_size"]
 
@@ -52,19 +52,19 @@ class Trained:
     """A trained model, ready to run on images prepared as it was trained."""
 
     path: Path
-    kind: str                          # CHECKPOINT, STATE_DICT, TORCHSCRIPT or ONNX
+    kind: str                          # RUN_FILE, STATE_DICT, TORCHSCRIPT or ONNX
     model: torch.nn.Module             # on the CPU, in eval mode
     class_names: tuple[str, ...]       # in the model's output order
     img_size: int
     norm: tuple[tuple, tuple] | None   # (mean, std); None: ImageNet's
     interpolation: str                 # the resampling of the resize
     precision: str | None              # as trained: fp32, amp (the device's dtype), fp16, bf16; None: not said
-    ckpt: dict[str, Any] = field(default_factory=dict, repr=False)  # a checkpoint's own entries ({}: other kinds)
+    ckpt: dict[str, Any] = field(default_factory=dict, repr=False)  # a run file's own entries ({}: other kinds)
     resize: str = "crop"               # crop (dlenv's centre crop) or full (the whole image to the size)
 
     @property
     def config(self) -> dict[str, Any]:
-        """The training options the checkpoint was saved with ({} when the file has none)."""
+        """The training options the run file was saved with ({} when the file has none)."""
         cfg = self.ckpt.get("config")
         return dict(cfg) if isinstance(cfg, dict) else {}
 
@@ -80,14 +80,14 @@ def trained_precision(config: dict[str, Any]) -> str | None:
     return dtype if dtype in ("fp16", "bf16") else "amp"
 
 
-def check_saved_options(ckpt: Any, path: Path | str) -> None:
-    """Refuse a dlenv checkpoint whose saved training options are not valid ones (dlenv.options.config's types and
+def check_saved_options(run_file: Any, path: Path | str) -> None:
+    """Refuse a dlenv run file whose saved training options are not valid ones (dlenv.options.config's types and
     bounds), before anything reads them (its data folder, val split, seed, precision)."""
 
-    if not (is_run_state(ckpt) and isinstance(ckpt.get("config"), dict)):
+    if not (is_run_state(run_file) and isinstance(run_file.get("config"), dict)):
         return
     try:
-        config.from_dict(config.TrainConfig, ckpt["config"])
+        config.from_dict(config.TrainConfig, run_file["config"])
     except UserError as e:
         raise UserError(f"{path}: its saved training options are not valid ({e}); the file was edited "
                         "or written by another dlenv version, use another run file") from None
@@ -126,14 +126,14 @@ def class_names_for(given: tuple | list | None, own: list[str], named: bool, pat
 
 def _refuse_kind(path: Path, kind: str, verb: str, what: str = "a bare state dict") -> UserError:
     """The line for a file of a kind the command does not take (`what` the file is, for weights that are
-    no dlenv checkpoint)."""
+    no dlenv run file)."""
     shown = printable(str(path))
     if kind == ONNX:
-        return UserError(f"{shown} is an ONNX export; {verb} takes the checkpoint it was exported from "
+        return UserError(f"{shown} is an ONNX export; {verb} takes the run file it was exported from "
                          "(e.g. runs/exp/best_model.pth)")
     if kind == TORCHSCRIPT:
-        return UserError(f"{shown} is a TorchScript export; {verb} takes the checkpoint it was exported from")
-    return UserError(f"{shown} is {what}, without class names or image size; {verb} needs a checkpoint "
+        return UserError(f"{shown} is a TorchScript export; {verb} takes the run file it was exported from")
+    return UserError(f"{shown} is {what}, without class names or image size; {verb} needs a run file "
                      f"written by `{invocation.command('train', '')}` (best_model.pth or last.pth). Make one with "
                      f"{invocation.command('train', f'--weights {shown} --model NAME --data FOLDER --epochs 1')}")
 
@@ -144,11 +144,11 @@ def _open_torchscript(path: Path, policy: LoadPolicy, classes: tuple | None, img
     shown = printable(str(path))
     if not policy.trust_pickle:
         raise UserError(f"{shown} is a TorchScript export, a program: loading it runs the code it holds. Pass "
-                        "--trust-pickle if you trust where it came from, or use the checkpoint or its "
+                        "--trust-pickle if you trust where it came from, or use the run file or its "
                         ".safetensors export (no code run)")
     if classes is None or img_size is None:
         raise UserError(f"{shown} is a TorchScript export, which stores no class names or image size; pass "
-                        "--classes NAME,NAME,... and --img-size N (or use the checkpoint it was exported from)")
+                        "--classes NAME,NAME,... and --img-size N (or use the run file it was exported from)")
     try:
         model = compat.jit_load(path, map_location="cpu").eval()
     except Exception as e:  # the file is what's wrong: truncated, or written by a newer PyTorch
@@ -209,15 +209,15 @@ def _open(path: Path, policy: LoadPolicy, model: str | None, kinds: tuple[str, .
         return _open_onnx(path, classes, img_size, device)
     if TORCHSCRIPT in kinds and is_torchscript(path):  # else load_state names it and what to pass
         return _open_torchscript(path, policy, classes, img_size)
-    ckpt = load_state(path, policy)
-    check_saved_options(ckpt, path)
-    named = is_run_state(ckpt)
+    run_file = load_state(path, policy)
+    check_saved_options(run_file, path)
+    named = is_run_state(run_file)
     if not named and STATE_DICT not in kinds:
         raise _refuse_kind(path, STATE_DICT, verb,
-                           "a bare state dict" if is_bare_state_dict(ckpt) else "not a dlenv checkpoint")
-    net, names, size = model_from_state(ckpt, model, source=str(path))
+                           "a bare state dict" if is_bare_state_dict(run_file) else "not a dlenv run file")
+    net, names, size = model_from_state(run_file, model, source=str(path))
     size = img_size or size or DEFAULT_SIZE  # a bare state dict's: decided by open_trained (preprocess)
-    saved = dict(ckpt.get("config") or {}) if named else {}
-    return Trained(path, CHECKPOINT if named else STATE_DICT, net.cpu().eval(),
-                   class_names_for(classes, list(names), named, path), int(size), pretrained.norm_of(ckpt),
-                   pretrained.interpolation_of(ckpt), trained_precision(saved), dict(ckpt) if named else {})
+    saved = dict(run_file.get("config") or {}) if named else {}
+    return Trained(path, RUN_FILE if named else STATE_DICT, net.cpu().eval(),
+                   class_names_for(classes, list(names), named, path), int(size), pretrained.norm_of(run_file),
+                   pretrained.interpolation_of(run_file), trained_precision(saved), dict(run_file) if named else {})

@@ -145,10 +145,10 @@ def _recorded_best(path: Path) -> float | None:
     if not path.is_file():
         return None
     try:
-        ckpt = runstate.load_state(path)
+        run_file = runstate.load_state(path)
     except UserError:
         return None
-    return ckpt.get("best_metric") if isinstance(ckpt, dict) else None
+    return run_file.get("best_metric") if isinstance(run_file, dict) else None
 
 
 def settle_best(run_dir: Path, resume: Resume | None, best_metric: float | None,
@@ -174,10 +174,10 @@ def settle_best(run_dir: Path, resume: Resume | None, best_metric: float | None,
 
 
 def last_good(path: Path | None) -> str:
-    """A sentence naming the last good checkpoint, for the messages of a run that stops."""
+    """A sentence naming the last good run file, for the messages of a run that stops."""
     if path is not None and path.is_file():
-        return f"The last good checkpoint is {path}."
-    return "No checkpoint was written yet."
+        return f"The last good run file is {path}."
+    return "No run file was written yet."
 
 
 def write_config_yaml(path: Path, options: dict[str, Any], notes: dict[str, Any], started: float | None = None
@@ -217,7 +217,7 @@ def nothing_trained(run_dir: Path | None) -> str | None:
 class Resume:
     """A --resume file being continued: its contents until `restore` took them, and where it lives."""
 
-    ckpt: dict[str, Any] | None
+    run_file: dict[str, Any] | None
     path: Path
     ignored: list[str]          # flags given that a resume cannot change
     inexact: list[str] = dataclasses.field(default_factory=list)  # given flags that make it differ from the run
@@ -233,51 +233,51 @@ class Resume:
 
     @property
     def saved_world(self) -> int:
-        return int(self.ckpt.get("world_size", 1))
+        return int(self.run_file.get("world_size", 1))
 
 
 def open_resume(cfg: TrainConfig) -> tuple[TrainConfig, Resume | None]:
     """(the options to run with, the Resume or None) for --resume. A resumed run keeps its saved options
     except where it runs (RESUME_FROM_COMMAND). Raises UserError for a file that is not a dlenv
-    training checkpoint (through runstate.load_state, for a missing or unsafe one)."""
+    run file to resume (through runstate.load_state, for a missing or unsafe one)."""
     if not cfg.resume:
         return cfg, None
     path, found = runfolder.find_resume_said(cfg.resume, cfg.project)
-    ckpt = runstate.load_state(path, weights.LoadPolicy.of(cfg))
-    modelsource.check_resume(ckpt, cfg.model, f"--resume {path}")  # a model of your own: the import rule
-    asked, saved_epochs = cfg.epochs, _saved_epochs(ckpt)
-    cfg, ignored, inexact = resume_config(ckpt, cfg, path)
-    resume = Resume(ckpt, path, ignored, inexact, found=found)
+    run_file = runstate.load_state(path, weights.LoadPolicy.of(cfg))
+    modelsource.check_resume(run_file, cfg.model, f"--resume {path}")  # a model of your own: the import rule
+    asked, saved_epochs = cfg.epochs, _saved_epochs(run_file)
+    cfg, ignored, inexact = resume_config(run_file, cfg, path)
+    resume = Resume(run_file, path, ignored, inexact, found=found)
     if saved_epochs is not None and cfg.epochs != saved_epochs:
         resume.new_end = (saved_epochs, cfg.epochs)
-    if asked is not None and asked == int(ckpt["epoch"]) and not int(ckpt.get("batch_in_epoch") or 0):
+    if asked is not None and asked == int(run_file["epoch"]) and not int(run_file.get("batch_in_epoch") or 0):
         resume.nothing_left = (f"--epochs {asked}: {path} has trained {asked} epochs already, so there is nothing "
                                f"to do; give --epochs {asked + 1} or more to train on")
     return cfg, resume
 
 
-def _saved_epochs(ckpt: dict[str, Any]) -> int | None:
-    saved = ckpt.get("config")
+def _saved_epochs(run_file: dict[str, Any]) -> int | None:
+    saved = run_file.get("config")
     epochs = saved.get("epochs") if isinstance(saved, dict) else None
     return epochs if isinstance(epochs, int) and not isinstance(epochs, bool) else None
 
 
-def check_new_end(epochs: int, ckpt: dict[str, Any], path: Path) -> None:
-    """Refuse `--epochs epochs` on a resume of `ckpt` that has trained past it (UserError, one line)."""
-    done, partial = int(ckpt["epoch"]), bool(int(ckpt.get("batch_in_epoch") or 0))
+def check_new_end(epochs: int, run_file: dict[str, Any], path: Path) -> None:
+    """Refuse `--epochs epochs` on a resume of `run_file` that has trained past it (UserError, one line)."""
+    done, partial = int(run_file["epoch"]), bool(int(run_file.get("batch_in_epoch") or 0))
     if epochs < done + partial:
         where = f"is in epoch {done + 1}" if partial else f"has trained {done} epochs"
         raise UserError(f"--epochs {epochs}: {path} {where}, past that end; give --epochs {done + partial} or "
                         f"more, or start a new run from its weights with --weights {path}")
 
 
-def resume_config(ckpt: dict[str, Any], given: TrainConfig, path: Path) -> tuple[TrainConfig, list[str], list[str]]:
+def resume_config(run_file: dict[str, Any], given: TrainConfig, path: Path) -> tuple[TrainConfig, list[str], list[str]]:
     """(the saved run's options with only where it runs taken from this command, the flags given that a
     resume cannot change, the flags given that make it differ from the run: 'FLAG N (the run's M)')."""
-    if not runstate.is_run_state(ckpt) or "config" not in ckpt or "optimizer" not in ckpt:
-        raise UserError(f"--resume {path}: not a dlenv training checkpoint (no optimizer state); "
+    if not runstate.is_run_state(run_file) or "config" not in run_file or "optimizer" not in run_file:
+        raise UserError(f"--resume {path}: not a dlenv run file to resume (no optimizer state); "
                         "pass a last.pth from runs/<name>/, or start from its weights with --weights")
-    saved = _unsplit(config.from_dict(TrainConfig, ckpt["config"]), ckpt)
+    saved = _unsplit(config.from_dict(TrainConfig, run_file["config"]), run_file)
     # a value given that differs from both the default and the saved run was asked for, and is ignored
     ignored = [config.flag(f.name) for f in config.options(TrainConfig)
                if f.name not in (*RESUME_FROM_COMMAND, *RESUME_CHANGES, "resume")
@@ -286,7 +286,7 @@ def resume_config(ckpt: dict[str, Any], given: TrainConfig, path: Path) -> tuple
     kept.update({name: getattr(given, name) for name in RESUME_CHANGES
                  if getattr(given, name) is not None and getattr(given, name) != getattr(saved, name)})
     if "epochs" in kept:
-        check_new_end(kept["epochs"], ckpt, path)
+        check_new_end(kept["epochs"], run_file, path)
     defaults = {f.name: f.default for f in config.options(TrainConfig)}
     inexact = []
     for name in RESUME_FROM_RUN_UNLESS_GIVEN:
@@ -297,18 +297,18 @@ def resume_config(ckpt: dict[str, Any], given: TrainConfig, path: Path) -> tuple
     return dataclasses.replace(saved, resume=str(path), **kept), ignored, inexact
 
 
-def _chunks(ckpt: dict[str, Any]) -> int:
+def _chunks(run_file: dict[str, Any]) -> int:
     """The pieces an OOM retry of an older dlenv split each saved batch into, where they were equal (1:
     none; this dlenv re-plans instead, dlenv.train.fit)."""
-    ts, cfg = ckpt.get("train_state"), ckpt.get("config")
+    ts, cfg = run_file.get("train_state"), run_file.get("config")
     k = int(ts.get("chunks", 1)) if isinstance(ts, dict) else 1
     batch = cfg.get("batch_size") if isinstance(cfg, dict) else None
     return k if k > 1 and isinstance(batch, int) and batch % k == 0 else 1
 
 
-def _unsplit(saved: TrainConfig, ckpt: dict[str, Any]) -> TrainConfig:
+def _unsplit(saved: TrainConfig, run_file: dict[str, Any]) -> TrainConfig:
     """A run an older dlenv split after CUDA out of memory continues at the micro-batch it ran at."""
-    k = _chunks(ckpt)
+    k = _chunks(run_file)
     if k == 1:
         return saved
     return dataclasses.replace(saved, batch_size=saved.batch_size // k, accum_steps=saved.accum_steps * k)
@@ -323,43 +323,43 @@ def restore(resume: Resume, parts: Parts, state: TrainState, sampler: Any, rank:
     Raises UserError when the optimizer state does not fit this model.
     """
 
-    ckpt = resume.ckpt
-    statedict.load_strict(parts.bare, ckpt["model"], resume.path)
+    run_file = resume.run_file
+    statedict.load_strict(parts.bare, run_file["model"], resume.path)
     try:
-        load_optimizer_state(parts.optimizer, ckpt["optimizer"])
+        load_optimizer_state(parts.optimizer, run_file["optimizer"])
     except (ValueError, KeyError, TypeError) as e:  # torch's own check: groups or sizes differ
         raise UserError(f"--resume {resume.path}: its optimizer state does not fit this model ({e}); "
                         f"start a new run from its weights with --weights {resume.path}") from None
-    parts.scheduler.load_state_dict(ckpt["scheduler"])
+    parts.scheduler.load_state_dict(run_file["scheduler"])
     if resume.new_end is not None:  # the schedule of the new length, at the saved step, from this step on
         set_scheduled_lr(parts.scheduler)
-    parts.precision.load_state_dict(ckpt["scaler"])
-    if parts.ema is not None and ckpt.get("ema"):
-        parts.ema.load_state_dict(ckpt["ema"])
-    ts = ckpt["train_state"]
-    state.epoch, state.step = int(ckpt["epoch"]), int(ckpt["step"])
-    state.best_metric, state.best_epoch = ckpt.get("best_metric"), ckpt.get("best_epoch")
-    if state.best_metric is not None and state.best_epoch == state.epoch and not int(ckpt["batch_in_epoch"]):
+    parts.precision.load_state_dict(run_file["scaler"])
+    if parts.ema is not None and run_file.get("ema"):
+        parts.ema.load_state_dict(run_file["ema"])
+    ts = run_file["train_state"]
+    state.epoch, state.step = int(run_file["epoch"]), int(run_file["step"])
+    state.best_metric, state.best_epoch = run_file.get("best_metric"), run_file.get("best_epoch")
+    if state.best_metric is not None and state.best_epoch == state.epoch and not int(run_file["batch_in_epoch"]):
         # saved at the end of the best epoch: what settle_best needs to write best_model.pth again
-        resume.best = slim(ckpt, ckpt["ema"]["module"] if ckpt.get("ema") else ckpt["model"])
+        resume.best = slim(run_file, run_file["ema"]["module"] if run_file.get("ema") else run_file["model"])
     state.oom_retries = int(ts.get("oom_retries", 0))
-    if sampler is not None and ckpt.get("sampler"):
-        sampler.load_state_dict(ckpt["sampler"])
+    if sampler is not None and run_file.get("sampler"):
+        sampler.load_state_dict(run_file["sampler"])
         state.position = sampler.start
         # an older split run counted its batches before the split (`_unsplit`)
-        state.batch_in_epoch = int(ckpt["batch_in_epoch"]) * _chunks(ckpt) if state.position else 0
+        state.batch_in_epoch = int(run_file["batch_in_epoch"]) * _chunks(run_file) if state.position else 0
         # an older run file has none: the resumed epoch's loss is then the mean of the resumed steps
-        state.epoch_loss = tuple(ckpt.get("epoch_loss") or (0.0, 0)) if state.batch_in_epoch else (0.0, 0)
-    resume.ckpt = None  # free its tensors
-    return _rank_rng(resume, ckpt, rank, world)
+        state.epoch_loss = tuple(run_file.get("epoch_loss") or (0.0, 0)) if state.batch_in_epoch else (0.0, 0)
+    resume.run_file = None  # free its tensors
+    return _rank_rng(resume, run_file, rank, world)
 
 
-def _rank_rng(resume: Resume, ckpt: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+def _rank_rng(resume: Resume, run_file: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     """This rank's saved RNG states; where there are none of its own, rank 0's, and a line in `resume.limits`."""
-    ranks = ckpt.get("rng_ranks")
+    ranks = run_file.get("rng_ranks")
     if not (isinstance(ranks, list) and all(isinstance(r, dict) and "torch" in r for r in ranks)):
         ranks = None  # none saved (one process, an older dlenv), or not what this dlenv writes
-    saved_world = int(ckpt.get("world_size", 1))
+    saved_world = int(run_file.get("world_size", 1))
     if saved_world != world:
         resume.limits.append(f"the run had {saved_world} process(es), this resume has {world}: the epoch it stopped "
                              "in starts again and the ranks' random streams start anew, so it does not end "
@@ -369,4 +369,4 @@ def _rank_rng(resume: Resume, ckpt: dict[str, Any], rank: int, world: int) -> di
                              "every rank goes on from them, so it does not end bit-equal to the uninterrupted run")
     if ranks and len(ranks) == world:
         return ranks[rank]
-    return ckpt["rng"]
+    return run_file["rng"]

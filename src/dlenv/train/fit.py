@@ -81,7 +81,7 @@ def _fit(decided: TrainPlan, parts: Parts, state: TrainState, data: pipeline.Dat
     """Epochs until the plan's are done or a signal stops the run; returns the summary (see `train`).
 
     A stop saves last.pth at the step boundary the loop stopped at. Non-finite losses and CUDA or host out
-    of memory become one UserError each (exit 4 and 3) naming the last good checkpoint (an OOM under
+    of memory become one UserError each (exit 4 and 3) naming the last good run file (an OOM under
     --batch-size auto re-plans instead, the data built again by `rebuild`, see the module doc); a
     failed peer becomes dlenv.cluster.distributed.PeerFailure.
     """

@@ -14,7 +14,7 @@ continues there, bit for bit on a CPU with --deterministic, with any number of r
 sample's augmentation is drawn from its own seed, dlenv.data.sampler.SeededDraws). CUDA out of memory stops with advice
 (exit 3; with --batch-size auto the run goes on from the last optimizer step at half the micro-batch
 instead); a run of non-finite losses
-or skipped fp16 steps stops with exit 4. Neither overwrites the last good checkpoint.
+or skipped fp16 steps stops with exit 4. Neither overwrites the last good run file.
 
 With --gpus N, `main` launches N processes through torchrun (dlenv.cluster.launch): each trains its share
 under DDP (dlenv.cluster.distributed), validation sums are reduced over all of them, and only rank 0 writes.
@@ -59,7 +59,7 @@ def train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None = None)
     step, best_metric, last, best, precision, batch_size, accum_steps, img_per_s and peak_alloc_gib
     (of the last epoch). `on_step(state)` is called after every optimizer step (tests, tools).
     Raises UserError for bad input, CUDA out of memory (exit_code 3) and a run of non-finite losses
-    (exit_code 4); the last good checkpoint is intact in each case.
+    (exit_code 4); the last good run file is intact in each case.
     """
     opened: dict[str, Path | None] = {}  # the new run folder, once made: a failure says where it is
     try:
@@ -99,7 +99,7 @@ def _train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None, opene
     if resume is not None and resume.found:
         say(resume.found)
     if resume is not None and resume.new_end:
-        say(console.new_end_line(*resume.new_end, int(resume.ckpt["step"])))
+        say(console.new_end_line(*resume.new_end, int(resume.run_file["step"])))
     if resume is not None and resume.ignored:
         say(f"--resume continues {resume.run_dir} with its saved options; ignoring {', '.join(resume.ignored)} "
             f"(to change them, start a new run from its weights: --weights {cfg.resume})")
@@ -203,7 +203,7 @@ def _seed_everything(seed: int, deterministic: bool, device: torch.device) -> No
 def open_run(decided: plan.TrainPlan, resume: trainstate.Resume | None, dist: distributed.DistInfo,
              device: torch.device, state: TrainState) -> Run:
     """The run folder with config.yaml in it first (rank 0), results.csv cut back to a resumed epoch, and
-    the metadata every checkpoint carries."""
+    the metadata every run file carries."""
     cfg, options = decided.config, decided.options()
     run_dir, lock = (resume.run_dir if resume is not None else None), None
     if dist.is_main:
