@@ -103,6 +103,21 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "image" in item.keywords and not in_image:
             item.add_marker(pytest.mark.skip(reason="needs the built dlenv image"))
+    items[:] = sorted(items, key=_gpu_order)  # stable: every other test keeps its place
+
+
+def _gpu_order(item) -> int:
+    """The GPU suite's order on its shared card (gpushare.py): the long ones first (the bench-memory table and
+    the tests that read it, the notebook, a torch.compile's first compile of 20 to 40 s), so that the workers
+    finish together, and a `whole_gpu` test last, when no long shared test can keep it waiting at the
+    turnstile while the others wait behind it."""
+    if "gpu" not in item.keywords:
+        return 1
+    if "whole_gpu" in item.keywords:
+        return 2
+    group = item.get_closest_marker("xdist_group")
+    long = "slow" in item.keywords or "compile" in item.name or (group and group.args == ("bench_memory_gpu",))
+    return 0 if long else 1
 
 
 @pytest.fixture

@@ -9,8 +9,7 @@ from dlenv.engine.autobatch import search_max_batch
 from dlenv.engine.stepprobe import make_train_step_probe
 
 
-@pytest.mark.gpu
-@pytest.mark.whole_gpu  # it runs the card out of memory
+@pytest.mark.gpu  # shares the card: it runs a 2 GiB card of its own out of memory
 def test_gpu_probe_fits_then_ooms_and_frees_its_memory():
     import torch
 

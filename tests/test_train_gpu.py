@@ -19,8 +19,8 @@ from dlenv.options.config import TrainConfig
 from dlenv.runfolder import results
 from dlenv.train import loop
 
-# whole_gpu on the tests that probe the card for the largest batch or compare speeds (gpushare.py); the rest
-# share the card with the tests beside them, an out-of-memory test on a 24 GiB card of its own
+# whole_gpu on the test that compares speeds (gpushare.py); a test that fills the card to an out-of-memory or
+# probes it for the largest batch does so on a 24 GiB card of its own; the rest share the card
 pytestmark = pytest.mark.gpu
 
 
@@ -69,16 +69,15 @@ def test_real_out_of_memory_exits_3_with_advice(tmp_path):
     torch.cuda.empty_cache()
 
 
-@pytest.mark.whole_gpu
 def test_batch_size_auto_fits_and_trains_and_gives_its_probes_memory_back(tmp_path):
     before = torch.cuda.memory_allocated()
-    out = run(tmp_path, batch_size="auto", amp=True, max_steps=2)
+    with gpushare.card_of():  # the probes search a 24 GiB card, not the one the tests beside this share
+        out = run(tmp_path, batch_size="auto", amp=True, max_steps=2)
     assert out["batch_size"] >= 16 and rows(out).iloc[-1]["oom_retries"] == 0
     # the probes' out-of-memory tries and the run itself leave nothing allocated behind (issue 54)
     assert abs(torch.cuda.memory_allocated() - before) <= 64 * 2**20
 
 
-@pytest.mark.whole_gpu
 def test_oom_during_training_is_retried_with_auto(tmp_path, monkeypatch):
     real = loop.forward_backward
     calls = {"n": 0}
@@ -91,7 +90,8 @@ def test_oom_during_training_is_retried_with_auto(tmp_path, monkeypatch):
         return real(parts, images, targets, weight, **k)
 
     monkeypatch.setattr(loop, "forward_backward", fb)
-    out = run(tmp_path, batch_size="auto", max_steps=4)
+    with gpushare.card_of():
+        out = run(tmp_path, batch_size="auto", max_steps=4)
     r = rows(out).iloc[-1]
     # re-planned at half the micro-batch from the last step: the same steps, the batch redone in halves
     assert r["oom_retries"] == 1 and r["accum_steps"] == 2 and out["step"] == 4
@@ -155,9 +155,8 @@ def _notes(out) -> dict:
     return {**read_config_notes(path), **yaml.safe_load(path.read_text(encoding="utf-8"))}
 
 
-@pytest.mark.whole_gpu
 def test_checkpoint_ratio_auto_recomputes_only_what_the_card_needs(tmp_path):
-    """Uncapped, a ResNet-50 batch of 128 at 160 px fits without recompute: no block is checkpointed.
+    """On a 24 GiB card, a ResNet-50 batch of 128 at 160 px fits without recompute: no block is checkpointed.
     With the card capped below that run's peak, auto checkpoints some blocks, the run fits, and its
     peak is under the cap."""
     from dlenv.model.checkpointing import find_blocks
@@ -165,7 +164,8 @@ def test_checkpoint_ratio_auto_recomputes_only_what_the_card_needs(tmp_path):
 
     n = len(find_blocks(build_model("resnet50", 10)))
     kw = dict(model="resnet50", img_size=160, batch_size=128, amp=True, checkpoint=True, max_steps=3)
-    free = run(tmp_path / "a", **kw)
+    with gpushare.card_of():
+        free = run(tmp_path / "a", **kw)
     said = _notes(free)
     assert said["checkpoint_ratio"] == 0.0 and f"0 of {n} blocks" in said["checkpoint_rule"]
     peak = rows(free).iloc[-1]["mem_alloc_gib"]

@@ -17,6 +17,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import gpushare
 import pytest
 import torch
 import yaml
@@ -403,11 +404,11 @@ def test_a_bad_model_is_one_line_from_the_command_line_and_writes_nothing(projec
 
 
 @pytest.mark.gpu
-@pytest.mark.whole_gpu  # --batch-size auto probes the card
 @pytest.mark.parametrize("name", ["resnet.py", "vit.py"])
 def test_gpu_amp_checkpoint_compile_and_auto_batch(project, name):
-    out = train(model=f"models/{name}:build", device="cuda", img_size=32 if name == "resnet.py" else None,
-                deterministic=False, compile=compat.HAS_COMPILE, batch_size="auto", epochs=2, max_steps=4)
+    with gpushare.card_of():  # --batch-size auto probes a 24 GiB card, not the one the tests beside this share
+        out = train(model=f"models/{name}:build", device="cuda", img_size=32 if name == "resnet.py" else None,
+                    deterministic=False, compile=compat.HAS_COMPILE, batch_size="auto", epochs=2, max_steps=4)
     assert out["exit_code"] == 0 and out["precision"] in ("bf16", "fp16")
     ck = runstate.load_state(out["last"])
     first = next(v for v in ck["model"].values() if v.ndim == 4)  # the stem's conv / the patch embedding

@@ -17,8 +17,8 @@ from dlenv.options.config import TrainConfig  # noqa: E402
 from dlenv.runfolder import results  # noqa: E402
 from dlenv.watch import run as watch_run  # noqa: E402
 
-# whole_gpu: the busy figure is the card's, so nothing else may run on it meanwhile (conftest)
-pytestmark = [pytest.mark.gpu, pytest.mark.whole_gpu, pytest.mark.xdist_group("watch_gpu")]
+# The busy and memory figures are the card's: tests beside these can only raise them, and the checks are floors
+pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("watch_gpu")]
 
 BUSY = """
 import time, torch

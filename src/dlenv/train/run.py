@@ -83,6 +83,7 @@ def train(cfg: TrainConfig, on_step: Callable[[TrainState], None] | None = None)
             print(f"dlenv train: {where}", file=sys.stderr, flush=True)
         raise
     distributed.cleanup()  # after a normal end only: with a dead peer, teardown could wait for it
+    memory.release_cached()  # a notebook's next cell starts with the card as this one found it (issue 54)
     return summary
 
 
