@@ -127,7 +127,8 @@ def main() -> int:
     p.add_argument("--try-batch", type=int, help=argparse.SUPPRESS)
     a = p.parse_args()
 
-    from dlenv.engine.autobatch import find_max_batch, make_train_step_probe
+    from dlenv.engine.autobatch import find_max_batch
+    from dlenv.engine.stepprobe import make_train_step_probe
 
     if a.try_batch:
         return train_steps(a, a.try_batch)

@@ -155,7 +155,7 @@ def main(argv=None) -> int:
         w.writeheader()
         w.writerows(rows)
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    lines = [f"{src.ckpt.get('model_name')} from {weights}, validated on {root} ({size}px). "
+    lines = [f"{src.run_file.get('model_name')} from {weights}, validated on {root} ({size}px). "
              f"PyTorch {torch.__version__}, CPU: {platform.processor() or platform.machine()} at "
              f"{torch.get_num_threads()} threads, GPU: {gpu}, int8 engine {compat.quant_backend()}.", "",
              "| variant | parameters | sparsity | TorchScript size | zipped | CPU latency, 1 image (p10-p90) "

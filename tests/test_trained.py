@@ -57,7 +57,7 @@ def test_a_checkpoint_opens_with_everything_it_records(tmp_path):
     t = open_trained(path, SAFE)
     assert t.kind == RUN_FILE and t.class_names == tuple(CLASSES) and t.img_size == SIZE
     assert t.norm is None and t.interpolation == "bilinear" and t.precision == "bf16"
-    assert t.config["model"] == "small_cnn" and t.ckpt["epoch"] == 1
+    assert t.config["model"] == "small_cnn" and t.run_file["epoch"] == 1
     assert not t.model.training and all(p.device.type == "cpu" for p in t.model.parameters())
     want = _model().state_dict()
     assert all(torch.equal(v, want[k]) for k, v in t.model.state_dict().items())
@@ -72,7 +72,7 @@ def test_a_bare_state_dict_needs_model_and_says_the_size_it_takes(tmp_path):
         open_trained(path, SAFE)
     said = []
     t = open_trained(path, SAFE, "small_cnn", say=said.append)
-    assert t.kind == STATE_DICT and t.class_names == ("0", "1", "2") and t.img_size == 224 and t.ckpt == {}
+    assert t.kind == STATE_DICT and t.class_names == ("0", "1", "2") and t.img_size == 224 and t.run_file == {}
     assert t.precision is None and len(said) == 1 and said[0].startswith("preprocessing: 224 px (assumed), "
                                                                          "normalize imagenet (assumed)")
     t = open_trained(path, SAFE, "small_cnn", img_size=48, prep={"normalize": "none"}, say=said.append)
@@ -116,7 +116,7 @@ def test_what_a_command_cannot_open_is_one_line(case, phrase, tmp_path):
 def test_a_torchscript_export_opens_with_consent_classes_and_size(tmp_path):
     ts = _torchscript(tmp_path / "m.torchscript.pt")
     t = open_trained(ts, TRUST, classes=("a", "b", "c"), img_size=SIZE)
-    assert t.kind == TORCHSCRIPT and t.class_names == ("a", "b", "c") and t.img_size == SIZE and t.ckpt == {}
+    assert t.kind == TORCHSCRIPT and t.class_names == ("a", "b", "c") and t.img_size == SIZE and t.run_file == {}
     x = torch.randn(2, 3, SIZE, SIZE)
     with torch.no_grad():
         assert torch.allclose(t.model(x), _model()(x), atol=1e-5)

@@ -457,7 +457,7 @@ def main(cfg: Any) -> int:
                            img_size=cfg.img_size, prep={"normalize": cfg.normalize, "resize": cfg.resize})
     model, class_names = trained.model, list(trained.class_names)
     bare = trained.kind == STATE_DICT
-    root, samples, data_classes, what = resolve_data(cfg.data, trained.ckpt)
+    root, samples, data_classes, what = resolve_data(cfg.data, trained.run_file)
     if not samples:
         raise UserError(f"no images to validate on in {root}; pass --data with class folders of images")
     out = check_output(cfg.out or report_folder(run_folder(weights), root), "--out", folder=True)

@@ -48,7 +48,7 @@ def open_weights(weights: str | None, verb: str, policy: LoadPolicy = SAFE, mode
 def _val_data(data: str | None, src: Trained) -> tuple[Path, list[tuple[str, int]]]:
     """(root, samples) to measure on, with labels in the run file's class order (as `dlenv val`)."""
 
-    root, samples, classes, _ = resolve_data(data, src.ckpt)  # the same choice of data as `dlenv val` makes
+    root, samples, classes, _ = resolve_data(data, src.run_file)  # the same choice of data as `dlenv val` makes
     remap = match_classes(list(classes), src.class_names, False, root)
     samples = [(p, remap[i]) for p, i in samples]
     if not samples:
@@ -75,7 +75,7 @@ def train_layout(src: Trained) -> Any:
     """
 
     train_cfg = src.config
-    root = Path(resolve_data(None, src.ckpt)[0])
+    root = Path(resolve_data(None, src.run_file)[0])
     layout = find_layout(root, val_split=float(train_cfg.get("val_split", 0.2)),
                          seed=int(train_cfg.get("seed", 0)))
     remap = match_classes(list(layout.classes), src.class_names, False, root)

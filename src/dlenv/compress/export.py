@@ -232,7 +232,7 @@ def main(cfg: Any) -> int:
     out = output_path(cfg, src.path)
     if cfg.format == "safetensors":  # weights, not a program: written, read back, compared (dlenv.files.runstate)
 
-        return runstate.export_safetensors(src.ckpt, src.model, out)
+        return runstate.export_safetensors(src.run_file, src.model, out)
     inputs, loader, described = _check_inputs(cfg, src)
     if _onnx_int8(cfg):
         return export_onnx_int8(cfg, src, inputs, loader, described, out)

@@ -263,7 +263,7 @@ def main(cfg: Any) -> int:
     info.update({"amount": amount, "structured": bool(cfg.structured), "finetune_epochs": int(cfg.finetune_epochs),
                  "source": str(src.path), "top1_before": before["top1"], "top1_after": after["top1"],
                  "params_before": common.count_params(dense), "params_after": common.count_params(model)})
-    state = pruned_run_file(src.ckpt, model, info, widths)
+    state = pruned_run_file(src.run_file, model, info, widths)
     if widths:
         _check_rebuilt(state, model, torch.randn(2, 3, src.img_size, src.img_size), str(out))
     save_state(state, out)

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dlenv.compat import is_oom
-from dlenv.engine.stepprobe import make_train_step_probe  # noqa: F401 (scripts/bench_autobatch.py imports it here)
 from dlenv.errors import UserError
 
 log = logging.getLogger(__name__)

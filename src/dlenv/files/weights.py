@@ -41,7 +41,7 @@ import pickle
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from dlenv.errors import UserError, check_stop, cut_at_word, first_line, optional_import, printable, with_path
 from dlenv.files import pickleguard, safeio, torchfile
@@ -81,14 +81,14 @@ def is_safetensors(path: str | Path) -> bool:
     return Path(path).suffix.lower() == SUFFIX
 
 
-def refusal(path: Path, reason: str) -> str:
-    """The one line that stops a pickle the allowlist does not pass."""
+def refusal(shown: str, reason: str) -> str:
+    """The one line that stops a pickle the allowlist does not pass (`shown`: the file's path, printable)."""
     from dlenv import compat
 
     loader = ("its weights_only loader refuses arbitrary objects" if compat.WEIGHTS_ONLY_TRUSTED else
               "and before PyTorch 2.10 its weights_only loader can be made to run code by a crafted file "
               "(CVE-2025-32434, CVE-2026-24747)")
-    return (f"refusing to unpickle {printable(str(path))}: it holds more than tensors and plain data ({reason}); "
+    return (f"refusing to unpickle {shown}: it holds more than tensors and plain data ({reason}); "
             f"nothing in it was run. A state dict saved with torch.save(model.state_dict()) or a .safetensors "
             f"file loads as it is (docs/weights.md); pass --trust-pickle only if you trust where this file "
             f"came from ({loader})")
@@ -98,7 +98,7 @@ def read(path: str | Path, policy: LoadPolicy = SAFE) -> tuple[Any, dict[str, st
     """(what the weights file at `path` holds, on the CPU, as stored; its string metadata): a pickle's
     object as built, with no metadata ({}); a .safetensors file's tensors and metadata
     (`read_safetensors`). dlenv.files.runstate.load_state decodes a run file from these. `policy`: what
-    --trust-pickle allows.
+    --trust-pickle allows. The file is opened once, as a regular file, and read from that descriptor.
 
     Raises UserError naming the file for a missing file, one that is not a PyTorch file at all (a
     folder, a FIFO, an empty file, a CSV, YAML or other text, a zip of something else, a TorchScript
@@ -106,24 +106,30 @@ def read(path: str | Path, policy: LoadPolicy = SAFE) -> tuple[Any, dict[str, st
     fails rather than the file.
     """
     path = Path(path)
+    shown = printable(str(path))
     if not path.exists():
-        raise UserError(f"weights file {printable(str(path))} not found; pass the path of a .pth file "
-                        "(e.g. runs/exp/last.pth)")
-    what = sniff(path)
-    if what:
-        raise UserError(f"{printable(str(path))} is {what[0]}, not a PyTorch weights file; "
-                        + (what[1] or "pass a .pth file written by torch.save (e.g. runs/exp/best_model.pth)"))
-    if is_safetensors(path):
-        return read_safetensors(path)
+        raise UserError(f"weights file {shown} not found; pass the path of a .pth file (e.g. runs/exp/last.pth)")
+    if path.is_dir():
+        raise UserError(f"{shown} is a folder, not a PyTorch weights file; pass the .pth file inside it "
+                        f"(e.g. {printable(str(path / 'best_model.pth'))})")
+    safetensors = is_safetensors(path)
     try:
-        return _load_pickle(path, policy), {}
-    except UserError:  # this module's own lines: a refused, forged or damaged pickle
+        # a FIFO would block a plain open() until a writer comes; a device or /proc/self/mem: one line
+        with safeio.open_regular(path, "weights file") as fh:
+            what = None if safetensors else sniff(fh)
+            if what:
+                raise UserError(f"{shown} is {what[0]}, not a PyTorch weights file; "
+                                + (what[1] or "pass a .pth file written by torch.save (e.g. runs/exp/best_model.pth)"))
+            if safetensors:
+                return _safetensors(path, shown)
+            return _load_pickle(fh, shown, policy), {}
+    except UserError:  # this module's own lines: not a weights file, a refused, forged or damaged one
         raise
     except pickle.UnpicklingError as e:
         # weights_only (under --trust-pickle) refuses any global it does not know: the file wants to run
         # code or rebuild arbitrary objects. Nothing from it was executed.
         reason = cut_at_word(str(e).strip().splitlines()[-1], 160) if str(e).strip() else "unsupported object"
-        raise UserError(f"refusing to load {path}: it is not a plain-weights file ({reason}); "
+        raise UserError(f"refusing to load {shown}: it is not a plain-weights file ({reason}); "
                         "nothing in it was run. Re-save it as a state dict with torch.save(model.state_dict())"
                         ) from None
     except Exception as e:  # any other failure of the loader on these bytes: the file is what's wrong
@@ -131,31 +137,26 @@ def read(path: str | Path, policy: LoadPolicy = SAFE) -> tuple[Any, dict[str, st
             raise with_path(e, path) from None  # the disk or the system, not the file: the CLI says so
         # torch's reader failing on these bytes: not known to be cut short (pickleguard.Damaged says that),
         # so not called "truncated"
-        raise UserError(f"weights file {path} could not be read ({first_line(e, 160, named=False)}): it is "
+        raise UserError(f"weights file {shown} could not be read ({first_line(e, 160, named=False)}): it is "
                         "damaged or not a file torch.save wrote; use another run file (last.pth and best_model.pth "
                         "are written atomically)") from None
 
 
-def sniff(path: Path) -> tuple[str, str | None] | None:
-    """(what `path` is, what to do or None) when it is certainly not a weights file (from its first
-    bytes), else None."""
-    if path.is_dir():
-        return "a folder", f"pass the .pth file inside it (e.g. {path / 'best_model.pth'})"
-    kind = safeio.irregular(path)  # a FIFO would block open() until a writer comes; /proc/self/mem fails reads
-    if kind:
-        return kind, "pass a regular file"
-    with safeio.open_regular(path, "weights file") as fh:
-        head = fh.read(512)
-    if is_safetensors(path):
-        return None  # read_safetensors says what is wrong with one
+def sniff(fh: BinaryIO) -> tuple[str, str | None] | None:
+    """(what the open file `fh` is, what to do or None) when its first bytes say it is certainly not a
+    pickled weights file, else None; `fh` is back at its start."""
+    head = fh.read(512)
+    fh.seek(0)
     if not head:
         return "an empty file (0 bytes)", "a copy or download that did not finish? Use another weights file"
     if head.startswith(b"PK\x03\x04"):  # torch.save's zip format: an archive/data.pkl inside
         try:
-            with zipfile.ZipFile(path) as zf:
+            with zipfile.ZipFile(fh) as zf:
                 names = zf.namelist()
         except (zipfile.BadZipFile, ValueError, OSError):
             return None  # a cut-off zip: the reader says what is missing
+        finally:
+            fh.seek(0)
         if any(n.endswith("constants.pkl") for n in names):
             return "a TorchScript model (an export)", "pass the .pth run file it was exported from"
         if not any(n.endswith("data.pkl") for n in names):
@@ -181,53 +182,57 @@ def is_bare_state_dict(obj: Any) -> bool:
     return all(isinstance(k, str) and torch.is_tensor(v) for k, v in obj.items())
 
 
-def _load_pickle(path: Path, policy: LoadPolicy) -> Any:
-    """The contents of a pickled weights file, on the CPU: judged and built by dlenv.files.torchfile from the
-    bytes torch's reader gives, never by torch.load. A file the allowlist refuses is read by
-    torch.load(weights_only=True) only under `policy.trust_pickle`; a forged or damaged one never.
+def _load_pickle(fh: BinaryIO, shown: str, policy: LoadPolicy) -> Any:
+    """The contents of the pickled weights file open as `fh` (`shown`: its path, printable), on the CPU: judged
+    and built by dlenv.files.torchfile from the bytes torch's reader gives, never by torch.load. A file the
+    allowlist refuses is read by torch.load(weights_only=True) only under `policy.trust_pickle`; a forged or
+    damaged one never.
 
-    Raises UserError for a path that is not a regular file and for a refused or damaged file; torch.load's
-    own errors (an unknown global under --trust-pickle) propagate to `read`, which names them.
+    Raises UserError for a refused or damaged file; torch.load's own errors (an unknown global under
+    --trust-pickle) propagate to `read`, which names them.
     """
     from dlenv import compat  # imports torch: not on the CLI's path
 
-    shown = printable(str(path))
-    with safeio.open_regular(path, "weights file") as fh:
-        try:
-            return torchfile.load(fh)
-        except pickleguard.Damaged as e:
-            check_stop()  # a stop signal torch's reader turned into an error of its own is not damage
-            raise UserError(f"{shown} is truncated or corrupt ({e}); nothing in it was run. Use another copy "
-                            "(a download or copy that did not finish?)") from None
-        except pickleguard.Forged as e:
-            raise UserError(f"refusing to unpickle {shown}: it is built in a way torch.save never writes ({e}); "
-                            "nothing in it was run, and --trust-pickle does not open it. Get the weights again "
-                            "from where they came from") from None
-        except pickleguard.Unbounded as e:
-            raise UserError(f"refusing to unpickle {shown}: reading it would take work without bound ({e}); "
-                            "nothing in it was run, and --trust-pickle does not open it (torch.load would hang or "
-                            "crash on it too). Get the weights again from where they came from, or as "
-                            ".safetensors") from None
-        except pickleguard.Refused as e:
-            if not policy.trust_pickle:
-                raise UserError(refusal(path, str(e))) from None
-        fh.seek(0)
-        return compat.load_weights_only(fh, map_location="cpu")
+    try:
+        return torchfile.load(fh)
+    except pickleguard.Damaged as e:
+        check_stop()  # a stop signal torch's reader turned into an error of its own is not damage
+        raise UserError(f"{shown} is truncated or corrupt ({e}); nothing in it was run. Use another copy "
+                        "(a download or copy that did not finish?)") from None
+    except pickleguard.Forged as e:
+        raise UserError(f"refusing to unpickle {shown}: it is built in a way torch.save never writes ({e}); "
+                        "nothing in it was run, and --trust-pickle does not open it. Get the weights again "
+                        "from where they came from") from None
+    except pickleguard.Unbounded as e:
+        raise UserError(f"refusing to unpickle {shown}: reading it would take work without bound ({e}); "
+                        "nothing in it was run, and --trust-pickle does not open it (torch.load would hang or "
+                        "crash on it too). Get the weights again from where they came from, or as "
+                        ".safetensors") from None
+    except pickleguard.Refused as e:
+        if not policy.trust_pickle:
+            raise UserError(refusal(shown, str(e))) from None
+    fh.seek(0)
+    return compat.load_weights_only(fh, map_location="cpu")
 
 
 def read_safetensors(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
     """(tensors on the CPU, string metadata) of a .safetensors file. Raises UserError for a path that is
     not a regular file and for an unreadable file."""
-    safe_open = optional_import("safetensors", f"{path}: reading .safetensors needs the safetensors package (in "
-                                "requirements.txt: pip install -r requirements.txt)").safe_open
     safeio.open_regular(path, "weights file").close()  # a folder or a FIFO named x.safetensors: one line
+    return _safetensors(path, printable(str(path)))
+
+
+def _safetensors(path: Path, shown: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """`read_safetensors` of a path known to be a regular file (safetensors opens it by name)."""
+    safe_open = optional_import("safetensors", f"{shown}: reading .safetensors needs the safetensors package (in "
+                                "requirements.txt: pip install -r requirements.txt)").safe_open
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
             state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no mapping)
     except Exception as e:  # SafetensorError, OSError, a bad header: all mean "cannot read this file"
         first = first_line(e, 160, named=False)
-        raise UserError(f"{printable(str(path))} is not a readable safetensors file ({printable(first)}); "
+        raise UserError(f"{shown} is not a readable safetensors file ({printable(first)}); "
                         "export it again, or check that the download finished") from None
     return state, {str(k): str(v) for k, v in meta.items()}
 

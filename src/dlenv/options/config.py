@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dlenv import archives
 from dlenv.errors import UserError
 from dlenv.options.bench_options import BenchMemoryConfig
 from dlenv.options.cfgfile import options_in
@@ -243,7 +244,7 @@ class ValConfig:
 class UnpackConfig:
     """Options of `unpack`."""
 
-    archive: str | None = opt(None, "the archive: .zip, .tar, .tar.gz/.tgz, .tar.bz2, .tar.xz or .7z",
+    archive: str | None = opt(None, f"the archive: {archives.suffixes_said()}",
                               parse=_str, positional=True)
     dest: str | None = opt(None, "destination folder; default data/<archive stem>/", parse=_str)
     overwrite: bool = opt(False, "replace a non-empty destination (only after the new extraction "

@@ -59,13 +59,13 @@ class Trained:
     norm: tuple[tuple, tuple] | None   # (mean, std); None: ImageNet's
     interpolation: str                 # the resampling of the resize
     precision: str | None              # as trained: fp32, amp (the device's dtype), fp16, bf16; None: not said
-    ckpt: dict[str, Any] = field(default_factory=dict, repr=False)  # a run file's own entries ({}: other kinds)
+    run_file: dict[str, Any] = field(default_factory=dict, repr=False)  # a run file's own entries ({}: other kinds)
     resize: str = "crop"               # crop (dlenv's centre crop) or full (the whole image to the size)
 
     @property
     def config(self) -> dict[str, Any]:
         """The training options the run file was saved with ({} when the file has none)."""
-        cfg = self.ckpt.get("config")
+        cfg = self.run_file.get("config")
         return dict(cfg) if isinstance(cfg, dict) else {}
 
 

@@ -248,7 +248,7 @@ def stopping_line(epoch: int, batch_in_epoch: int, batches: int, step: int, last
 
 def way_on(last_path: Path | None, flags: Sequence[str] = ()) -> str:
     """How to go on from `last_path` where this process runs, launched with `flags` as the run was (`--gpus
-    2`, `resume_args`). Under Slurm (SLURM_JOB_ID), the resubmission scripts/slurm_train.sbatch names
+    2`, `resume_args`). Under Slurm (SLURM_JOB_ID), the resubmission scripts/tools/slurm_train.sbatch names
     (DLENV_SLURM_RESUBMIT) and whether the job requeues itself (DLENV_SLURM_REQUEUE); in dlenv's image under
     Docker (/.dockerenv), the `docker run` line; else the command."""
     resume = invocation.again("train", resume_args(last_path, flags))
