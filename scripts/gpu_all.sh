@@ -35,8 +35,9 @@ for part in $parts; do
     case $part in
     env)   run env nvidia-smi
            run env python3 -m dlenv verify-env ;;
-    tests) # the whole GPU suite in one call: four workers share the card, whole_gpu tests run alone
-           # (tests/gpushare.py); timeline.tsv says per test when it asked for the card, got it and let go
+    tests) # the whole GPU suite in one call: four workers share the card, a test that fills or probes it does
+           # so on a 24 GiB card in one of its places, a whole_gpu test runs alone and last (tests/gpushare.py);
+           # timeline.tsv says per test (and per place) when it asked for the card, got it and let go
            DLENV_GPU_TIMELINE="$out/timeline.tsv" run tests python3 -m pytest -q -m gpu -n 4 --dist loadgroup \
                --durations=30 -p no:cacheprovider --junitxml "$out/gpu-tests.xml" tests ;;
     train) run train python3 scripts/bench_train.py --steps 20 --out "$tmp/train"
