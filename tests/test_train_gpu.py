@@ -74,8 +74,9 @@ def test_batch_size_auto_fits_and_trains_and_gives_its_probes_memory_back(tmp_pa
     with gpushare.card_of():  # the probes search a 24 GiB card, not the one the tests beside this share
         out = run(tmp_path, batch_size="auto", amp=True, max_steps=2)
     assert out["batch_size"] >= 16 and rows(out).iloc[-1]["oom_retries"] == 0
-    # the probes' out-of-memory tries and the run itself leave nothing allocated behind (issue 54)
-    assert abs(torch.cuda.memory_allocated() - before) <= 64 * 2**20
+    # the probes' out-of-memory tries and the run itself leave nothing allocated behind (issue 54); less than
+    # before is no leak: the release at the run's end also gives back the BLAS workspaces of earlier tests
+    assert torch.cuda.memory_allocated() - before <= 64 * 2**20
 
 
 def test_oom_during_training_is_retried_with_auto(tmp_path, monkeypatch):
