@@ -110,8 +110,9 @@ def card_of(gib: float = AS_ON):
     assert gib <= AS_ON, f"a card of {gib} GiB does not fit one place of {AS_ON}"
     total = torch.cuda.get_device_properties(0).total_memory / 2**30
     with place(total):
-        torch.cuda.empty_cache()  # the cap counts what is reserved
-        torch.cuda.set_per_process_memory_fraction(min(1.0, gib / total))
+        torch.cuda.empty_cache()  # the cap counts what is reserved: what earlier tests of this process still
+        held = torch.cuda.memory_reserved(0) / 2**30  # hold comes on top, or a 2 GiB card had no room at all
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (gib + held) / total))
         try:
             yield int(min(gib, total) / 21 * 256 * 2)
         finally:

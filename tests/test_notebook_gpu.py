@@ -21,7 +21,7 @@ def test_a_kernel_gets_its_memory_back_after_each_out_of_memory_and_trains_with_
     per-process cap: the out-of-memory comes as on such a card): a batch that does not fit, one that does, the
     first again. After each failure the bytes allocated are within 64 MiB of what they were
     before the first cell, although the kernel keeps the last exception; the runs that fit report the same
-    peak and speed. A run that fits comes first, so that neither compared run pays cuDNN's autotuning."""
+    peak. A run that fits comes first, so that neither compared run pays cuDNN's autotuning."""
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
@@ -67,4 +67,7 @@ huge = int(card / 21 * 256 * 2)  # ResNet-50 fp32 at 224 px needs about 21 GiB p
     a, b = (said(nb.cells[i], "RESULT") for i in (4, 7))
     assert a["peak"] < 16, f"peak {a['peak']:.1f} GiB in a kernel that hit an out-of-memory, for a run that needs ~3"
     assert abs(a["peak"] - b["peak"]) <= 0.05 * b["peak"]
-    assert a["img_s"] > 0.5 * b["img_s"] and b["img_s"] > 0.5 * a["img_s"]
+    # both runs trained (their speed is no measure here: the tests beside this one share the card, and an
+    # H100 run read 883 against 2,317 img/s; the same speed after an out-of-memory is checked with the
+    # card alone, test_train_gpu.py::test_two_runs_after_a_real_out_of_memory_report_the_same_peak_and_speed)
+    assert a["img_s"] > 0 and b["img_s"] > 0

@@ -77,6 +77,13 @@ def is_run_state(obj: Any) -> bool:
     return isinstance(obj, dict) and obj.get("format") == FORMAT and "model" in obj
 
 
+def is_bare_state_dict(obj: Any) -> bool:
+    """A plain {name: tensor} mapping, as other tools save with torch.save(model.state_dict()): what a
+    weights file holds when it is no dlenv run file, and a run file's "model" entry."""
+    return isinstance(obj, dict) and len(obj) > 0 and all(isinstance(k, str) and torch.is_tensor(v)
+                                                           for k, v in obj.items())
+
+
 # ---------------------------------------------------------------------------------------------------
 # dlenv's encoding: floats, and a run file's description as safetensors metadata
 #
@@ -284,7 +291,7 @@ def check_entries(run_file: Any, path: str | Path) -> None:
     if not is_run_state(run_file):
         return
     path = Path(path)
-    if not weights.is_bare_state_dict(run_file["model"]):
+    if not is_bare_state_dict(run_file["model"]):
         raise _bad_entry(path, "model", type(run_file["model"]).__name__, "a state dict of tensors")
     for key, expected, ok in (
             ("model_name", f"a model name of 1 to {MAX_NAME} characters",

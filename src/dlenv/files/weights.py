@@ -77,6 +77,15 @@ SAFE = LoadPolicy()
 # Loading
 
 
+#: what `sniff` calls a TorchScript export
+TORCHSCRIPT = "a TorchScript model (an export)"
+
+
+class TorchScriptExport(UserError):
+    """`read`'s refusal of a TorchScript export: a program, not weights (dlenv.runfolder.trained opens one
+    for the commands that take it, with consent)."""
+
+
 def is_safetensors(path: str | Path) -> bool:
     return Path(path).suffix.lower() == SUFFIX
 
@@ -118,8 +127,9 @@ def read(path: str | Path, policy: LoadPolicy = SAFE) -> tuple[Any, dict[str, st
         with safeio.open_regular(path, "weights file") as fh:
             what = None if safetensors else sniff(fh)
             if what:
-                raise UserError(f"{shown} is {what[0]}, not a PyTorch weights file; "
-                                + (what[1] or "pass a .pth file written by torch.save (e.g. runs/exp/best_model.pth)"))
+                refused = TorchScriptExport if what[0] == TORCHSCRIPT else UserError
+                raise refused(f"{shown} is {what[0]}, not a PyTorch weights file; "
+                              + (what[1] or "pass a .pth file written by torch.save (e.g. runs/exp/best_model.pth)"))
             if safetensors:
                 return _safetensors(path, shown)
             return _load_pickle(fh, shown, policy), {}
@@ -158,7 +168,7 @@ def sniff(fh: BinaryIO) -> tuple[str, str | None] | None:
         finally:
             fh.seek(0)
         if any(n.endswith("constants.pkl") for n in names):
-            return "a TorchScript model (an export)", "pass the .pth run file it was exported from"
+            return TORCHSCRIPT, "pass the .pth run file it was exported from"
         if not any(n.endswith("data.pkl") for n in names):
             return f"a zip archive of {len(names)} file(s) ({', '.join(names[:3])})", None
         return None
@@ -171,15 +181,6 @@ def sniff(fh: BinaryIO) -> tuple[str, str | None] | None:
         first = text.strip().splitlines()[0][:40] if text.strip() else ""
         return f"a text file (it starts {first!r})", None
     return f"another kind of file (it starts with bytes {head[:4].hex(' ')})", None
-
-
-def is_bare_state_dict(obj: Any) -> bool:
-    """A plain {name: tensor} mapping, as other tools save with torch.save(model.state_dict())."""
-    if not (isinstance(obj, dict) and len(obj) > 0):
-        return False
-    import torch  # a dict of tensors was read, so torch is loaded already
-
-    return all(isinstance(k, str) and torch.is_tensor(v) for k, v in obj.items())
 
 
 def _load_pickle(fh: BinaryIO, shown: str, policy: LoadPolicy) -> Any:

@@ -19,8 +19,8 @@ from torch import nn
 
 from dlenv.errors import UserError
 from dlenv.files import runstate
-from dlenv.files.runstate import is_run_state
-from dlenv.files.weights import SAFE, LoadPolicy, is_bare_state_dict
+from dlenv.files.runstate import is_bare_state_dict, is_run_state
+from dlenv.files.weights import SAFE, LoadPolicy
 from dlenv.model import grayscale, modelnames, modelsource, pretrained, shrink, smallcnn, statedict, tvargs, usermodel
 
 # Families whose auxiliary classifiers are switched off: the trainer expects one logits tensor.

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dlenv.errors import UserError, printable
-from dlenv.files import runstate, weights
+from dlenv.files import runstate
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +50,10 @@ def state_dict_of(obj: Any, path: Path) -> dict[str, torch.Tensor]:
         return dict(obj["model"])
     # Other tools nest the weights under "state_dict" (Lightning, timm) or "model" (torchvision refs).
     for key in ("state_dict", "model"):
-        if isinstance(obj, dict) and weights.is_bare_state_dict(obj.get(key)):
+        if isinstance(obj, dict) and runstate.is_bare_state_dict(obj.get(key)):
             obj = obj[key]
             break
-    if not weights.is_bare_state_dict(obj):
+    if not runstate.is_bare_state_dict(obj):
         raise UserError(f"--weights {path} holds no state dict; save one with "
                         "torch.save(model.state_dict(), path)")
     return strip_prefixes(obj)

@@ -22,7 +22,6 @@ itself reads files through dlenv.files.runstate.
 from __future__ import annotations
 
 import dataclasses
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,9 +31,9 @@ import torch
 
 from dlenv import compat, invocation
 from dlenv.errors import UserError, printable
-from dlenv.files import onnxmodel, safeio
-from dlenv.files.runstate import is_run_state, load_state
-from dlenv.files.weights import LoadPolicy, is_bare_state_dict
+from dlenv.files import onnxmodel
+from dlenv.files.runstate import is_bare_state_dict, is_run_state, load_state
+from dlenv.files.weights import LoadPolicy, TorchScriptExport
 from dlenv.model import pretrained
 from dlenv.model.models import model_from_state
 from dlenv.options import config
@@ -93,41 +92,30 @@ def check_saved_options(run_file: Any, path: Path | str) -> None:
                         "or written by another dlenv version, use another run file") from None
 
 
-def is_torchscript(path: Path) -> bool:
-    """Whether `path` is a TorchScript archive (a zip with constants.pkl, as dlenv.files.runstate tells one)."""
-    if not safeio.is_regular(path):
-        return False
-    try:
-        with safeio.open_regular(path, "weights file") as fh, zipfile.ZipFile(fh) as zf:
-            return any(n.endswith("constants.pkl") for n in zf.namelist())
-    except (zipfile.BadZipFile, OSError, ValueError):
-        return False
-
-
 def is_onnx(path: Path) -> bool:
     return path.suffix.lower() == ".onnx"
 
 
-def class_names_for(given: tuple | list | None, own: list[str], named: bool, path: Path) -> tuple[str, ...]:
+def class_names_for(given: tuple | list | None, own: list[str], named: bool, shown: str) -> tuple[str, ...]:
     """The class names to report: the file's own when it has them (`given`, --classes, must agree), else
-    `given`; `own` is "0".."N-1" for a file without names (`named` False). Raises UserError for --classes
+    `given`; `own` is "0".."N-1" for a file without names (`named` False); `shown` the file's path, printable.
+    Raises UserError for --classes
     of another count than the model's outputs, or other names than the file's."""
     if given is None:
         return tuple(own)
     given = list(given)
     if len(given) != len(own):
-        raise UserError(f"--classes names {len(given)} classes but {printable(str(path))} has {len(own)} outputs; "
+        raise UserError(f"--classes names {len(given)} classes but {shown} has {len(own)} outputs; "
                         f"pass {len(own)} names in the model's output order")
     if named and given != list(own):
-        raise UserError(f"--classes differs from the class names {printable(str(path))} was trained with "
+        raise UserError(f"--classes differs from the class names {shown} was trained with "
                         f"({', '.join(own[:5])}{', ...' if len(own) > 5 else ''}); drop --classes")
     return tuple(given)
 
 
-def _refuse_kind(path: Path, kind: str, verb: str, what: str = "a bare state dict") -> UserError:
-    """The line for a file of a kind the command does not take (`what` the file is, for weights that are
-    no dlenv run file)."""
-    shown = printable(str(path))
+def _refuse_kind(shown: str, kind: str, verb: str, what: str = "a bare state dict") -> UserError:
+    """The line for the file `shown` (its path, printable) of a kind the command does not take (`what` the
+    file is, for weights that are no dlenv run file)."""
     if kind == ONNX:
         return UserError(f"{shown} is an ONNX export; {verb} takes the run file it was exported from "
                          "(e.g. runs/exp/best_model.pth)")
@@ -138,10 +126,10 @@ def _refuse_kind(path: Path, kind: str, verb: str, what: str = "a bare state dic
                      f"{invocation.command('train', f'--weights {shown} --model NAME --data FOLDER --epochs 1')}")
 
 
-def _open_torchscript(path: Path, policy: LoadPolicy, classes: tuple | None, img_size: int | None) -> Trained:
+def _open_torchscript(path: Path, shown: str, policy: LoadPolicy, classes: tuple | None,
+                      img_size: int | None) -> Trained:
     """A TorchScript export: with consent, and the class names and size the file does not carry."""
 
-    shown = printable(str(path))
     if not policy.trust_pickle:
         raise UserError(f"{shown} is a TorchScript export, a program: loading it runs the code it holds. Pass "
                         "--trust-pickle if you trust where it came from, or use the run file or its "
@@ -161,14 +149,14 @@ def _open_torchscript(path: Path, policy: LoadPolicy, classes: tuple | None, img
         first = str(e).strip().splitlines()[-1][:120] if str(e).strip() else type(e).__name__
         raise UserError(f"{shown} does not run on {img_size}x{img_size} images ({printable(first)}); pass the "
                         "--img-size it was exported at") from None
-    names = class_names_for(classes, [str(i) for i in range(int(width))], False, path)
+    names = class_names_for(classes, [str(i) for i in range(int(width))], False, shown)
     return Trained(path, TORCHSCRIPT, model, names, int(img_size), None, "bilinear", None)
 
 
-def _open_onnx(path: Path, classes: tuple | None, img_size: int | None, device: Any) -> Trained:
+def _open_onnx(path: Path, shown: str, classes: tuple | None, img_size: int | None, device: Any) -> Trained:
 
     opened = onnxmodel.open_file(path, img_size, device)
-    names = class_names_for(classes, list(opened.class_names), opened.named, path)
+    names = class_names_for(classes, list(opened.class_names), opened.named, shown)
     return Trained(path, ONNX, opened.module, names, opened.img_size, opened.norm, opened.interpolation, None)
 
 
@@ -203,21 +191,25 @@ def _open(path: Path, policy: LoadPolicy, model: str | None, kinds: tuple[str, .
     """
 
     img_size = given.get("img_size")
+    shown = printable(str(path))
     if is_onnx(path):
         if ONNX not in kinds:
-            raise _refuse_kind(path, ONNX, verb)
-        return _open_onnx(path, classes, img_size, device)
-    if TORCHSCRIPT in kinds and is_torchscript(path):  # else load_state names it and what to pass
-        return _open_torchscript(path, policy, classes, img_size)
-    run_file = load_state(path, policy)
+            raise _refuse_kind(shown, ONNX, verb)
+        return _open_onnx(path, shown, classes, img_size, device)
+    try:
+        run_file = load_state(path, policy)
+    except TorchScriptExport:  # the file's first bytes said so: nothing of it was read as weights
+        if TORCHSCRIPT not in kinds:
+            raise  # its line names the run file to pass instead
+        return _open_torchscript(path, shown, policy, classes, img_size)
     check_saved_options(run_file, path)
     named = is_run_state(run_file)
     if not named and STATE_DICT not in kinds:
-        raise _refuse_kind(path, STATE_DICT, verb,
+        raise _refuse_kind(shown, STATE_DICT, verb,
                            "a bare state dict" if is_bare_state_dict(run_file) else "not a dlenv run file")
     net, names, size = model_from_state(run_file, model, source=str(path))
     size = img_size or size or DEFAULT_SIZE  # a bare state dict's: decided by open_trained (preprocess)
     saved = dict(run_file.get("config") or {}) if named else {}
     return Trained(path, RUN_FILE if named else STATE_DICT, net.cpu().eval(),
-                   class_names_for(classes, list(names), named, path), int(size), pretrained.norm_of(run_file),
+                   class_names_for(classes, list(names), named, shown), int(size), pretrained.norm_of(run_file),
                    pretrained.interpolation_of(run_file), trained_precision(saved), dict(run_file) if named else {})
