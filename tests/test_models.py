@@ -191,7 +191,7 @@ def test_bare_googlenet_state_dict_with_aux_heads_loads(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------
-# torchvision ViTs at the image size asked (dlenv.model.tvargs): built at --img-size, --model-args image_size.
+# torchvision ViTs at the image size asked (models.builder_args): built at --img-size, --model-args image_size.
 
 
 @pytest.mark.parametrize("name,model_args,img_size,expect", [
@@ -209,7 +209,7 @@ def test_bare_googlenet_state_dict_with_aux_heads_loads(tmp_path):
     ("resnet18", "image_size=32", 32, "--model-args is for models of your own.*resnet18 takes none"),
 ])
 def test_a_torchvision_builders_arguments(name, model_args, img_size, expect):
-    from dlenv.model.usermodel import factory_kwargs
+    from dlenv.model.models import factory_kwargs
 
     if isinstance(expect, dict):
         assert factory_kwargs(name, model_args, img_size) == expect
@@ -223,7 +223,7 @@ def test_vit_b_16_at_32_px_trains_forward_and_rebuilds_from_its_checkpoint():
     """--model vit_b_16 --img-size 32 once ended in 'Wrong image height': the trainer's path (the plan's
     factory_kwargs, then build_model) now builds it at 32 px, and val rebuilds it at the checkpoint's size."""
     from dlenv.files.runstate import FORMAT
-    from dlenv.model.usermodel import factory_kwargs
+    from dlenv.model.models import factory_kwargs
 
     torch.manual_seed(0)
     model = build_model("vit_b_16", 3, model_args=factory_kwargs("vit_b_16", "", 32)).eval()

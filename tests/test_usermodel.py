@@ -12,7 +12,7 @@ from torch import nn
 from usermodels import one_line, write
 
 from dlenv.errors import UserError
-from dlenv.model import modelsource, usermodel
+from dlenv.model import models, modelsource, usermodel
 from dlenv.model.checkpointing import apply_checkpointing, find_blocks
 from dlenv.model.models import build_model
 from dlenv.options import config, values
@@ -22,7 +22,7 @@ from dlenv.options.config import TrainConfig
 def build_like_the_trainer(ref, num_classes=3, model_args=None, img_size=None):
     """What dlenv.train does with --model, --model-args and --img-size, in its order."""
     size = img_size or usermodel.declared_img_size(ref) or 16
-    kwargs = usermodel.factory_kwargs(ref, model_args, size)
+    kwargs = models.factory_kwargs(ref, model_args, size)
     model = build_model(ref, num_classes, model_args=kwargs)
     usermodel.check_output(model, ref, num_classes, size)
     return model, kwargs, size
@@ -61,7 +61,7 @@ def test_bad_references_are_one_line(text, match):
 @pytest.mark.parametrize("name", ["resnet18", "vit_b_16", "resnet50_pretrained"])
 def test_torchvision_names_are_not_references(name):
     assert not usermodel.is_reference(name)
-    assert usermodel.factory_kwargs(name, None, 224) == {} and usermodel.provenance(name, {}) is None
+    assert models.factory_kwargs(name, None, 224) == {} and usermodel.provenance(name, {}) is None
     assert usermodel.declared_img_size(name) is None
 
 
@@ -109,7 +109,7 @@ def test_config_and_help_know_the_forms():
 
 def test_model_args_for_a_torchvision_model_are_refused():
     with pytest.raises(UserError, match="--model-args is for models of your own.*resnet18 takes none") as err:
-        usermodel.factory_kwargs("resnet18", "width=3", 224)
+        models.factory_kwargs("resnet18", "width=3", 224)
     one_line(err)
 
 
@@ -244,10 +244,10 @@ def test_declared_image_size_attribute_and_default(project):
     write(project, "m/param.py", "from torch import nn\ndef build(n, img_size=40):\n    return nn.Linear(2, n)\n")
     write(project, "m/required.py", "from torch import nn\ndef build(n, img_size):\n    return nn.Linear(2, n)\n")
     assert usermodel.declared_img_size("m/attr.py:build") == 48
-    assert usermodel.factory_kwargs("m/attr.py:build", None, 48) == {}  # no parameter: nothing passed
+    assert models.factory_kwargs("m/attr.py:build", None, 48) == {}  # no parameter: nothing passed
     assert usermodel.declared_img_size("m/param.py:build") == 40
     assert usermodel.declared_img_size("m/required.py:build") is None
-    assert usermodel.factory_kwargs("m/required.py:build", "", 64) == {"img_size": 64}
+    assert models.factory_kwargs("m/required.py:build", "", 64) == {"img_size": 64}
 
 
 def test_weights_start_a_users_model_from_a_file(project, tmp_path):

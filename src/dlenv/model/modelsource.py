@@ -75,7 +75,7 @@ def read_source(source: Any, what: str) -> tuple[str, str | None, dict[str, Any]
                         "the file was edited or damaged, use another run file")
     for k, v in args.items():
         # num_classes comes from the run file's own (bounded) entry, never from here. img_size is what
-        # the trainer gave a factory that takes one (usermodel.factory_kwargs) and so is in every such
+        # the trainer gave a factory that takes one (dlenv.model.models.factory_kwargs) and so is in every such
         # record; it is a size the model is built to (a ViT's position table), bounded as one.
         if not (isinstance(k, str) and k.isidentifier() and k != "num_classes"):
             raise UserError(f"{what}: its model_source names the factory argument {str(k)[:40]!r}, not a keyword "
@@ -184,14 +184,15 @@ def rebuild(source: Any, name: str, num_classes: int, given: str | None, what: s
     """A run file's model of your own, from its factory and recorded arguments, after `check_source`.
     Without a source (a bare state dict, a file that names a reference but not its origin) only a
     reference the user gave with --model is built."""
-    if source is None:
-        if not (given and is_reference(given)):
-            raise UserError(f"{what} names --model {name} but not where it came from (no model_source); "
-                            f"importing it would run its code, so it is not imported. If you trust it, pass "
-                            f"--model {name} yourself")
-        return build(given, num_classes)
-    ref = check_source(source, given, what)
-    return build(ref.text, num_classes, **read_source(source, what)[2])
+    if source is not None:  # the import rule first, then the recorded arguments, then the one call
+        ref, args = check_source(source, given, what).text, read_source(source, what)[2]
+    elif given and is_reference(given):
+        ref, args = given, {}
+    else:
+        raise UserError(f"{what} names --model {name} but not where it came from (no model_source); "
+                        f"importing it would run its code, so it is not imported. If you trust it, pass "
+                        f"--model {name} yourself")
+    return build(ref, num_classes, **args)
 
 
 def check_resume(run_file: Any, given: str | None, what: str) -> None:

@@ -257,6 +257,14 @@ def timm_fixed_size(model: str) -> bool:
     return bool(cfg is not None and getattr(cfg, "fixed_input_size", False))
 
 
+def timm_args(model: str, model_args: dict[str, Any], img_size: int | None) -> dict[str, Any]:
+    """create_model's keyword arguments besides num_classes: `model_args` (--model-args), with img_size when
+    the architecture's input size is built into it (`timm_fixed_size`) and a size is given."""
+    if img_size is not None and timm_fixed_size(model):
+        return {**model_args, "img_size": int(img_size)}
+    return dict(model_args)
+
+
 def timm_model(model: str, num_classes: int, state: dict[str, Any] | None, kwargs: dict[str, Any]) -> Any:
     """timm's `create_model(arch, num_classes=..., **kwargs)`; with `state` (fetched by `fetch`, read by
     `fetched_state_dict`) it goes through timm's own pretrained loading (its filters, e.g. a ViT's position

@@ -29,8 +29,3 @@ class SmallCNN(nn.Module):
 
     def forward(self, x):
         return self.head(self.blocks(x).mean((2, 3)))
-
-
-def build(num_classes: int, **kwargs) -> nn.Module:
-    """The model for `--model small_cnn` (kwargs: width)."""
-    return SmallCNN(num_classes, **kwargs)

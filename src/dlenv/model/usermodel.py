@@ -27,7 +27,6 @@ from typing import Any
 
 from dlenv.errors import UserError, first_line
 from dlenv.files import requirements
-from dlenv.options.values import parse_model_args  # the --model-args value, as dlenv.options.config parses it
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +199,8 @@ def _signature(factory: Any) -> inspect.Signature | None:
         return None
 
 
-def _takes_img_size(factory: Any) -> bool:
+def takes_img_size(factory: Any) -> bool:
+    """Whether the factory has an img_size parameter."""
     sig = _signature(factory)
     return sig is not None and "img_size" in sig.parameters
 
@@ -217,7 +217,7 @@ def declared_img_size(name: str) -> int | None:
         return None
     factory = load(parse_reference(name)).factory
     size = getattr(factory, "img_size", None)
-    if size is None and _takes_img_size(factory):
+    if size is None and takes_img_size(factory):
         default = _signature(factory).parameters["img_size"].default
         size = None if default is inspect.Parameter.empty else default
     if size is None:
@@ -228,22 +228,13 @@ def declared_img_size(name: str) -> int | None:
     return size
 
 
-def factory_kwargs(name: str, model_args: Any, img_size: int | None) -> dict[str, Any]:
-    """The keyword arguments the factory is called with: --model-args, plus img_size when the factory
-    has an img_size parameter (for timm/<arch>: when the architecture's input size is fixed, as a ViT's).
-    For a torchvision name dlenv.model.tvargs' rule: image_size for a ViT, else {} (UserError for --model-args)."""
-    from dlenv.model import pretrained, tvargs
-
-    args = parse_model_args(model_args)
-    if pretrained.is_timm(name):
-        if img_size is not None and pretrained.timm_fixed_size(name):
-            args["img_size"] = int(img_size)
-        return args
-    if not is_reference(name):
-        return tvargs.builder_args(name, args, img_size)
-    if img_size is not None and _takes_img_size(load(parse_reference(name)).factory):
-        args["img_size"] = int(img_size)
-    return args
+def factory_args(name: str, args: dict[str, Any], img_size: int | None) -> dict[str, Any]:
+    """The keyword arguments the factory of your own `name` is called with: `args` (--model-args), plus
+    img_size when the factory has an img_size parameter and a size is given (dlenv.model.models.factory_kwargs
+    decides every model's)."""
+    if img_size is not None and takes_img_size(load(parse_reference(name)).factory):
+        return {**args, "img_size": int(img_size)}
+    return dict(args)
 
 
 #: parameter names a factory may give the class count, tried in this order (an int or no default)

@@ -75,7 +75,7 @@ class ModelSpec:
         about a model of your own. Raises UserError for arguments or a size the model refuses."""
         tune = finetune.Plan.of(cfg, fresh)
         size = _img_size(cfg.img_size, cfg.model, located, tune)
-        args = usermodel.factory_kwargs(cfg.model, cfg.model_args, size.value)
+        args = models.factory_kwargs(cfg.model, cfg.model_args, size.value)
         return cls(cfg.model, len(located.classes), args, size, usermodel.provenance(cfg.model, args),
                    cfg.weights if fresh else None, tune, LoadPolicy.of(cfg), cfg.channels)
 
