@@ -20,7 +20,7 @@ import torch
 from dlenv.cluster import distributed, launch
 from dlenv.errors import UserError
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 WORKER = TESTS / "_distributed_worker.py"
 
 

@@ -19,7 +19,7 @@ from dlenv.errors import UserError
 from dlenv.options import config
 from dlenv.options.config import TrainConfig
 
-WORKER = Path(__file__).resolve().parent / "_distributed_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "_distributed_worker.py"
 
 
 @pytest.mark.slow

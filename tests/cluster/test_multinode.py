@@ -22,7 +22,7 @@ import yaml
 from dlenv import runfolder
 from dlenv.cluster import launch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 _SITECUSTOMIZE = textwrap.dedent("""
@@ -103,7 +103,8 @@ def test_two_nodes_one_process_each_train_together_to_identical_weights(tmp_path
 
 
 # ---------------------------------------------------------------------------------------------------
-# The Kubernetes manifest (the Slurm script: tests/test_slurm_script.py, and on a cluster tests/test_slurm.py)
+# The Kubernetes manifest (the Slurm script: tests/cluster/test_slurm_script.py, and on a cluster
+# tests/cluster/test_slurm.py)
 
 
 def test_the_kubernetes_manifest_runs_one_indexed_pod_per_node():

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "tools" / "slurm_train.sbatch"
 LANE = os.environ.get("DLENV_SLURM_LANE")
 EPOCHS = 3

@@ -1,5 +1,5 @@
 """scripts/tools/slurm_train.sbatch with stand-ins for Slurm's commands: what each task runs, on every host lane in
-seconds. (The script on a real Slurm cluster, stopped and requeued: tests/test_slurm.py, in .ci/slurm-lane.)
+seconds. (The script on a real Slurm cluster, stopped and requeued: tests/cluster/test_slurm.py, in .ci/slurm-lane.)
 
 The stand-ins: `scontrol` answers for a 2-node allocation (gpu-a at 10.0.0.1, gpu-b) and logs a requeue;
 `srun` runs its command once per task with that task's SLURM_PROCID and exits with $SRUN_EXIT; `docker`,
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "tools" / "slurm_train.sbatch"
 
 _SCONTROL = textwrap.dedent("""\

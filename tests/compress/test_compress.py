@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from compressrun import CLASSES, IMG, NO_ONNX, calibrated, save_ckpt
 from imagedata import make_image_folder
 from torch import nn
 
@@ -22,38 +23,7 @@ from dlenv.files.runstate import FORMAT, load_state, save_state
 from dlenv.model.models import model_from_state
 from dlenv.options import config
 
-CLASSES = ["cat", "dog"]
-IMG = 32
 NO_QUANT = compat.quantization_unavailable()
-NO_ONNX = compat.onnx_export_unavailable()
-
-
-def _calibrated(model: nn.Module) -> nn.Module:
-    """Give BatchNorm realistic running statistics (a fresh model's are 0/1), then eval mode."""
-    torch.manual_seed(0)
-    model.train()
-    with torch.no_grad():
-        for _ in range(3):
-            model(torch.randn(8, 3, IMG, IMG))
-    return model.eval()
-
-
-def save_ckpt(path: Path, data: Path | str | None, model_name: str = "mobilenet_v3_small", **override) -> Path:
-    """A dlenv checkpoint of an untrained torchvision model, in the format `dlenv train` writes."""
-    from dlenv.files.runstate import environment
-    from dlenv.model.models import build_model
-
-    torch.manual_seed(0)
-    model = _calibrated(build_model(model_name, len(CLASSES)))
-    train_cfg = config.to_dict(config.build(config.TrainConfig, data=str(data) if data else None,
-                                            img_size=IMG, model=model_name, val_split=0.25))
-    state = {"format": FORMAT, "model": model.state_dict(), "model_name": model_name,
-             "num_classes": len(CLASSES), "class_names": list(CLASSES), "img_size": IMG, "config": train_cfg,
-             "epoch": 1, "step": 3, "batch_in_epoch": 0, "best_metric": 50.0,
-             "optimizer": {"state": {}, "param_groups": []}, "scaler": None, "scheduler": None, "ema": None,
-             "rng": None, "env": environment()}
-    state.update(override)
-    return save_state(state, path)
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +131,7 @@ def test_structured_pruning_removes_channels_to_the_share_of_parameters_asked(am
     from dlenv.model import shrink
 
     torch.manual_seed(0)
-    model = _calibrated(TinyNet())
+    model = calibrated(TinyNet())
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randn(4, 3, IMG, IMG)
     pruned, ratio = channels.remove_channels(model, amount, x[:1], num_classes=3)
@@ -336,7 +306,7 @@ def test_bare_state_dict_is_user_error(tmp_path):
 @pytest.mark.skipif(NO_QUANT is not None, reason=str(NO_QUANT))
 def test_dynamic_quantization_makes_linear_int8_close_and_smaller():
     torch.manual_seed(0)
-    model = _calibrated(TinyNet())
+    model = calibrated(TinyNet())
     q = quantize.quantize_dynamic(model)
     assert quantize.int8_layers(q) == (2, 2)  # the two Linear layers; the convs stay float
     line = quantize.summary_line("dynamic", "x86", q)
@@ -355,7 +325,7 @@ def test_dynamic_quantization_makes_linear_int8_close_and_smaller():
 @pytest.mark.skipif(NO_QUANT is not None, reason=str(NO_QUANT))
 def test_static_quantization_converts_convs_and_stays_close():
     torch.manual_seed(0)
-    model = _calibrated(TinyNet())
+    model = calibrated(TinyNet())
     calib = [torch.randn(8, 3, IMG, IMG) for _ in range(4)]
     q = quantize.quantize_static(model, calib, calib[0][:1])
     int8, flt = quantize.int8_layers(q)
@@ -481,7 +451,7 @@ def test_an_export_that_disagrees_is_one_line_and_not_written(fmt, ckpt, monkeyp
 def test_onnx_agrees_with_pytorch_under_onnxruntime(tmp_path):
     ort = pytest.importorskip("onnxruntime")
     torch.manual_seed(0)
-    model = _calibrated(TinyNet())
+    model = calibrated(TinyNet())
     path = tmp_path / "tiny.onnx"
     compat.onnx_export(model, torch.randn(1, 3, IMG, IMG), path, opset=17)
     x = torch.randn(6, 3, IMG, IMG)

@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from test_compress import CLASSES, IMG, NO_ONNX, save_ckpt
+from compressrun import CLASSES, IMG, NO_ONNX, save_ckpt
 
 from dlenv.cli import main as cli_main
 from dlenv.compress import common, export

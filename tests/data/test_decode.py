@@ -1,5 +1,5 @@
 """dlenv.data.decode: any image to 8-bit RGB, the three CPU decoders agree, reduced decoding, the stored
-form (which decoder a run uses: tests/test_plan.py)."""
+form (which decoder a run uses: tests/data/test_plan.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """dlenv.data.fastpath on the CPU (built through the pipeline): the same batches from workers and cache,
-seeding, resume, errors (the sources themselves: tests/test_sources.py)."""
+seeding, resume, errors (the sources themselves: tests/data/test_sources.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """dlenv.data.hwdecode on a CPU: what happens without the library, its start-up noise kept off the console,
 the test image, versions of the library (the nvImageCodec source with a stand-in for it:
-tests/test_sources.py; the real library on a GPU: tests/test_fastpath_gpu.py)."""
+tests/data/test_sources.py; the real library on a GPU: tests/data/test_fastpath_gpu.py)."""
 
 from __future__ import annotations
 

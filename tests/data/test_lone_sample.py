@@ -2,7 +2,7 @@
 
 A share that would end in a one-sample batch (80 images, batch 79) is one index shorter in
 dlenv.data.sampler; an OOM re-plan never halves a micro-batch into ones either (TrainPlan.halves,
-tests/test_train_plan.py). The epoch arithmetic, the resume position and the DDP shares follow.
+tests/train/test_train_plan.py). The epoch arithmetic, the resume position and the DDP shares follow.
 """
 
 from __future__ import annotations

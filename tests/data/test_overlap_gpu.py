@@ -1,6 +1,6 @@
 """Decoding overlapped with augmentation on a real GPU (issue 49): the GPU decoders' batches, overlapped, are
 the serial ones (same pixels, same order, the same files skipped), within the decoder's tolerance of the CPU
-path's, and memory stays flat over passes. The decisions themselves: tests/test_plan.py (CPU)."""
+path's, and memory stays flat over passes. The decisions themselves: tests/data/test_plan.py (CPU)."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def test_overlapped_pixels_are_the_cpu_paths_within_the_decoders_tolerance(layou
     cpu, cpu_val, _ = _epochs(layout, dataclasses.replace(_plan("pil", False), gpu_backends=()), "cpu")
     for (xg, yg), (xc, yc) in zip(gpu, cpu, strict=True):
         assert torch.equal(yg, yc)
-        # JPEG decoders differ by rounding (a few levels of 255: tests/test_fastpath_gpu.py holds the stored
+        # JPEG decoders differ by rounding (a few levels of 255: tests/data/test_fastpath_gpu.py holds the stored
         # squares to a mean of 4); normalized, one level is about 0.017 (0.1: under 6 levels); bf16 adds its
         # own rounding; another order or other crops would be off by about 0.5
         assert (xg - xc).abs().mean() < 0.1, (xg - xc).abs().mean()

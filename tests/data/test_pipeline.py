@@ -1,5 +1,5 @@
 """dlenv.data.pipeline: where the data is (locate, --img-size auto), and the loaders and data it builds from
-an input plan, on the CPU (the decisions themselves: tests/test_plan.py)."""
+an input plan, on the CPU (the decisions themselves: tests/data/test_plan.py)."""
 
 from __future__ import annotations
 

@@ -357,7 +357,7 @@ def test_auto_takes_the_engines_with_few_cores_only(tmp_path, monkeypatch):
 
 
 def test_nvimgcodec_backends_are_the_plans_engines_and_cpu_where_the_gpu_has_engines(photos, monkeypatch):
-    """Decided once: the source only takes what the plan says (tests/test_sources.py)."""
+    """Decided once: the source only takes what the plan says (tests/data/test_sources.py)."""
     engines = {"on": True}
     monkeypatch.setattr(hwdecode, "unavailable", lambda device: None)
     monkeypatch.setattr(hwdecode, "has_engines", lambda device: engines["on"])

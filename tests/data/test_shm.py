@@ -24,7 +24,7 @@ import pytest
 from dlenv.data import workers as workers_rule
 from dlenv.errors import EXIT_FAULT, EXIT_OK
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 Usage = namedtuple("Usage", "total used free")
 

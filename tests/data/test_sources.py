@@ -1,7 +1,7 @@
 """dlenv.data.sources: the table the plan's name picks from, the one bad-image rule on every source (the GPU
 decoders with torchvision's CPU decode and a stand-in for nvImageCodec; the real ones on a GPU:
-tests/test_fastpath_gpu.py), and the DataLoader workers' stream across epochs (through the device loader:
-tests/test_fastpath.py)."""
+tests/data/test_fastpath_gpu.py), and the DataLoader workers' stream across epochs (through the device loader:
+tests/data/test_fastpath.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """dlenv.engine.precision: the mode for --amp / --amp-dtype, and the one AMP path's behaviour (CPU here, CUDA
-under gpu). What --amp becomes on a CPU is the trainer's decision: test_cpuprobe.py."""
+under gpu). What --amp becomes on a CPU is the trainer's decision: tests/train/test_cpuprobe.py."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from dlenv import envcheck
 from dlenv.envcheck import Facts, Gpu, Kernel, kernels
 from dlenv.options.config import VerifyEnvConfig, build
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MiB, GiB = 2**20, 2**30
 
 # torch 1.13.1+cu116's torch.cuda.get_arch_list(): no sm_90, no PTX.

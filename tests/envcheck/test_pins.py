@@ -20,7 +20,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT, MODERN = ROOT / "environment.yml", ROOT / "environment.modern.yml"
 LANE = os.environ.get("DLENV_CI_LANE")
 IN_IMAGE = os.environ.get("DLENV_IMAGE") == "1"

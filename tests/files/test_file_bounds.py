@@ -5,7 +5,7 @@ that costs no bytes. Each refusal is one line naming the file, the tensor and th
 long as the file's bytes allow: prefixes are stripped in work linear in it, and messages cut it short.
 And the work a weights file describes (issue 43, item 4): shared containers, keys that hash alike or cost
 their weight at every use, nesting, each refused while the pickle is played, before the work.
-(A dlenv checkpoint's own entries: test_bad_inputs.py and test_runstate.py.)"""
+(A dlenv checkpoint's own entries: tests/test_bad_inputs.py and test_runstate.py.)"""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from dlenv.errors import UserError
 from dlenv.files import requirements
 from dlenv.files.requirements import Judged, judge_line, judged, missing_module_hint, summary
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 MISSING = "no-such-dist-for-dlenv-tests"
 
 

@@ -33,7 +33,7 @@ from dlenv.files import pickleguard, runstate, torchfile
 from dlenv.files.weights import SAFE, LoadPolicy
 from dlenv.model.models import build_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SIZE = 32
 COMMON = ["--workers", "0", "--device", "cpu"]
 EXPORT = ["--workers", "0"]  # export runs on the CPU (or CUDA for --half) and has no --device

@@ -16,6 +16,7 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
+from ckptcompare import assert_same, compare_plain_and_checkpointed
 from torch import nn
 
 from dlenv.model import checkpointing, models
@@ -50,52 +51,6 @@ SLOW = {"wide_resnet50_2", "vit_b_16", "maxvit_t", "densenet121", "efficientnet_
         "swin_v2_t", "swin_t", "resnext50_32x4d", "googlenet", "regnet_y_400mf", "mnasnet0_5"}
 
 
-def _train_step(model, batches, precision=None):
-    """Forward + backward over micro-batches (accumulating); returns outputs, grads, buffers."""
-    torch.manual_seed(1234)  # the dropout / stochastic-depth stream
-    outs = []
-    for x, y in batches:
-        ctx = precision.autocast() if precision else torch.autocast("cpu", enabled=False)
-        with ctx:
-            out = model(x)
-            loss = F.cross_entropy(out.float(), y) / len(batches)
-        loss.backward()
-        outs.append(out.detach())
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    buffers = {n: b.clone() for n, b in model.named_buffers()}
-    return outs, grads, buffers, torch.get_rng_state()
-
-
-def _compare_plain_and_checkpointed(model, batches, ratio=1.0, precision=None):
-    """Run the step without and with checkpointing from the same weights; return (plain, ckpt, n)."""
-    model.train()
-    start = copy.deepcopy(model.state_dict())
-    plain = _train_step(model, batches, precision)
-    model.load_state_dict(start)
-    model.zero_grad(set_to_none=True)
-    n = apply_checkpointing(model, ratio)
-    ckpt = _train_step(model, batches, precision)
-    return plain, ckpt, n
-
-
-def _assert_same(plain, ckpt, exact_grads=True):
-    p_out, p_grads, p_bufs, p_rng = plain
-    c_out, c_grads, c_bufs, c_rng = ckpt
-    for a, b in zip(p_out, c_out, strict=False):
-        assert torch.equal(a, b), "outputs differ"
-    assert p_grads.keys() == c_grads.keys()
-    for k in p_grads:
-        if exact_grads:
-            torch.testing.assert_close(c_grads[k], p_grads[k], rtol=1e-5, atol=1e-7, msg=f"grad {k}")
-        else:
-            torch.testing.assert_close(c_grads[k], p_grads[k], msg=f"grad {k}")
-    assert p_bufs.keys() == c_bufs.keys()
-    for k in p_bufs:
-        assert torch.equal(p_bufs[k], c_bufs[k]), f"buffer {k} differs (BatchNorm updated twice?)"
-    # The global RNG ends where it would have: the recompute forks it, the next step is unchanged.
-    assert torch.equal(p_rng, c_rng)
-
-
 def _data(size, batch=2, classes=5, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, 3, size, size, generator=g), torch.randint(0, classes, (batch,), generator=g)
@@ -107,10 +62,10 @@ def test_exact_on_every_family(name):
     kwargs, size = FAMILIES[name]
     torch.manual_seed(0)
     model = build_model(name, num_classes=5, **kwargs)
-    plain, ckpt, n = _compare_plain_and_checkpointed(model, [_data(size)])
+    plain, ckpt, n = compare_plain_and_checkpointed(model, [_data(size)])
     assert n > 0, f"no repeated blocks found in {name}"
     assert n == len(find_blocks(model))
-    _assert_same(plain, ckpt)
+    assert_same(plain, ckpt)
 
 
 @pytest.mark.parametrize("name", ["alexnet", "vgg11", "vgg11_bn"])
@@ -140,8 +95,8 @@ def test_gradient_accumulation_is_exact():
     torch.manual_seed(0)
     model = build_model("resnet18", num_classes=5)
     batches = [_data(32, seed=1), _data(32, seed=2), _data(32, seed=3)]
-    plain, ckpt, _ = _compare_plain_and_checkpointed(model, batches)
-    _assert_same(plain, ckpt)
+    plain, ckpt, _ = compare_plain_and_checkpointed(model, batches)
+    assert_same(plain, ckpt)
     # three micro-batches, three BatchNorm updates, not six
     assert int(model.bn1.num_batches_tracked) == 3
     assert int(model.layer1[0].bn1.num_batches_tracked) == 3
@@ -153,19 +108,19 @@ def test_cpu_bf16_autocast_recomputes_in_bf16():
 
     torch.manual_seed(0)
     model = build_model("efficientnet_b0", num_classes=5, stochastic_depth_prob=0.5)
-    plain, ckpt, _ = _compare_plain_and_checkpointed(model, [_data(32)], precision=Precision("bf16", "cpu"))
+    plain, ckpt, _ = compare_plain_and_checkpointed(model, [_data(32)], precision=Precision("bf16", "cpu"))
     assert plain[0][0].dtype == torch.bfloat16
-    _assert_same(plain, ckpt, exact_grads=False)
+    assert_same(plain, ckpt, exact_grads=False)
 
 
 def test_partial_ratio_checkpoints_the_first_blocks_and_stays_exact():
     torch.manual_seed(0)
     model = build_model("mobilenet_v2", num_classes=5)
     blocks = find_blocks(model)
-    plain, ckpt, n = _compare_plain_and_checkpointed(model, [_data(32)], ratio=0.3)
+    plain, ckpt, n = compare_plain_and_checkpointed(model, [_data(32)], ratio=0.3)
     assert n == round(0.3 * len(blocks))
     assert [is_checkpointed(b) for b in blocks] == [True] * n + [False] * (len(blocks) - n)
-    _assert_same(plain, ckpt)
+    assert_same(plain, ckpt)
 
 
 def test_idempotent_and_ratio_can_be_changed():
@@ -303,9 +258,9 @@ def test_users_own_model_with_repeated_blocks(kw):
     model = _Net(**kw)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(2)]
-    plain, ckpt, n = _compare_plain_and_checkpointed(model, batches)
+    plain, ckpt, n = compare_plain_and_checkpointed(model, batches)
     assert n == 3
-    _assert_same(plain, ckpt)
+    assert_same(plain, ckpt)
 
 
 def test_generic_search_skips_torch_nn_layers():
@@ -321,10 +276,10 @@ def test_control_bn_updated_twice_is_caught(monkeypatch):
     monkeypatch.setattr(checkpointing, "_is_norm_with_stats", lambda m: False)  # no buffer protection
     torch.manual_seed(0)
     model = build_model("resnet18", num_classes=5)
-    plain, ckpt, _ = _compare_plain_and_checkpointed(model, [_data(32)])
+    plain, ckpt, _ = compare_plain_and_checkpointed(model, [_data(32)])
     assert int(model.layer1[0].bn1.num_batches_tracked) == 2
     with pytest.raises(AssertionError, match="buffer"):
-        _assert_same(plain, ckpt)
+        assert_same(plain, ckpt)
 
 
 @pytest.mark.slow
@@ -335,6 +290,6 @@ def test_control_new_dropout_masks_are_caught(monkeypatch):
         fn, *a, use_reentrant=False, preserve_rng_state=False))
     torch.manual_seed(0)
     model = build_model("convnext_tiny", num_classes=5, stochastic_depth_prob=0.5)
-    plain, ckpt, _ = _compare_plain_and_checkpointed(model, [_data(32)])
+    plain, ckpt, _ = compare_plain_and_checkpointed(model, [_data(32)])
     with pytest.raises(AssertionError):
-        _assert_same(plain, ckpt)
+        assert_same(plain, ckpt)

@@ -1,7 +1,7 @@
 """dlenv.model.modelsource: code a weights file names is imported only when the user named it (--model) or it
 is the project's own model, as recorded; the factory arguments a file gives are bounded. Each attack
 places a model file whose import would leave a marker, and asserts the marker is not there.
-(The commands val, prune and export: test_weights.py and test_bad_inputs.py.)"""
+(The commands val, prune and export: tests/files/test_weights.py and tests/test_bad_inputs.py.)"""
 
 from __future__ import annotations
 

@@ -21,8 +21,8 @@ import gpushare
 import pytest
 import torch
 import yaml
+from ckptcompare import assert_same, compare_plain_and_checkpointed, train_step
 from imagedata import make_train_val
-from test_checkpointing import _assert_same, _compare_plain_and_checkpointed, _train_step
 from usermodels import MODELS, RESNET
 
 from dlenv import cli, compat
@@ -36,7 +36,7 @@ from dlenv.model import checkpointing, models, usermodel
 from dlenv.options import config, values
 from dlenv.options.config import ExportConfig, PruneConfig, TrainConfig, ValConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -121,10 +121,10 @@ def test_checkpointing_is_exact_on_each_model(project, name, precision):
     torch.manual_seed(0)
     model = usermodel.build(f"models/{name}:build", 3)
     prec = Precision(precision, "cpu") if precision == "bf16" else None
-    plain, ckpt, n = _compare_plain_and_checkpointed(model, _batches(), precision=prec)
+    plain, ckpt, n = compare_plain_and_checkpointed(model, _batches(), precision=prec)
     assert n == MODELS[name][1] and n == len(checkpointing.find_blocks(model))
     # outputs, every gradient, every buffer (BatchNorm statistics, counts) and the RNG's end state
-    _assert_same(plain, ckpt, exact_grads=precision == "fp32")
+    assert_same(plain, ckpt, exact_grads=precision == "fp32")
     moved = [k for k, b in model.named_buffers() if k.endswith("num_batches_tracked")]
     assert all(int(model.get_submodule(k.rsplit(".", 1)[0]).num_batches_tracked) == 2 for k in moved)
 
@@ -144,9 +144,9 @@ def test_the_comparison_catches_new_dropout_masks_and_double_batchnorm_updates(p
     else:
         monkeypatch.setattr(checkpointing, "_is_norm_with_stats", lambda m: False)
     torch.manual_seed(0)
-    plain, ckpt, _ = _compare_plain_and_checkpointed(usermodel.build(f"models/{name}:build", 3), _batches())
+    plain, ckpt, _ = compare_plain_and_checkpointed(usermodel.build(f"models/{name}:build", 3), _batches())
     with pytest.raises(AssertionError, match="buffer" if control == "batchnorm" else ""):
-        _assert_same(plain, ckpt)
+        assert_same(plain, ckpt)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -310,7 +310,7 @@ def test_resume_with_ema_is_bit_exact(project):
 
 def test_batch_size_auto_probes_the_same_model(project, monkeypatch):
     """The probe builds the model as the run does: the factory with its arguments (a GPU measures it:
-    tests/test_usermodel_train.py::test_gpu_...)."""
+    tests/model/test_usermodel_train.py::test_gpu_...)."""
     from dlenv.engine import autobatch, stepprobe
     from dlenv.train import auto
 
@@ -360,16 +360,16 @@ def test_checkpointing_under_compile_is_exact(project):
     torch.manual_seed(0)
     model = usermodel.build("models/resnet.py:build", 3).train()
     start = {k: v.clone() for k, v in model.state_dict().items()}
-    plain = _train_step(model, _batches(n=1))
+    plain = train_step(model, _batches(n=1))
     model.load_state_dict(start)
     model.zero_grad(set_to_none=True)
     assert checkpointing.apply_checkpointing(model) == 2
     graphs = []
-    out, grads, buffers, rng = _train_step(torch.compile(model, backend=_aot_eager_counting(graphs)), _batches(n=1))
+    out, grads, buffers, rng = train_step(torch.compile(model, backend=_aot_eager_counting(graphs)), _batches(n=1))
     assert [sum(n.startswith("wrap_body") for n, _ in g.named_children()) for g in graphs] == [2]
     bare = {k.replace("_orig_mod.", ""): v for k, v in grads.items()}, {
         k.replace("_orig_mod.", ""): v for k, v in buffers.items()}
-    _assert_same(plain, (out, *bare, rng), exact_grads=False)
+    assert_same(plain, (out, *bare, rng), exact_grads=False)
 
 
 @pytest.mark.slow

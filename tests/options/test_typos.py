@@ -19,7 +19,7 @@ from dlenv.errors import UserError
 from dlenv.model import modelnames
 from dlenv.options import typos
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from dlenv.runfolder import drawing
 
-PACKAGE = Path(__file__).resolve().parents[1] / "src" / "dlenv"
+PACKAGE = Path(__file__).resolve().parents[2] / "src" / "dlenv"
 DRAWING = PACKAGE / "runfolder" / "drawing.py"
 
 #: an rc file that breaks drawing if read (no LaTeX here), and hangs the import if read (300 million colours)

@@ -14,7 +14,7 @@ from dlenv.errors import UserError
 from dlenv.runfolder import plots
 from dlenv.runfolder.results import COLUMNS, append_row, read_results
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _row(epoch: int, scale: float = 1.0) -> dict:

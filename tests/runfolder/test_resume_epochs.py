@@ -1,8 +1,8 @@
 """`--resume last.pth --epochs N` sets the run's new end (dlenv.runfolder.trainstate: RESUME_CHANGES, check_new_end,
 Resume.new_end; the schedule re-planned by dlenv.engine.optim.set_scheduled_lr): the learning rate from the saved
 step on is that of an N-epoch run at the same step, the optimizer's state goes on, N below the epochs done is
-refused in one line and N equal to them has nothing to do. N unchanged stays bit-exact (test_train.py's resume
-tests; here with --epochs given as the run's own)."""
+refused in one line and N equal to them has nothing to do. N unchanged stays bit-exact
+(tests/train/test_train.py's resume tests; here with --epochs given as the run's own)."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from dlenv.options import config
 from dlenv.runfolder import runs, runstatus, runsview
 from dlenv.runfolder.results import COLUMNS
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def make_run(root: Path, name: str, epochs: int = 3, planned: int = 3, top1=(50.0, 60.0, 70.0),

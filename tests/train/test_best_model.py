@@ -23,7 +23,7 @@ from dlenv.cli import main as cli_main
 from dlenv.files import runstate
 from dlenv.train import loop
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,7 @@ def test_the_first_progress_line_says_the_run_eta_comes_after_a_few_steps(capsys
 
 
 # ---------------------------------------------------------------------------------------------------
-# The stop signals (issue 34 item 7; the real process-group cases are in tests/test_signals.py).
+# The stop signals (issue 34 item 7; the real process-group cases are in tests/train/test_signals.py).
 
 
 def test_sighup_stops_like_sigterm_with_its_own_exit_status():

@@ -28,7 +28,7 @@ import pytest
 from dlenv.files import runstate
 from dlenv.runfolder import results
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EPOCHS = 3
 
 # The trainer with the tiny model (tests/tinymodels.py) and, when DLENV_TEST_MOMENT names one, the hook.

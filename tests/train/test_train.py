@@ -28,7 +28,7 @@ from dlenv.options.config import TrainConfig
 from dlenv.runfolder import results
 from dlenv.train import loop
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def state_equal(a: dict, b: dict) -> bool:

@@ -1,7 +1,7 @@
 """dlenv.train.auto and what the trainer does with it: --compile auto/on/off (the rule, the line it
 says, config.yaml, compile time kept out of img/s, the fall back to eager when compiling fails) and
 --checkpoint-ratio auto off the GPU. The probe behind the ratio on a GPU is tested in
-test_checkpointsearch.py (against a fake memory limit) and test_train_gpu.py."""
+tests/engine/test_checkpointsearch.py (against a fake memory limit) and test_train_gpu.py."""
 
 from __future__ import annotations
 
@@ -363,7 +363,8 @@ def test_no_checkpoint_leaves_no_checkpoint_rule(tmp_path, data, tiny):
 
 
 # ---------------------------------------------------------------------------------------------------
-# --checkpoint-ratio auto on a GPU, with the probe's answer faked (the search itself: test_checkpointsearch.py).
+# --checkpoint-ratio auto on a GPU, with the probe's answer faked (the search itself:
+# tests/engine/test_checkpointsearch.py).
 
 
 def _search(blocks, n, fits_all=True):

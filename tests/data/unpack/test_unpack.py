@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import io
 import os
 import signal
 import stat
@@ -19,6 +18,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+from archivemaker import dataset_members, make_tar, make_zip, snapshot, tar_entry, zip_link
 
 from dlenv import archives, cli
 from dlenv.archives import ARCHIVE_SUFFIXES, FORMATS
@@ -27,27 +27,11 @@ from dlenv.data.unpack import MARKER, formats, guard
 from dlenv.errors import UserError
 from dlenv.options import config
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[3] / "src"
 
 
 # ---------------------------------------------------------------------------------------------------
 # Helpers: build archives, snapshot folders.
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    """Every path under root (hidden ones too) -> what it is and holds."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for n in dirnames + filenames:
-            p = Path(dirpath) / n
-            rel = str(p.relative_to(root))
-            if p.is_symlink():
-                out[rel] = "link:" + os.readlink(p)
-            elif p.is_dir():
-                out[rel] = "dir"
-            else:
-                out[rel] = hashlib.sha1(p.read_bytes()).hexdigest()
-    return out
 
 
 def unmarked(snap: dict[str, str], root: str = "") -> dict[str, str]:
@@ -66,46 +50,6 @@ class _LegacyName(zipfile.ZipInfo):
 
     def _encodeFilenameFlags(self):  # noqa: N802 (zipfile's own name)
         return self.filename.encode("cp437"), self.flag_bits & ~0x800
-
-
-def make_zip(path: Path, members: list, compression=zipfile.ZIP_DEFLATED) -> Path:
-    """members: (name or ZipInfo, bytes); a name ending in '/' is a folder."""
-    with zipfile.ZipFile(path, "w", compression) as z:
-        for name, data in members:
-            z.writestr(name, data)
-    return path
-
-
-def zip_link(name: str, target: str) -> tuple[zipfile.ZipInfo, bytes]:
-    info = zipfile.ZipInfo(name)
-    info.create_system = 3
-    info.external_attr = (stat.S_IFLNK | 0o777) << 16
-    return info, target.encode()
-
-
-def make_tar(path: Path, members: list, mode: str = "w") -> Path:
-    """members: (name, bytes) files, or TarInfo objects (links, folders, devices)."""
-    with tarfile.open(path, mode) as t:
-        for m in members:
-            if isinstance(m, tarfile.TarInfo):
-                t.addfile(m)
-            else:
-                ti = tarfile.TarInfo(m[0])
-                ti.size = len(m[1])
-                t.addfile(ti, io.BytesIO(m[1]))
-    return path
-
-
-def tar_entry(name: str, kind: bytes, linkname: str = "") -> tarfile.TarInfo:
-    ti = tarfile.TarInfo(name)
-    ti.type = kind
-    ti.linkname = linkname
-    return ti
-
-
-def dataset_members(top: str = "ds/") -> list:
-    return [(f"{top}train/cat/{i}.jpg", os.urandom(300)) for i in range(2)] + \
-           [(f"{top}val/dog/{i}.jpg", os.urandom(300)) for i in range(2)]
 
 
 @pytest.fixture

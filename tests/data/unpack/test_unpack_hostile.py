@@ -20,14 +20,14 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from test_unpack import dataset_members, make_tar, make_zip, snapshot, tar_entry, zip_link
+from archivemaker import dataset_members, make_tar, make_zip, snapshot, tar_entry, zip_link
 
 from dlenv import cli
 from dlenv.data import unpack as archive
 from dlenv.data.unpack.names import importable_names, is_code
 from dlenv.errors import EXIT_INPUT, EXIT_OK, UserError, printable
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[3] / "src"
 #: what must never reach the terminal raw: C0 controls but newline and tab, DEL, C1, bidi overrides
 RAW_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 

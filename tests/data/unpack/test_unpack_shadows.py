@@ -12,7 +12,7 @@ from importlib import machinery
 from pathlib import Path
 
 import pytest
-from test_unpack import dataset_members, make_tar, make_zip, snapshot, tar_entry
+from archivemaker import dataset_members, make_tar, make_zip, snapshot, tar_entry
 
 from dlenv import cli
 from dlenv.data import unpack as archive
