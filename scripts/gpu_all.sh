@@ -51,11 +51,11 @@ for part in $parts; do
            cat "$tmp"/bm-r50/memory.md "$tmp"/bm-vit/memory.md >> "$tmp/tables.md" 2>/dev/null
            cp "$tmp/bm-r50/memory.png" "$out/memory.png" 2>/dev/null ;;
     autobatch) run autobatch python3 scripts/bench_autobatch.py --model resnet50 ;;
-    input) run input python3 -m pytest -q -m gpu tests/test_decode.py tests/test_plan.py tests/test_fastpath_gpu.py -p no:cacheprovider
+    input) run input python3 -m pytest -q -m gpu tests/data/test_decode.py tests/data/test_plan.py tests/data/test_fastpath_gpu.py -p no:cacheprovider
            run input python3 scripts/bench_pipeline.py --only gpu-augment,nvjpeg,cache-ram,cache-disk --out "$tmp/input"
            cat "$tmp"/input/*.md >> "$tmp/tables.md" 2>/dev/null ;;
     defaults)  # issue 17's done-when in one call: the default path's rows, the pipeline, memory flatness
-           run defaults python3 -m pytest -q -m gpu tests/test_memory_flat_gpu.py tests/test_train_gpu.py \
+           run defaults python3 -m pytest -q -m gpu tests/data/test_memory_flat_gpu.py tests/train/test_train_gpu.py \
                -k "flat or auto" -p no:cacheprovider
            run defaults python3 scripts/bench_train.py --only resnet50 --steps 20 --out "$tmp/defaults" \
                --config="--amp" --config="--amp, a long run: --compile auto compiles" \
@@ -77,7 +77,7 @@ for part in $parts; do
            fi ;;
     few-cores)  # issue 49: the overlapped GPU decoders' tests, then its rows at 4, 2, 16 and 8 cores (~8 min; carry
                 # the nvImageCodec wheels: docs/input-pipeline.md, "Overlap on few cores")
-           run few-cores python3 -m pytest -q -m gpu tests/test_overlap_gpu.py tests/test_plan.py -p no:cacheprovider
+           run few-cores python3 -m pytest -q -m gpu tests/data/test_overlap_gpu.py tests/data/test_plan.py -p no:cacheprovider
            TORCH_LOGS=recompiles run few-cores python3 scripts/bench_pipeline.py --cores 4,2,16,8 --train-images 12000 \
                --epochs 3 --budget 420 --where default-serial=2,4 --where default-long=4 --where default=2,8,16 \
                --where nvimgcodec=8 --where synthetic-compiled=16 --where default-compiled=16 \

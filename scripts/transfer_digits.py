@@ -19,7 +19,7 @@ swing far less. One seed's pair can land either way by a point; the mean over se
 same seeds, is the comparison that repeats.
 
 The runs are dlenv's own (`dlenv.train.train`) on the CPU, deterministic, 0 workers; nothing is
-downloaded. tests/test_pretrained_transfer.py runs a smaller version and asserts the direction.
+downloaded. tests/model/test_pretrained_transfer.py runs a smaller version and asserts the direction.
 """
 
 from __future__ import annotations

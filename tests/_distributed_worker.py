@@ -1,4 +1,4 @@
-"""One process of a tests/test_distributed.py scenario: `python _distributed_worker.py SCENARIO [JSON]`.
+"""One process of a tests/cluster/test_distributed.py scenario: `python _distributed_worker.py SCENARIO [JSON]`.
 
 The test starts WORLD_SIZE of these with RANK/LOCAL_RANK/MASTER_ADDR/MASTER_PORT set (as torchrun
 would), on the CPU with gloo. Each prints one line `RESULT <json>` for the test to check.

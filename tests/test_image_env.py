@@ -3,7 +3,8 @@ the tasks the Dockerfile promises, and the runtime contract with the image's own
 with DataLoader workers (its tini and entrypoint at their image paths), a mounted project with tasks of
 its own, a UID without a passwd entry, the tensorboard command, nvJPEG on the GPU and --compile as such a
 user. Skipped everywhere else; `invoke test` runs them in the image. (tests/test_entrypoint.py,
-test_tasks_discovery.py and test_pins.py run the same contract on a CI host; in the image they run too.)"""
+test_tasks_discovery.py and tests/envcheck/test_pins.py run the same contract on a CI host; in the image they
+run too.)"""
 
 from __future__ import annotations
 

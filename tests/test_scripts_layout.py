@@ -67,12 +67,17 @@ def test_readme_and_docs_cite_only_scripts_that_are_there():
     assert missing_citations(ROOT, docs(ROOT)) == []
 
 
+def host_test_files(root: Path) -> list[Path]:
+    """The host tests and their helpers: tests/*.py and tests/<wing>/**/*.py (tests/container aside)."""
+    return [p for p in sorted((root / "tests").rglob("*.py")) if p.relative_to(root / "tests").parts[0] != "container"]
+
+
 def test_every_script_is_cited_where_it_is_used():
     """A benchmark by the doc that quotes it (or the script that imports it), a tool by CI, the Dockerfile, a
     test or the doc that tells users to run it: a file nothing names is a one-off to retire."""
     texts = {p: p.read_text(encoding="utf-8", errors="replace") for p in [
         *docs(ROOT), ROOT / "Dockerfile", *(ROOT / ".ci").iterdir(), *(ROOT / "docker").rglob("*.sh"),
-        *(ROOT / "tests").glob("*.py"), *(ROOT / "scripts").rglob("*.*")] if p.is_file()}
+        *host_test_files(ROOT), *(ROOT / "scripts").rglob("*.*")] if p.is_file()}
     def cites(text: str, f: str) -> bool:
         return Path(f).name in text or bool(re.search(rf"^import {Path(f).stem}\b", text, re.M))
 

@@ -5,7 +5,7 @@ reads `--no-index --find-links wheels` from the file itself; every container has
 first container installs it into the workspace's .dlenv/ under the profile's PyTorch pins and runs the
 command; a new container finds it there without installing; a requirement that would replace torch is one
 line naming it and the modern profile, and the command still runs; verify-env reports each state.
-tests/test_projectreqs.py is the host's fast simulation of the same.
+tests/envcheck/test_projectreqs.py is the host's fast simulation of the same.
 """
 
 from __future__ import annotations

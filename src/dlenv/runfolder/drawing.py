@@ -7,7 +7,7 @@ three are not dlenv's: an archive unpacked into the working folder can carry a `
 import that never ends). So `matplotlib()` imports it from inside matplotlib's own data folder, where the
 first place it looks holds its own defaults file, with $MATPLOTLIBRC pointing at /dev/null for an install
 laid out otherwise; the working folder and the environment are put back at once. No other module of dlenv
-imports matplotlib (tests/test_drawing.py reads the source to hold this).
+imports matplotlib (tests/runfolder/test_drawing.py reads the source to hold this).
 
 Every figure is built and saved inside `settings()`: matplotlib's defaults, put back whatever changed
 them since (a user's model or loop imported in the same process may have), plus `SETTINGS`: no LaTeX
