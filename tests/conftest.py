@@ -134,7 +134,8 @@ def image_folder(tmp_path):
 
 @pytest.fixture
 def tiny(monkeypatch):
-    """dlenv.model.models.build_model builds tinymodels.Tiny (`build_tiny`); returns the list of models built."""
+    """dlenv.model.models.build_model builds tinymodels.Tiny (`build_tiny`), and so does models.architecture when
+    a run file of it is opened again (val, predict, prune, export); returns the list of models build_model built."""
     from tinymodels import build_tiny
 
     import dlenv.model.models
@@ -146,6 +147,7 @@ def tiny(monkeypatch):
         return built[-1]
 
     monkeypatch.setattr(dlenv.model.models, "build_model", build)
+    monkeypatch.setattr(dlenv.model.models, "architecture", lambda name, n, *a, **k: build_tiny(name, n))
     # the CLI's check of a --model name before torch loads knows torchvision's names, not this stand-in's
     import dlenv.model.modelnames
 
@@ -155,12 +157,13 @@ def tiny(monkeypatch):
 
 @pytest.fixture
 def wide(monkeypatch):
-    """dlenv.model.models.build_model builds tinymodels.Wide."""
+    """dlenv.model.models.build_model builds tinymodels.Wide, and so does models.architecture (a run file opened)."""
     from tinymodels import build_wide
 
     import dlenv.model.models
 
     monkeypatch.setattr(dlenv.model.models, "build_model", build_wide)
+    monkeypatch.setattr(dlenv.model.models, "architecture", lambda name, n, *a, **k: build_wide(name, n))
 
 
 @pytest.fixture

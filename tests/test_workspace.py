@@ -88,7 +88,7 @@ def test_val_py_writes_its_reports_into_the_run_folder_not_the_folder_it_runs_in
     save_state({"format": FORMAT, "model": Tiny(2).state_dict(), "model_name": "tiny",
                      "num_classes": 2, "class_names": ["cat", "dog"], "img_size": 16, "epoch": 1,
                      "config": {"data": "data/tiny", "val_split": 0.2, "seed": 0}}, run / "best_model.pth")
-    monkeypatch.setattr("dlenv.model.models.build_model", lambda name, num_classes, **kw: Tiny(num_classes))
+    monkeypatch.setattr("dlenv.model.models.architecture", lambda name, num_classes, *a, **kw: Tiny(num_classes))
     before = sorted(p.name for p in ws.iterdir())
     monkeypatch.chdir(ws)
     for data in (["--data", "data/tiny/val"], ["--data", "data/digits/val"]):

@@ -40,6 +40,7 @@ from dlenv.errors import (
     environment_fault,
     host_memory_line,
     printable,
+    quiet_stops,
     sizes_said,
     stop,
     stop_received,
@@ -193,9 +194,11 @@ def _stoppable():
         return
 
     old = {s: signal.signal(s, lambda signum, frame: stop(signum)) for s in (signal.SIGTERM, signal.SIGHUP)}
+    hook, sys.unraisablehook = sys.unraisablehook, quiet_stops(sys.unraisablehook)
     try:
         yield
     finally:
+        sys.unraisablehook = hook
         for s, h in old.items():
             signal.signal(s, h)
 

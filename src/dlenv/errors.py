@@ -17,7 +17,7 @@ import importlib
 import os
 import re
 from types import ModuleType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from dlenv.archives import ARCHIVE_SUFFIXES
 
@@ -391,6 +391,17 @@ def stop(signum: int) -> NoReturn:
     input's, find it."""
     _stops.append(signum)
     raise Stopped(signum)
+
+
+def quiet_stops(previous: Any) -> Any:
+    """A sys.unraisablehook for while `stop` handlers are on: a Stopped raised where Python cannot raise it
+    (a destructor, a weakref callback, the import system's module-lock cleanup while PyTorch loads) would be
+    printed as a traceback and dropped; it is dropped quietly, since `stop` noted it and the next `check_stop`
+    ends the command in its one line. Anything else goes to `previous`."""
+    def hook(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, Stopped):
+            previous(unraisable)
+    return hook
 
 
 def stop_received() -> int | None:
