@@ -69,8 +69,9 @@ def build_model(name: str, /, num_classes: int, weights: str | Path | None = Non
     if usermodel.is_reference(name):  # a model of your own: FILE.py:factory or package.module:factory
         model = usermodel.build(name, num_classes, **kwargs)
     else:  # timm loads its pretrained state as it builds; a torchvision model's is put in after
-        model = architecture(name, num_classes, kwargs, pretrained_state if pretrained.is_timm(name) else None)
-        if pretrained_state is not None and not pretrained.is_timm(name):
+        timm = pretrained.is_timm(name)
+        model = architecture(name, num_classes, kwargs, pretrained_state if timm else None)
+        if pretrained_state is not None and not timm:
             state = fit_position_embedding(statedict.strip_prefixes(pretrained_state), model, name)
             statedict.load_lenient(model, state, name, num_classes, "--pretrained", AUX_HEADS.get(name, ()))
     if weights is not None:
