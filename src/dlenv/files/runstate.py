@@ -261,7 +261,12 @@ def load_state(path: str | Path, policy: weights.LoadPolicy = weights.SAFE) -> A
     have wrong types or numbers out of bounds.
     """
     held, meta = weights.read(path, policy)
-    obj = _from_safetensors(held, meta, Path(path)) if weights.is_safetensors(path) else decode(held)
+    try:
+        obj = _from_safetensors(held, meta, Path(path)) if weights.is_safetensors(path) else decode(held)
+    except (ValueError, OverflowError) as e:  # float.fromhex of an edited {"__float__": ...}
+        raise UserError(f"{printable(str(path))}: a number in it cannot be read ({printable(str(e))[:80]}); the "
+                        "file was edited or damaged, use another run file (e.g. best_model.pth or last.pth of "
+                        "the run)") from None
     check_entries(obj, path)
     return obj
 
@@ -308,8 +313,8 @@ def check_entries(run_file: Any, path: str | Path) -> None:
              lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and isinstance(v[0], float)
              and math.isfinite(v[0]) and _is_int(v[1], 0, MAX_COUNT)),
             ("world_size", "a number of GPUs from 1 to 65,536", lambda v: _is_int(v, 1, 65536)),
-            ("best_metric", "an accuracy or None",
-             lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))),
+            ("best_metric", "a finite accuracy or None",  # NaN: no later epoch would count as better
+             lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))),
             ("config", "a mapping of options", lambda v: isinstance(v, dict)),
             ("model_source", "a mapping (where a model of your own came from) or None",
              lambda v: v is None or isinstance(v, dict)),
