@@ -349,6 +349,17 @@ def _onnx_export_params() -> set:
     return set(inspect.signature(torch.onnx.export).parameters)
 
 
+def onnx_max_opset() -> int | None:
+    """The newest ONNX opset `onnx_export` writes here (17 on 1.13; 2.x's TorchScript-based exporter stops
+    below its dynamo one), or None where this PyTorch does not say."""
+    try:
+        from torch.onnx import _constants  # private: torch.onnx.export raises a bare ValueError past it
+    except ImportError:
+        return None
+    found = getattr(_constants, "ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET", getattr(_constants, "ONNX_MAX_OPSET", None))
+    return found if isinstance(found, int) else None
+
+
 def onnx_export_unavailable() -> str | None:
     """Why this environment cannot export ONNX (one line), or None if it can.
 

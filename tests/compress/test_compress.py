@@ -497,6 +497,9 @@ def test_export_option_combinations_are_user_errors(ckpt):
     with pytest.raises(UserError, match="with --format onnx is not supported: onnxruntime's dynamic int8 makes "
                                         "ConvInteger"):
         export.main(export_cfg(weights=str(ckpt), format="onnx", quantize="dynamic"))
+    if not NO_ONNX:
+        with pytest.raises(UserError, match=r"--opset 999: PyTorch \S+ exports ONNX opsets up to \d+; pass"):
+            export.main(export_cfg(weights=str(ckpt), format="onnx", opset=999))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")

@@ -64,6 +64,10 @@ def _check_options(cfg: Any) -> None:
         reason = compat.onnx_export_unavailable()
         if reason:
             raise UserError(f"--format onnx: {reason}")
+        newest = compat.onnx_max_opset()
+        if newest is not None and cfg.opset > newest:
+            raise UserError(f"--opset {cfg.opset}: PyTorch {torch.__version__} exports ONNX opsets up to {newest}; "
+                            f"pass --opset {newest} or lower")
         # both imported now: one that is installed but broken (built for another NumPy) is one line and pip check
         optional_import("onnx", "--format onnx needs the onnx package (in requirements.txt: pip install -r "
                                 "requirements.txt)")
