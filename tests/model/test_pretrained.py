@@ -122,6 +122,14 @@ def test_an_unreachable_mirror_is_the_same_one_line(cwd, monkeypatch):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("mirror", ["not a url", "mirror.example/models", "javascript:x", "http://[::1/models"])
+def test_a_mirror_that_is_no_url_is_one_line(cwd, monkeypatch, mirror):
+    monkeypatch.setenv(pretrained.MIRROR_ENV, mirror)
+    with pytest.raises(UserError, match=f"^{pretrained.MIRROR_ENV}=.* is not a URL of a mirror; set it") as err:
+        pretrained.fetch(pretrained.resolve("resnet18", "DEFAULT"))
+    assert "\n" not in str(err.value)
+
+
 def test_pretrained_resnet_gets_the_weights_and_a_fresh_head(resnet18_server):
     _, state, _ = resnet18_server
     plan = finetune.Plan(pretrained.resolve("resnet18", "DEFAULT"), 0.1, 0, fetch=True)

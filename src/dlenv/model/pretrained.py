@@ -37,12 +37,13 @@ import os
 import re
 import sys
 import urllib.error
+import urllib.parse
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dlenv.errors import UserError, optional_import
+from dlenv.errors import UserError, optional_import, printable
 from dlenv.model import hubcache
 from dlenv.options.values import parse_pretrained
 
@@ -168,9 +169,23 @@ def _resolve_torchvision(model: str, pretrained: str) -> Any:
                    interpolation=interpolation(tf.interpolation.value), hash_prefix=prefix.group(1) if prefix else None)
 
 
+#: what urllib (torch.hub's downloader) opens; anything else in DLENV_TORCHVISION_URL was its ValueError
+_MIRROR_SCHEMES = ("http", "https", "ftp", "file")
+
+
 def torchvision_base() -> str:
-    """torchvision's download folder, or the mirror DLENV_TORCHVISION_URL names."""
-    return (os.environ.get(MIRROR_ENV) or TORCHVISION_HOST).rstrip("/")
+    """torchvision's download folder, or the mirror DLENV_TORCHVISION_URL names. UserError when that is no
+    URL urllib can open."""
+    mirror = os.environ.get(MIRROR_ENV)
+    if mirror:
+        try:
+            scheme = urllib.parse.urlsplit(mirror).scheme
+        except ValueError:  # "http://[::1": an unclosed IPv6 bracket
+            scheme = ""
+        if scheme.lower() not in _MIRROR_SCHEMES:
+            raise UserError(f"{MIRROR_ENV}={printable(mirror)[:120]} is not a URL of a mirror; set it to the folder "
+                            f"that holds torchvision's files (e.g. https://mirror.example/models) or unset it")
+    return (mirror or TORCHVISION_HOST).rstrip("/")
 
 
 def _resolve_timm(model: str, pretrained: str) -> Weights:
