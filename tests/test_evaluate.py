@@ -16,7 +16,7 @@ from imagedata import make_image_folder
 
 from dlenv import evaluate
 from dlenv.cli import main as cli_main
-from dlenv.errors import UserError
+from dlenv.errors import UserError, printable
 from dlenv.files.runstate import FORMAT, save_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -526,6 +526,8 @@ def test_val_with_math_in_a_class_name_writes_every_report(tmp_path, capsys, hos
     code = cli_main(["val", "--weights", str(weights), "--data", str(data), "--workers", "0", "--batch-size", "4",
                      "--device", "cpu"])
     assert code == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out  # the per-class table: one line a class, controls shown as escapes
+    assert printable(hostile) in printed and (hostile == printable(hostile) or hostile not in printed)
     out = tmp_path / "runs" / "exp" / "val"
     assert _read_csv(out / "confusion_matrix.csv")[0][1:] == classes
     assert {r[1] for r in _read_csv(out / "errors.csv")[1:]} == set(classes) - {classes[0]}

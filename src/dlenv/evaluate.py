@@ -34,7 +34,7 @@ from dlenv.data.demo import ensure_demo_data
 from dlenv.data.folder import class_key, find_layout
 from dlenv.data.loaders import build_eval_loader
 from dlenv.engine.precision import Precision, resolve_precision
-from dlenv.errors import EXIT_NONFINITE, UserError, need_folder
+from dlenv.errors import EXIT_NONFINITE, UserError, need_folder, printable
 from dlenv.files.atomic import check_output, write_bytes
 from dlenv.files.weights import LoadPolicy
 from dlenv.progress import Progress
@@ -215,12 +215,13 @@ def error_rows(logits: torch.Tensor, targets: torch.Tensor, paths: list[str],
 
 def format_report(m: dict[str, Any]) -> str:
     """The printed report: loss and accuracy, then a per-class table with macro and weighted averages."""
-    width = max([len(str(row["class"])) for row in m["per_class"]] + [len("weighted avg")])
+    names = [printable(row["class"]) for row in m["per_class"]]  # a newline or bidi override in a folder name
+    width = max([len(n) for n in names] + [len("weighted avg")])
     top5 = "top-5" if m["top5_k"] == 5 else f"top-{m['top5_k']}"
     lines = [f"{m['num_samples']} images, {m['num_classes']} classes: loss {m['loss']:.4f}  "
              f"top-1 {m['top1']:.2f}%  {top5} {m['top5']:.2f}%", "",
              f"{'class':<{width}}  precision  recall     f1  support"]
-    rows = [(r["class"], r) for r in m["per_class"]] + [("", None)]
+    rows = [*zip(names, m["per_class"], strict=True), ("", None)]
     rows += [("macro avg", m["macro_avg"]), ("weighted avg", m["weighted_avg"])]
     for name, r in rows:
         if r is None:
