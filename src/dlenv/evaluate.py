@@ -167,13 +167,14 @@ def compute_metrics(logits: torch.Tensor, targets: torch.Tensor, class_names: li
     }
 
 
-def refuse_non_finite(logits: torch.Tensor, model: torch.nn.Module, mode: str, weights: Any) -> None:
+def refuse_non_finite(logits: torch.Tensor, model: torch.nn.Module, mode: str, weights: Any,
+                      cause: str | None = None) -> None:
     """Raise UserError (exit EXIT_NONFINITE) when any output is NaN or inf.
 
     torch.argmax over a row of NaNs returns 0, so weights that are all NaN "predict" the first class
     for every image and score its share of the data (33% on three balanced classes): a number that
     looks like a result. The line names the non-finite weight tensors, when there are any, or else
-    the precision (fp16 overflows to inf where fp32 does not).
+    the precision (fp16 overflows to inf where fp32 does not); `cause` where the caller knows it (prune).
     """
     finite = torch.isfinite(logits).all(dim=1) if logits.numel() else torch.ones(0, dtype=torch.bool)
     if bool(finite.all()):
@@ -183,13 +184,13 @@ def refuse_non_finite(logits: torch.Tensor, model: torch.nn.Module, mode: str, w
               if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     what = f"{n_bad} of {n} images" if n_bad < n else f"every one of the {n} images"
     if broken:
-        cause = (f"{len(broken)} of its weight tensors hold NaN or inf (e.g. {broken[0]}): the run that saved it "
+        found = (f"{len(broken)} of its weight tensors hold NaN or inf (e.g. {broken[0]}): the run that saved it "
                  "diverged or the file is damaged; validate an earlier run file (last.pth, best_model.pth)")
     elif mode != "fp32":
-        cause = f"its weights are finite, so {mode} overflowed; validate with --precision fp32"
+        found = f"its weights are finite, so {mode} overflowed; validate with --precision fp32"
     else:
-        cause = "its weights are finite but the model's outputs are not; check the model (--model) and its inputs"
-    raise UserError(f"{weights} gives NaN or inf outputs for {what}, so no accuracy can be reported; {cause}",
+        found = "its weights are finite but the model's outputs are not; check the model (--model) and its inputs"
+    raise UserError(f"{weights} gives NaN or inf outputs for {what}, so no accuracy can be reported; {cause or found}",
                     exit_code=EXIT_NONFINITE)
 
 

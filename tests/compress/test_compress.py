@@ -18,7 +18,7 @@ from torch import nn
 from dlenv import compat
 from dlenv.cli import main as cli_main
 from dlenv.compress import common, export, prune, quantize
-from dlenv.errors import UserError
+from dlenv.errors import EXIT_NONFINITE, UserError
 from dlenv.files.runstate import FORMAT, load_state, save_state
 from dlenv.model.models import model_from_state
 from dlenv.options import config
@@ -233,6 +233,24 @@ def test_the_two_kinds_of_prune_write_two_files(ckpt, data_dir, capsys):
     assert load_state(structured)["pruning"]["structured"] is True
     out = capsys.readouterr().out
     assert f"wrote {plain}" in out and f"wrote {structured}" in out
+
+
+def test_a_structured_prune_of_a_pruned_file_keeps_the_earlier_widths(tmp_path, data_dir):
+    """Layers the second prune leaves alone keep the first one's widths (lost: 'does not match')."""
+    first, twice = tmp_path / "once.pth", tmp_path / "twice.pth"
+    ckpt = save_ckpt(tmp_path / "cnn.pth", data_dir, model_name="small_cnn")
+    for src, out, amount in ((ckpt, first, 0.99), (first, twice, 0.9)):
+        assert prune.main(prune_cfg(weights=str(src), amount=amount, structured=True, data=str(data_dir / "val"),
+                                    out=str(out))) == 0
+    assert set(load_state(first)["widths"]) <= set(load_state(twice)["widths"])
+
+
+def test_a_finetune_that_diverges_is_one_line_and_writes_nothing(ckpt, data_dir):
+    out = ckpt.with_name("ft.pth")
+    with pytest.raises(UserError, match="fine-tuning at --finetune-lr 1e\\+30 diverged; nothing was written") as e:
+        prune.main(prune_cfg(weights=str(ckpt), data=str(data_dir / "val"), out=str(out), finetune_epochs=1,
+                             finetune_lr=1e30))
+    assert e.value.exit_code == EXIT_NONFINITE and not out.exists()
 
 
 @pytest.mark.parametrize("before, after, epochs, hint", [

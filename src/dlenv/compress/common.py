@@ -25,7 +25,7 @@ from dlenv import compat
 from dlenv.data.folder import find_layout
 from dlenv.data.loaders import build_eval_loader
 from dlenv.errors import UserError
-from dlenv.evaluate import compute_metrics, match_classes, predict, resolve_data
+from dlenv.evaluate import compute_metrics, match_classes, predict, refuse_non_finite, resolve_data
 from dlenv.files.weights import SAFE, LoadPolicy
 from dlenv.runfolder import BEST
 from dlenv.runfolder.trained import RUN_FILE, Trained, open_trained
@@ -86,12 +86,16 @@ def train_layout(src: Trained) -> Any:
     return dataclasses.replace(layout, classes=src.class_names, train=train, val=[], test=[])
 
 
-def top1(model: torch.nn.Module, loader: Any, device: torch.device | str, class_names: list[str]) -> float:
-    """Top-1 accuracy in % of `model` over `loader` (evaluated on `device`)."""
+def top1(model: torch.nn.Module, loader: Any, device: torch.device | str, class_names: list[str],
+         weights: Any = "the model", cause: str | None = None) -> float:
+    """Top-1 accuracy in % of `model` over `loader` (evaluated on `device`). UserError (EXIT_NONFINITE) when an
+    output is NaN or inf, naming `weights` and `cause` (dlenv.evaluate.refuse_non_finite): the argmax of NaN
+    is class 0, an accuracy that looks real."""
 
     logits, targets = predict(model, loader, device)
     if len(targets) == 0:
         raise UserError("none of the validation images could be read; check them with invoke data-report")
+    refuse_non_finite(logits, model, "fp32", weights, cause)
     return float(compute_metrics(logits, targets, class_names)["top1"])
 
 

@@ -142,8 +142,8 @@ def pruned_run_file(run_file: dict[str, Any], model: nn.Module, info: dict[str, 
     state["best_metric"] = info.get("top1_after")
     state["pruning"] = info
     state["env"] = environment()
-    if widths:
-        state["widths"] = widths
+    if widths:  # on top of an earlier prune's: the layers this one left alone keep their widths
+        state["widths"] = {**(run_file.get("widths") or {}), **widths}
     return state
 
 
@@ -242,7 +242,7 @@ def main(cfg: Any) -> int:
             else "global L1 unstructured (conv + linear)")
     print(f"pruning {src.path}: {kind}, amount {amount:g}; validating on {root} ({device})")
     dense = common.cpu_copy(src.model)  # timed beside the pruned model at the end, turn about
-    before = {"top1": common.top1(src.model, loader, device, src.class_names)}
+    before = {"top1": common.top1(src.model, loader, device, src.class_names, src.path)}
     info: dict[str, Any] = {}
     widths = None
     rows: list[dict[str, Any]] = []
@@ -258,7 +258,9 @@ def main(cfg: Any) -> int:
         make_permanent(layers)
         info["sparsity"], rows = sparsity(model)
     model.eval()
-    after = {"top1": common.top1(model, loader, device, src.class_names)}
+    diverged = (f"fine-tuning at --finetune-lr {cfg.finetune_lr:g} diverged; nothing was written: pass a smaller "
+                f"--finetune-lr (e.g. {cfg.finetune_lr / 10:g})" if cfg.finetune_epochs else None)
+    after = {"top1": common.top1(model, loader, device, src.class_names, "the pruned model", diverged)}
     model.cpu()
     info.update({"amount": amount, "structured": bool(cfg.structured), "finetune_epochs": int(cfg.finetune_epochs),
                  "source": str(src.path), "top1_before": before["top1"], "top1_after": after["top1"],
