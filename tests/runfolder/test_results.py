@@ -58,6 +58,8 @@ CORRUPT = {  # a line of results.csv gone wrong -> how
     "too-many-fields": b"2," + b"1," * 20 + b"1\n",
     "inf-epoch": f"inf,0.5,0.6,50,100,0.001,10,0.01,1.5,0,0,4,1,0{PAD}\n".encode(),
     "unclosed-quote": b'2,"0.5,0.6,50\n',
+    "huge-epoch": f"1e20,0.5,0.6,50,100,0.001,10,0.01,1.5,0,0,4,1,0{PAD}\n".encode(),
+    "epoch-0": f"0,0.5,0.6,50,100,0.001,10,0.01,1.5,0,0,4,1,0{PAD}\n".encode(),
 }
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from dlenv.errors import with_path
 from dlenv.files.atomic import write_atomic
+from dlenv.options.declare import EPOCHS_MAX
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ def _parse(data: bytes) -> tuple[list[str], list[dict[str, str]], list[int]]:
             else:
                 bad.append(number)
             continue
-        if len(fields) != len(header) or not _is_number(fields[0]):
+        if len(fields) != len(header) or not _is_epoch(fields[0]):
             bad.append(number)
             continue
         rows.append(dict(zip(header, fields, strict=True)))
@@ -152,6 +153,12 @@ def _is_number(s: str) -> bool:
         return math.isfinite(float(s))
     except ValueError:
         return False
+
+
+def _is_epoch(s: str) -> bool:
+    """An epoch number as the trainer writes it: 1 to --epochs's maximum (1e20 would be a figure's axis of
+    zero width and matplotlib's warnings)."""
+    return _is_number(s) and 1 <= float(s) <= EPOCHS_MAX
 
 
 def read_results(path: str | Path):
