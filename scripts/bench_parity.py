@@ -4,9 +4,13 @@
     git archive 5fb725f --prefix=.bench_old/ | tar -x                   # the tree before a change
     python3 scripts/bench_parity.py --old .bench_old/src --new src --out /tmp/parity
 
-For each model, scripts/bench_train.py runs the trainer (no yardstick) once per tree in a fresh
-process with that tree on PYTHONPATH, old and new alternating (and swapping who goes first each
-round) so the GPU's warm-up and clocks favour neither; with --rounds N each side keeps its best.
+For each model and configuration, scripts/bench_train.py runs the trainer (no yardstick) once per tree
+in a fresh process with that tree on PYTHONPATH, as a user runs it, old and new alternating (and swapping
+who goes first each round) so the GPU's warm-up and clocks favour neither; with --rounds N each side
+keeps its best. One configuration per process: a run after another in the same process starts with what
+the first left allocated (PyTorch 2.x's cuBLAS workspaces, about 65 MiB per stream, which dlenv gives
+back at the end of a run since 9c6fce8, issue 54, and 4d0c59a did not), so its peak would compare the
+trees' clean-up, not their training.
 Passes when every configuration of the new tree trains at >= --min-ratio (0.98) of the old one's
 images/s, with a peak allocated memory at most old / --min-ratio. Writes parity.md and parity.csv.
 """
@@ -34,11 +38,11 @@ def missing_rows(requested: list[tuple[str, list[str]]], best: dict[tuple[str, s
             for cfg in configs for side in ("old", "new") if (model, cfg, side) not in best]
 
 
-def run_tree(src: Path, model: str, configs: list[str], steps: int, out: Path,
+def run_tree(src: Path, model: str, config: str, steps: int, out: Path,
              extra: list[str]) -> dict[str, tuple[float, float]]:
-    """{configuration: (images/s, peak GiB)} of bench_train.py with the trainer from `src`."""
+    """{configuration: (images/s, peak GiB)} of bench_train.py with the trainer from `src`, one configuration."""
     cmd = [sys.executable, str(HERE / "bench_train.py"), "--only", model, "--steps", str(steps), "--no-yardstick",
-           "--out", str(out), *[f"--config={c}" for c in configs], *extra]
+           "--out", str(out), f"--config={config}", *extra]
     env = {**os.environ, "PYTHONPATH": str(src.resolve())}
     print("$ PYTHONPATH=" + env["PYTHONPATH"], " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, env=env, check=False)  # bench_train exits 1 when its own targets fail; rows still count
@@ -66,8 +70,8 @@ def main() -> int:
             continue
         for k in range(a.rounds):
             order = [("old", a.old), ("new", a.new)] if k % 2 == 0 else [("new", a.new), ("old", a.old)]
-            for side, src in order:
-                got = run_tree(src, model, configs, a.steps, a.out / f"{model}-{side}-{k}", extra)
+            for (side, src), (n, config) in ((o, c) for c in enumerate(configs) for o in order):
+                got = run_tree(src, model, config, a.steps, a.out / f"{model}-{n}-{side}-{k}", extra)
                 for cfg, (ips, peak) in got.items():
                     key = (model, cfg, side)
                     old = best.get(key)
