@@ -38,6 +38,20 @@ def missing_rows(requested: list[tuple[str, list[str]]], best: dict[tuple[str, s
             for cfg in configs for side in ("old", "new") if (model, cfg, side) not in best]
 
 
+def schedule(asked: list[tuple[str, list[str]]], rounds: int,
+             only: str | None = None) -> list[tuple[str, str, str, int]]:
+    """The processes to run, in order: (model, configuration, "old" or "new", round), one configuration
+    each; for each configuration the two trees back to back, the first of them swapping every round."""
+    runs = []
+    for model, configs in asked:
+        if only and model != only:
+            continue
+        for k in range(rounds):
+            for config in configs:
+                runs += [(model, config, side, k) for side in (("old", "new") if k % 2 == 0 else ("new", "old"))]
+    return runs
+
+
 def run_tree(src: Path, model: str, config: str, steps: int, out: Path,
              extra: list[str]) -> dict[str, tuple[float, float]]:
     """{configuration: (images/s, peak GiB)} of bench_train.py with the trainer from `src`, one configuration."""
@@ -59,23 +73,22 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1, help="runs per tree and model; the best counts")
     ap.add_argument("--min-ratio", type=float, default=0.98)
     ap.add_argument("--only", default=None, help="one model (resnet50 or vit_b_16)")
+    ap.add_argument("--config", action="append", default=None,
+                    help="only this configuration (e.g. --config=fp32; repeatable)")
     ap.add_argument("--out", type=Path, default=Path("runs/bench-parity"))
     ap.add_argument("--check-on-cpu", action="store_true",
                     help="a quick run of this script on the CPU at 32 px (its numbers mean nothing)")
     a = ap.parse_args()
     extra = ["--device", "cpu", "--img-size", "32"] if a.check_on_cpu else []
     best: dict[tuple[str, str, str], tuple[float, float]] = {}
-    for model, configs in DEFAULT:
-        if a.only and model != a.only:
-            continue
-        for k in range(a.rounds):
-            order = [("old", a.old), ("new", a.new)] if k % 2 == 0 else [("new", a.new), ("old", a.old)]
-            for (side, src), (n, config) in ((o, c) for c in enumerate(configs) for o in order):
-                got = run_tree(src, model, config, a.steps, a.out / f"{model}-{n}-{side}-{k}", extra)
-                for cfg, (ips, peak) in got.items():
-                    key = (model, cfg, side)
-                    old = best.get(key)
-                    best[key] = (max(ips, old[0]), min(peak, old[1])) if old else (ips, peak)
+    asked = [(m, [c for c in cs if not a.config or c in a.config]) for m, cs in DEFAULT]
+    for n, (model, config, side, k) in enumerate(schedule(asked, a.rounds, a.only)):
+        src = a.old if side == "old" else a.new
+        for cfg, (ips, peak) in run_tree(src, model, config, a.steps, a.out / f"{n:02d}-{model}-{side}-{k}",
+                                         extra).items():
+            key = (model, cfg, side)
+            old = best.get(key)
+            best[key] = (max(ips, old[0]), min(peak, old[1])) if old else (ips, peak)
     lines = [f"new ({a.new}) against old ({a.old}); {a.steps} timed steps, best of {a.rounds} round(s)", "",
              "| model | configuration | old img/s | new img/s | speed new/old | old peak GiB | new peak GiB | "
              "memory old/new |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -91,7 +104,7 @@ def main() -> int:
                      "old_peak_gib": o_peak, "new_peak_gib": peak, "memory_ratio": mem})
         lines.append(f"| {model} | {cfg} | {o_ips:,.0f} | {ips:,.0f} | {speed:.3f} | {o_peak:.2f} | {peak:.2f} | "
                      f"{mem:.3f} |")
-    missing = missing_rows(DEFAULT, best, a.only)
+    missing = missing_rows(asked, best, a.only)
     ok &= not missing
     if missing:
         lines += ["", f"FAIL: no row for {', '.join(missing)} (a label bench_train.py does not have, or a failed run)"]

@@ -38,3 +38,14 @@ def test_bench_train_refuses_a_configuration_it_does_not_have():
     p = subprocess.run([sys.executable, str(SCRIPTS / "bench_train.py"), "--device", "cpu", "--no-yardstick",
                         "--config=--amp --checkpoint"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and "no configuration '--amp --checkpoint'" in p.stdout
+
+
+def test_bench_parity_runs_one_configuration_per_process_trees_back_to_back():
+    parity = _script("bench_parity")
+    asked = [("resnet50", ["fp32", "--amp"]), ("vit_b_16", ["fp32"])]
+    runs = parity.schedule(asked, rounds=2, only="resnet50")
+    assert runs == [("resnet50", "fp32", "old", 0), ("resnet50", "fp32", "new", 0),
+                    ("resnet50", "--amp", "old", 0), ("resnet50", "--amp", "new", 0),
+                    ("resnet50", "fp32", "new", 1), ("resnet50", "fp32", "old", 1),
+                    ("resnet50", "--amp", "new", 1), ("resnet50", "--amp", "old", 1)]
+    assert len(parity.schedule(asked, rounds=1)) == 6
