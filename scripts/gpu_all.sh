@@ -10,7 +10,7 @@
 # Each part writes OUT/<part>.txt (its full log); SUMMARY.md gathers the scripts' markdown tables, and
 # memory.png is bench-memory's chart: at most 8 files, what the device tool brings back. Default: all
 # parts; `ddp` runs only with 2+ GPUs (on the project's device tool: a second call, kind nvidia-h200-x2).
-# The tests part on one H100 (2026-12-06, gpu_all.sh OUT tests): 353 s on a fresh machine, 248 s on a warm one.
+# The tests part on one H100 (2026-12-06, gpu_all.sh OUT tests): 278 to 353 s on a fresh machine, 248 s on a warm one.
 # Measured on H200s (2026-11-30): env+tests ~7.5 min, train ~3, memory ~9 (the allocator comparison
 # autotunes every shape), autobatch ~1, pipeline ~4.5, ddp ~4 (x2); input ~2.5, ddp-accuracy ~2.5 (x2).
 # On nvidia-h200-x2 two parts can run at once, one per GPU (CUDA_VISIBLE_DEVICES, taskset -c 0-15 /
