@@ -292,7 +292,7 @@ def test_pruned_widths_that_do_not_fit_are_one_line(widths, phrase, tmp_path, ck
 
 
 def test_prune_refuses_to_overwrite_its_input(ckpt):
-    with pytest.raises(UserError, match="is the input run file"):
+    with pytest.raises(UserError, match="is the input file"):
         prune.main(prune_cfg(weights=str(ckpt), out=str(ckpt)))
 
 

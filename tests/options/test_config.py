@@ -338,6 +338,13 @@ def test_the_img_size_bound_is_the_one_checkpoints_have():
     assert config.IMG_SIZE_MAX == runstate.MAX_IMG_SIZE
 
 
+def test_the_class_count_bound_is_the_one_checkpoints_have():
+    from dlenv.files import runstate
+    from dlenv.options import declare
+
+    assert declare.CLASSES_MAX == runstate.MAX_CLASSES
+
+
 # ---------------------------------------------------------------------------------------------------
 # A run's config.yaml given to another command (issue 34: val --cfg runs/x/config.yaml).
 

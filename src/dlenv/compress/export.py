@@ -36,6 +36,7 @@ from dlenv.errors import UserError, first_line, optional_import
 from dlenv.files import onnxmodel, runstate
 from dlenv.files.atomic import check_output, write_atomic
 from dlenv.files.weights import LoadPolicy
+from dlenv.runfolder import check_replaceable
 from dlenv.runfolder.trained import Trained
 
 _SUFFIX = {"onnx": ".onnx", "torchscript": ".torchscript.pt", "safetensors": ".safetensors"}
@@ -94,9 +95,7 @@ def output_path(cfg: Any, src_path: Path) -> Path:
         tag = "_fp16" if cfg.half else ("" if cfg.quantize == "none" else
                                         "_int8" if cfg.quantize == "int8" else f"_int8_{cfg.quantize}")
         out = src_path.with_name(f"{src_path.stem}{tag}{_SUFFIX[cfg.format]}")
-    if out.resolve() == src_path.resolve():
-        raise UserError(f"--out {out} is the input run file; write the export to another file")
-    return out
+    return check_replaceable(out, src_path)
 
 
 def _check_inputs(cfg: Any, src: Trained) -> tuple[torch.Tensor, Any, str]:

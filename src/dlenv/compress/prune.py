@@ -41,6 +41,7 @@ from dlenv.files.runstate import environment, save_state
 from dlenv.files.weights import LoadPolicy
 from dlenv.model import shrink
 from dlenv.model.models import model_from_state
+from dlenv.runfolder import check_replaceable
 
 #: Layer types whose `weight` is pruned.
 PRUNABLE = (nn.modules.conv._ConvNd, nn.Linear)
@@ -168,9 +169,7 @@ def finetune_hint(top1_before: float, top1_after: float, finetune_epochs: int) -
 
 def _output_path(cfg: Any, src_path: Path) -> Path:
     out = check_output(cfg.out, "--out") if cfg.out else default_output(src_path, cfg.structured)
-    if out.resolve() == src_path.resolve():
-        raise UserError(f"--out {out} is the input run file; write the pruned one to another file")
-    return out
+    return check_replaceable(out, src_path)
 
 
 def _check_rebuilt(state: dict[str, Any], pruned: nn.Module, example: torch.Tensor, source: str) -> None:

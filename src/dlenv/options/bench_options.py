@@ -7,7 +7,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dlenv.options.declare import BATCH_MAX, BATCH_WHY, DEVICE_HELP, IMG_SIZE_MAX, IMG_WHY, image_channels, opt
+from dlenv.options.declare import (
+    BATCH_MAX,
+    BATCH_WHY,
+    CLASSES_MAX,
+    CLASSES_WHY,
+    DEVICE_HELP,
+    IMG_SIZE_MAX,
+    IMG_WHY,
+    image_channels,
+    opt,
+)
 from dlenv.options.values import auto_int, parse_float
 
 
@@ -21,7 +31,8 @@ class BenchMemoryConfig:
     channels: int = image_channels()
     num_classes: int | None = opt(None, "classes of head and targets: auto (your model's own output width, by one "
                                         "forward, built with its factory's own default class count; a named model "
-                                        "gets 1000) or N", parse=auto_int, min=1)
+                                        "gets 1000) or N", parse=auto_int, min=1, max=CLASSES_MAX,
+                                why=CLASSES_WHY)
     steps: int = opt(10, "training steps measured per configuration", min=2)
     warmup: int = opt(3, "untimed steps before the timed ones (cuDNN autotuning, allocator warm-up)", min=0)
     channels_last: bool = opt(True, "also measure channels_last variants of convolutional models")

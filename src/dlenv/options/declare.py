@@ -114,6 +114,10 @@ IMG_WHY = "the largest image size dlenv trains, validates or reads from a run fi
 #: the schedule, the ETA and the resume state were sized by it
 EPOCHS_MAX = 100_000
 EPOCHS_WHY = "far more epochs than any run trains; for a long run on a tiny dataset, give each epoch more data"
+#: the most classes a command takes (predict's --classes names, bench-memory's --num-classes; dlenv.files.runstate
+#: .MAX_CLASSES bounds a run file's the same way): 10^8 asked bench-memory's every configuration for 200 GB
+CLASSES_MAX = 100_000
+CLASSES_WHY = "the most classes a run file may hold"
 
 
 def image_channels() -> Any:

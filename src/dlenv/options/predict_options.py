@@ -14,6 +14,7 @@ from typing import Any
 from dlenv.options.declare import (
     BATCH_MAX,
     BATCH_WHY,
+    CLASSES_MAX,
     DEVICE_HELP,
     IMG_SIZE_MAX,
     IMG_WHY,
@@ -24,9 +25,6 @@ from dlenv.options.declare import (
     workers_here,
 )
 from dlenv.options.values import folder_name, parse_int, parse_str, workers_or_auto
-
-#: the most class names --classes takes (dlenv.files.runstate.MAX_CLASSES bounds a run file's the same way)
-CLASSES_MAX = 100_000
 
 
 def class_list(v: Any) -> tuple[str, ...]:

@@ -51,6 +51,9 @@ LOCK_FILE = ".dlenv.lock"
 LAST = "last.pth"
 #: the weights of the best epoch with what it takes to use them (dlenv.runfolder.trainstate.slim)
 BEST = "best_model.pth"
+#: a run folder's own files, which a command's --out never replaces: the run's resume state, its weights, its
+#: history and its options (losing any of them loses the run, or what it says about itself)
+OWN_FILES = (LAST, BEST, "results.csv", "config.yaml")
 #: the note of config.yaml's head that records when the run (or its latest resume) started
 STARTED = "started"
 #: how far past this machine's clock a recorded time may lie (a run copied from a machine whose clock is ahead)
@@ -316,3 +319,17 @@ def resumed_device(cfg: Any) -> Any:
         return cfg
     found = re.search(r"^device: ([\w:]+)$", text, re.M)
     return dataclasses.replace(cfg, device=found[1]) if found and found[1] != "auto" else cfg
+
+
+def check_replaceable(out: Path, source: Path, flag: str = "--out") -> Path:
+    """`out`, unless writing it would destroy what the user has: the input file itself (`source`), or one of
+    a run folder's own files (OWN_FILES in a folder that holds a config.yaml). An earlier output of the same
+    command (runs/exp/best_model_pruned.pth) may be replaced. UserError naming the file and a free name."""
+    if out.exists() and source.exists() and out.resolve() == source.resolve():
+        raise UserError(f"{flag} {printable(out)} is the input file; write to another file, e.g. "
+                        f"{printable(out.with_name(out.stem + '_out' + out.suffix))}")
+    if out.name in OWN_FILES and out.exists() and (out.parent / "config.yaml").is_file():
+        raise UserError(f"{flag} {printable(out)} would replace the {out.name} of the run in {printable(out.parent)}, "
+                        f"and that run would be lost; pass a new name, e.g. "
+                        f"{printable(out.with_name(out.stem + '_out' + out.suffix))}")
+    return out
