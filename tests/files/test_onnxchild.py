@@ -362,3 +362,14 @@ def test_an_onnxruntime_that_fails_to_import_in_the_child_is_one_line_and_pip_ch
     with pytest.raises(UserError, match=re.escape(words)) as e:
         onnxmodel.open_file(path, None)
     assert "pip check" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_memory_limit_too_small_to_start_onnxruntime_points_at_the_limit(monkeypatch, tmp_path):
+    """memory_gib=0.000001 leaves the child no room to import onnxruntime: the line names the limit and how to raise
+    it, not pip check (the import did not fail for a broken install)."""
+    monkeypatch.setenv(onnxchild.ENV, "memory_gib=0.000001")
+    path = tmp_path / "m.onnx"
+    onnx.save(_model([helper.make_node("Relu", ["x"], ["y"])]), str(path))
+    with pytest.raises(onnxchild.ChildFailed) as e:
+        onnxmodel.open_file(path, None)
+    assert "ran out of its" in str(e.value) and onnxchild.ENV in str(e.value) and "pip check" not in str(e.value)

@@ -55,6 +55,8 @@ ENV = "DLENV_ONNX_LIMITS"
 _GIB = 2**30
 #: onnxruntime's words for an allocation that failed (under RLIMIT_AS, malloc and mmap return nothing)
 _NO_MEMORY = re.compile(r"bad.alloc|bad allocation|failed to allocate|out of memory|cannot allocate", re.I)
+#: the same said by Python or the loader while the child starts (a library that cannot be mapped)
+_STARVED = re.compile(_NO_MEMORY.pattern + r"|MemoryError|failed to map", re.I)
 
 
 @dataclass(frozen=True)
@@ -382,6 +384,8 @@ class Child:
             if error.startswith("ModuleNotFoundError: No module named 'onnxruntime'"):
                 raise UserError("running an ONNX file needs onnxruntime (in requirements.txt: pip install -r "
                                 "requirements.txt); or pass the run file it was exported from")
+            if _STARVED.search(error):  # its libraries could not be mapped under the address-space limit
+                raise self._starved(what, memory)
             raise broken_library("onnxruntime", head.get("error", ""))
         if head.get("kind") == "output":
             raise UserError(f"{self.name} {error}")
@@ -399,6 +403,11 @@ class Child:
                               f"({_HOW}). {_RAISE}") from None
         except _Closed:
             raise self._ended(what, wall, 0) from None
+
+    def _starved(self, what: str, memory: int) -> ChildFailed:
+        """The line for a child whose limit left onnxruntime no room to start (DLENV_ONNX_LIMITS=memory_gib=0.001)."""
+        return ChildFailed(f"{self.name}: the process running onnxruntime ran out of its {_gib(memory)} {what}, "
+                           f"before any graph ran ({_HOW}). {_RAISE}")
 
     def _ended(self, what: str, wall: float, memory: int) -> ChildFailed:
         """The one line for a child that died: by a signal (a crash, or the CPU-time limit) or with a status."""
@@ -420,6 +429,8 @@ class Child:
         self._log.seek(0)
         last = [line for line in self._log.read()[-4000:].decode("utf-8", "replace").splitlines() if line.strip()]
         said = f": {printable(last[-1][:160])}" if last else ""
+        if last and _STARVED.search(last[-1]):  # the limit, before any graph ran
+            return self._starved(what, memory)
         return ChildFailed(f"{self.name}: the process running onnxruntime ended with status {code} {what}{said}; "
                          "run pip check, or export the model again")
 
