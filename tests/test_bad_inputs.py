@@ -433,6 +433,30 @@ def test_permission_denied_for_reports(ws, capsys, monkeypatch):
                   "--out", "bad"], "permission denied for bad/metrics.json", capsys, monkeypatch)
 
 
+@pytest.mark.parametrize("argv", [
+    ["predict", "--device", "cpu", "--workers", "0", "--json", "--weights", "runs/exp/best_model.pth", "--source",
+     "ds/val", "--project", "bad/p"],
+    ["val", "--device", "cpu", "--workers", "0", "--weights", "runs/exp/best_model.pth", "--out", "bad/val"],
+    ["export", "--weights", "runs/exp/best_model.pth", "--format", "torchscript", "--out", "bad/m.pt"],
+    ["prune", "--device", "cpu", "--workers", "0", "--weights", "runs/exp/best_model.pth", "--out", "bad/p.pth"],
+], ids=["predict", "val", "export", "prune"])
+def test_an_output_folder_that_cannot_be_written_is_refused_before_the_work(ws, argv, capsys, monkeypatch):
+    """A folder this process may not write in (a read-only mount, someone else's folder) is the fault's one line
+    before any image is read: predict --json --project RO used to predict every image, then fail."""
+    import dlenv.data.loaders as loaders
+    from dlenv.files import atomic
+
+    real = os.access
+    monkeypatch.setattr(atomic.os, "access", lambda p, mode: Path(p).name != "bad" and real(p, mode))
+    for name in ("build_eval_loader", "build_loaders"):  # nothing is read before the line
+        monkeypatch.setattr(loaders, name, lambda *a, **kw: pytest.fail("read images before refusing the output"))
+    import dlenv.predict
+
+    monkeypatch.setattr(dlenv.predict, "run", lambda *a, **kw: pytest.fail("predicted before refusing the output"))
+    line = _refused(ws, argv, "permission denied for bad", capsys, monkeypatch)
+    assert "(--project / --out)" in line
+
+
 # ---------------------------------------------------------------------------------------------------
 # Faults of the machine, real.
 

@@ -47,7 +47,7 @@ from dlenv.data.loaders import build_eval_loader, build_transforms
 from dlenv.errors import UserError, optional_import, printable
 from dlenv.evaluate import csv_cell, predict, refuse_non_finite, val_precision
 from dlenv.files import safeio
-from dlenv.files.atomic import write_atomic, write_file
+from dlenv.files.atomic import check_output, write_atomic, write_file
 from dlenv.files.onnxmodel import OnnxModule
 from dlenv.files.weights import LoadPolicy
 from dlenv.options.predict_options import PredictConfig
@@ -420,6 +420,8 @@ def _predict(cfg: Any, source: Source, device: torch.device, opened: Trained, sa
     how = f"{mode}: {why}; --precision fp32 to change" if mode != "fp32" else why
     tta = f", tta {cfg.tta}" if cfg.tta != "none" else ""
     stride = f", every {cfg.vid_stride}th frame" if source.video is not None and cfg.vid_stride > 1 else ""
+    if keeps_run(cfg, len(source.paths), source.video is not None):  # a folder it cannot write: before the work
+        check_output(Path(cfg.project) / cfg.name, "--project", folder=True)
     say(f"predicting {source.what}{stride} with {printable(cfg.weights)} ({device}, {opened.img_size}px, {how}{tta})")
     with contextlib.redirect_stdout(out_stream):  # the progress bar and the loader's lines
         preds, seconds = run(opened, source, cfg, device, mode)

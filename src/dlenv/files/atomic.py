@@ -179,8 +179,9 @@ def check_output(path: str | Path, flag: str, folder: bool = False) -> Path:
     """Refuse an output `path` that cannot become a file (or with `folder`, a folder); returns it.
 
     Checked before a command spends time on its work: the path itself must not be a folder (a file
-    when `folder`), and the nearest part of it that exists must be a folder. Raises UserError naming
-    `flag` and the part in the way.
+    when `folder`), and the nearest part of it that exists must be a folder this process may write in.
+    Raises UserError naming `flag` and the part in the way, or the OSError of a folder it may not write
+    in (EROFS, EACCES: the CLI's one line for a fault of the machine, exit 5).
     """
     path = Path(path)
     if folder and path.exists() and not path.is_dir():
@@ -193,5 +194,8 @@ def check_output(path: str | Path, flag: str, folder: bool = False) -> Path:
             if not parent.is_dir():
                 raise UserError(f"{flag} {path}: {parent} is a file, so nothing can be written under it; "
                                 "choose another path")
+            if not os.access(parent, os.W_OK | os.X_OK):  # a read-only mount or folder: the fault's own line
+                code = errno.EROFS if os.statvfs(parent).f_flag & os.ST_RDONLY else errno.EACCES
+                raise OSError(code, os.strerror(code), str(parent))  # (exit 5), before the work, not after it
             break
     return path
