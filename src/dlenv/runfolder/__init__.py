@@ -325,11 +325,12 @@ def check_replaceable(out: Path, source: Path, flag: str = "--out") -> Path:
     """`out`, unless writing it would destroy what the user has: the input file itself (`source`), or one of
     a run folder's own files (OWN_FILES in a folder that holds a config.yaml). An earlier output of the same
     command (runs/exp/best_model_pruned.pth) may be replaced. UserError naming the file and a free name."""
-    if out.exists() and source.exists() and out.resolve() == source.resolve():
-        raise UserError(f"{flag} {printable(out)} is the input file; write to another file, e.g. "
-                        f"{printable(out.with_name(out.stem + '_out' + out.suffix))}")
-    if out.name in OWN_FILES and out.exists() and (out.parent / "config.yaml").is_file():
+    if not out.exists():
+        return out
+    free = printable(out.with_name(f"{out.stem}_out{out.suffix}"))
+    if out.resolve() == source.resolve():
+        raise UserError(f"{flag} {printable(out)} is the input file; write to another file, e.g. {free}")
+    if out.name in OWN_FILES and (out.parent / "config.yaml").is_file():
         raise UserError(f"{flag} {printable(out)} would replace the {out.name} of the run in {printable(out.parent)}, "
-                        f"and that run would be lost; pass a new name, e.g. "
-                        f"{printable(out.with_name(out.stem + '_out' + out.suffix))}")
+                        f"and that run would be lost; pass a new name, e.g. {free}")
     return out
