@@ -12,11 +12,14 @@ data wait, peak reserved GPU memory, the held CPUs' busy share, and what torch.c
 Variants: classic (torchvision transforms in DataLoader workers, float batches) with Pillow, OpenCV
 and torchvision.io decoding; gpu-augment (uint8 stored-form batches from workers, crop/flip/normalize
 on the GPU); nvjpeg (torchvision.io.decode_jpeg on the GPU, where this torchvision has it); cache-ram
-and cache-disk (decoded once, then only copied); nvimgcodec (nvImageCodec on the GPU's hardware JPEG
-engines); default (every input option at auto); default-serial and default-overlap (the same with
---decode-overlap off and on: a GPU decoder's decoding and the augmentation in series, or overlapped in two
-threads); default-long (the default for --long-epochs: GPU memory over a long run); default-compiled (the
-default with torch.compile, against synthetic-compiled).
+and cache-disk (decoded once, then only copied); cache-gpu (decoded once into GPU memory, then gathered
+there); nvimgcodec (nvImageCodec on the GPU's hardware JPEG engines); default (every input option at
+auto); default-nocache (the default with --cache off: what auto did before it kept a dataset that fits
+in GPU memory); default-serial and default-overlap (the same with --decode-overlap off and on: a GPU
+decoder's decoding and the augmentation in series, or overlapped in two threads); default-long (the
+default for --long-epochs: GPU memory over a long run); default-compiled (the default with
+torch.compile, against synthetic-compiled). The start column is the seconds from the trainer's call to
+its first step: model, plan, loaders and a cache's fill.
 Worker counts are the trainer's defaults (auto).
 
     python3 scripts/bench_pipeline.py --out /tmp/out             # about 5-6 minutes on an H200, 16 CPUs
@@ -83,17 +86,19 @@ VARIANTS = {
     "synthetic-compiled": {"synthetic": True, "compile": "on"},
     "default-compiled": {"compile": "on"},
     "cache-ram": {"cache": True, "cache_mode": "ram"},
+    "cache-gpu": {"cache": True, "cache_mode": "gpu"},
     "cache-disk": {"cache": True, "cache_mode": "disk"},
 }
 #: the default with --decode-overlap off and on: run only when named
 OVERLAP_AB = {"default-serial", "default-overlap"}
 #: variants trained for --long-epochs
 LONG = {"default-long"}
-#: issue 49's targets: x synthetic at this many cores (the compiled 16-core row too)
-TARGETS = {2: 0.90, 4: 0.95, 8: 0.97, 16: 0.97}
-COLUMNS = ["cores", "variant", "decoder", "overlap", "loader_img_s", "train_img_s", "data_wait", "ratio_to_synthetic",
-           "epoch1_img_s", "epochs", "reserved_e2_gib", "reserved_last_gib", "seconds"]
-EPOCH_COLUMNS = ["cores", "variant", "epoch", "img_s", "data_wait", "reserved_gib", "frames", "graphs",
+#: issue 55's targets: x synthetic at this many cores (the compiled 16-core row too)
+TARGETS = {2: 0.95, 4: 0.97, 8: 0.98, 16: 0.98}
+COLUMNS = ["cores", "variant", "decoder", "cache", "overlap", "loader_img_s", "train_img_s", "data_wait",
+           "ratio_to_synthetic", "top1", "start_s", "epoch1_img_s", "epochs", "reserved_e2_gib", "reserved_last_gib",
+           "seconds"]
+EPOCH_COLUMNS = ["cores", "variant", "epoch", "img_s", "data_wait", "reserved_gib", "top1", "frames", "graphs",
                  "cache_misses", "cpu_busy"]
 
 
@@ -122,12 +127,15 @@ class EpochWatch:
 
     def __init__(self) -> None:
         self.epoch, self.marks = 0, []
+        self.t0, self.first_step = time.perf_counter(), None  # the start: model, plan, loaders, a cache's fill
         self.mark()
 
     def mark(self) -> None:
         self.marks.append((compat.compile_counters(), *benchhost.cpu_jiffies()))
 
     def __call__(self, state: object) -> None:
+        if self.first_step is None:
+            self.first_step = time.perf_counter() - self.t0
         epoch = int(getattr(state, "epoch", 0))
         if epoch > self.epoch:
             self.epoch = epoch
@@ -164,10 +172,10 @@ def train_rate(opts: dict, data: str, a: argparse.Namespace, epochs: int, steps:
     deltas += [{}] * (len(rows) - len(deltas))  # a run cut short has fewer readings than rows
     for k, (row, d) in enumerate(zip(rows, deltas[:len(rows)], strict=True)):
         per_epoch.append({"epoch": k + 1, "img_s": float(row["img_per_s"]), "data_wait": float(row["data_wait"]),
-                          "reserved_gib": float(row["mem_reserved_gib"] or 0), **d})
+                          "reserved_gib": float(row["mem_reserved_gib"] or 0), "top1": float(row["top1"] or 0), **d})
     last = per_epoch[-1]
     return {"epoch1": per_epoch[0]["img_s"], "img_s": last["img_s"], "data_wait": last["data_wait"],
-            "epochs": per_epoch}
+            "epochs": per_epoch, "start_s": watch.first_step, "top1": last["top1"]}
 
 
 def _f(v: object, fmt: str) -> str:
@@ -176,18 +184,20 @@ def _f(v: object, fmt: str) -> str:
 
 def table(rows: list[dict], info: str) -> str:
     """The markdown table of `rows` (COLUMNS), with `info` above it."""
-    out = [info, "", "| cores | variant | decoder | overlap | loader img/s | train img/s | data wait | x synthetic "
-                     "| target | reserved GiB, epoch 2 -> last |",
-           "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    out = [info, "", "| cores | variant | decoder | cache | overlap | loader img/s | train img/s | data wait | "
+                     "x synthetic | target | top-1 % | start s | epoch 1 img/s | reserved GiB, epoch 2 -> last |",
+           "| ---: | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         cores = int(r["cores"]) if r["cores"] not in (None, "") else None
         target = TARGETS.get(cores) if cores and not str(r["variant"]).startswith("synthetic") else None
         epochs = int(r["epochs"] or 0)
         mem = (f"{_f(r['reserved_e2_gib'], '.2f')} -> {_f(r['reserved_last_gib'], '.2f')} ({epochs} epochs)"
                if epochs >= 2 else "-")
-        out.append(f"| {cores or '-'} | {r['variant']} | {r['decoder']} | {r['overlap']} | "
+        out.append(f"| {cores or '-'} | {r['variant']} | {r['decoder']} | {r.get('cache') or '-'} | {r['overlap']} | "
                    f"{_f(r['loader_img_s'], ',.0f')} | {_f(r['train_img_s'], ',.0f')} | {_f(r['data_wait'], '.1%')} | "
-                   f"{_f(r['ratio_to_synthetic'], '.3f')} | {_f(target, '.2f')} | {mem} |")
+                   f"{_f(r['ratio_to_synthetic'], '.3f')} | {_f(target, '.2f')} | {_f(r.get('top1'), '.1f')} | "
+                   f"{_f(r.get('start_s'), '.1f')} | "
+                   f"{_f(r.get('epoch1_img_s'), ',.0f')} | {mem} |")
     return "\n".join(out)
 
 
@@ -386,15 +396,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: skipped, --budget nearly spent", flush=True)
             continue
         t0 = time.perf_counter()
-        decoder, overlap, loader = "-", "-", None
+        decoder, overlap, kept, loader = "-", "-", "-", None
         if not opts.get("synthetic"):
             plan = InputOptions(cache_dir=cache_dir, **opts).decide(located, dev, a.batch_size, a.img_size)
-            decoder, overlap = (plan.cpu_decoder if plan.cache else plan.decoder), str(plan.overlap).lower()
+            decoder = plan.cpu_decoder if plan.cache and plan.cache_mode != "gpu" else plan.decoder
+            overlap, kept = str(plan.overlap).lower(), plan.cache_mode
             if "compile" not in opts and a.loader_batches:  # a compiled row's loader is its eager twin's
                 loader = loader_rate(opts, located, a.batch_size, a.img_size, a.loader_batches, cache_dir, dev)
         if a.loader_only:
-            rows.append({"cores": a.pin or usable_cpus(), "variant": name, "decoder": decoder, "overlap": overlap,
-                         "loader_img_s": loader, "seconds": time.perf_counter() - t0})
+            rows.append({"cores": a.pin or usable_cpus(), "variant": name, "decoder": decoder, "cache": kept,
+                         "overlap": overlap, "loader_img_s": loader, "seconds": time.perf_counter() - t0})
             print(f"{name}: loader {loader or 0:,.0f} img/s ({time.perf_counter() - t0:.0f} s)", flush=True)
             _write(a.out, rows, epochs_rows, info)
             continue
@@ -406,8 +417,9 @@ def main(argv: list[str] | None = None) -> int:
             yardstick[compiled] = run["img_s"]
         synthetic = yardstick.get(compiled) or run["img_s"]
         reserved = [e["reserved_gib"] for e in run["epochs"]]
-        rows.append({"cores": a.pin or usable_cpus(), "variant": name, "decoder": decoder, "overlap": overlap,
-                     "loader_img_s": loader, "train_img_s": run["img_s"],
+        rows.append({"cores": a.pin or usable_cpus(), "variant": name, "decoder": decoder, "cache": kept,
+                     "overlap": overlap, "loader_img_s": loader, "train_img_s": run["img_s"], "start_s": run["start_s"],
+                     "top1": None if opts.get("synthetic") else run["top1"],
                      "data_wait": None if opts.get("synthetic") else run["data_wait"],
                      "ratio_to_synthetic": run["img_s"] / synthetic, "epoch1_img_s": run["epoch1"],
                      "epochs": len(run["epochs"]), "reserved_e2_gib": reserved[1] if len(reserved) > 1 else None,

@@ -548,3 +548,67 @@ def test_decide_overlap_is_a_rule_of_the_option_decoder_device_and_cache(choice,
     # words only where a GPU decoder decodes on CUDA, uncached: nothing to overlap says nothing
     assert bool(why) is (decoder == "nvimgcodec" and device == "cuda" and not cache)
     assert (OVERLAP_SAYS[choice] in why) is bool(why)
+
+
+# --------------------------------------------------------------------------- the cache in GPU memory
+
+#: (cores, engines, torchvision batch-decodes, GPU room, host room) -> (cache mode, decoder, source)
+CACHE_BY_ROOM = [
+    # room on the GPU: kept there whatever the cores, filled by the engines, else nvJPEG, else a CPU decoder
+    *[(c, True, True, True, True, "gpu", "nvimgcodec", "cache") for c in (2, 4, 8, 16)],
+    *[(c, False, True, True, True, "gpu", "nvjpeg", "cache") for c in (2, 4, 8, 16)],
+    *[(c, False, False, True, True, "gpu", None, "cache") for c in (2, 16)],  # 1.13's torchvision: the CPU fills
+    (2, True, False, True, True, "gpu", "nvimgcodec", "cache"),  # the image's profile with engines
+    # no room on the GPU, a small dataset: decoded once into host memory, as before
+    *[(c, e, True, False, True, "ram", None, "cache") for c in (2, 16) for e in (True, False)],
+    # no room anywhere: streamed, the decoder by cores (the engines below 8 workers)
+    (2, True, True, False, False, "off", "nvimgcodec", "nvimgcodec"), (4, True, True, False, False, "off",
+                                                                         "nvimgcodec", "nvimgcodec"),
+    (8, True, True, False, False, "off", None, "workers"), (16, True, True, False, False, "off", None, "workers"),
+    (2, False, True, False, False, "off", "nvjpeg", "nvjpeg"), (16, False, False, False, False, "off", None, "workers"),
+]
+
+
+@pytest.mark.parametrize("cores,engines,batch_decode,gpu_room,host_room,mode,decoder,source", CACHE_BY_ROOM)
+def test_cache_auto_keeps_a_dataset_that_fits_the_gpu_there(cuda_box, monkeypatch, cores, engines, batch_decode,
+                                                             gpu_room, host_room, mode, decoder, source):
+    from dlenv.data import cache as cache_mod
+
+    located = cuda_box(cores, engines, batch_decode)
+    total = 80 * 2**30
+    monkeypatch.setattr("dlenv.data.plan.gpu_memory", lambda device: (total, total if gpu_room else 2**10))
+    monkeypatch.setattr(cache_mod, "available_memory", lambda: 2**40 if host_room else 2**10)
+    plan = InputOptions().decide(located, "cuda", 256, 224)
+    assert (plan.cache_mode, plan.source) == (mode, source)
+    assert plan.decoder == decoder if decoder else plan.decoder in decode.CPU_DECODERS, plan.decoder
+    assert plan.gpu_backends == (ENGINE_BACKENDS if plan.decoder == "nvimgcodec" else ())
+    line = plan.describe("cuda")
+    assert ("decoded once into GPU memory" in line) is (mode == "gpu") and "\n" not in line
+    if mode == "gpu":
+        assert f"by {plan.decoder}" in line and "of the GPU's memory" in line and "--cache off" in line
+
+
+@pytest.mark.parametrize("need,total,free,fits", [
+    (5 * 2**30, 80 * 2**30, 80 * 2**30, True),    # 1/16 of an 80 GiB card
+    (5 * 2**30 + 1, 80 * 2**30, 80 * 2**30, False),
+    (2 * 2**30, 80 * 2**30, 3 * 2**30, False),    # over half of what is free
+    (1, 0, 0, False),                             # no CUDA device
+])
+def test_gpu_cache_room_is_a_share_of_the_card_and_half_its_free_memory(monkeypatch, need, total, free, fits):
+    from dlenv.data import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "gpu_memory", lambda device: (total, free))
+    assert plan_mod.gpu_cache_room(need, "cuda") is fits
+
+
+def test_cache_mode_gpu_as_given_and_refused_off_cuda(photos, monkeypatch):
+    from dlenv.data import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "gpu_memory", lambda device: (0, 0))
+    assert plan_mod.decide_cache_mode(InputOptions(cache_mode="gpu"), 1, (photos.layout.train,), 32, "cuda") == "gpu"
+    with pytest.raises(UserError, match="--cache-mode gpu: the device is cpu, not a CUDA GPU"):
+        InputOptions(cache="on", cache_mode="gpu", workers=0).decide(photos, "cpu", 4, 16)
+    # asked for ram: the host cache, even where the GPU has room
+    monkeypatch.setattr(plan_mod, "gpu_memory", lambda device: (2**40, 2**40))
+    assert plan_mod.decide_cache_mode(InputOptions(cache_mode="ram"), 1, (photos.layout.train,), 32, "cuda") == "ram"
+    assert plan_mod.decide_cache_mode(InputOptions(), 4, (photos.layout.train,), 32, "cuda") == "gpu"  # per GPU

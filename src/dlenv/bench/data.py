@@ -215,7 +215,7 @@ def main(cfg: Any) -> int:
         rates["gpu-augment, nvimgcodec"] = rate(w, on_device=True, decoder="nvimgcodec",
                                                 gpu_backends=engine_backends(device))
     if cfg.cache:  # kept where training would keep it (--cache-mode)
-        kept = decide_cache_mode(opts, 1, (layout.train,), stored_size(cfg.img_size))
+        kept = decide_cache_mode(opts, 1, (layout.train,), stored_size(cfg.img_size), device)
         rates["cache"] = rate(w, on_device=True, cache_mode=kept)
     model_rate = measure_model(cfg.model, len(located.classes), cfg.batch_size, cfg.img_size, device, mode,
                                cfg.batches)

@@ -8,15 +8,17 @@ the square holds the whole frame, the same fractions address it, and one `affine
 `grid_sample` cuts, resizes and mirrors the whole batch in a single kernel. Evaluation takes the
 region torchvision's Resize(img_size * 256/224) + CenterCrop(img_size) would.
 
-Boxes are drawn on the CPU from a generator seeded per batch, so a given (seed, batch) gives the same
-crops on any device and after a resume.
+Boxes are drawn on the CPU (in NumPy) from a generator seeded per batch, so a given (seed, batch) gives the
+same crops on any device and after a resume.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -36,40 +38,40 @@ class Crops:
     hflip: bool = True
 
 
-def random_boxes(sizes: torch.Tensor, generator: torch.Generator, scale: tuple[float, float] = (0.08, 1.0),
+def random_boxes(sizes: Any, generator: np.random.Generator, scale: tuple[float, float] = (0.08, 1.0),
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), flip_p: float = 0.5,
                  tries: int = 10) -> torch.Tensor:
-    """RandomResizedCrop boxes for images of `sizes` ((B, 2) width, height), vectorised.
+    """RandomResizedCrop boxes for images of `sizes` ((B, 2) width, height: an array or CPU tensor), vectorised.
 
-    Returns (B, 5) float64: x0, y0, w, h as fractions of the frame, and 1.0 where mirrored.
+    Returns (B, 5) float64: x0, y0, w, h as fractions of the frame, and 1.0 where mirrored. Drawn in NumPy:
+    its small-array operations keep the interpreter's lock, where each torch operation would give it up and
+    wait to take it back from the training loop's thread, about forty times a batch.
     """
-    sizes = sizes.to(torch.float64)
+    sizes = np.asarray(sizes, dtype=np.float64)
     b = sizes.shape[0]
     w_img, h_img = sizes[:, :1], sizes[:, 1:]
     area = w_img * h_img
-    u = torch.rand(b, tries, 4, generator=generator, dtype=torch.float64)
+    u = generator.random((b, tries, 4))
     target = area * (scale[0] + (scale[1] - scale[0]) * u[..., 0])
-    log_r = math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * u[..., 1]
-    r = torch.exp(log_r)
-    w = torch.sqrt(target * r)
-    h = torch.sqrt(target / r)
+    r = np.exp(math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * u[..., 1])
+    w, h = np.sqrt(target * r), np.sqrt(target / r)
     ok = (w <= w_img) & (h <= h_img) & (w > 0) & (h > 0)
-    first = torch.where(ok.any(1), ok.to(torch.int8).argmax(1), torch.full((b,), -1, dtype=torch.long))
-    pick = first.clamp(min=0)[:, None]
-    w, h = w.gather(1, pick)[:, 0], h.gather(1, pick)[:, 0]
-    x0 = (w_img[:, 0] - w) * u[..., 2].gather(1, pick)[:, 0]
-    y0 = (h_img[:, 0] - h) * u[..., 3].gather(1, pick)[:, 0]
+    first = np.where(ok.any(1), ok.argmax(1), -1)
+    rows, pick = np.arange(b), first.clip(min=0)
+    w, h = w[rows, pick], h[rows, pick]
+    x0 = (w_img[:, 0] - w) * u[rows, pick, 2]
+    y0 = (h_img[:, 0] - h) * u[rows, pick, 3]
     # no try fitted (extreme aspect ratios): the largest centred crop with the ratio clamped into range
     fb = first < 0
     if fb.any():
         wi, hi = w_img[fb, 0], h_img[fb, 0]
         in_ratio = wi / hi
-        fw = torch.where(in_ratio < ratio[0], wi, torch.where(in_ratio > ratio[1], hi * ratio[1], wi))
-        fh = torch.where(in_ratio < ratio[0], wi / ratio[0], torch.where(in_ratio > ratio[1], hi, hi))
+        fw = np.where(in_ratio > ratio[1], hi * ratio[1], wi)
+        fh = np.where(in_ratio < ratio[0], wi / ratio[0], hi)
         w[fb], h[fb] = fw, fh
         x0[fb], y0[fb] = (wi - fw) / 2, (hi - fh) / 2
-    flip = (torch.rand(b, generator=generator, dtype=torch.float64) < flip_p).to(torch.float64)
-    return torch.stack([x0 / w_img[:, 0], y0 / h_img[:, 0], w / w_img[:, 0], h / h_img[:, 0], flip], 1)
+    flip = (generator.random(b) < flip_p).astype(np.float64)
+    return torch.from_numpy(np.stack([x0 / w_img[:, 0], y0 / h_img[:, 0], w / w_img[:, 0], h / h_img[:, 0], flip], 1))
 
 
 def center_boxes(sizes: torch.Tensor, crop: float = EVAL_CROP) -> torch.Tensor:
@@ -82,14 +84,15 @@ def center_boxes(sizes: torch.Tensor, crop: float = EVAL_CROP) -> torch.Tensor:
 
 
 def boxes_to_theta(boxes: torch.Tensor) -> torch.Tensor:
-    """(B, 5) boxes -> (B, 2, 3) affine_grid matrices (align_corners=False), mirroring folded in."""
-    x0, y0, w, h, flip = boxes.unbind(1)
-    theta = torch.zeros(boxes.shape[0], 2, 3, dtype=boxes.dtype)
+    """(B, 5) boxes (CPU) -> (B, 2, 3) float64 affine_grid matrices (align_corners=False), mirroring folded in;
+    computed in NumPy, as `random_boxes` draws them."""
+    x0, y0, w, h, flip = np.asarray(boxes, dtype=np.float64).T
+    theta = np.zeros((len(x0), 2, 3))
     theta[:, 0, 0] = w * (1 - 2 * flip)
     theta[:, 0, 2] = 2 * x0 + w - 1  # the box centre, in [-1, 1] coordinates
     theta[:, 1, 1] = h
     theta[:, 1, 2] = 2 * y0 + h - 1
-    return theta
+    return torch.from_numpy(theta)
 
 
 class GpuAugment:
@@ -118,8 +121,7 @@ class GpuAugment:
         """The (B, 5) crop boxes for a batch with this seed (CPU, float64)."""
         if not self.train:
             return center_boxes(sizes.cpu())
-        g = torch.Generator().manual_seed(int(seed) % 2**63)
-        return random_boxes(sizes.cpu(), g, self.scale, self.ratio, self.flip_p)
+        return random_boxes(sizes.cpu(), np.random.default_rng(int(seed) % 2**63), self.scale, self.ratio, self.flip_p)
 
     def _normalize_stats(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._stats:

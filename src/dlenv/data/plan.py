@@ -68,6 +68,12 @@ ENGINE_BACKENDS = ("HW_GPU_ONLY", "CPU_ONLY")
 #: otherwise decoded again every epoch for nothing. Larger ones stream from the files (or --cache on).
 AUTO_CACHE_SHARE = 1 / 8
 AUTO_CACHE_MAX_BYTES = 2 << 30
+#: --cache auto keeps a dataset decoded in GPU memory (--cache-mode gpu) when its decoded form takes at most
+#: this share of the GPU's memory (5 GiB of an 80 GB H100: 25,000 images at 224 px) and at most half of what
+#: is free. Each batch is then a gather on the GPU: no decoding, no copy and no thread on the CPU beyond the
+#: crops' drawing, which is what keeps a GPU fed from 2 cores (docs/input-pipeline.md, "Decoded once into
+#: GPU memory").
+GPU_CACHE_SHARE = 1 / 16
 
 
 @dataclass(frozen=True)
@@ -78,10 +84,10 @@ class InputPlan:
     img_size: int
     batch_size: int
     on_device: bool             # augmentation on the device (fastpath), else in the workers (loaders)
-    decoder: str                # 'pil', 'cv2', 'tvio', 'nvjpeg', 'nvimgcodec' (or SYNTHETIC)
+    decoder: str                # 'pil', 'cv2', 'tvio', 'nvjpeg', 'nvimgcodec' (or SYNTHETIC); a gpu cache's filler
     cpu_decoder: str            # where the GPU cannot decode (the cache, the CPU path): the best CPU one
     workers: int
-    cache_mode: str = "off"     # 'ram', 'disk', or 'off' (no cache)
+    cache_mode: str = "off"     # 'ram', 'disk', 'gpu' (in the device's memory), or 'off' (no cache)
     cache_dir: str = ".dlenv-cache"
     bad_images: str = "skip"
     train_scale: tuple[float, float] = PHOTO_TRAIN_SCALE
@@ -119,7 +125,9 @@ class InputPlan:
             return f"input: synthetic batches made on {torch.device(device).type}"
         where = torch.device(device).type if self.on_device else "the workers"
         if self.cache:
-            source = "decoded once into memory" if self.cache_why else "--cache"
+            kept = "GPU memory" if self.cache_mode == "gpu" else "memory"
+            source = f"decoded once into {kept}" if self.cache_why else f"--cache {self.cache_mode}"
+            source = f"{source} by {self.decoder}" if self.cache_mode == "gpu" else source
         else:
             source = f"decoder {self.decoder}"
         workers = "" if self.cache or self.decoder in GPU_DECODERS else f", {self.workers} workers"
@@ -206,19 +214,22 @@ class InputOptions:
         if self.workers == "auto":  # the processes of a node share its CPUs
             workers = workers_per_process(workers, local_world_size)
         paths = [p for p, _ in located.layout.train]
-        cache, cache_why = decide_cache(self, located.layout, on_device, size)
-        decoder = resolve_decoder(self.decoder, paths, size, gpu=device if on_device and not cache else None,
-                                  batch=batch_size, workers=workers)
+        splits = (located.layout.train, located.layout.val)
+        cache, cache_why = decide_cache(self, located.layout, on_device, size, device)
+        mode = decide_cache_mode(self, local_world_size, splits, size, device) if cache else "off"
+        if mode == "gpu":  # filled once, with nothing training beside it: the GPU's decoder where it has one
+            decoder = fill_decoder(self.decoder, paths, size, device, batch_size)
+        else:
+            decoder = resolve_decoder(self.decoder, paths, size, gpu=device if on_device and not cache else None,
+                                      batch=batch_size, workers=workers)
         backends: tuple[str, ...] = ()
-        if decoder in GPU_DECODERS and not cache:
+        if decoder in GPU_DECODERS and (not cache or mode == "gpu"):
             why = gpu_unavailable(decoder, device)
             if why:
                 raise UserError(f"--decoder {decoder}: {why}; use --decoder auto")
             backends = engine_backends(device) if decoder == "nvimgcodec" else ()
         cpu_decoder = decoder if decoder not in GPU_DECODERS else pick_decoder(paths, size)
         overlap, overlap_why = decide_overlap(self.decode_overlap, decoder, device, cache)
-        splits = (located.layout.train, located.layout.val)
-        mode = decide_cache_mode(self, local_world_size, splits, size) if cache else "off"
         preset, scale, ratio, augment_why = decide_augment(self, located.demo, located.classes)
         hflip, hflip_why = decide_hflip(self.hflip, located.classes, preset)
         return InputPlan(img_size, batch_size, on_device, decoder, cpu_decoder, workers, cache_mode=mode,
@@ -288,10 +299,12 @@ def decide_hflip(choice: bool | str, classes: list[str], preset: str) -> tuple[b
 # The cache.
 
 
-def decide_cache(opts: InputOptions, layout: Any, on_device: bool, size: int) -> tuple[bool, str]:
+def decide_cache(opts: InputOptions, layout: Any, on_device: bool, size: int,
+                 device: Any = "cpu") -> tuple[bool, str]:
     """(decode once?, the line that says why: only when 'auto' chose it). 'on'/'off' as given. 'auto': on
     for the device path (the cache feeds GPU augmentation) when the user named no GPU decoder and the
-    decoded dataset fits AUTO_CACHE_SHARE of available memory and AUTO_CACHE_MAX_BYTES."""
+    decoded dataset fits the GPU (`gpu_cache_room`: then it is kept there, whatever the cores), or
+    AUTO_CACHE_SHARE of available memory and AUTO_CACHE_MAX_BYTES."""
 
     if opts.cache_on():
         return True, ""
@@ -299,27 +312,53 @@ def decide_cache(opts: InputOptions, layout: Any, on_device: bool, size: int) ->
         return False, ""
     n = len(layout.train) + len(layout.val)
     need = cache.nbytes(n, size)
+    if opts.cache_mode in ("auto", "gpu") and gpu_cache_room(need, device):
+        return True, (f"{n:,} images take {need / 2**20:,.0f} MiB decoded, {need / gpu_memory(device)[0]:.1%} of "
+                      "the GPU's memory: no decoding, copying or CPU threads per batch (--cache off decodes every "
+                      "epoch instead)")
     if need > AUTO_CACHE_MAX_BYTES or need > AUTO_CACHE_SHARE * cache.available_memory():
         return False, ""
     return True, (f"{n:,} images take {need / 2**20:,.0f} MiB decoded, a small share of free memory "
                   "(--cache off decodes every epoch instead)")
 
 
-def decide_cache_mode(opts: InputOptions, local_world_size: int, splits: Sequence[Sequence[tuple[str, int]]],
-                      size: int) -> str:
-    """'ram' or 'disk' for --cache-mode: as given, or for 'auto' disk where several processes share the node
-    (one file in the page cache, not a copy in each) or a disk cache of one of the `splits` (train, val)
-    already exists under --cache-dir (a damaged one too: it is rebuilt where it was), else ram when the
-    decoded images of all splits take under half the available memory, else disk. Raises UserError for
-    another value."""
+def gpu_memory(device: Any) -> tuple[int, int]:
+    """(total, free) bytes of `device`'s memory; (0, 0) for a device that is no CUDA GPU."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 0, 0
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total), int(free)
 
-    if opts.cache_mode in ("ram", "disk"):
+
+def gpu_cache_room(need: int, device: Any) -> bool:
+    """Whether `need` bytes of decoded images fit GPU_CACHE_SHARE of `device`'s memory and half of its free
+    memory (False off CUDA)."""
+    total, free = gpu_memory(device)
+    return 0 < need <= min(GPU_CACHE_SHARE * total, free / 2)
+
+
+def decide_cache_mode(opts: InputOptions, local_world_size: int, splits: Sequence[Sequence[tuple[str, int]]],
+                      size: int, device: Any = "cpu") -> str:
+    """'gpu', 'ram' or 'disk' for --cache-mode: as given (gpu only on a CUDA device), or for 'auto' gpu where
+    the decoded images of all `splits` (train, val) fit `device` (`gpu_cache_room`: each process keeps its
+    own on its own GPU), else disk where several processes share the node (one file in the page cache, not
+    a copy in each) or a disk cache of one of the splits already exists under --cache-dir (a damaged one
+    too: it is rebuilt where it was), else ram when they take under half the available memory, else disk.
+    Raises UserError for another value."""
+
+    if opts.cache_mode == "gpu" and torch.device(device).type != "cuda":
+        raise UserError(f"--cache-mode gpu: the device is {torch.device(device).type}, not a CUDA GPU; use "
+                        "--cache-mode auto, ram or disk")
+    if opts.cache_mode in ("ram", "disk", "gpu"):
         return opts.cache_mode
     if opts.cache_mode != "auto":
-        raise UserError(f"--cache-mode {opts.cache_mode!r} is not one of: auto, ram, disk")
+        raise UserError(f"--cache-mode {opts.cache_mode!r} is not one of: auto, ram, disk, gpu")
+    n = sum(len(split) for split in splits)
+    if gpu_cache_room(cache.nbytes(n, size), device):
+        return "gpu"
     if local_world_size > 1 or any(cache.on_disk(split, size, opts.cache_dir) for split in splits if split):
         return "disk"
-    n = sum(len(split) for split in splits)
     return "ram" if cache.nbytes(n, size) < cache.available_memory() // 2 else "disk"
 
 
@@ -351,6 +390,22 @@ def resolve_decoder(name: str, paths: Sequence[str] = (), size: int = 258, gpu: 
         optional_import("cv2", "--decoder cv2: OpenCV is not installed (pip install opencv-python-headless); "
                                "use --decoder pil")
     return name
+
+
+def fill_decoder(name: str, paths: Sequence[str], size: int, device: Any, batch: int = 256) -> str:
+    """The decoder that fills a cache in GPU memory (--cache-mode gpu): as named, or for 'auto' the GPU's
+    JPEG engines (nvImageCodec) where it has them, else nvJPEG where torchvision decodes batches on this GPU,
+    for JPEGs whose full-size batch is small beside its memory (`_gpu_decodable`); else the fastest CPU
+    decoder (`pick_decoder`). Nothing trains while the cache fills, so the GPU's decoders take no cores or
+    SMs from the model there, whatever the cores."""
+    if name != "auto":
+        return resolve_decoder(name, paths, size)
+    if _gpu_decodable(paths, device, batch):
+        if hwdecode.has_engines(device):
+            return "nvimgcodec"
+        if compat.cuda_jpeg_batch_decode() and compat.cuda_jpeg_unavailable(device) is None:
+            return "nvjpeg"
+    return pick_decoder(paths, size) if paths else AUTO_DECODER
 
 
 def decide_overlap(choice: str, decoder: str, device: Any, cache: bool) -> tuple[bool, str]:

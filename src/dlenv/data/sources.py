@@ -6,7 +6,8 @@ squashed, `decode`), (B, 2) int32 decoded width and height, (B,) int64 labels; `
 of the files it skipped), and optionally `close()`. `fastpath.DeviceLoader` augments what it uploads.
 
 - `workers` (`WorkerSource`): DataLoader worker processes decode JPEGs (Pillow, OpenCV or torchvision.io);
-- `cache` (`CacheSource`): rows copied out of a dataset decoded once (`cache`), no decoding at all;
+- `cache` (`CacheSource`): rows copied out of a dataset decoded once (`cache`), no decoding at all; with
+  --cache-mode gpu (`DeviceCacheSource`) rows gathered on the GPU from one decoded into its memory (`gpucache`);
 - `nvjpeg` (`NvjpegSource`): threads only read file bytes; torchvision.io.decode_jpeg decodes the batch on
   the GPU's SMs;
 - `nvimgcodec` (`NvimgcodecSource`): nvImageCodec decodes it on the GPU's hardware JPEG engines (`hwdecode`).
@@ -104,6 +105,29 @@ class CacheSource(SampledSource):
     def upload(self, batch: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         images, sizes, labels = batch
         return images.to(device, non_blocking=True), sizes, labels.to(device, non_blocking=True)
+
+
+class DeviceCacheSource(SampledSource):
+    """Batches gathered on the GPU from a dataset decoded into its memory (`gpucache.DeviceCache`): each pass
+    uploads its order once, and a batch is then two `index_select`s on the loader's stream, its sizes a CPU
+    index for the crops. A bad file's row already holds its substitute's pixels and label."""
+
+    def __init__(self, cache: Any, sampler: Any, batch_size: int):
+        super().__init__(len(cache), sampler, batch_size)
+        self.cache = cache
+        self.bad_paths = dict(cache.bad)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        order = torch.tensor(self.indices(), dtype=torch.long)
+        on_device = order.to(self.cache.images.device)  # in the loader's thread and stream, once a pass
+        for k in range(0, len(order), self.batch_size):
+            yield order[k:k + self.batch_size], on_device[k:k + self.batch_size]
+
+    def upload(self, batch: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows, rows_on_device = batch
+        cache = self.cache
+        return (cache.images.index_select(0, rows_on_device), cache.sizes[rows],
+                cache.labels.index_select(0, rows_on_device))
 
 
 class EpochStream:
@@ -396,6 +420,11 @@ def squash(images: list[torch.Tensor], size: int, channels_last: bool = False) -
 def _cache(samples: Sequence[tuple[str, int]], sampler: Any, plan: Any, device: torch.device,
            say: Callable[[str], None]) -> Source:
 
+    if plan.cache_mode == "gpu":
+        from dlenv.data.gpucache import build_device_cache
+
+        on_gpu = build_device_cache(samples, stored_size(plan.img_size), plan, device, usable_cpus(), say)
+        return DeviceCacheSource(on_gpu, sampler, plan.batch_size)
     # decoding threads of this process: every core helps, /dev/shm plays no part
     decoded = build_cache(samples, stored_size(plan.img_size), plan.cpu_decoder, plan.cache_mode, plan.cache_dir,
                           usable_cpus(), plan.bad_images, say)
@@ -424,6 +453,8 @@ def _nvimgcodec(samples: Sequence[tuple[str, int]], sampler: Any, plan: Any, dev
                             plan.gpu_backends)
 
 
+#: the GPU decoders' sources, which also fill a cache in GPU memory (`gpucache`)
+GPU_SOURCES: dict[str, Callable[..., Source]] = {"nvjpeg": _nvjpeg, "nvimgcodec": _nvimgcodec}
 #: InputPlan.source -> (samples, sampler, plan, device, say) -> the Source of one split (`say`: where the
 #: cache says what it decodes)
 SOURCES: dict[str, Callable[..., Source]] = {"cache": _cache, "workers": _workers, "nvjpeg": _nvjpeg,

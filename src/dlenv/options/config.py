@@ -98,11 +98,13 @@ class TrainConfig:
     bad_images: str = opt("skip", "an image that fails to decode: skip it (reported once) or stop the run",
                           choices=("skip", "error"))
     cache: str = opt("auto", "decode the dataset once to uint8 at a fixed size and augment on the GPU: on, "
-                             "off, or auto (on for a dataset that decoded takes under 2 GiB and 1/8 of free "
-                             "memory, when augmenting on the GPU)", parse=on_off_auto,
+                             "off, or auto (on when augmenting on the GPU for a dataset that decoded takes "
+                             "under 1/16 of the GPU's memory, kept there, or under 2 GiB and 1/8 of free "
+                             "memory)", parse=on_off_auto,
                      choices=("auto", "on", "off"), bare="on")
-    cache_mode: str = opt("auto", "where --cache keeps the decoded images: ram, disk (memory-mapped) "
-                                  "or auto", choices=("auto", "ram", "disk"))
+    cache_mode: str = opt("auto", "where --cache keeps the decoded images: gpu (in the GPU's memory), ram, "
+                                  "disk (memory-mapped) or auto (gpu where they take under 1/16 of its memory)",
+                          choices=("auto", "ram", "disk", "gpu"))
     cache_dir: str = opt(".dlenv-cache", "folder of --cache-mode disk files (reused while the data and "
                                          "--img-size are unchanged)")
     decoder: str = opt("auto", "JPEG decoder: auto (nvimgcodec on a GPU with JPEG engines; else nvjpeg "
@@ -314,7 +316,7 @@ class BenchDataConfig:
                                    "one (off)", choices=("auto", "on", "off"))
     decode_overlap: str = decode_overlap()
     cache: bool = opt(False, "also measure --cache (decodes the dataset once)")
-    cache_mode: str = opt("auto", "where --cache keeps the decoded images", choices=("auto", "ram", "disk"))
+    cache_mode: str = opt("auto", "where --cache keeps the decoded images", choices=("auto", "ram", "disk", "gpu"))
     cache_dir: str = opt(".dlenv-cache", "folder of --cache-mode disk files")
 
 
