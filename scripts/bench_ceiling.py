@@ -524,8 +524,6 @@ def child_dlenv(a: argparse.Namespace, emit: Emit) -> int:
 
     from dlenv.engine.optim import AUTO_SGD_FROM_STEPS
     from dlenv.options import config
-    from dlenv.runfolder.trainstate import read_config_notes
-    from dlenv.train import train
     from dlenv.train.auto import COMPILE_MIN_BATCHES
 
     dev = torch.device(a.device)
@@ -568,6 +566,21 @@ def child_dlenv(a: argparse.Namespace, emit: Emit) -> int:
     cfg = config.build(config.TrainConfig, data=None, synthetic=True, model=a.model, amp=True,
                        batch_size=a.batch_size, img_size=a.img_size, epochs=planned, max_steps=steps,
                        project=project, name="run", device=a.device)
+    try:
+        return _train_and_report(a, emit, cfg, on_step, project, seen, planned)
+    finally:
+        import shutil
+
+        shutil.rmtree(project, ignore_errors=True)  # its last.pth: a few hundred MB a call
+
+
+def _train_and_report(a: argparse.Namespace, emit: Emit, cfg, on_step, project: str, seen: dict, planned: int
+                      ) -> int:
+    """Train `cfg`, then emit dlenv's row (and its profile) from the run folder."""
+    from dlenv.runfolder.trainstate import read_config_notes
+    from dlenv.train import train
+
+    steps, measured = a.dlenv_steps, a.dlenv_epochs
     t0 = time.perf_counter()
     error = None
     try:
