@@ -115,7 +115,7 @@ class GpuAugment:
         self.mean, self.std = norm or (IMAGENET_MEAN, IMAGENET_STD)
         self.dtype, self.memory_format = dtype, memory_format
         self.scale, self.ratio, self.flip_p = crops.scale, crops.ratio, 0.5 if crops.hflip else 0.0
-        self._stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._stats: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def boxes(self, sizes: torch.Tensor, seed: int) -> torch.Tensor:
         """The (B, 5) crop boxes for a batch with this seed (CPU, float64)."""
@@ -123,31 +123,41 @@ class GpuAugment:
             return center_boxes(sizes.cpu())
         return random_boxes(sizes.cpu(), np.random.default_rng(int(seed) % 2**63), self.scale, self.ratio, self.flip_p)
 
-    def _normalize_stats(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if device not in self._stats:
-            mean = torch.tensor(self.mean, device=device).view(1, 3, 1, 1) * 255.0
-            inv_std = 1.0 / (torch.tensor(self.std, device=device).view(1, 3, 1, 1) * 255.0)
-            self._stats[device] = (mean, inv_std)
-        return self._stats[device]
+    def _normalize_stats(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, shift) with x * scale + shift = (x / 255 - mean) / std, per channel, on `device` in `dtype`."""
+        if (device, dtype) not in self._stats:
+            std = torch.tensor(self.std, dtype=torch.float64).view(1, 3, 1, 1) * 255.0
+            mean = torch.tensor(self.mean, dtype=torch.float64).view(1, 3, 1, 1) * 255.0
+            self._stats[device, dtype] = ((1.0 / std).to(device, dtype), (-mean / std).to(device, dtype))
+        return self._stats[device, dtype]
+
+    def sampling_dtype(self, device: torch.device) -> torch.dtype:
+        """float16 where a GPU batch goes to a half-precision model (AMP): the uint8 pixels are exact in it and
+        every pass over the batch moves half the bytes of float32, which cost the training step 2.5% of its
+        GPU time on an H100 (docs/input-pipeline.md, "Decoded once into GPU memory"); float32 elsewhere."""
+        half = device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
+        return torch.float16 if half else torch.float32
 
     def __call__(self, images: torch.Tensor, sizes: torch.Tensor, seed: int = 0) -> torch.Tensor:
         """Augment (B, S, S, 3) uint8 images (any device) with (B, 2) width, height `sizes`."""
-        theta = boxes_to_theta(self.boxes(sizes, seed)).to(torch.float32)
-        return self.apply(images, theta)
+        return self.apply(images, boxes_to_theta(self.boxes(sizes, seed)))
 
     def apply(self, images: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
-        """Cut, resize and mirror by `theta` ((B, 2, 3), CPU), then normalize; see the class docstring."""
+        """Cut, resize and mirror by `theta` ((B, 2, 3), CPU), then normalize; see the class docstring. Four
+        kernels over the batch: to the sampling dtype, the sampling, the normalization (one multiply-add) and
+        the conversion to the model's dtype and memory format."""
         device = images.device
+        work = self.sampling_dtype(device)
+        theta = theta.to(work)
         if device.type == "cuda":
             theta = theta.pin_memory().to(device, non_blocking=True)  # no wait for the GPU's queue
         else:
             theta = theta.to(device)
-        x = images.permute(0, 3, 1, 2).float()  # NHWC uint8 -> NCHW view in channels_last layout
+        x = images.permute(0, 3, 1, 2).to(work)  # NHWC uint8 -> NCHW view in channels_last layout
         b = x.shape[0]
         grid = F.affine_grid(theta, [b, 3, self.img_size, self.img_size], align_corners=False)
         out = F.grid_sample(x, grid, mode=self.interpolation, padding_mode="border", align_corners=False)
         if self.interpolation == "bicubic":  # its overshoot at edges leaves 0..255
             out = out.clamp_(0.0, 255.0)
-        mean, inv_std = self._normalize_stats(device)
-        out = (out - mean) * inv_std
-        return out.contiguous(memory_format=self.memory_format).to(self.dtype)
+        scale, shift = self._normalize_stats(device, work)
+        return torch.addcmul(shift, out, scale).to(dtype=self.dtype, memory_format=self.memory_format)
