@@ -103,11 +103,11 @@ def test_the_tables_show_target_memory_and_epochs():
             {"cores": "4", "variant": "default-long", "decoder": "nvimgcodec", "overlap": "true",
              "loader_img_s": "10500", "train_img_s": "4600", "data_wait": "0.01", "ratio_to_synthetic": "0.978",
              "epoch1_img_s": "3000", "epochs": "20", "reserved_e2_gib": "12.0", "reserved_last_gib": "12.0",
-             "seconds": "80"}]
+             "seconds": "80", "cache": "gpu", "top1": "77.25", "start_s": "6.14"}]
     md = bench_pipeline.table(runs, "info")
-    assert ("| 4 | default-long | nvimgcodec | true | 10,500 | 4,600 | 1.0% | 0.978 | 0.95 | "
-            "12.00 -> 12.00 (20 epochs) |") in md
-    assert "| 4 | synthetic | - | - | - | 4,700 | - | 1.000 | - |" in md
+    assert ("| 4 | default-long | nvimgcodec | gpu | true | 10,500 | 4,600 | 1.0% | 0.978 | 0.97 | 77.2 | 6.1 | "
+            "3,000 | 12.00 -> 12.00 (20 epochs) |") in md
+    assert "| 4 | synthetic | - | - | - | - | 4,700 | - | 1.000 | - | - | - | 4,000 |" in md
     epochs = [{"cores": "4", "variant": v, "epoch": "1", "img_s": "3000", "data_wait": "0.3", "reserved_gib": "12",
                "frames": "", "graphs": "", "cache_misses": "", "cpu_busy": "0.9"}
               for v in ("synthetic", "default-long")]

@@ -17,7 +17,7 @@ from dlenv.data.gpucache import build_device_cache
 from dlenv.data.pipeline import make_loaders
 from dlenv.data.plan import InputPlan, engine_backends
 from dlenv.data.sampler import ResumableSampler
-from dlenv.data.sources import NvimgcodecSource
+from dlenv.data.sources import GPU_SOURCES, NvimgcodecSource
 
 pytestmark = pytest.mark.gpu
 IMG = 32
@@ -57,7 +57,8 @@ def test_a_cpu_filled_gpu_cache_gives_the_ram_caches_batches(layout, tmp_path):
 def test_the_engines_fill_it_with_what_they_decode_while_streaming(layout, tmp_path):
     size = stored_size(IMG)
     the_plan = plan(tmp_path, "gpu", "nvimgcodec")
-    cache = build_device_cache(layout.train, size, the_plan, "cuda", 2, say=lambda m: None)
+    cache = build_device_cache(layout.train, size, the_plan, "cuda", 2, say=lambda m: None,
+                               gpu_source=GPU_SOURCES["nvimgcodec"])
     src = NvimgcodecSource(layout.train, None, 8, size, "skip", "cuda", engine_backends("cuda"))
     at = 0
     for chunk in src:

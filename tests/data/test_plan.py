@@ -576,7 +576,7 @@ def test_cache_auto_keeps_a_dataset_that_fits_the_gpu_there(cuda_box, monkeypatc
 
     located = cuda_box(cores, engines, batch_decode)
     total = 80 * 2**30
-    monkeypatch.setattr("dlenv.data.plan.gpu_memory", lambda device: (total, total if gpu_room else 2**10))
+    monkeypatch.setattr("dlenv.data.gpucache.gpu_memory", lambda device: (total, total if gpu_room else 2**10))
     monkeypatch.setattr(cache_mod, "available_memory", lambda: 2**40 if host_room else 2**10)
     plan = InputOptions().decide(located, "cuda", 256, 224)
     assert (plan.cache_mode, plan.source) == (mode, source)
@@ -595,20 +595,20 @@ def test_cache_auto_keeps_a_dataset_that_fits_the_gpu_there(cuda_box, monkeypatc
     (1, 0, 0, False),                             # no CUDA device
 ])
 def test_gpu_cache_room_is_a_share_of_the_card_and_half_its_free_memory(monkeypatch, need, total, free, fits):
-    from dlenv.data import plan as plan_mod
+    from dlenv.data import gpucache
 
-    monkeypatch.setattr(plan_mod, "gpu_memory", lambda device: (total, free))
-    assert plan_mod.gpu_cache_room(need, "cuda") is fits
+    monkeypatch.setattr(gpucache, "gpu_memory", lambda device: (total, free))
+    assert gpucache.gpu_cache_room(need, "cuda") is fits
 
 
 def test_cache_mode_gpu_as_given_and_refused_off_cuda(photos, monkeypatch):
     from dlenv.data import plan as plan_mod
 
-    monkeypatch.setattr(plan_mod, "gpu_memory", lambda device: (0, 0))
+    monkeypatch.setattr("dlenv.data.gpucache.gpu_memory", lambda device: (0, 0))
     assert plan_mod.decide_cache_mode(InputOptions(cache_mode="gpu"), 1, (photos.layout.train,), 32, "cuda") == "gpu"
     with pytest.raises(UserError, match="--cache-mode gpu: the device is cpu, not a CUDA GPU"):
         InputOptions(cache="on", cache_mode="gpu", workers=0).decide(photos, "cpu", 4, 16)
     # asked for ram: the host cache, even where the GPU has room
-    monkeypatch.setattr(plan_mod, "gpu_memory", lambda device: (2**40, 2**40))
+    monkeypatch.setattr("dlenv.data.gpucache.gpu_memory", lambda device: (2**40, 2**40))
     assert plan_mod.decide_cache_mode(InputOptions(cache_mode="ram"), 1, (photos.layout.train,), 32, "cuda") == "ram"
     assert plan_mod.decide_cache_mode(InputOptions(), 4, (photos.layout.train,), 32, "cuda") == "gpu"  # per GPU

@@ -22,6 +22,7 @@ import contextlib
 import os
 import struct
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -313,3 +314,17 @@ def to_square(rgb: np.ndarray, size: int) -> np.ndarray:
     h, w = rgb.shape[:2]
     interp = cv2.INTER_AREA if max(w, h) > 2 * size else cv2.INTER_LINEAR
     return cv2.resize(rgb, (size, size), interpolation=interp)
+
+
+def mean_pixels(paths: Sequence[str]) -> float:
+    """Mean width x height of these images, from their headers (no decoding); unreadable ones skipped."""
+    from PIL import Image
+
+    sizes = []
+    for p in paths:
+        try:
+            with open_regular(p, "image", IMAGE_FILE) as f, Image.open(f) as im:
+                sizes.append(im.size[0] * im.size[1])
+        except Exception:  # a broken file is the loaders' business, not this estimate's
+            continue
+    return sum(sizes) / len(sizes) if sizes else 0.0

@@ -36,6 +36,28 @@ log = logging.getLogger("dlenv.data")
 CPU_CHUNK = 1024
 #: the share of the GPU's free memory a cache may take when it is asked for (--cache-mode gpu)
 MAX_FREE_SHARE = 0.9
+#: --cache auto (dlenv.data.plan) keeps a dataset decoded in GPU memory (--cache-mode gpu) when its decoded
+#: form takes at most this share of the GPU's memory (5 GiB of an 80 GB H100: 25,000 images at 224 px) and
+#: at most half of what is free. Each batch is then a gather on the GPU: no decoding, no copy and no thread
+#: on the CPU beyond the crops' drawing, which is what keeps a GPU fed from 2 cores (docs/input-pipeline.md,
+#: "Decoded once into GPU memory").
+GPU_CACHE_SHARE = 1 / 16
+
+
+def gpu_memory(device: Any) -> tuple[int, int]:
+    """(total, free) bytes of `device`'s memory; (0, 0) for a device that is no CUDA GPU."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 0, 0
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total), int(free)
+
+
+def gpu_cache_room(need: int, device: Any) -> bool:
+    """Whether `need` bytes of decoded images fit GPU_CACHE_SHARE of `device`'s memory and half of its free
+    memory (False off CUDA)."""
+    total, free = gpu_memory(device)
+    return 0 < need <= min(GPU_CACHE_SHARE * total, free / 2)
 
 
 @dataclass
@@ -54,12 +76,12 @@ class DeviceCache:
 
 
 def build_device_cache(samples: Sequence[tuple[str, int]], size: int, plan: Any, device: Any, workers: int,
-                       say: Callable[[str], None] = print) -> DeviceCache:
-    """Decode `samples` once to size x size uint8 squares in `device`'s memory with `plan.decoder` (a GPU
-    decoder, with `plan.gpu_backends`) or `plan.cpu_decoder` in `workers` threads. Raises UserError for an
-    empty dataset or one that does not fit the GPU's free memory, BadImageError as `plan.bad_images` says."""
-    from dlenv.data import sources  # sources imports this module's user; the GPU sources live there
-
+                       say: Callable[[str], None] = print, gpu_source: Callable[..., Any] | None = None
+                       ) -> DeviceCache:
+    """Decode `samples` once to size x size uint8 squares in `device`'s memory: with `gpu_source` (the
+    sources' maker for `plan.decoder`, a GPU decoder: (samples, sampler, plan, device, say) -> source) where
+    given, else `plan.cpu_decoder` in `workers` threads. Raises UserError for an empty dataset or one that
+    does not fit the GPU's free memory, BadImageError as `plan.bad_images` says."""
     n = len(samples)
     device = torch.device(device)
     if n == 0:
@@ -69,16 +91,15 @@ def build_device_cache(samples: Sequence[tuple[str, int]], size: int, plan: Any,
     if free is not None and need > MAX_FREE_SHARE * free:
         raise UserError(f"--cache-mode gpu: {n:,} images at {size} px take {need / 2**30:.1f} GiB but {device} has "
                         f"{free / 2**30:.1f} GiB free; use --cache-mode ram or disk")
-    gpu = plan.decoder in sources.GPU_SOURCES
-    decoder = plan.decoder if gpu else plan.cpu_decoder
+    decoder = plan.decoder if gpu_source is not None else plan.cpu_decoder
     say(f"--cache: decoding {n:,} images once to {size}x{size} uint8 in {device}'s memory ({need / 2**30:.1f} GiB, "
         f"{decoder})")
     t0 = time.perf_counter()
     images = torch.empty((n, size, size, 3), dtype=torch.uint8, device=device)
     sizes = torch.zeros((n, 2), dtype=torch.int32)
     labels = torch.tensor([int(y) for _, y in samples], dtype=torch.long)
-    if gpu:
-        bad = _fill_gpu(images, sizes, labels, samples, size, plan, device)
+    if gpu_source is not None:
+        bad = _fill_gpu(images, sizes, labels, gpu_source(samples, None, plan, device, lambda line: None), device)
     else:
         bad = _fill_cpu(images, sizes, labels, samples, size, decoder, workers, plan.bad_images)
     if device.type == "cuda":
@@ -90,13 +111,10 @@ def build_device_cache(samples: Sequence[tuple[str, int]], size: int, plan: Any,
     return DeviceCache(images, sizes, labels.to(device), bad, seconds)
 
 
-def _fill_gpu(images: torch.Tensor, sizes: torch.Tensor, labels: torch.Tensor, samples: Sequence[tuple[str, int]],
-              size: int, plan: Any, device: torch.device) -> dict[str, str]:
-    """Batches of the training source of `plan.decoder`, in sample order, into the rows; the source has already
-    put each bad file's substitute (pixels and label) in its place."""
-    from dlenv.data import sources
-
-    source = sources.GPU_SOURCES[plan.decoder](samples, None, plan, device, lambda line: None)
+def _fill_gpu(images: torch.Tensor, sizes: torch.Tensor, labels: torch.Tensor, source: Any,
+              device: torch.device) -> dict[str, str]:
+    """The batches of a GPU decoder's `source` (over every sample, in order) into the rows; the source has
+    already put each bad file's substitute (pixels and label) in its place."""
     at = 0
     for batch in source:
         out, wh, y = source.upload(batch, device)

@@ -28,12 +28,12 @@ from typing import Any
 import torch
 
 from dlenv import compat
-from dlenv.data import cache, decode, hwdecode
+from dlenv.data import cache, decode, gpucache, hwdecode
+from dlenv.data.decode import mean_pixels
 from dlenv.data.pipeline import Located
 from dlenv.data.report import character_classes
 from dlenv.data.workers import decide_workers, shipped_bytes
 from dlenv.errors import UserError, optional_import
-from dlenv.files.safeio import IMAGE_FILE, open_regular
 
 #: the decoder of a plan for synthetic data (made on the device, nothing decoded)
 SYNTHETIC = "synthetic"
@@ -68,12 +68,6 @@ ENGINE_BACKENDS = ("HW_GPU_ONLY", "CPU_ONLY")
 #: otherwise decoded again every epoch for nothing. Larger ones stream from the files (or --cache on).
 AUTO_CACHE_SHARE = 1 / 8
 AUTO_CACHE_MAX_BYTES = 2 << 30
-#: --cache auto keeps a dataset decoded in GPU memory (--cache-mode gpu) when its decoded form takes at most
-#: this share of the GPU's memory (5 GiB of an 80 GB H100: 25,000 images at 224 px) and at most half of what
-#: is free. Each batch is then a gather on the GPU: no decoding, no copy and no thread on the CPU beyond the
-#: crops' drawing, which is what keeps a GPU fed from 2 cores (docs/input-pipeline.md, "Decoded once into
-#: GPU memory").
-GPU_CACHE_SHARE = 1 / 16
 
 
 @dataclass(frozen=True)
@@ -312,30 +306,14 @@ def decide_cache(opts: InputOptions, layout: Any, on_device: bool, size: int,
         return False, ""
     n = len(layout.train) + len(layout.val)
     need = cache.nbytes(n, size)
-    if opts.cache_mode in ("auto", "gpu") and gpu_cache_room(need, device):
-        return True, (f"{n:,} images take {need / 2**20:,.0f} MiB decoded, {need / gpu_memory(device)[0]:.1%} of "
-                      "the GPU's memory: no decoding, copying or CPU threads per batch (--cache off decodes every "
-                      "epoch instead)")
+    if opts.cache_mode in ("auto", "gpu") and gpucache.gpu_cache_room(need, device):
+        share = need / gpucache.gpu_memory(device)[0]
+        return True, (f"{n:,} images take {need / 2**20:,.0f} MiB decoded, {share:.1%} of the GPU's memory: no "
+                      "decoding, copying or CPU threads per batch (--cache off decodes every epoch instead)")
     if need > AUTO_CACHE_MAX_BYTES or need > AUTO_CACHE_SHARE * cache.available_memory():
         return False, ""
     return True, (f"{n:,} images take {need / 2**20:,.0f} MiB decoded, a small share of free memory "
                   "(--cache off decodes every epoch instead)")
-
-
-def gpu_memory(device: Any) -> tuple[int, int]:
-    """(total, free) bytes of `device`'s memory; (0, 0) for a device that is no CUDA GPU."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return 0, 0
-    free, total = torch.cuda.mem_get_info(device)
-    return int(total), int(free)
-
-
-def gpu_cache_room(need: int, device: Any) -> bool:
-    """Whether `need` bytes of decoded images fit GPU_CACHE_SHARE of `device`'s memory and half of its free
-    memory (False off CUDA)."""
-    total, free = gpu_memory(device)
-    return 0 < need <= min(GPU_CACHE_SHARE * total, free / 2)
 
 
 def decide_cache_mode(opts: InputOptions, local_world_size: int, splits: Sequence[Sequence[tuple[str, int]]],
@@ -355,7 +333,7 @@ def decide_cache_mode(opts: InputOptions, local_world_size: int, splits: Sequenc
     if opts.cache_mode != "auto":
         raise UserError(f"--cache-mode {opts.cache_mode!r} is not one of: auto, ram, disk, gpu")
     n = sum(len(split) for split in splits)
-    if gpu_cache_room(cache.nbytes(n, size), device):
+    if gpucache.gpu_cache_room(cache.nbytes(n, size), device):
         return "gpu"
     if local_world_size > 1 or any(cache.on_disk(split, size, opts.cache_dir) for split in splits if split):
         return "disk"
@@ -393,11 +371,9 @@ def resolve_decoder(name: str, paths: Sequence[str] = (), size: int = 258, gpu: 
 
 
 def fill_decoder(name: str, paths: Sequence[str], size: int, device: Any, batch: int = 256) -> str:
-    """The decoder that fills a cache in GPU memory (--cache-mode gpu): as named, or for 'auto' the GPU's
-    JPEG engines (nvImageCodec) where it has them, else nvJPEG where torchvision decodes batches on this GPU,
-    for JPEGs whose full-size batch is small beside its memory (`_gpu_decodable`); else the fastest CPU
-    decoder (`pick_decoder`). Nothing trains while the cache fills, so the GPU's decoders take no cores or
-    SMs from the model there, whatever the cores."""
+    """The decoder that fills a cache in GPU memory: as named, or for 'auto' the JPEG engines, else nvJPEG
+    (batches), for files that suit the GPU (`_gpu_decodable`), else `pick_decoder`'s. Nothing trains while the
+    cache fills, so the GPU's decoders take no cores or SMs from the model, whatever the cores."""
     if name != "auto":
         return resolve_decoder(name, paths, size)
     if _gpu_decodable(paths, device, batch):
@@ -491,21 +467,6 @@ def prefer_nvjpeg(paths: Sequence[str], device: Any, batch: int = 256, workers: 
     if not _gpu_decodable(paths, device, batch) or not compat.cuda_jpeg_batch_decode():
         return False
     return compat.cuda_jpeg_unavailable(device) is None  # last: it decodes a tiny JPEG on the GPU
-
-
-def mean_pixels(paths: Sequence[str]) -> float:
-    """Mean width x height of these images, from their headers (no decoding); unreadable ones skipped."""
-    from PIL import Image
-
-
-    sizes = []
-    for p in paths:
-        try:
-            with open_regular(p, "image", IMAGE_FILE) as f, Image.open(f) as im:
-                sizes.append(im.size[0] * im.size[1])
-        except Exception:  # a broken file is the loaders' business, not this estimate's
-            continue
-    return sum(sizes) / len(sizes) if sizes else 0.0
 
 
 def pick_decoder(paths: Sequence[str], size: int, files: int = 6, margin: float = 0.1) -> str:

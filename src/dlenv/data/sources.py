@@ -34,6 +34,7 @@ from dlenv.data import hwdecode
 from dlenv.data.badimages import KnownBad, bad_image_reason, first_readable, note_skipped
 from dlenv.data.cache import DecodedCache, build_cache
 from dlenv.data.decode import decode_stored, exif_orientation, is_jpeg, load_rgb, stored_size, upright
+from dlenv.data.gpucache import build_device_cache
 from dlenv.data.loaders import ImageDataset, make_loader
 from dlenv.errors import UserError
 from dlenv.files.safeio import IMAGE_FILE, open_regular
@@ -420,10 +421,9 @@ def squash(images: list[torch.Tensor], size: int, channels_last: bool = False) -
 def _cache(samples: Sequence[tuple[str, int]], sampler: Any, plan: Any, device: torch.device,
            say: Callable[[str], None]) -> Source:
 
-    if plan.cache_mode == "gpu":
-        from dlenv.data.gpucache import build_device_cache
-
-        on_gpu = build_device_cache(samples, stored_size(plan.img_size), plan, device, usable_cpus(), say)
+    if plan.cache_mode == "gpu":  # filled by the GPU decoder's own source where the plan names one
+        on_gpu = build_device_cache(samples, stored_size(plan.img_size), plan, device, usable_cpus(), say,
+                                    GPU_SOURCES.get(plan.decoder))
         return DeviceCacheSource(on_gpu, sampler, plan.batch_size)
     # decoding threads of this process: every core helps, /dev/shm plays no part
     decoded = build_cache(samples, stored_size(plan.img_size), plan.cpu_decoder, plan.cache_mode, plan.cache_dir,
