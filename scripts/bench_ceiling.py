@@ -478,19 +478,17 @@ def child_plain(a: argparse.Namespace, emit: Emit) -> int:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
+        def phase(what: str, n: int, name: str = name, step: object = step) -> float:  # n steps, said first
+            emit(type="phase", mode=a.child, optimizer=name, phase=what)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                step()
+            _sync(torch, dev)
+            return time.perf_counter() - t0
+
         try:
-            emit(type="phase", mode=a.child, optimizer=name, phase="warmup")
-            t0 = time.perf_counter()
-            for _ in range(a.warmup):
-                step()
-            _sync(torch, dev)
-            warm = time.perf_counter() - t0
-            emit(type="phase", mode=a.child, optimizer=name, phase="timed")
-            t0 = time.perf_counter()
-            for _ in range(a.steps):
-                step()
-            _sync(torch, dev)
-            secs = time.perf_counter() - t0
+            warm = phase("warmup", a.warmup)
+            secs = phase("timed", a.steps)
         except Exception as e:  # a compile that fails: this row says so, the next optimizer still tries
             emit(type="error", message=_line(e))
             emit(type="row", mode=a.child, optimizer=name, status=f"failed: {_line(e)}")
